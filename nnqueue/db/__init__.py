@@ -1,0 +1,1 @@
+"""Job state: the schema (models), the status machine (lifecycle) and database sessions."""

@@ -1,0 +1,90 @@
+"""The one place where a job's status changes.
+
+Every change is a compare-and-set in the database (``UPDATE ... WHERE status IN (allowed sources)``),
+so two processes racing on the same job (a redelivered task and a cancel, say) cannot both win:
+the loser gets :class:`InvalidTransition` and the row is left as the winner wrote it. Each change
+appends a :class:`~nnqueue.db.models.JobEvent` in the same transaction.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
+
+S = JobStatus
+# Which statuses each status may be entered from. RUNNING -> QUEUED is a redelivery after a worker was lost.
+ALLOWED_FROM: dict[JobStatus, frozenset[JobStatus]] = {
+    S.QUEUED: frozenset({S.RUNNING}),
+    S.RUNNING: frozenset({S.QUEUED}),
+    S.COMPLETED: frozenset({S.RUNNING}),
+    S.FAILED: frozenset({S.QUEUED, S.RUNNING}),
+    S.CANCELLED: frozenset({S.QUEUED, S.RUNNING}),
+}
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+class InvalidTransition(ValueError):
+    def __init__(self, job_id: uuid.UUID, current: JobStatus, target: JobStatus) -> None:
+        super().__init__(f"job {job_id} is {current.value}; it cannot become {target.value}")
+        self.job_id, self.current, self.target = job_id, current, target
+
+
+def _timestamps(target: JobStatus) -> dict[str, Any]:
+    now = utcnow()
+    if target is S.QUEUED:
+        return {"queued_at": now}
+    if target is S.RUNNING:
+        return {"started_at": now, "attempts": Job.attempts + 1}
+    return {"finished_at": now}
+
+
+def create_job(session: Session, job: Job, detail: dict[str, Any] | None = None) -> Job:
+    """Add a new job in QUEUED, with its first event. The caller commits."""
+    job.status = S.QUEUED
+    job.queued_at = utcnow()
+    session.add(job)
+    session.flush()
+    session.add(JobEvent(job_id=job.id, from_status=None, to_status=S.QUEUED, detail=detail or {}))
+    return job
+
+
+def transition(
+    session: Session,
+    job_id: uuid.UUID,
+    target: JobStatus,
+    *,
+    detail: dict[str, Any] | None = None,
+    **fields: Any,
+) -> Job:
+    """Move ``job_id`` to ``target`` and set ``fields`` on it, or raise. The caller commits.
+
+    Raises :class:`JobNotFound` or :class:`InvalidTransition` (the job is then unchanged).
+    """
+    # FOR UPDATE holds the row on Postgres until commit; SQLite ignores it, and there the
+    # ``status == current`` guard of the UPDATE is what makes the change a compare-and-set.
+    current = session.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
+    if current is None:
+        raise JobNotFound(f"no job {job_id}")
+    if current not in ALLOWED_FROM[target]:
+        raise InvalidTransition(job_id, current, target)
+    changed = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == current)
+        .values(status=target, **_timestamps(target), **fields)
+        .execution_options(synchronize_session=False)
+    )
+    if changed.rowcount != 1:
+        now = session.scalar(select(Job.status).where(Job.id == job_id))
+        raise InvalidTransition(job_id, now or current, target)
+    session.add(JobEvent(job_id=job_id, from_status=current, to_status=target, detail=detail or {}))
+    job = session.get(Job, job_id, populate_existing=True)
+    assert job is not None
+    return job

@@ -1,0 +1,131 @@
+"""The job-state schema: API keys, jobs and their append-only status history.
+
+Postgres in production, SQLite for the embedded default: only portable column types are used
+(enums are stored as checked strings, not native Postgres enums, so migrations stay symmetric).
+Status changes go through :mod:`nnqueue.db.lifecycle`, never by assigning ``Job.status`` directly.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, DateTime, Enum, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    # Named constraints make Alembic migrations deterministic across databases.
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(column_0_label)s",
+            "uq": "uq_%(table_name)s_%(column_0_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+
+
+class JobStatus(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class JobKind(enum.StrEnum):
+    TRACE = "trace"  # a serialized nnsight trace
+    HARVEST = "harvest"  # a declarative "save these activations for this dataset" spec
+
+
+def _enum_column(enum_cls: type[enum.Enum], name: str) -> Enum:
+    return Enum(
+        enum_cls,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=16,
+        values_callable=lambda cls: [member.value for member in cls],
+    )
+
+
+Timestamp = DateTime(timezone=True)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # sha256 of the secret; the secret itself is shown once, at creation, and never stored.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    # The first characters of the secret, so owners can tell their keys apart in listings.
+    key_prefix: Mapped[str] = mapped_column(String(16))
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    scopes: Mapped[list[str]] = mapped_column(JSON, default=list)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(Timestamp)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_owner_created_at", "owner", "created_at"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    owner: Mapped[str] = mapped_column(String(200))
+    model_key: Mapped[str] = mapped_column(String(500), index=True)
+    kind: Mapped[JobKind] = mapped_column(_enum_column(JobKind, "job_kind"))
+    status: Mapped[JobStatus] = mapped_column(_enum_column(JobStatus, "job_status"), index=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    timeout_s: Mapped[float] = mapped_column(default=600.0)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
+
+    payload_key: Mapped[str] = mapped_column(String(1024))
+    payload_size: Mapped[int] = mapped_column(BigInteger)
+    result_key: Mapped[str | None] = mapped_column(String(1024))
+    result_size: Mapped[int | None] = mapped_column(BigInteger)
+    result_format: Mapped[str | None] = mapped_column(String(32))
+
+    error_type: Mapped[str | None] = mapped_column(String(200))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    error_traceback: Mapped[str | None] = mapped_column(Text)
+
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker_id: Mapped[str | None] = mapped_column(String(200))
+    progress_done: Mapped[int] = mapped_column(Integer, default=0)
+    progress_total: Mapped[int | None] = mapped_column(Integer)
+
+    created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+    queued_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    started_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    finished_at: Mapped[datetime | None] = mapped_column(Timestamp)
+
+    events: Mapped[list[JobEvent]] = relationship(
+        back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan", passive_deletes=True
+    )
+
+
+class JobEvent(Base):
+    """One status change of a job; rows are only ever appended."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    from_status: Mapped[JobStatus | None] = mapped_column(_enum_column(JobStatus, "job_event_from_status"))
+    to_status: Mapped[JobStatus] = mapped_column(_enum_column(JobStatus, "job_event_to_status"))
+    at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+    job: Mapped[Job] = relationship(back_populates="events")

@@ -1,0 +1,50 @@
+"""Settings for every nnqueue process, read from the environment (``NNQUEUE_*``) and an optional ``.env``.
+
+With nothing set, nnqueue runs on the *embedded default*: a SQLite file and a local object-store
+directory under ``NNQUEUE_DATA_DIR`` (default ``./.nnqueue``). Production points the same settings at
+Postgres, Redis and an S3-compatible store. Nested values use ``__``: ``NNQUEUE_S3__ENDPOINT_URL``.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import BaseModel, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class S3Settings(BaseModel):
+    """An S3-compatible object store. Credentials may also come from boto3's usual chain when unset."""
+
+    endpoint_url: str | None = None
+    bucket: str = "nnqueue"
+    region: str = "us-east-1"
+    access_key_id: str | None = None
+    secret_access_key: SecretStr | None = None
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="NNQUEUE_", env_nested_delimiter="__", env_file=".env", extra="ignore"
+    )
+
+    data_dir: Path = Path(".nnqueue")
+    # SQLAlchemy URL; Postgres in production (postgresql+psycopg://...), SQLite for the embedded default.
+    database_url: str | None = None
+    # Celery broker URL (redis://...).
+    broker_url: str | None = None
+    # The object store: S3 when ``s3.endpoint_url`` or ``s3.bucket`` credentials are configured,
+    # otherwise ``store_dir`` (default ``<data_dir>/objects``).
+    s3: S3Settings | None = None
+    store_dir: Path | None = None
+
+    @cached_property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{(self.data_dir / 'nnqueue.db').resolve()}"
+
+    @cached_property
+    def resolved_store_dir(self) -> Path:
+        return (self.store_dir or self.data_dir / "objects").resolve()

@@ -1,0 +1,118 @@
+"""Job status changes: the allowed graph, the event history, and compare-and-set under races."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db import migrate
+from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, create_job, transition
+from nnqueue.db.models import Job, JobEvent, JobKind, JobStatus
+from nnqueue.db.session import make_engine, session_factory, transaction
+
+S = JobStatus
+
+
+@pytest.fixture
+def sessions(empty_postgres_url: str) -> Iterator[sessionmaker[Session]]:
+    migrate.upgrade(empty_postgres_url)
+    engine = make_engine(empty_postgres_url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+def _new_job(sessions: sessionmaker[Session]) -> uuid.UUID:
+    with transaction(sessions) as session:
+        job = create_job(
+            session,
+            Job(owner="alice", model_key="tiny", kind=JobKind.TRACE, payload_key="payloads/x", payload_size=3),
+            detail={"by": "test"},
+        )
+        return job.id
+
+
+def _history(sessions: sessionmaker[Session], job_id: uuid.UUID) -> list[tuple[S | None, S]]:
+    with sessions() as session:
+        rows = session.execute(
+            select(JobEvent.from_status, JobEvent.to_status).where(JobEvent.job_id == job_id).order_by(JobEvent.id)
+        )
+        return [tuple(row) for row in rows]
+
+
+def test_a_job_runs_to_completion_with_timestamps_attempts_and_history(sessions: sessionmaker[Session]) -> None:
+    job_id = _new_job(sessions)
+    with transaction(sessions) as session:
+        job = transition(session, job_id, S.RUNNING, worker_id="w1")
+        assert (job.status, job.attempts, job.worker_id) == (S.RUNNING, 1, "w1")
+        assert job.started_at is not None and job.finished_at is None
+    with transaction(sessions) as session:
+        job = transition(session, job_id, S.COMPLETED, detail={"bytes": 10}, result_key="results/x", result_size=10)
+        assert job.finished_at is not None and job.result_size == 10
+    assert _history(sessions, job_id) == [(None, S.QUEUED), (S.QUEUED, S.RUNNING), (S.RUNNING, S.COMPLETED)]
+
+
+@pytest.mark.parametrize("terminal", [S.COMPLETED, S.FAILED, S.CANCELLED])
+def test_a_finished_job_never_runs_again(sessions: sessionmaker[Session], terminal: JobStatus) -> None:
+    job_id = _new_job(sessions)
+    with transaction(sessions) as session:
+        transition(session, job_id, S.RUNNING)
+        transition(session, job_id, terminal)
+    for target in (S.RUNNING, S.QUEUED, S.COMPLETED):
+        with pytest.raises(InvalidTransition, match=f"is {terminal.value}; it cannot become {target.value}"):
+            with transaction(sessions) as session:
+                transition(session, job_id, target)
+    with sessions() as session:
+        assert session.get(Job, job_id).status is terminal
+    assert len(_history(sessions, job_id)) == 3
+
+
+def test_cancel_is_allowed_while_queued_and_while_running(sessions: sessionmaker[Session]) -> None:
+    queued, running = _new_job(sessions), _new_job(sessions)
+    with transaction(sessions) as session:
+        transition(session, running, S.RUNNING)
+        assert transition(session, queued, S.CANCELLED).status is S.CANCELLED
+        assert transition(session, running, S.CANCELLED).status is S.CANCELLED
+
+
+def test_a_queued_job_cannot_complete_without_running(sessions: sessionmaker[Session]) -> None:
+    job_id = _new_job(sessions)
+    with pytest.raises(InvalidTransition):
+        with transaction(sessions) as session:
+            transition(session, job_id, S.COMPLETED)
+
+
+def test_unknown_job(sessions: sessionmaker[Session]) -> None:
+    with pytest.raises(JobNotFound):
+        with transaction(sessions) as session:
+            transition(session, uuid.uuid4(), S.RUNNING)
+
+
+def test_racing_transitions_have_exactly_one_winner(sessions: sessionmaker[Session]) -> None:
+    # Eight workers (a redelivered task, say) try to start the same job at once: one may.
+    job_id = _new_job(sessions)
+    barrier = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            with transaction(sessions) as session:
+                transition(session, job_id, S.RUNNING)
+            outcomes.append("won")
+        except InvalidTransition:
+            outcomes.append("lost")
+
+    threads = [threading.Thread(target=start) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["lost"] * 7 + ["won"]
+    with sessions() as session:
+        assert session.get(Job, job_id).attempts == 1
+    assert _history(sessions, job_id) == [(None, S.QUEUED), (S.QUEUED, S.RUNNING)]
