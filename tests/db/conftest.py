@@ -1,22 +1,12 @@
-"""Fresh databases for schema and lifecycle tests: one empty Postgres database per test, on the suite's server."""
+"""An empty Postgres database per test, for schema tests that migrate it themselves."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
 
 @pytest.fixture
-def empty_postgres_url(postgres_url: str) -> Iterator[str]:
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
-    yield make_url(postgres_url).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as connection:
-        connection.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
-    admin.dispose()
+def empty_postgres_url(database_factory: Callable[..., str]) -> str:
+    return database_factory(migrated=False)

@@ -1,0 +1,115 @@
+"""The object store in a local directory, for the embedded single-machine default.
+
+A key ``a/b/c`` is the file ``<root>/a/b/c``. Writes go to a temporary file in the target's own
+directory, are fsynced, then renamed over the target with ``os.replace``, which is atomic on POSIX:
+a reader (even one in another process) sees the old object or the new one, never a partial one, and
+an open reader keeps reading the version it opened.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
+
+from nnqueue.storage.object_store import (
+    ObjectNotFound,
+    ObjectReader,
+    ObjectStore,
+    PresignUnsupported,
+    validate_key,
+    validate_range,
+)
+
+CHUNK_SIZE = 1024 * 1024
+# Objects are plain files readable by other local users (e.g. an API server under another account).
+FILE_MODE = 0o644
+# What a key that names a directory or passes through a file raises; both mean "no such object".
+_MISSING = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+class LocalObjectStore(ObjectStore):
+    """Objects as files under ``root`` (created if missing). ``put_stream`` ignores ``size_hint``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def put_bytes(self, key: str, data: bytes) -> int:
+        return self.put_stream(key, io.BytesIO(data))
+
+    def put_stream(self, key: str, fileobj: BinaryIO, size_hint: int | None = None) -> int:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as tmp:
+                size = _copy(fileobj, tmp)
+                tmp.flush()
+                os.fsync(tmp.fileno())
+            os.chmod(tmp_name, FILE_MODE)
+            os.replace(tmp_name, path)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        _fsync_dir(path.parent)  # make the rename itself durable
+        return size
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        start, end = validate_range(start, end)
+        with self._open(key) as f:
+            f.seek(start)
+            return f.read() if end is None else f.read(end - start)
+
+    def open_stream(self, key: str) -> ObjectReader:
+        return self._open(key)
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectNotFound(key)
+        return path.stat().st_size
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except _MISSING:
+            pass
+
+    def presigned_get_url(self, key: str, expires_in: int) -> str:
+        raise PresignUnsupported(
+            f"the local object store ({self.root}) cannot presign URLs; stream the object through "
+            "the API instead, or configure an S3 store (NNQUEUE_S3__*) for direct downloads"
+        )
+
+    def _path(self, key: str) -> Path:
+        # validate_key rejects empty, '.' and '..' segments, a leading '/' and backslashes, so the
+        # joined path always stays under root.
+        return self.root / validate_key(key)
+
+    def _open(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")  # noqa: SIM115 - the caller closes it
+        except _MISSING as exc:
+            raise ObjectNotFound(key) from exc
+
+
+def _copy(src: BinaryIO, dst: BinaryIO) -> int:
+    size = 0
+    while chunk := src.read(CHUNK_SIZE):
+        dst.write(chunk)
+        size += len(chunk)
+    return size
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,172 @@
+"""The object store on S3 or an S3-compatible server (SeaweedFS, MinIO, ...), through boto3."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, BinaryIO
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import ClientError
+
+from nnqueue.settings import S3Settings
+from nnqueue.storage.object_store import (
+    ObjectNotFound,
+    ObjectReader,
+    ObjectStore,
+    validate_expiry,
+    validate_key,
+    validate_range,
+)
+
+MiB = 1024 * 1024
+# Objects above MULTIPART_THRESHOLD are uploaded in parts of at least MIN_PART_SIZE. S3 allows at most
+# 10,000 parts, so with a size hint the part size grows to stay under MAX_PARTS.
+MULTIPART_THRESHOLD = 16 * MiB
+MIN_PART_SIZE = 8 * MiB
+MAX_PARTS = 9_000
+# s3transfer buffers up to ~10 parts of a non-seekable stream, so memory use is bounded by
+# about 10 x part size, never the whole object.
+MAX_CONCURRENCY = 4
+_NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
+
+
+class S3ObjectStore(ObjectStore):
+    """Objects in one bucket, which is created on first use if it does not exist."""
+
+    def __init__(self, settings: S3Settings) -> None:
+        self.bucket = settings.bucket
+        secret = settings.secret_access_key
+        self._client: Any = boto3.client(
+            "s3",
+            endpoint_url=settings.endpoint_url,
+            region_name=settings.region,
+            aws_access_key_id=settings.access_key_id,
+            aws_secret_access_key=secret.get_secret_value() if secret else None,
+            config=Config(
+                signature_version="s3v4",
+                # Custom endpoints rarely resolve <bucket>.<host>; AWS itself prefers virtual hosts.
+                s3={"addressing_style": "path" if settings.endpoint_url else "auto"},
+                retries={"mode": "standard", "max_attempts": 5},
+            ),
+        )
+        self._bucket_ready = False
+        self._bucket_lock = threading.Lock()
+
+    def put_bytes(self, key: str, data: bytes) -> int:
+        self._call("put_object", key, Body=data)
+        return len(data)
+
+    def put_stream(self, key: str, fileobj: BinaryIO, size_hint: int | None = None) -> int:
+        counted = _CountingReader(fileobj)
+        self._ensure_bucket()
+        # Managed transfer: multipart above the threshold, parts read one at a time from the stream
+        # and uploaded concurrently; a failure aborts the multipart upload so no object appears.
+        self._client.upload_fileobj(counted, self.bucket, validate_key(key), Config=_transfer_config(size_hint))
+        return counted.bytes_read
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        start, end = validate_range(start, end)
+        if start == end:
+            self.size(key)  # still raise ObjectNotFound for a missing key
+            return b""
+        if start == 0 and end is None:
+            return self._call("get_object", key)["Body"].read()
+        # HTTP ranges are inclusive: [start, end) is bytes=start-(end-1).
+        byte_range = f"bytes={start}-{'' if end is None else end - 1}"
+        try:
+            return self._call("get_object", key, Range=byte_range)["Body"].read()
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "InvalidRange":  # start is at or past the end
+                return b""
+            raise
+
+    def open_stream(self, key: str) -> ObjectReader:
+        return self._call("get_object", key)["Body"]
+
+    def size(self, key: str) -> int:
+        return self._call("head_object", key)["ContentLength"]
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def delete(self, key: str) -> None:
+        self._call("delete_object", key)  # S3 deletes are idempotent
+
+    def presigned_get_url(self, key: str, expires_in: int) -> str:
+        self._ensure_bucket()
+        return self._client.generate_presigned_url(
+            "get_object",
+            Params={"Bucket": self.bucket, "Key": validate_key(key)},
+            ExpiresIn=validate_expiry(expires_in),
+        )
+
+    def _call(self, operation: str, key: str, **params: Any) -> Any:
+        """Call one keyed S3 operation, mapping "no such key" to :class:`ObjectNotFound`."""
+        validate_key(key)
+        self._ensure_bucket()
+        try:
+            return getattr(self._client, operation)(Bucket=self.bucket, Key=key, **params)
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] in _NOT_FOUND_CODES:
+                raise ObjectNotFound(key) from exc
+            raise
+
+    def _ensure_bucket(self) -> None:
+        """Create the bucket once per store if it is missing. Several processes may race to create
+        it; losing the race (BucketAlreadyOwnedByYou) is fine."""
+        if self._bucket_ready:
+            return
+        with self._bucket_lock:
+            if not self._bucket_ready:
+                self._create_bucket_if_missing()
+                self._bucket_ready = True
+
+    def _create_bucket_if_missing(self) -> None:
+        try:
+            # HEAD first: production credentials may read a pre-made bucket but not create one.
+            self._client.head_bucket(Bucket=self.bucket)
+            return
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] not in {"404", "NoSuchBucket", "NotFound"}:
+                raise
+        params: dict[str, Any] = {"Bucket": self.bucket}
+        region = self._client.meta.region_name
+        if region and region != "us-east-1":  # us-east-1 rejects an explicit LocationConstraint
+            params["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        try:
+            self._client.create_bucket(**params)
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] != "BucketAlreadyOwnedByYou":
+                raise
+
+
+def _transfer_config(size_hint: int | None) -> TransferConfig:
+    part_size = MIN_PART_SIZE
+    if size_hint:
+        part_size = max(part_size, math.ceil(size_hint / MAX_PARTS / MiB) * MiB)
+    return TransferConfig(
+        multipart_threshold=MULTIPART_THRESHOLD,
+        multipart_chunksize=part_size,
+        max_concurrency=MAX_CONCURRENCY,
+    )
+
+
+class _CountingReader:
+    """Wraps a readable binary stream and counts the bytes read from it, so ``put_stream`` can
+    report the size of a stream whose length is not known in advance."""
+
+    def __init__(self, fileobj: BinaryIO) -> None:
+        self._fileobj = fileobj
+        self.bytes_read = 0
+
+    def read(self, size: int = -1) -> bytes:
+        chunk = self._fileobj.read(size)
+        self.bytes_read += len(chunk)
+        return chunk

