@@ -39,6 +39,14 @@ class Settings(BaseSettings):
     s3: S3Settings | None = None
     store_dir: Path | None = None
 
+    # Workers. A job's task message stays unacknowledged while it runs; Redis hands it to another
+    # worker once this long has passed, so it must exceed the longest job timeout.
+    broker_visibility_timeout_s: float = 7200.0
+    worker_heartbeat_s: float = 5.0
+    # A worker silent for this long is taken for dead: its RUNNING jobs may be taken over.
+    worker_stale_after_s: float = 30.0
+    default_job_timeout_s: float = 600.0
+
     @cached_property
     def resolved_database_url(self) -> str:
         if self.database_url:

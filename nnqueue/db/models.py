@@ -129,3 +129,19 @@ class JobEvent(Base):
     detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
     job: Mapped[Job] = relationship(back_populates="events")
+
+
+class Worker(Base):
+    """A worker process holding one engine: registered at start, kept alive by heartbeats."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    model_key: Mapped[str] = mapped_column(String(500), index=True)
+    queue: Mapped[str] = mapped_column(String(255))
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    capacity: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+    stopped_at: Mapped[datetime | None] = mapped_column(Timestamp)

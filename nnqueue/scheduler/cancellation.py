@@ -1,0 +1,22 @@
+"""Cancelling a job: the database is the signal.
+
+A QUEUED job's message may still be in the queue; when it is delivered the worker's claim fails
+and the job never runs. A RUNNING job is noticed by its worker's heartbeat, which aborts the job's
+vLLM requests (see :meth:`nnqueue.workers.job_execution.JobRunner.reap_cancelled`).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.lifecycle import transition
+from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.session import transaction
+
+
+def cancel_job(sessions: sessionmaker[Session], job_id: uuid.UUID, *, by: str) -> Job:
+    """Mark the job CANCELLED; raises ``InvalidTransition`` if it has already ended."""
+    with transaction(sessions) as session:
+        return transition(session, job_id, JobStatus.CANCELLED, detail={"by": by})

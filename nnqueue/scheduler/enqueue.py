@@ -1,0 +1,12 @@
+"""Putting a job on its model's queue: the message names only the job; everything else is in the database."""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from nnqueue.db.models import Job
+from nnqueue.workers.celery_app import RUN_JOB_TASK, queue_name
+
+
+def enqueue(app: Celery, job: Job) -> None:
+    app.send_task(RUN_JOB_TASK, args=[str(job.id)], queue=queue_name(job.model_key))

@@ -1,0 +1,69 @@
+"""Accepting a job: payload to the object store, row to the database, message to the model's queue.
+
+The order makes an accepted job durable before anyone can run it: the payload is stored first (its
+key is derived from a fresh job id), then the QUEUED row is committed, then the task is sent. If the
+broker refuses the message the job is marked FAILED with that cause rather than left queued forever.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from celery import Celery
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.lifecycle import create_job, transition
+from nnqueue.db.models import Job, JobKind, JobStatus
+from nnqueue.db.session import transaction
+from nnqueue.scheduler.enqueue import enqueue
+from nnqueue.storage.keys import payload_key
+from nnqueue.storage.object_store import ObjectStore
+
+
+def submit_job(
+    sessions: sessionmaker[Session],
+    store: ObjectStore,
+    app: Celery,
+    *,
+    owner: str,
+    model_key: str,
+    payload: bytes,
+    kind: JobKind = JobKind.TRACE,
+    timeout_s: float = 600.0,
+    priority: int = 0,
+    meta: dict[str, Any] | None = None,
+) -> Job:
+    job_id = uuid.uuid4()
+    key = payload_key(job_id)
+    size = store.put_bytes(key, payload)
+    with transaction(sessions) as session:
+        job = create_job(
+            session,
+            Job(
+                id=job_id,
+                owner=owner,
+                model_key=model_key,
+                kind=kind,
+                timeout_s=timeout_s,
+                priority=priority,
+                meta=meta or {},
+                payload_key=key,
+                payload_size=size,
+            ),
+            detail={"payload_bytes": size},
+        )
+    try:
+        enqueue(app, job)
+    except Exception as error:
+        with transaction(sessions) as session:
+            transition(
+                session,
+                job_id,
+                JobStatus.FAILED,
+                detail={"reason": "enqueue failed"},
+                error_type=type(error).__name__,
+                error_message=f"the job could not be put on the queue: {error}",
+            )
+        raise
+    return job

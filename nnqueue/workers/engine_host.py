@@ -1,0 +1,35 @@
+"""The asyncio loop that owns a worker's engine for the whole life of the process.
+
+vLLM's ``AsyncLLM`` binds to the event loop it first runs on (a second ``asyncio.run()`` on the same
+engine hangs), so one loop, in its own thread, builds the engine and runs every job on it. Celery's
+task threads hand jobs to that loop with :meth:`EngineHost.call` and block until their job is done;
+the loop runs up to ``max_concurrent_jobs`` jobs at once, and vLLM batches their requests together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class EngineHost:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="nnqueue-engine-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the engine loop and wait for its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def call_soon(self, callback: Callable[[], Any]) -> None:
+        """Schedule a plain callback on the engine loop (from any other thread)."""
+        self.loop.call_soon_threadsafe(callback)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)

@@ -1,0 +1,206 @@
+"""Running one job on the worker's engine: claim it, rebuild its trace, run it, store its result.
+
+The database decides whether a delivered task may run (:func:`claim`): a message can arrive twice
+(a worker died, or Redis's visibility timeout passed), and only the delivery that moves the job to
+RUNNING runs it. Every outcome is a status change with its cause: COMPLETED with the result's key,
+or FAILED with the error's type, message and the user's traceback. A cancel is seen by
+:meth:`JobRunner.reap_cancelled`, which the heartbeat calls; it aborts the job's vLLM requests.
+
+Database and object-store calls run in threads (``asyncio.to_thread``) so that the engine loop keeps
+serving the other jobs; the trace *build* runs on the loop itself, without an await, because builds
+must not interleave (see :mod:`nnqueue.engines.trace_runner`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import platform
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import nnsight
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.lifecycle import InvalidTransition, transition
+from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.session import transaction
+from nnqueue.engines import trace_runner
+from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
+from nnqueue.storage.results import write_result
+from nnqueue.workers import registry
+
+log = logging.getLogger(__name__)
+S = JobStatus
+
+
+class Outcome(enum.StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    SKIPPED = "skipped"  # another delivery owns the job, or it had already ended
+
+
+@dataclass
+class JobFailure(Exception):
+    type_name: str
+    message: str
+    traceback: str = ""
+
+
+@dataclass
+class JobRunner:
+    sessions: sessionmaker[Session]
+    store: ObjectStore
+    model: Any  # a dispatched async nnsight VLLM
+    worker_id: str
+    stale_after_s: float
+    _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
+    _cancelled: set[uuid.UUID] = field(default_factory=set)
+
+    async def run(self, job_id: uuid.UUID) -> Outcome:
+        job = await asyncio.to_thread(claim, self.sessions, job_id, self.worker_id, self.stale_after_s)
+        if job is None:
+            log.info("job %s skipped: another delivery owns it, or it has ended", job_id)
+            return Outcome.SKIPPED
+        task = asyncio.current_task()
+        assert task is not None
+        self._running[job_id] = task
+        try:
+            saves = await asyncio.wait_for(self._execute(job), timeout=job.timeout_s)
+            stored = await asyncio.to_thread(write_result, self.store, job_id, saves)
+            return await self._finish(
+                job_id,
+                S.COMPLETED,
+                {"result_bytes": stored.size},
+                result_key=stored.key,
+                result_size=stored.size,
+                result_format=stored.format,
+            )
+        except asyncio.CancelledError:
+            if job_id not in self._cancelled:
+                raise  # the worker is shutting down; the message is redelivered
+            log.info("job %s cancelled; its requests were aborted", job_id)
+            return Outcome.CANCELLED  # the canceller already wrote CANCELLED
+        except TimeoutError:
+            failure = JobFailure("JobTimeout", f"job exceeded its timeout of {job.timeout_s:g} s and was aborted")
+            return await self._fail(job_id, failure)
+        except JobFailure as failure:
+            return await self._fail(job_id, failure)
+        except Exception as error:  # our side failed (object store, engine): say so, don't hang
+            log.exception("job %s failed in the worker", job_id)
+            return await self._fail(job_id, JobFailure(type(error).__name__, str(error), traceback.format_exc()))
+        finally:
+            self._running.pop(job_id, None)
+            self._cancelled.discard(job_id)
+
+    async def _execute(self, job: Job) -> dict[str, Any]:
+        try:
+            payload = await asyncio.to_thread(self.store.get_bytes, job.payload_key)
+        except ObjectNotFound:
+            raise JobFailure("PayloadMissing", f"the job's payload {job.payload_key} is not in the object store")
+        try:
+            # No await between here and the submit: builds must not interleave.
+            built = trace_runner.build_trace(self.model, payload, f"{job.id}-{job.attempts}")
+        except Exception as error:
+            raise JobFailure(type(error).__name__, _build_error_message(error, job), traceback.format_exc())
+        await asyncio.to_thread(self._set_progress, job.id, 0, len(built.request_ids))
+        result = await trace_runner.run_trace(self.model, built)
+        if result.error is not None and not result.error.get("is_control_flow"):
+            raise JobFailure(
+                result.error.get("type_name", "Exception"),
+                result.error.get("message", ""),
+                result.error.get("traceback", ""),
+            )
+        await asyncio.to_thread(self._set_progress, job.id, len(built.request_ids), len(built.request_ids))
+        return result.saves
+
+    async def _finish(self, job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], **fields: Any) -> Outcome:
+        try:
+            await asyncio.to_thread(_transition, self.sessions, job_id, target, detail, fields)
+        except InvalidTransition as lost:
+            # Cancelled (or taken over) while finishing: the other writer's status stands.
+            log.info("job %s not marked %s: %s", job_id, target.value, lost)
+            return Outcome.CANCELLED if lost.current is S.CANCELLED else Outcome.SKIPPED
+        return Outcome(target.value)
+
+    async def _fail(self, job_id: uuid.UUID, failure: JobFailure) -> Outcome:
+        return await self._finish(
+            job_id,
+            S.FAILED,
+            {"error": failure.type_name},
+            error_type=failure.type_name,
+            error_message=failure.message,
+            error_traceback=failure.traceback,
+        )
+
+    def _set_progress(self, job_id: uuid.UUID, done: int, total: int) -> None:
+        with transaction(self.sessions) as session:
+            job = session.get(Job, job_id)
+            if job is not None:
+                job.progress_done, job.progress_total = done, total
+
+    def running_jobs(self) -> list[uuid.UUID]:
+        return list(self._running)
+
+    def reap_cancelled(self) -> list[uuid.UUID]:
+        """Abort the running jobs whose status became CANCELLED. Call from any thread but the loop's."""
+        running = self.running_jobs()
+        if not running:
+            return []
+        with self.sessions() as session:
+            cancelled = list(session.scalars(select(Job.id).where(Job.id.in_(running), Job.status == S.CANCELLED)))
+        for job_id in cancelled:
+            self._cancelled.add(job_id)
+            task = self._running.get(job_id)
+            if task is not None:
+                # Cancelling the task cancels its vLLM generate streams, which aborts the requests.
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        return cancelled
+
+
+def claim(sessions: sessionmaker[Session], job_id: uuid.UUID, worker_id: str, stale_after_s: float) -> Job | None:
+    """Move the job to RUNNING for this worker, or return None if this delivery must not run it.
+
+    A job RUNNING under a worker whose heartbeat went stale was orphaned by a dead process: it is
+    put back to QUEUED (recorded in its history) and claimed again.
+    """
+    try:
+        with transaction(sessions) as session:
+            job = session.get(Job, job_id)
+            if job is None:
+                log.warning("task for unknown job %s dropped", job_id)
+                return None
+            if job.status is S.RUNNING:
+                if job.worker_id == worker_id or registry.is_alive(session, job.worker_id or "", stale_after_s):
+                    return None
+                transition(session, job_id, S.QUEUED, detail={"reason": f"worker {job.worker_id} lost"})
+            elif job.status is not S.QUEUED:
+                return None
+            return transition(session, job_id, S.RUNNING, detail={"worker": worker_id}, worker_id=worker_id)
+    except InvalidTransition:
+        return None  # another delivery or a cancel won the race
+
+
+def _transition(
+    sessions: sessionmaker[Session], job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    with transaction(sessions) as session:
+        transition(session, job_id, target, detail=detail, **fields)
+
+
+def _build_error_message(error: Exception, job: Job) -> str:
+    """The build error, with both sides' versions when the client's differ from the server's."""
+    client = job.meta.get("client", {}) if isinstance(job.meta, dict) else {}
+    server = {"nnsight": nnsight.__version__, "python": platform.python_version()}
+    message = f"could not rebuild the trace: {error}"
+    if client and any(client.get(name) != version for name, version in server.items()):
+        message += (
+            f" (client nnsight {client.get('nnsight', '?')} / python {client.get('python', '?')},"
+            f" server nnsight {server['nnsight']} / python {server['python']})"
+        )
+    return message

@@ -1,0 +1,63 @@
+"""``nnqueue worker``: load one engine, register, and consume the model's queue until stopped."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from nnqueue.db.session import make_engine, session_factory
+from nnqueue.settings import Settings
+from nnqueue.storage import object_store_from_settings
+from nnqueue.workers import registry
+from nnqueue.workers.celery_app import create_celery_app, queue_name
+from nnqueue.workers.engine_host import EngineHost
+from nnqueue.workers.job_execution import JobRunner
+from nnqueue.workers.tasks import register_run_job
+
+log = logging.getLogger(__name__)
+
+
+def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwargs: dict[str, Any]) -> None:
+    settings = Settings()
+    sessions = session_factory(make_engine(settings.resolved_database_url))
+    store = object_store_from_settings(settings)
+    app = create_celery_app(settings, prefetch=max_concurrent_jobs)
+    queue = queue_name(model_key)
+
+    host = EngineHost()
+    started = time.monotonic()
+    engine = host.call(_load_engine(model, engine_kwargs))
+    log.info("engine for %s ready in %.1f s", model, time.monotonic() - started)
+
+    worker_id = registry.new_worker_id()
+    runner = JobRunner(sessions, store, engine, worker_id, settings.worker_stale_after_s)
+    register_run_job(app, host, runner)
+    registry.register(sessions, worker_id, model_key, queue, max_concurrent_jobs)
+    beat = registry.HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, runner.reap_cancelled)
+    beat.start()
+    try:
+        app.worker_main(
+            [
+                "worker",
+                f"--queues={queue}",
+                "--pool=threads",
+                f"--concurrency={max_concurrent_jobs}",
+                f"--hostname=nnqueue-{worker_id.rsplit(':', 1)[1]}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--loglevel=INFO",
+            ]
+        )
+    finally:
+        beat.stop()
+        registry.mark_stopped(sessions, worker_id)
+        engine.vllm_entrypoint.shutdown()
+        host.stop()
+
+
+async def _load_engine(model: str, engine_kwargs: dict[str, Any]) -> Any:
+    # Built on the engine loop: the AsyncLLM binds to the loop it first runs on.
+    from nnqueue.engines.platform import load_engine
+
+    return load_engine(model, **engine_kwargs)

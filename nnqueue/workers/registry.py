@@ -1,0 +1,87 @@
+"""Workers announce themselves in the database: one row per process, kept fresh by heartbeats.
+
+The API lists models from live rows, and a worker that finds a job RUNNING under another worker
+takes it over only when that worker's heartbeat is stale (the process died without giving it back).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+from sqlalchemy import Select, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.models import Worker, utcnow
+from nnqueue.db.session import transaction
+
+log = logging.getLogger(__name__)
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def register(sessions: sessionmaker[Session], worker_id: str, model_key: str, queue: str, capacity: int) -> None:
+    with transaction(sessions) as session:
+        session.add(
+            Worker(
+                id=worker_id,
+                model_key=model_key,
+                queue=queue,
+                host=socket.gethostname(),
+                pid=os.getpid(),
+                capacity=capacity,
+            )
+        )
+
+
+def heartbeat(sessions: sessionmaker[Session], worker_id: str) -> None:
+    with transaction(sessions) as session:
+        session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=utcnow()))
+
+
+def mark_stopped(sessions: sessionmaker[Session], worker_id: str) -> None:
+    with transaction(sessions) as session:
+        session.execute(update(Worker).where(Worker.id == worker_id).values(stopped_at=utcnow()))
+
+
+def _live(stale_after_s: float) -> Select[tuple[Worker]]:
+    cutoff = utcnow() - timedelta(seconds=stale_after_s)
+    return select(Worker).where(Worker.stopped_at.is_(None), Worker.heartbeat_at >= cutoff)
+
+
+def live_workers(session: Session, stale_after_s: float) -> list[Worker]:
+    """Workers that have not stopped and have sent a heartbeat within ``stale_after_s``."""
+    return list(session.scalars(_live(stale_after_s).order_by(Worker.model_key, Worker.id)))
+
+
+def is_alive(session: Session, worker_id: str, stale_after_s: float) -> bool:
+    return session.scalar(_live(stale_after_s).where(Worker.id == worker_id)) is not None
+
+
+class HeartbeatThread(threading.Thread):
+    """Sends a heartbeat every ``interval_s`` and then runs ``on_beat`` (e.g. look for cancelled jobs)."""
+
+    def __init__(
+        self, sessions: sessionmaker[Session], worker_id: str, interval_s: float, on_beat: Callable[[], None]
+    ) -> None:
+        super().__init__(name="nnqueue-heartbeat", daemon=True)
+        self._sessions, self._worker_id, self._interval_s, self._on_beat = sessions, worker_id, interval_s, on_beat
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopping.wait(self._interval_s):
+            try:
+                heartbeat(self._sessions, self._worker_id)
+                self._on_beat()
+            except Exception:  # a database blip must not stop the heartbeat for good
+                log.exception("heartbeat of worker %s failed", self._worker_id)
+
+    def stop(self) -> None:
+        self._stopping.set()
