@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     # A worker silent for this long is taken for dead: its RUNNING jobs may be taken over.
     worker_stale_after_s: float = 30.0
     default_job_timeout_s: float = 600.0
+    # Intervention code that runs this long without handing control back to the model (a user's
+    # endless loop) is stopped inside the engine, so that the jobs batched with it go on.
+    engine_stall_timeout_s: float = 60.0
 
     @cached_property
     def resolved_database_url(self) -> str:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 from pydantic import SecretStr
@@ -21,9 +23,13 @@ from sqlalchemy.engine import make_url
 
 from nnqueue.db import migrate
 from nnqueue.settings import S3Settings
+from nnqueue.workers.engine_host import EngineHost
 from tests import servers
 
 TEST_BUCKET = "nnqueue-test"
+# Engine arguments for the tiny model, the same for in-process engines and worker processes.
+TINY_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "seed": 0}
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -107,3 +113,31 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
+
+
+@dataclass
+class InProcessEngine:
+    """An engine in the test process, on its own loop (an ``EngineHost``, as in a worker)."""
+
+    host: EngineHost
+    model: Any
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return self.host.call(coroutine)
+
+
+@pytest.fixture(scope="session")
+def inprocess_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
+    """The tiny model on a dispatched async engine with nnqueue's worker class, shared by the session."""
+    from nnqueue.engines.platform import load_engine
+
+    async def load() -> Any:
+        return load_engine(str(tiny_model_path), **TINY_ENGINE_KWARGS)
+
+    host = EngineHost()
+    engine = InProcessEngine(host, host.call(load()))
+    yield engine
+    engine.model.vllm_entrypoint.shutdown()
+    # Drop it now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
+    engine.model.vllm_entrypoint = None
+    host.stop()

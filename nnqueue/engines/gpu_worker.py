@@ -1,0 +1,14 @@
+"""nnsight's CUDA worker, plus nnqueue's stall watchdog (see :mod:`nnqueue.engines.stall_watchdog`)."""
+
+from __future__ import annotations
+
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+
+from nnqueue.engines import stall_watchdog
+from nnqueue.settings import Settings
+
+
+class NNqueueGPUWorker(NNsightGPUWorker):
+    def init_device(self) -> None:
+        super().init_device()
+        stall_watchdog.install(Settings().engine_stall_timeout_s)

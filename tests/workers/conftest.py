@@ -1,0 +1,175 @@
+"""Worker tests run real ``nnqueue worker`` processes against the suite's Postgres, Redis and S3.
+
+Each module gets its own service namespace (a fresh migrated database, a Redis database number, an
+S3 bucket), so a module's worker never sees another module's jobs. Clients build payloads the way
+users do: a meta ``VLLM`` traces the block and a backend serializes it instead of running it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nnsight.modeling.vllm import VLLM
+from nnsight.schema.request import RequestModel
+from nnsight.tracing.backend import Backend
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.models import Job, JobStatus, Worker
+from nnqueue.db.session import make_engine, session_factory
+from nnqueue.engines.platform import prepare_process
+from nnqueue.settings import S3Settings, Settings
+from nnqueue.storage import object_store_from_settings
+from nnqueue.storage.object_store import ObjectStore
+from nnqueue.workers.celery_app import create_celery_app
+from tests.conftest import TINY_ENGINE_KWARGS
+
+MODEL_KEY = "tiny-llama"
+ENGINE_ARGS = [f"--{name.replace('_', '-')}={value}" for name, value in TINY_ENGINE_KWARGS.items()]
+_redis_databases = itertools.count(1)
+
+
+class PayloadBackend(Backend):
+    """Serialize the trace instead of running it, as a client does before submitting it."""
+
+    payload: bytes
+
+    def __call__(self, tracer: Any) -> None:
+        self.payload = RequestModel.serialize(tracer)
+
+
+class Services:
+    """One module's view of the servers: settings for the test process and env for worker processes."""
+
+    def __init__(self, database_url: str, redis_url: str, s3: S3Settings) -> None:
+        self.env = {
+            "NNQUEUE_DATABASE_URL": database_url,
+            "NNQUEUE_BROKER_URL": redis_url,
+            "NNQUEUE_S3__ENDPOINT_URL": s3.endpoint_url or "",
+            "NNQUEUE_S3__BUCKET": s3.bucket,
+            "NNQUEUE_S3__REGION": s3.region,
+            "NNQUEUE_S3__ACCESS_KEY_ID": s3.access_key_id or "",
+            "NNQUEUE_S3__SECRET_ACCESS_KEY": s3.secret_access_key.get_secret_value() if s3.secret_access_key else "",
+            # Fast failure detection, so the redelivery test runs in seconds.
+            "NNQUEUE_WORKER_HEARTBEAT_S": "0.5",
+            "NNQUEUE_WORKER_STALE_AFTER_S": "3",
+            "NNQUEUE_BROKER_VISIBILITY_TIMEOUT_S": "8",
+            "NNQUEUE_ENGINE_STALL_TIMEOUT_S": "3",
+        }
+        self.settings = Settings(
+            _env_file=None,
+            database_url=database_url,
+            broker_url=redis_url,
+            s3=s3,
+            worker_heartbeat_s=0.5,
+            worker_stale_after_s=3,
+            broker_visibility_timeout_s=8,
+        )
+        self.sessions: sessionmaker[Session] = session_factory(make_engine(database_url))
+        self.store: ObjectStore = object_store_from_settings(self.settings)
+        self.celery = create_celery_app(self.settings)
+
+    def job(self, job_id: uuid.UUID) -> Job:
+        with self.sessions() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            return job
+
+    def wait_for(self, job_id: uuid.UUID, statuses: set[JobStatus], timeout: float = 120) -> Job:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.job(job_id)
+            if job.status in statuses:
+                return job
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} still {self.job(job_id).status} after {timeout} s, wanted {statuses}")
+
+
+class WorkerProcess:
+    """``nnqueue worker`` in a subprocess of its own process group, logging to a file."""
+
+    def __init__(self, services: Services, model_path: Path, log_path: Path, max_concurrent_jobs: int = 4) -> None:
+        self.services, self.log_path = services, log_path
+        command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", MODEL_KEY]
+        command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                command, env={**os.environ, **services.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_registered(self, timeout: float = 180) -> Worker:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(f"worker exited with {self.process.returncode}:\n{self.log()[-5000:]}")
+            with self.services.sessions() as session:
+                worker = session.scalar(select(Worker).where(Worker.pid == self.process.pid))
+            if worker is not None:
+                return worker
+            time.sleep(0.5)
+        raise AssertionError(f"worker did not register in {timeout} s:\n{self.log()[-5000:]}")
+
+    def wait_log(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not in the worker log after {timeout} s:\n{self.log()[-5000:]}")
+            time.sleep(0.2)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+        self.process.wait(timeout=60)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
+    redis = redis_url.rsplit("/", 1)[0] + f"/{next(_redis_databases)}"
+    s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
+    return Services(database_factory(), redis, s3)
+
+
+@pytest.fixture(scope="module")
+def client_model(tiny_model_path: Path) -> VLLM:
+    """A meta model, as a CPU-only client writes traces against (stock nnsight class)."""
+    prepare_process()
+    return VLLM(str(tiny_model_path), **TINY_ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def start_worker(
+    services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., WorkerProcess]]:
+    started: list[WorkerProcess] = []
+    logs = tmp_path_factory.mktemp("worker-logs")
+
+    def start(**kwargs: Any) -> WorkerProcess:
+        worker = WorkerProcess(services, tiny_model_path, logs / f"worker-{len(started)}.log", **kwargs)
+        started.append(worker)
+        worker.wait_registered()
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

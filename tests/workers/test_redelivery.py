@@ -1,0 +1,49 @@
+"""A worker SIGKILLed mid-job loses nothing: the message comes back and another worker completes the job once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from nnsight.modeling.vllm import VLLM
+from sqlalchemy import select
+
+from nnqueue.db.models import JobEvent, JobStatus
+from nnqueue.scheduler.submission import submit_job
+from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess
+
+S = JobStatus
+
+
+def test_a_killed_workers_job_is_redelivered_and_completes_exactly_once(
+    services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM
+) -> None:
+    first = start_worker(max_concurrent_jobs=2)
+    backend = PayloadBackend()
+    with client_model.trace("The Eiffel Tower is in", temperature=0.0, max_tokens=60, ignore_eos=True,
+                            backend=backend) as tracer:
+        for _ in tracer.iter[:]:
+            time.sleep(0.1)  # about 6 s of decoding: long enough to be killed mid-job
+            client_model.logits
+        logits = client_model.logits.save()
+    job = submit_job(
+        services.sessions, services.store, services.celery, owner="alice", model_key=MODEL_KEY, payload=backend.payload
+    )
+    running = services.wait_for(job.id, {S.RUNNING})
+    first_worker = first.wait_registered()
+    assert running.worker_id == first_worker.id
+
+    first.kill()
+    second = start_worker(max_concurrent_jobs=2)
+    second_worker = second.wait_registered()
+
+    done = services.wait_for(job.id, {S.COMPLETED, S.FAILED}, timeout=180)
+    assert done.status is S.COMPLETED, (done.error_type, done.error_message, done.error_traceback)
+    assert done.worker_id == second_worker.id and done.attempts == 2
+    assert services.store.size(done.result_key) == done.result_size
+    with services.sessions() as session:
+        history = session.execute(
+            select(JobEvent.to_status, JobEvent.detail).where(JobEvent.job_id == job.id).order_by(JobEvent.id)
+        ).all()
+    assert [status for status, _ in history] == [S.QUEUED, S.RUNNING, S.QUEUED, S.RUNNING, S.COMPLETED]
+    assert history[2].detail == {"reason": f"worker {first_worker.id} lost"}

@@ -1,0 +1,218 @@
+"""A real worker process runs queued trace jobs on its one engine: values, batching, failures, cancels.
+
+The jobs go through the real path: payload to S3, row to Postgres, message through Redis, and the
+worker's result back in S3. Expected values come from transformers on the same weights and from the
+same trace run in-process on an engine in this test process.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nnsight
+import pytest
+import torch
+from nnsight.modeling.vllm import VLLM
+from sqlalchemy import select
+
+from nnqueue.db.lifecycle import InvalidTransition
+from nnqueue.db.models import JobEvent, JobStatus
+from nnqueue.engines.trace_runner import run_serialized_trace
+from nnqueue.scheduler.cancellation import cancel_job
+from nnqueue.scheduler.submission import submit_job
+from nnqueue.storage.keys import result_key
+from nnqueue.storage.object_store import ObjectNotFound
+from nnqueue.storage.results import SAFETENSORS_FILE, load_result
+from nnqueue.workers.celery_app import RUN_JOB_TASK, queue_name
+from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess
+
+S = JobStatus
+PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
+
+
+@pytest.fixture(scope="module")
+def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return start_worker(max_concurrent_jobs=4)
+
+
+def submit(services: Services, payload: bytes, owner: str = "alice", timeout_s: float = 120) -> uuid.UUID:
+    job = submit_job(
+        services.sessions, services.store, services.celery, owner=owner, model_key=MODEL_KEY, payload=payload,
+        timeout_s=timeout_s,
+    )
+    return job.id
+
+
+def result_of(services: Services, job_id: uuid.UUID) -> dict[str, Any]:
+    job = services.wait_for(job_id, {S.COMPLETED, S.FAILED, S.CANCELLED})
+    assert job.status is S.COMPLETED, (job.error_type, job.error_message, job.error_traceback)
+    return load_result(services.store.get_bytes(job.result_key))
+
+
+def two_invoke_payload(client: VLLM) -> bytes:
+    backend = PayloadBackend()
+    with client.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            out = client.model.layers[0].output
+            h0 = (out[0] + out[1]).save()  # vLLM's Llama layer returns (mlp_out, residual)
+            logits0 = client.logits.save()
+        with tracer.invoke(PROMPTS[1]):
+            out = client.model.layers[0].output
+            h1 = (out[0] + out[1]).save()
+            logits1 = client.logits.save()
+    return backend.payload
+
+
+def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
+    """Saves the logits and, from inside the engine's forward, how many tokens that forward carried
+    across all requests in the step (engine-side evidence of batching)."""
+    backend = PayloadBackend()
+    with client.trace(prompt, temperature=0.0, backend=backend, **sampling):
+        client.model.layers[0].output
+        step_tokens = nnsight.save(client.interleaver.batcher.total)
+        logits = client.logits.save()
+    return backend.payload
+
+
+def test_two_invoke_trace_matches_transformers_and_an_in_process_run(
+    services: Services, worker: WorkerProcess, client_model: VLLM, tiny_model_path: Path, inprocess_engine: Any
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    payload = two_invoke_payload(client_model)
+    job_id = submit(services, payload)
+    saves = result_of(services, job_id)
+
+    in_process = inprocess_engine.run(run_serialized_trace(inprocess_engine.model, payload, "reference"))
+    assert in_process.error is None and set(saves) == set(in_process.saves) == {"h0", "logits0", "h1", "logits1"}
+    for name, value in in_process.saves.items():
+        torch.testing.assert_close(saves[name], value, atol=1e-5, rtol=1e-5)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    for index, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            out = hf(tokenizer(prompt, return_tensors="pt").input_ids, output_hidden_states=True)
+        torch.testing.assert_close(saves[f"h{index}"], out.hidden_states[1][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(saves[f"logits{index}"][0], out.logits[0, -1], atol=1e-4, rtol=1e-4)
+
+    job = services.job(job_id)
+    assert job.result_format == "torch+safetensors" and job.progress_done == job.progress_total == 2
+    assert services.store.size(result_key(job_id, SAFETENSORS_FILE)) > 0
+
+
+def test_jobs_from_two_owners_are_batched_in_the_same_engine_steps(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    # Each job decodes for a while, so the jobs submitted together overlap on the engine.
+    payloads = {prompt: probe_payload(client_model, prompt, max_tokens=32, ignore_eos=True) for prompt in PROMPTS}
+    jobs = [(prompt, submit(services, payloads[prompt], owner)) for owner in ("alice", "bob") for prompt in PROMPTS * 2]
+    assert len(jobs) == 8
+
+    solo = {prompt: result_of(services, submit(services, payloads[prompt])) for prompt in PROMPTS}
+    shared_steps = 0
+    for prompt, job_id in jobs:
+        saves = result_of(services, job_id)
+        own_tokens = len(client_model.tokenizer(prompt).input_ids)
+        # More tokens in this job's prefill forward than its own prompt: another job shared the step.
+        shared_steps += saves["step_tokens"] > own_tokens
+        # Sharing a step with other users' jobs does not change this job's values.
+        torch.testing.assert_close(saves["logits"], solo[prompt]["logits"], atol=1e-4, rtol=1e-4)
+    assert shared_steps >= 2
+
+
+def slow_payload(client: VLLM, steps: int) -> bytes:
+    """A job that decodes ``steps`` tokens and sleeps 0.1 s in its intervention at each: slow, never stalled."""
+    backend = PayloadBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=steps, ignore_eos=True, backend=backend) as tracer:
+        for _ in tracer.iter[:]:
+            time.sleep(0.1)
+            client.logits
+        last = client.logits.save()
+    return backend.payload
+
+
+def test_failing_jobs_fail_alone_while_a_good_job_completes(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        hidden = client_model.model.layers[0].output[0]
+        raise ValueError(f"user code broke on a tensor of shape {tuple(hidden.shape)}")
+    raising = backend.payload
+
+    backend = PayloadBackend()
+    with client_model.trace(PROMPTS[1], temperature=0.0, max_tokens=1, backend=backend):
+        client_model.model.layers[0].output
+        spins = 0
+        while True:  # the user's bug: never hands control back to the model
+            spins += 1
+    looping = backend.payload
+
+    looping_id = submit(services, looping)
+    raising_id = submit(services, raising)
+    slow_id = submit(services, slow_payload(client_model, steps=200), timeout_s=3)
+    good_id = submit(services, probe_payload(client_model, PROMPTS[0], max_tokens=4))
+
+    assert "logits" in result_of(services, good_id)
+
+    failed = services.wait_for(raising_id, {S.FAILED, S.COMPLETED})
+    assert failed.status is S.FAILED and failed.error_type == "ValueError"
+    assert "user code broke on a tensor of shape" in failed.error_message
+    assert "raise ValueError" in failed.error_traceback
+
+    # The engine stops the loop after NNQUEUE_ENGINE_STALL_TIMEOUT_S (3 s here).
+    stalled = services.wait_for(looping_id, {S.FAILED, S.COMPLETED})
+    assert stalled.status is S.FAILED and stalled.error_type == "InterventionStalled"
+    assert "more than 3 s without returning control to the model" in stalled.error_message
+
+    timed_out = services.wait_for(slow_id, {S.FAILED, S.COMPLETED})
+    assert timed_out.status is S.FAILED and timed_out.error_type == "JobTimeout"
+    assert "timeout of 3 s" in timed_out.error_message
+    assert (timed_out.finished_at - timed_out.started_at).total_seconds() < 15  # not the ~20 s it would take
+
+    # The engine survived all three: a job after them runs.
+    assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[1], max_tokens=1)))
+
+
+def test_undeserializable_payload_fails_clearly(services: Services, worker: WorkerProcess) -> None:
+    job_id = submit(services, b"this is not a serialized nnsight trace")
+    job = services.wait_for(job_id, {S.FAILED, S.COMPLETED})
+    assert job.status is S.FAILED and job.error_message.startswith("could not rebuild the trace")
+
+
+def test_a_job_cancelled_while_queued_never_runs(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
+    # Submitted for a model no worker serves, cancelled, then its message reaches the real worker.
+    job = submit_job(
+        services.sessions, services.store, services.celery, owner="alice", model_key="nobody-serves-this",
+        payload=probe_payload(client_model, PROMPTS[0], max_tokens=1),
+    )
+    cancel_job(services.sessions, job.id, by="alice")
+    services.celery.send_task(RUN_JOB_TASK, args=[str(job.id)], queue=queue_name(MODEL_KEY))
+    worker.wait_log(f"job {job.id} skipped")
+
+    after = services.job(job.id)
+    assert after.status is S.CANCELLED and after.started_at is None and after.attempts == 0
+    with services.sessions() as session:
+        statuses = session.scalars(select(JobEvent.to_status).where(JobEvent.job_id == job.id)).all()
+    assert statuses == [S.QUEUED, S.CANCELLED]
+
+
+def test_a_job_cancelled_while_running_is_aborted(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    job_id = submit(services, slow_payload(client_model, steps=200))  # about 20 s unless aborted
+    services.wait_for(job_id, {S.RUNNING})
+
+    cancel_job(services.sessions, job_id, by="alice")
+    worker.wait_log(f"job {job_id} cancelled", timeout=15)
+    with pytest.raises(InvalidTransition):
+        cancel_job(services.sessions, job_id, by="alice")
+    with pytest.raises(ObjectNotFound):
+        services.store.size(result_key(job_id, "saves.pt"))
+    # The engine is free again for the next job.
+    assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[1], max_tokens=1)))
