@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -17,8 +18,11 @@ T = TypeVar("T")
 
 
 class EngineHost:
-    def __init__(self) -> None:
+    def __init__(self, blocking_threads: int = 8) -> None:
         self.loop = asyncio.new_event_loop()
+        # Jobs do their database and object-store I/O in threads (asyncio.to_thread); the default
+        # pool (cores + 4) would make concurrent jobs queue for it on small machines.
+        self.loop.set_default_executor(ThreadPoolExecutor(blocking_threads, thread_name_prefix="nnqueue-io"))
         self._thread = threading.Thread(target=self.loop.run_forever, name="nnqueue-engine-loop", daemon=True)
         self._thread.start()
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nnsight
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.lifecycle import InvalidTransition, transition
@@ -71,7 +71,7 @@ class JobRunner:
         assert task is not None
         self._running[job_id] = task
         try:
-            saves = await asyncio.wait_for(self._execute(job), timeout=job.timeout_s)
+            saves, invokes = await asyncio.wait_for(self._execute(job), timeout=job.timeout_s)
             stored = await asyncio.to_thread(write_result, self.store, job_id, saves)
             return await self._finish(
                 job_id,
@@ -80,6 +80,7 @@ class JobRunner:
                 result_key=stored.key,
                 result_size=stored.size,
                 result_format=stored.format,
+                progress_done=invokes,
             )
         except asyncio.CancelledError:
             if job_id not in self._cancelled:
@@ -98,7 +99,8 @@ class JobRunner:
             self._running.pop(job_id, None)
             self._cancelled.discard(job_id)
 
-    async def _execute(self, job: Job) -> dict[str, Any]:
+    async def _execute(self, job: Job) -> tuple[dict[str, Any], int]:
+        """The job's saves and its number of invokes, or raises :class:`JobFailure`."""
         try:
             payload = await asyncio.to_thread(self.store.get_bytes, job.payload_key)
         except ObjectNotFound:
@@ -108,7 +110,7 @@ class JobRunner:
             built = trace_runner.build_trace(self.model, payload, f"{job.id}-{job.attempts}")
         except Exception as error:
             raise JobFailure(type(error).__name__, _build_error_message(error, job), traceback.format_exc())
-        await asyncio.to_thread(self._set_progress, job.id, 0, len(built.request_ids))
+        await asyncio.to_thread(self._set_total, job.id, len(built.request_ids))
         result = await trace_runner.run_trace(self.model, built)
         if result.error is not None and not result.error.get("is_control_flow"):
             raise JobFailure(
@@ -116,8 +118,7 @@ class JobRunner:
                 result.error.get("message", ""),
                 result.error.get("traceback", ""),
             )
-        await asyncio.to_thread(self._set_progress, job.id, len(built.request_ids), len(built.request_ids))
-        return result.saves
+        return result.saves, len(built.request_ids)
 
     async def _finish(self, job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], **fields: Any) -> Outcome:
         try:
@@ -138,11 +139,9 @@ class JobRunner:
             error_traceback=failure.traceback,
         )
 
-    def _set_progress(self, job_id: uuid.UUID, done: int, total: int) -> None:
+    def _set_total(self, job_id: uuid.UUID, total: int) -> None:
         with transaction(self.sessions) as session:
-            job = session.get(Job, job_id)
-            if job is not None:
-                job.progress_done, job.progress_total = done, total
+            session.execute(update(Job).where(Job.id == job_id).values(progress_total=total))
 
     def running_jobs(self) -> list[uuid.UUID]:
         return list(self._running)

@@ -25,7 +25,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     app = create_celery_app(settings, prefetch=max_concurrent_jobs)
     queue = queue_name(model_key)
 
-    host = EngineHost()
+    host = EngineHost(blocking_threads=2 * max_concurrent_jobs + 2)
     started = time.monotonic()
     engine = host.call(_load_engine(model, engine_kwargs))
     log.info("engine for %s ready in %.1f s", model, time.monotonic() - started)
