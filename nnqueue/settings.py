@@ -50,6 +50,16 @@ class Settings(BaseSettings):
     # endless loop) is stopped inside the engine, so that the jobs batched with it go on.
     engine_stall_timeout_s: float = 60.0
 
+    # The HTTP API (``nnqueue serve-api``).
+    api_host: str = "127.0.0.1"
+    api_port: int = 8000
+    # The largest serialized trace a client may submit, in bytes (larger uploads get 413).
+    max_payload_bytes: int = 64 * 1024 * 1024
+    # Jobs one API key may have queued or running at once (more submissions get 429).
+    max_jobs_in_flight_per_key: int = 64
+    # How long the presigned result URLs that the API redirects to stay valid.
+    result_url_expiry_s: int = 3600
+
     @cached_property
     def resolved_database_url(self) -> str:
         if self.database_url:

@@ -1,4 +1,4 @@
-"""Run the Alembic migrations in ``migrations/`` against a database URL, from code or the CLI."""
+"""Run the Alembic migrations in ``migrations/`` on a database URL (code or CLI); check that one is current."""
 
 from __future__ import annotations
 
@@ -6,6 +6,11 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import make_url
+
+from nnqueue.db.session import make_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 
@@ -28,3 +33,24 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 
 def downgrade(database_url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(database_url), revision)
+
+
+class SchemaOutOfDate(RuntimeError):
+    """The database is not migrated to the revision this code needs."""
+
+
+def require_head(database_url: str) -> None:
+    """Raise :class:`SchemaOutOfDate`, saying what to run, unless the database is at the newest revision."""
+    config = alembic_config(database_url)
+    head = ScriptDirectory.from_config(config).get_current_head()
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            current = MigrationContext.configure(connection).get_current_revision()
+    finally:
+        engine.dispose()
+    if current != head:
+        raise SchemaOutOfDate(
+            f"the database at {make_url(database_url).render_as_string(hide_password=True)} is at revision "
+            f"{current or 'none (no nnqueue tables)'}, but this nnqueue needs {head}: run `nnqueue db upgrade`"
+        )

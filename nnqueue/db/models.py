@@ -80,10 +80,16 @@ class ApiKey(Base):
 
 class Job(Base):
     __tablename__ = "jobs"
-    __table_args__ = (Index("ix_jobs_owner_created_at", "owner", "created_at"),)
+    __table_args__ = (
+        Index("ix_jobs_owner_created_at", "owner", "created_at"),
+        Index("ix_jobs_api_key_id_status", "api_key_id", "status"),
+    )
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     owner: Mapped[str] = mapped_column(String(200))
+    # The API key that submitted the job (the API limits jobs in flight per key); null for jobs
+    # submitted without the API. No foreign key: keys are revoked, never deleted.
+    api_key_id: Mapped[int | None] = mapped_column(Integer)
     model_key: Mapped[str] = mapped_column(String(500), index=True)
     kind: Mapped[JobKind] = mapped_column(_enum_column(JobKind, "job_kind"))
     status: Mapped[JobStatus] = mapped_column(_enum_column(JobStatus, "job_status"), index=True)

@@ -15,7 +15,7 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-from nnqueue.engines import stall_watchdog
+from nnqueue.engines import lifetime, stall_watchdog
 from nnqueue.settings import Settings
 
 
@@ -33,6 +33,7 @@ class NNsightCPUWorker(CPUWorker):
     def init_device(self) -> None:
         super().init_device()
         stall_watchdog.install(Settings().engine_stall_timeout_s)
+        lifetime.exit_with_worker()
         # Exact type: the V2 CPU runner (VLLM_USE_V2_MODEL_RUNNER=1) is a different class
         # that nnsight does not instrument; nnsight's VLLM forces V1, this keeps it honest.
         if type(self.model_runner) is not CPUModelRunner:

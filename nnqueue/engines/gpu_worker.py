@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
-from nnqueue.engines import stall_watchdog
+from nnqueue.engines import lifetime, stall_watchdog
 from nnqueue.settings import Settings
 
 
@@ -12,3 +12,4 @@ class NNqueueGPUWorker(NNsightGPUWorker):
     def init_device(self) -> None:
         super().init_device()
         stall_watchdog.install(Settings().engine_stall_timeout_s)
+        lifetime.exit_with_worker()

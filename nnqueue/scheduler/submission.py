@@ -33,6 +33,7 @@ def submit_job(
     timeout_s: float = 600.0,
     priority: int = 0,
     meta: dict[str, Any] | None = None,
+    api_key_id: int | None = None,
 ) -> Job:
     job_id = uuid.uuid4()
     key = payload_key(job_id)
@@ -43,6 +44,7 @@ def submit_job(
             Job(
                 id=job_id,
                 owner=owner,
+                api_key_id=api_key_id,
                 model_key=model_key,
                 kind=kind,
                 timeout_s=timeout_s,

@@ -35,5 +35,19 @@ class EngineHost:
         self.loop.call_soon_threadsafe(callback)
 
     def stop(self) -> None:
+        """Cancel what still runs on the loop, let it finish cancelling, then stop the loop.
+
+        The engine's shutdown only *schedules* the cancellation of its output tasks; a loop stopped
+        before they run leaves a socket open that hangs the interpreter at exit.
+        """
+        self.call(_cancel_pending())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30)
+        self.loop.close()
+
+
+async def _cancel_pending() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 from nnqueue.db.session import make_engine, session_factory
+from nnqueue.engines.lifetime import WORKER_PID_ENV
 from nnqueue.settings import Settings
 from nnqueue.storage import object_store_from_settings
 from nnqueue.workers import registry
@@ -25,6 +27,8 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     app = create_celery_app(settings, prefetch=max_concurrent_jobs)
     queue = queue_name(model_key)
 
+    # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
+    os.environ[WORKER_PID_ENV] = str(os.getpid())
     host = EngineHost(blocking_threads=2 * max_concurrent_jobs + 2)
     started = time.monotonic()
     engine = host.call(_load_engine(model, engine_kwargs))

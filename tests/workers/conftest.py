@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from nnsight.modeling.vllm import VLLM
 from nnsight.schema.request import RequestModel
@@ -129,10 +130,13 @@ class WorkerProcess:
                 raise AssertionError(f"{text!r} not in the worker log after {timeout} s:\n{self.log()[-5000:]}")
             time.sleep(0.2)
 
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, sig)
+    def kill(self) -> None:
+        """SIGKILL the worker process alone, as the OOM killer would; its engine process is not told."""
+        self.process.kill()
         self.process.wait(timeout=60)
+
+    def children(self) -> list[psutil.Process]:
+        return psutil.Process(self.process.pid).children(recursive=True)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -140,7 +144,8 @@ class WorkerProcess:
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                self.kill()
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")

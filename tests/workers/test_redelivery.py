@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import psutil
 from nnsight.modeling.vllm import VLLM
 from sqlalchemy import select
 
@@ -33,7 +34,12 @@ def test_a_killed_workers_job_is_redelivered_and_completes_exactly_once(
     first_worker = first.wait_registered()
     assert running.worker_id == first_worker.id
 
+    engine_processes = first.children()
+    assert engine_processes, "the worker runs its engine in a child process"
     first.kill()
+    # The orphaned engine notices its worker is gone and exits, freeing the model's memory.
+    _, alive = psutil.wait_procs(engine_processes, timeout=20)
+    assert alive == []
     second = start_worker(max_concurrent_jobs=2)
     second_worker = second.wait_registered()
 

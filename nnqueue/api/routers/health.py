@@ -1,0 +1,65 @@
+"""``/healthz`` (the process answers) and ``/readyz`` (it can reach everything a job needs).
+
+Neither needs a key: load balancers and orchestrators call them. Readiness checks the database
+(``SELECT 1``), the broker (a connection through the Celery app, so any transport works) and the
+object store (a lookup of a key that need not exist), and names the ones that failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, status
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from nnqueue.api.deps import Resources, get_resources
+from nnqueue.api.schemas import HealthResponse, ReadyResponse
+
+router = APIRouter(tags=["health"])
+BROKER_TIMEOUT_S = 5.0
+PROBE_KEY = "readyz/probe"
+
+
+@router.get("/healthz")
+def healthz() -> HealthResponse:
+    return HealthResponse()
+
+
+@router.get("/readyz", responses={503: {"model": ReadyResponse, "description": "Something is unreachable."}})
+def readyz(resources: Annotated[Resources, Depends(get_resources)]) -> ReadyResponse | JSONResponse:
+    checks = {name: _outcome(check, resources) for name, check in CHECKS.items()}
+    if all(result == "ok" for result in checks.values()):
+        return ReadyResponse(status="ready", checks=checks)
+    body = ReadyResponse(status="unavailable", checks=checks)
+    return JSONResponse(body.model_dump(), status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+
+
+def _database(resources: Resources) -> None:
+    with resources.engine.connect() as connection:
+        connection.execute(text("SELECT 1"))
+
+
+def _broker(resources: Resources) -> None:
+    with resources.celery.connection_for_write() as connection:
+        connection.ensure_connection(max_retries=0, timeout=BROKER_TIMEOUT_S)
+
+
+def _object_store(resources: Resources) -> None:
+    resources.store.exists(PROBE_KEY)
+
+
+CHECKS: dict[str, Callable[[Resources], None]] = {
+    "database": _database,
+    "broker": _broker,
+    "object_store": _object_store,
+}
+
+
+def _outcome(check: Callable[[Resources], None], resources: Resources) -> str:
+    try:
+        check(resources)
+    except Exception as error:  # any failure means "not ready"; report it rather than raise
+        return f"{type(error).__name__}: {error}"
+    return "ok"

@@ -1,0 +1,254 @@
+"""``/v1/jobs``: submit, inspect, list, cancel, and download results.
+
+Every route sees only the caller's own jobs: another owner's job answers 404, exactly as a job
+that does not exist, so ids cannot be probed. Submission checks its limits before anything is
+stored: the spec (422), the payload size (413), a live worker for the model (400) and the key's
+jobs in flight (429). The in-flight count is read before the job is added, so submissions racing
+each other may pass it together; it bounds a key's load, it is not an exact quota.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Annotated, Any, BinaryIO, Literal
+
+from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import RedirectResponse, StreamingResponse
+from pydantic import ValidationError
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from nnqueue.api.deps import Caller, CallerDep, CeleryDep, SessionDep, SessionsDep, SettingsDep, StoreDep
+from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
+from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec
+from nnqueue.db.lifecycle import InvalidTransition
+from nnqueue.db.models import Job, JobKind, JobStatus
+from nnqueue.scheduler.cancellation import cancel_job
+from nnqueue.scheduler.positions import queue_positions
+from nnqueue.scheduler.submission import submit_job
+from nnqueue.settings import Settings
+from nnqueue.storage.keys import result_key
+from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
+from nnqueue.storage.results import SAFETENSORS_FILE, TORCH_AND_SAFETENSORS_FORMAT
+from nnqueue.workers.registry import live_workers
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+IN_FLIGHT = (JobStatus.QUEUED, JobStatus.RUNNING)
+STREAM_CHUNK = 1024 * 1024
+NOT_YOURS = {404: {"description": "No such job, or another owner's."}}
+SUBMIT_ERRORS = {
+    400: {"description": "No live worker serves the model; the detail names the live models."},
+    413: {"description": "The payload is over NNQUEUE_MAX_PAYLOAD_BYTES."},
+    429: {"description": "The key has NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY jobs queued or running."},
+    503: {"description": "The broker is unreachable; the job was not queued."},
+}
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, responses=SUBMIT_ERRORS)
+def submit(
+    caller: CallerDep,
+    settings: SettingsDep,
+    session: SessionDep,
+    sessions: SessionsDep,
+    store: StoreDep,
+    celery: CeleryDep,
+    spec: Annotated[str, Form(description="The job spec, a JSON object (see JobSpec).")],
+    payload: Annotated[UploadFile, File(description="The serialized trace (nnsight RequestModel.serialize).")],
+) -> JobResponse:
+    """Store the payload, create the job and put it on its model's queue."""
+    job_spec = _parse_spec(spec)
+    data = _read_payload(payload.file, settings.max_payload_bytes)
+    _require_live_model(session, job_spec.model_key, settings)
+    _require_room(session, caller, settings.max_jobs_in_flight_per_key)
+    session.commit()  # end this read transaction (on SQLite, a snapshot) so the new job is visible below
+    meta: dict[str, Any] = {"metadata": job_spec.metadata}
+    if job_spec.client is not None:
+        meta["client"] = job_spec.client.model_dump()
+    job = submit_job(
+        sessions,
+        store,
+        celery,
+        owner=caller.owner,
+        api_key_id=caller.key_id,
+        model_key=job_spec.model_key,
+        payload=data,
+        kind=JobKind(job_spec.kind),
+        timeout_s=settings.default_job_timeout_s if job_spec.timeout_s is None else job_spec.timeout_s,
+        priority=job_spec.priority,
+        meta=meta,
+    )
+    return _view(session, _owned(session, job.id, caller))
+
+
+@router.get("")
+def list_jobs(
+    caller: CallerDep,
+    session: SessionDep,
+    status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
+    model_key: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: str | None = None,
+) -> JobListResponse:
+    """The caller's jobs, newest first, a page at a time."""
+    query = select(Job).where(Job.owner == caller.owner)
+    if status_filter is not None:
+        query = query.where(Job.status == status_filter)
+    if model_key is not None:
+        query = query.where(Job.model_key == model_key)
+    if cursor:
+        try:
+            query = query.where(older_than(cursor))
+        except InvalidCursor as error:
+            raise _invalid(("query", "cursor"), str(error), cursor) from None
+    jobs = list(session.scalars(query.order_by(*NEWEST_FIRST).limit(limit + 1)))
+    page, more = jobs[:limit], len(jobs) > limit
+    positions = queue_positions(session, page)
+    return JobListResponse(
+        jobs=[JobResponse.of(job, positions.get(job.id)) for job in page],
+        next_cursor=encode_cursor(page[-1]) if more else None,
+    )
+
+
+@router.get("/{job_id}", responses=NOT_YOURS)
+def get_job(job_id: uuid.UUID, caller: CallerDep, session: SessionDep) -> JobResponse:
+    return _view(session, _owned(session, job_id, caller))
+
+
+@router.post("/{job_id}/cancel", responses={**NOT_YOURS, 409: {"description": "The job has already ended."}})
+def cancel(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, sessions: SessionsDep) -> JobResponse:
+    """Cancel a queued or running job (a running one is aborted by its worker within a heartbeat)."""
+    _owned(session, job_id, caller)
+    try:
+        job = cancel_job(sessions, job_id, by=caller.owner)
+    except InvalidTransition as refused:
+        detail = f"job {job_id} is {refused.current.value}; only queued or running jobs can be cancelled"
+        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
+    return JobResponse.of(job, None)
+
+
+@router.get(
+    "/{job_id}/result",
+    response_class=StreamingResponse,
+    responses={
+        **NOT_YOURS,
+        200: {"content": {"application/octet-stream": {}}, "description": "The result's bytes (inline)."},
+        302: {"description": "Redirect to a presigned object-store URL."},
+        409: {"description": "The job has not completed, or has no result in that format."},
+        410: {"description": "The result is no longer in the object store."},
+    },
+)
+def download_result(
+    job_id: uuid.UUID,
+    caller: CallerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    inline: bool = False,
+    format: Literal["torch", "safetensors"] = "torch",  # noqa: A002 - the query parameter's name
+) -> StreamingResponse | RedirectResponse:
+    """The result: a redirect to a presigned URL, or its bytes when ``inline`` or the store cannot presign.
+
+    ``torch`` is ``torch.save({name: value})``; ``safetensors`` exists when every saved value is a tensor.
+    """
+    job = _owned(session, job_id, caller)
+    key = _result_object(job, format)
+    if not inline:
+        try:
+            url = store.presigned_get_url(key, settings.result_url_expiry_s)
+            return RedirectResponse(url, status_code=status.HTTP_302_FOUND)
+        except PresignUnsupported:
+            pass  # a local store: stream it ourselves
+    return _stream(store, key, filename=f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}")
+
+
+def _parse_spec(spec: str) -> JobSpec:
+    try:
+        return JobSpec.model_validate_json(spec)
+    except ValidationError as error:
+        errors = [{**e, "loc": ("body", "spec", *e["loc"])} for e in error.errors(include_url=False)]
+        raise RequestValidationError(errors) from None
+
+
+def _read_payload(file: BinaryIO, limit: int) -> bytes:
+    """The upload's bytes, reading at most one byte past ``limit`` (the body limit already bounds the spool)."""
+    data = file.read(limit + 1)
+    if len(data) > limit:
+        raise HTTPException(
+            status.HTTP_413_CONTENT_TOO_LARGE,
+            f"payload too large: the limit is {limit} bytes (NNQUEUE_MAX_PAYLOAD_BYTES)",
+        )
+    return data
+
+
+def _require_live_model(session: Session, model_key: str, settings: Settings) -> None:
+    live = sorted({worker.model_key for worker in live_workers(session, settings.worker_stale_after_s)})
+    if model_key not in live:
+        served = ", ".join(repr(key) for key in live) or "none"
+        raise HTTPException(
+            status.HTTP_400_BAD_REQUEST, f"no live worker serves model {model_key!r}; live models: {served}"
+        )
+
+
+def _require_room(session: Session, caller: Caller, limit: int) -> None:
+    in_flight = session.scalar(
+        select(func.count()).select_from(Job).where(Job.api_key_id == caller.key_id, Job.status.in_(IN_FLIGHT))
+    ) or 0
+    if in_flight >= limit:
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS,
+            f"this API key already has {in_flight} jobs queued or running, the limit "
+            f"(NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY is {limit}); wait for some to finish",
+        )
+
+
+def _owned(session: Session, job_id: uuid.UUID, caller: Caller) -> Job:
+    """The caller's job, freshly read; 404 for a job that is missing or another owner's."""
+    job = session.get(Job, job_id, populate_existing=True)
+    if job is None or job.owner != caller.owner:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
+    return job
+
+
+def _view(session: Session, job: Job) -> JobResponse:
+    return JobResponse.of(job, queue_positions(session, [job]).get(job.id))
+
+
+def _result_object(job: Job, format: str) -> str:  # noqa: A002
+    """The object key of the job's result in ``format``, or 409 when it has none."""
+    if job.status is not JobStatus.COMPLETED or job.result_key is None:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, f"job {job.id} is {job.status.value}; only completed jobs have a result"
+        )
+    if format == "torch":
+        return job.result_key
+    if job.result_format != TORCH_AND_SAFETENSORS_FORMAT:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"job {job.id} has no safetensors result (format {job.result_format}): not every saved value is a tensor",
+        )
+    return result_key(job.id, SAFETENSORS_FILE)
+
+
+def _stream(store: ObjectStore, key: str, filename: str) -> StreamingResponse:
+    try:
+        size = store.size(key)
+        reader = store.open_stream(key)
+    except ObjectNotFound:
+        raise HTTPException(status.HTTP_410_GONE, "the result is no longer in the object store") from None
+    return StreamingResponse(
+        _chunks(reader),
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(size), "Content-Disposition": f'attachment; filename="{filename}"'},
+    )
+
+
+def _chunks(reader: ObjectReader) -> Iterator[bytes]:
+    with reader:
+        while chunk := reader.read(STREAM_CHUNK):
+            yield chunk
+
+
+def _invalid(loc: tuple[str, ...], message: str, value: Any) -> RequestValidationError:
+    return RequestValidationError([{"type": "value_error", "loc": loc, "msg": message, "input": value}])

@@ -1,0 +1,261 @@
+"""The HTTP client for the nnqueue job API.
+
+    client = Client("http://127.0.0.1:8000", api_key)        # or Client.from_env()
+    job = client.submit("smollm2-135m", payload)              # payload: RequestModel.serialize(tracer)
+    saves = job.result()                                      # waits (with a progress display), downloads, loads
+
+Most users never build payloads themselves: ``model.trace(..., backend=client.backend())`` does it and
+puts the saved values in the trace's variables (see :mod:`nnqueue.client.backend`).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from rich.console import Console
+
+from nnqueue.client.errors import APIConnectionError, api_error
+from nnqueue.client.job import Job
+from nnqueue.client.settings import ClientSettings
+
+if TYPE_CHECKING:
+    from nnqueue.client.backend import NNqueueBackend
+
+# Called with every Job a Client in this process submits (`nnqueue submit` lists a script's jobs this way).
+submit_hooks: list[Callable[[Job], None]] = []
+
+
+def client_versions() -> dict[str, str]:
+    """What the job spec's ``client`` field reports: the worker names them when it cannot rebuild a trace."""
+    import nnsight
+
+    return {"nnsight": nnsight.__version__, "python": platform.python_version()}
+
+
+class Client:
+    """A connection to one nnqueue API with one API key. Usable as a context manager (closes its connections)."""
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None,
+        timeout: float = 60.0,
+        *,
+        inline_results: bool = False,
+        blocking: bool = True,
+        transport: httpx.BaseTransport | None = None,
+        console: Console | None = None,
+    ) -> None:
+        """``timeout``: seconds for one HTTP request. ``inline_results``: fetch results through the API
+        (``?inline=1``) rather than from the presigned object-store URL it redirects to. ``blocking``: the
+        default of `backend`'s ``blocking``. ``transport``: an httpx transport for the API (tests pass an
+        ASGI transport); presigned downloads always use the network."""
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.inline_results = inline_results
+        self.blocking = blocking
+        self.console = console or Console(stderr=True)
+        headers = {"User-Agent": f"nnqueue-client/{_version()}"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0), transport=transport
+        )
+        self._plain: httpx.Client | None = None
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> Client:
+        """A client from ``NNQUEUE_URL``, ``NNQUEUE_API_KEY`` (and ``.env``); keyword arguments win."""
+        settings = ClientSettings()
+        options: dict[str, Any] = {
+            "url": settings.url,
+            "api_key": settings.api_key.get_secret_value() if settings.api_key else None,
+            "timeout": settings.http_timeout_s,
+            "inline_results": settings.inline_results,
+            "blocking": settings.blocking,
+        }
+        options.update({name: value for name, value in overrides.items() if value is not None})
+        return cls(**options)
+
+    def close(self) -> None:
+        self._http.close()
+        if self._plain is not None:
+            self._plain.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<nnqueue Client {self.url}>"
+
+    # -- jobs -----------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        model_key: str,
+        payload: bytes,
+        *,
+        timeout_s: float | None = None,
+        priority: int = 0,
+        metadata: dict[str, Any] | None = None,
+        kind: str = "trace",
+    ) -> Job:
+        """Queue a serialized trace (``RequestModel.serialize(tracer)`` bytes) for ``model_key``'s workers.
+
+        ``timeout_s``: the job's run-time limit on the worker (server default when None). Higher
+        ``priority`` runs earlier. ``metadata``: free-form JSON kept with the job.
+        """
+        spec = {
+            "model_key": model_key,
+            "kind": kind,
+            "priority": priority,
+            "timeout_s": timeout_s,
+            "metadata": metadata or {},
+            "client": client_versions(),
+        }
+        response = self._request(
+            "POST",
+            "/v1/jobs",
+            data={"spec": json.dumps(spec)},
+            files={"payload": ("payload", payload, "application/octet-stream")},
+        )
+        job = Job(self, response.json())
+        for hook in list(submit_hooks):
+            hook(job)
+        return job
+
+    def job(self, job_id: str) -> Job:
+        """The job with this id (404 :class:`NotFoundError` if it is not one of this key's owner's)."""
+        return Job(self, self._get_json(f"/v1/jobs/{job_id}"))
+
+    def jobs(
+        self, status: str | None = None, model_key: str | None = None, *, page_size: int | None = None
+    ) -> Iterator[Job]:
+        """This owner's jobs, newest first, across all pages (fetched as the iterator advances)."""
+        params: dict[str, Any] = {}
+        if status:
+            params["status"] = status
+        if model_key:
+            params["model_key"] = model_key
+        if page_size:
+            params["limit"] = page_size
+        while True:
+            page = self._get_json("/v1/jobs", params=params)
+            for info in page.get("jobs", []):
+                yield Job(self, info)
+            cursor = page.get("next_cursor")
+            if not cursor:
+                return
+            params["cursor"] = cursor
+
+    def models(self) -> list[dict[str, Any]]:
+        """Models with live workers: ``[{"model_key", "workers", "capacity"}]``."""
+        return list(self._get_json("/v1/models").get("models", []))
+
+    def health(self) -> dict[str, Any]:
+        return self._get_json("/healthz")
+
+    def ready(self) -> dict[str, Any]:
+        return self._get_json("/readyz")
+
+    def backend(
+        self,
+        model_key: str | None = None,
+        blocking: bool | None = None,
+        *,
+        progress: bool = True,
+        wait_timeout: float | None = None,
+        **submit_options: Any,
+    ) -> NNqueueBackend:
+        """An nnsight backend that runs a trace as a job here: ``model.trace(..., backend=client.backend())``.
+
+        ``model_key`` defaults to the traced model's own key (the repo id or path it was built from).
+        Blocking (the default), the trace waits for the job and its saved values land in the trace's
+        variables; non-blocking, it only submits, and ``backend.job`` is the :class:`Job`.
+        ``submit_options`` go to `submit` (``timeout_s``, ``priority``, ``metadata``).
+        """
+        from nnqueue.client.backend import NNqueueBackend
+
+        return NNqueueBackend(
+            self,
+            model_key=model_key,
+            blocking=self.blocking if blocking is None else blocking,
+            progress=progress,
+            wait_timeout=wait_timeout,
+            **submit_options,
+        )
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as error:
+            raise APIConnectionError(f"cannot reach the nnqueue API at {self.url}: {error}") from error
+        _check(response)
+        return response
+
+    def _get_json(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._request("GET", path, params=params).json()
+
+    @contextmanager
+    def _result_stream(self, job_id: str, *, inline: bool | None = None) -> Iterator[httpx.Response]:
+        """The result's bytes as a streaming response: through the API, or from where it redirects to."""
+        inline = self.inline_results if inline is None else inline
+        params = {"inline": 1} if inline else None
+        try:
+            with self._http.stream("GET", f"/v1/jobs/{job_id}/result", params=params) as response:
+                if not response.is_redirect:
+                    _check(response)
+                    yield response
+                    return
+                target = response.url.join(response.headers["location"])
+        except httpx.TransportError as error:
+            raise APIConnectionError(f"cannot reach the nnqueue API at {self.url}: {error}") from error
+        # A presigned URL carries its own authorization: the API key must not travel to the object store
+        # (S3 also refuses a request that is authorized twice). A same-origin redirect stays on the API.
+        same_origin = (target.scheme, target.host, target.port) == (
+            response.url.scheme, response.url.host, response.url.port,
+        )
+        http = self._http if same_origin else self._plain_http()
+        try:
+            with http.stream("GET", target) as redirected:
+                _check(redirected)
+                yield redirected
+        except httpx.TransportError as error:
+            raise APIConnectionError(f"cannot download the result from {target.host}: {error}") from error
+
+    def _plain_http(self) -> httpx.Client:
+        if self._plain is None:
+            self._plain = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0), follow_redirects=True)
+        return self._plain
+
+
+def _check(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    if not response.is_stream_consumed:
+        response.read()
+    try:
+        body = response.json()
+        detail = body.get("detail", body) if isinstance(body, dict) else body
+    except ValueError:
+        detail = response.text.strip()[:2000] or response.reason_phrase
+    raise api_error(response.status_code, detail, method=response.request.method, url=str(response.request.url))
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("nnqueue")
+    except Exception:  # noqa: BLE001 - a source checkout without metadata
+        return "0"

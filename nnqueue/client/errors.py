@@ -1,0 +1,128 @@
+"""What the client raises: HTTP failures (with the API's status and detail) and job outcomes.
+
+A job that FAILED on the worker surfaces as :class:`JobFailed`, a ``RuntimeError`` whose message has
+the shape of nnsight's ``raise_deferred``: ``"<Type>: <message>"``, then the worker-side traceback
+under ``Intervention traceback:``. Code that already matches nnsight's remote errors by their text
+matches these too; code that wants the parts reads ``type_name``, ``error_message`` and ``traceback``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nnqueue.client.job import Job
+
+
+class NNqueueError(Exception):
+    """Base class of every error the nnqueue client raises."""
+
+
+class APIConnectionError(NNqueueError, ConnectionError):
+    """The API could not be reached (refused, timed out, DNS, TLS)."""
+
+
+class APIError(NNqueueError):
+    """The API answered with an error status; ``detail`` is its explanation."""
+
+    def __init__(self, status_code: int, detail: Any, *, method: str = "", url: str = "") -> None:
+        self.status_code = status_code
+        self.detail = detail
+        self.method = method
+        self.url = url
+        where = f" ({method} {url})" if method else ""
+        super().__init__(f"{status_code}{where}: {format_detail(detail)}")
+
+
+class AuthenticationError(APIError):
+    """401: the API key is missing, unknown or revoked."""
+
+
+class NotFoundError(APIError):
+    """404: no such job (or one that belongs to another owner)."""
+
+
+class ConflictError(APIError):
+    """409: the job is in the wrong state (cancelling an ended job, a result before completion)."""
+
+
+class PayloadTooLargeError(APIError):
+    """413: the serialized trace is over the server's limit."""
+
+
+class TooManyJobsError(APIError):
+    """429: this key has too many jobs in flight."""
+
+
+class UnknownModelError(APIError):
+    """400 on submit: no live worker serves the model key (the detail names the live ones)."""
+
+
+_BY_STATUS: dict[int, type[APIError]] = {
+    401: AuthenticationError,
+    404: NotFoundError,
+    409: ConflictError,
+    413: PayloadTooLargeError,
+    429: TooManyJobsError,
+}
+
+
+def api_error(status_code: int, detail: Any, *, method: str = "", url: str = "") -> APIError:
+    cls = _BY_STATUS.get(status_code, APIError)
+    if status_code == 400 and method == "POST" and url.rstrip("/").endswith("/v1/jobs"):
+        cls = UnknownModelError
+    return cls(status_code, detail, method=method, url=url)
+
+
+def format_detail(detail: Any) -> str:
+    """FastAPI's ``detail``: a string, or for 422 a list of ``{"loc": [...], "msg": ...}``."""
+    if isinstance(detail, list):
+        parts = []
+        for item in detail:
+            if isinstance(item, dict):
+                loc = ".".join(str(part) for part in item.get("loc", ()) if part != "body")
+                parts.append(f"{loc}: {item.get('msg', item)}" if loc else str(item.get("msg", item)))
+            else:
+                parts.append(str(item))
+        return "; ".join(parts)
+    return str(detail)
+
+
+class JobFailed(NNqueueError, RuntimeError):
+    """The job ended FAILED: the worker's error type, message and traceback, as nnsight re-raises them."""
+
+    def __init__(self, job: Job | None, type_name: str, message: str, traceback: str = "") -> None:
+        self.job = job
+        self.type_name = type_name
+        self.error_message = message
+        self.traceback = traceback
+        lines = [f"{type_name}: {message}"]
+        if traceback:
+            lines += ["", "Intervention traceback:", traceback.rstrip()]
+        super().__init__("\n".join(lines))
+
+    @classmethod
+    def from_job(cls, job: Job) -> JobFailed:
+        error = job.info.get("error") or {}
+        return cls(
+            job,
+            error.get("type") or "JobFailed",
+            error.get("message") or f"job {job.id} failed without an error message",
+            error.get("traceback") or "",
+        )
+
+
+class JobCancelled(NNqueueError):
+    """The job ended CANCELLED, so it has no result."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        super().__init__(f"job {job.id} was cancelled")
+
+
+class WaitTimeout(NNqueueError, TimeoutError):
+    """``Job.wait(timeout=...)`` gave up; the job itself goes on (cancel it to stop it)."""
+
+    def __init__(self, job: Job, timeout: float) -> None:
+        self.job = job
+        super().__init__(f"job {job.id} still {job.info.get('status')} after waiting {timeout:g} s")

