@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from nnsight.schema.request import RequestModel
+from nnsight.tracing.backend import Backend
 from pydantic import SecretStr
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -141,3 +143,23 @@ def inprocess_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
     # Drop it now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
     engine.model.vllm_entrypoint = None
     host.stop()
+
+
+class PayloadBackend(Backend):
+    """Serialize the trace instead of running it, as a client does before submitting it."""
+
+    payload: bytes
+
+    def __call__(self, tracer: Any) -> None:
+        self.payload = RequestModel.serialize(tracer)
+
+
+@pytest.fixture(scope="session")
+def client_model(tiny_model_path: Path) -> Any:
+    """A meta model, as a CPU-only client writes traces against (stock nnsight class)."""
+    from nnsight.modeling.vllm import VLLM
+
+    from nnqueue.engines.platform import prepare_process
+
+    prepare_process()
+    return VLLM(str(tiny_model_path), **TINY_ENGINE_KWARGS)

