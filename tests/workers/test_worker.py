@@ -7,6 +7,7 @@ same trace run in-process on an engine in this test process.
 
 from __future__ import annotations
 
+import platform
 import time
 import uuid
 from collections.abc import Callable
@@ -179,10 +180,18 @@ def test_failing_jobs_fail_alone_while_a_good_job_completes(
     assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[1], max_tokens=1)))
 
 
-def test_undeserializable_payload_fails_clearly(services: Services, worker: WorkerProcess) -> None:
-    job_id = submit(services, b"this is not a serialized nnsight trace")
-    job = services.wait_for(job_id, {S.FAILED, S.COMPLETED})
-    assert job.status is S.FAILED and job.error_message.startswith("could not rebuild the trace")
+def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
+    services: Services, worker: WorkerProcess
+) -> None:
+    job = submit_job(
+        services.sessions, services.store, services.celery, owner="alice", model_key=MODEL_KEY,
+        payload=b"this is not a serialized nnsight trace", meta={"client": {"nnsight": "0.7.2", "python": "3.10.4"}},
+    )
+    failed = services.wait_for(job.id, {S.FAILED, S.COMPLETED})
+    assert failed.status is S.FAILED and failed.error_message.startswith("could not rebuild the trace")
+    server = f"server nnsight {nnsight.__version__} / python {platform.python_version()}"
+    assert f"(client nnsight 0.7.2 / python 3.10.4, {server})" in failed.error_message
+    assert failed.error_traceback
 
 
 def test_a_job_cancelled_while_queued_never_runs(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
