@@ -29,7 +29,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
 
     # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
     os.environ[WORKER_PID_ENV] = str(os.getpid())
-    host = EngineHost(blocking_threads=2 * max_concurrent_jobs + 2)
+    host = EngineHost(blocking_threads=min(2 * max_concurrent_jobs + 2, 64))
     started = time.monotonic()
     engine = host.call(_load_engine(model, engine_kwargs))
     log.info("engine for %s ready in %.1f s", model, time.monotonic() - started)

