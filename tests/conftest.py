@@ -154,6 +154,24 @@ class PayloadBackend(Backend):
         self.payload = RequestModel.serialize(tracer)
 
 
+PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
+
+
+def two_invoke_payload(client: Any) -> bytes:
+    """One trace, an invoke per prompt of PROMPTS, saving layer 0's output (HF's hidden state) and the logits."""
+    backend = PayloadBackend()
+    with client.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        with tracer.invoke(PROMPTS[0]):
+            out = client.model.layers[0].output
+            h0 = (out[0] + out[1]).save()  # vLLM's Llama layer returns (mlp_out, residual)
+            logits0 = client.logits.save()
+        with tracer.invoke(PROMPTS[1]):
+            out = client.model.layers[0].output
+            h1 = (out[0] + out[1]).save()
+            logits1 = client.logits.save()
+    return backend.payload
+
+
 @pytest.fixture(scope="session")
 def client_model(tiny_model_path: Path) -> Any:
     """A meta model, as a CPU-only client writes traces against (stock nnsight class)."""

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from uuid import UUID
 
+# The names of a job's results (see nnqueue.storage.results, which writes them).
+TORCH_FILE = "saves.pt"
+SAFETENSORS_FILE = "saves.safetensors"
+
 
 def payload_key(job_id: str | int | UUID) -> str:
     """``payloads/<job>``: the serialized intervention a client submitted."""

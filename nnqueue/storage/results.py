@@ -18,11 +18,9 @@ import torch
 from safetensors.torch import save as safetensors_save
 from torch.utils._pytree import tree_map
 
-from nnqueue.storage.keys import result_key
+from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import ObjectStore
 
-TORCH_FILE = "saves.pt"
-SAFETENSORS_FILE = "saves.safetensors"
 TORCH_FORMAT = "torch"
 TORCH_AND_SAFETENSORS_FORMAT = "torch+safetensors"
 

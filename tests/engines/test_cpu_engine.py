@@ -22,9 +22,8 @@ from nnsight.modeling.vllm import VLLM
 
 from nnqueue.engines.platform import EngineVLLM
 from nnqueue.engines.trace_runner import abort_trace, build_trace, run_serialized_trace, run_trace
-from tests.conftest import InProcessEngine, PayloadBackend
+from tests.conftest import PROMPTS, InProcessEngine, PayloadBackend, two_invoke_payload
 
-PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
 T = TypeVar("T")
 
 
@@ -81,20 +80,6 @@ def direct_trace(loop: InProcessEngine, model: EngineVLLM, prompt: str) -> dict[
         h = (out[0] + out[1]).save()
         logits = model.logits.save()
     return run(loop, tracer.backend).saves
-
-
-def two_invoke_payload(client: VLLM) -> bytes:
-    backend = PayloadBackend()
-    with client.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
-        with tracer.invoke(PROMPTS[0]):
-            out = client.model.layers[0].output
-            h0 = (out[0] + out[1]).save()
-            logits0 = client.logits.save()
-        with tracer.invoke(PROMPTS[1]):
-            out = client.model.layers[0].output
-            h1 = (out[0] + out[1]).save()
-            logits1 = client.logits.save()
-    return backend.payload
 
 
 def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
@@ -154,7 +139,11 @@ def test_abort_and_cancel_free_the_engine(loop, engine, client) -> None:
     async def aborted() -> Any:
         trace = build_trace(engine, payload, "aborted")
         task = asyncio.ensure_future(run_trace(engine, trace))
-        while not engine.vllm_entrypoint.get_num_unfinished_requests():
+        # Abort only once the prefill forward (where the block runs) has produced a token: a request
+        # merely added to the engine may not have been scheduled yet. (vLLM's output-processor state.)
+        states = engine.vllm_entrypoint.output_processor.request_states
+        while not any(not state.is_prefilling for state in states.values()):
+            assert not task.done(), "the request finished before it could be aborted"
             await asyncio.sleep(0.001)
         await abort_trace(engine, trace.request_ids)
         return await task

@@ -25,14 +25,14 @@ from nnqueue.db.models import JobEvent, JobStatus
 from nnqueue.engines.trace_runner import run_serialized_trace
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.submission import submit_job
-from nnqueue.storage.keys import result_key
+from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
 from nnqueue.storage.object_store import ObjectNotFound
-from nnqueue.storage.results import SAFETENSORS_FILE, load_result
+from nnqueue.storage.results import load_result
 from nnqueue.workers.celery_app import RUN_JOB_TASK, queue_name
+from tests.conftest import PROMPTS, two_invoke_payload
 from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess
 
 S = JobStatus
-PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
 
 
 @pytest.fixture(scope="module")
@@ -52,20 +52,6 @@ def result_of(services: Services, job_id: uuid.UUID) -> dict[str, Any]:
     job = services.wait_for(job_id, {S.COMPLETED, S.FAILED, S.CANCELLED})
     assert job.status is S.COMPLETED, (job.error_type, job.error_message, job.error_traceback)
     return load_result(services.store.get_bytes(job.result_key))
-
-
-def two_invoke_payload(client: VLLM) -> bytes:
-    backend = PayloadBackend()
-    with client.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
-        with tracer.invoke(PROMPTS[0]):
-            out = client.model.layers[0].output
-            h0 = (out[0] + out[1]).save()  # vLLM's Llama layer returns (mlp_out, residual)
-            logits0 = client.logits.save()
-        with tracer.invoke(PROMPTS[1]):
-            out = client.model.layers[0].output
-            h1 = (out[0] + out[1]).save()
-            logits1 = client.logits.save()
-    return backend.payload
 
 
 def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
