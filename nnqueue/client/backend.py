@@ -60,7 +60,12 @@ class NNqueueBackend(Backend):
         self.jobs.append(self.job)
         if not self.blocking:
             return None
-        saves = self.job.result(timeout=self.wait_timeout, progress=self.progress)
+        try:
+            saves = self.job.result(timeout=self.wait_timeout, progress=self.progress)
+        except KeyboardInterrupt:
+            # The trace was abandoned, so its values can never land: don't leave the job running.
+            self.job.cancel_quietly()
+            raise
         push_saves(saves, tracer)
         return saves
 
@@ -72,9 +77,8 @@ class NNqueueBackend(Backend):
 def default_model_key(tracer: Any) -> str:
     """The key a traced model is served under by default: the repo id or path it was built from."""
     model = getattr(tracer, "envoy", None) or getattr(tracer, "model", None)
-    for attribute in ("repo_id",):
-        if isinstance(value := getattr(model, attribute, None), str) and value:
-            return value
+    if isinstance(repo_id := getattr(model, "repo_id", None), str) and repo_id:  # transformers models
+        return repo_id
     key = getattr(model, "_remoteable_model_key", None)
     if callable(key):
         return str(key())

@@ -47,18 +47,19 @@ class Client:
         timeout: float = 60.0,
         *,
         inline_results: bool = False,
-        blocking: bool = True,
+        blocking: bool | None = None,
         transport: httpx.BaseTransport | None = None,
         console: Console | None = None,
     ) -> None:
         """``timeout``: seconds for one HTTP request. ``inline_results``: fetch results through the API
         (``?inline=1``) rather than from the presigned object-store URL it redirects to. ``blocking``: the
-        default of `backend`'s ``blocking``. ``transport``: an httpx transport for the API (tests pass an
-        ASGI transport); presigned downloads always use the network."""
+        default of `backend`'s ``blocking`` (None: ``NNQUEUE_BLOCKING``, which ``nnqueue submit`` sets, else
+        true). ``transport``: an httpx transport for the API (tests pass a mock one); a result redirect to
+        another host (a presigned object-store URL) uses neither it nor the API key."""
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.inline_results = inline_results
-        self.blocking = blocking
+        self.blocking = ClientSettings().blocking if blocking is None else blocking
         self.console = console or Console(stderr=True)
         headers = {"User-Agent": f"nnqueue-client/{_version()}"}
         if api_key:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 import time
@@ -77,6 +76,14 @@ class Job:
         self.info = self.client._request("POST", f"/v1/jobs/{self.id}/cancel").json()
         return self
 
+    def cancel_quietly(self) -> None:
+        """Cancel it if it may still run, ignoring any failure: for callers on their way out (Ctrl-C)."""
+        try:
+            if not self.done:
+                self.cancel()
+        except Exception:  # noqa: BLE001 - best effort while interrupted
+            pass
+
     def raise_for_status(self) -> None:
         """Raise :class:`JobFailed` / :class:`JobCancelled` if the last known status says so."""
         status = self.info.get("status")
@@ -134,10 +141,10 @@ class Job:
         if not self.done or self.info.get("status") != "completed":
             self.wait(timeout, progress)
         with tempfile.SpooledTemporaryFile(max_size=64 << 20) as spool:
-            self._download_to(spool, progress=progress, inline=inline)
+            # A bar only where it helps: small results arrive before it could draw.
+            self._download_to(spool, progress=progress, inline=inline, bar_from=4 * CHUNK_SIZE)
             spool.seek(0)
-            data = spool.read()
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+            return torch.load(spool, map_location="cpu", weights_only=False)
 
     def download(
         self,
@@ -168,13 +175,12 @@ class Job:
             partial.unlink(missing_ok=True)
         return target
 
-    def _download_to(self, file: BinaryIO, *, progress: bool, inline: bool | None) -> int:
+    def _download_to(self, file: BinaryIO, *, progress: bool, inline: bool | None, bar_from: int = 0) -> int:
         expected = (self.info.get("result") or {}).get("size")
         written = 0
         with self.client._result_stream(self.id, inline=inline) as response:
             total = _content_length(response) or expected
-            # A bar only where it helps: small results arrive before it could draw.
-            show = progress and (total is None or total > 4 * CHUNK_SIZE)
+            show = progress and (total is None or total >= bar_from)
             with _download_bar(self.client.console, f"job {self.id[:8]} result", total, show) as advance:
                 for chunk in response.iter_bytes(CHUNK_SIZE):
                     file.write(chunk)

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, status
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Response, status
 from sqlalchemy import text
 
 from nnqueue.api.deps import Resources, get_resources
@@ -28,12 +27,12 @@ def healthz() -> HealthResponse:
 
 
 @router.get("/readyz", responses={503: {"model": ReadyResponse, "description": "Something is unreachable."}})
-def readyz(resources: Annotated[Resources, Depends(get_resources)]) -> ReadyResponse | JSONResponse:
+def readyz(resources: Annotated[Resources, Depends(get_resources)], response: Response) -> ReadyResponse:
     checks = {name: _outcome(check, resources) for name, check in CHECKS.items()}
     if all(result == "ok" for result in checks.values()):
         return ReadyResponse(status="ready", checks=checks)
-    body = ReadyResponse(status="unavailable", checks=checks)
-    return JSONResponse(body.model_dump(), status_code=status.HTTP_503_SERVICE_UNAVAILABLE)
+    response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
+    return ReadyResponse(status="unavailable", checks=checks)
 
 
 def _database(resources: Resources) -> None:

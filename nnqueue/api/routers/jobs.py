@@ -21,6 +21,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from nnqueue.api.deps import Caller, CallerDep, CeleryDep, SessionDep, SessionsDep, SettingsDep, StoreDep
+from nnqueue.api.limits import payload_too_large
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
 from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec
 from nnqueue.db.lifecycle import InvalidTransition
@@ -29,15 +30,19 @@ from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import Settings
-from nnqueue.storage.keys import result_key
+from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
 from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
-from nnqueue.storage.results import SAFETENSORS_FILE, TORCH_AND_SAFETENSORS_FORMAT
 from nnqueue.workers.registry import live_workers
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 IN_FLIGHT = (JobStatus.QUEUED, JobStatus.RUNNING)
 STREAM_CHUNK = 1024 * 1024
 NOT_YOURS = {404: {"description": "No such job, or another owner's."}}
+SPEC_DESCRIPTION = (
+    'A JSON object: {"model_key": str, "kind": "trace", "priority": int = 0, "timeout_s": float | null '
+    '(0 < t <= 86400; null: the server default), "metadata": object = {}, "client": {"nnsight": str, '
+    '"python": str} | null}. Unknown fields are rejected.'
+)
 SUBMIT_ERRORS = {
     400: {"description": "No live worker serves the model; the detail names the live models."},
     413: {"description": "The payload is over NNQUEUE_MAX_PAYLOAD_BYTES."},
@@ -54,7 +59,7 @@ def submit(
     sessions: SessionsDep,
     store: StoreDep,
     celery: CeleryDep,
-    spec: Annotated[str, Form(description="The job spec, a JSON object (see JobSpec).")],
+    spec: Annotated[str, Form(description=SPEC_DESCRIPTION)],
     payload: Annotated[UploadFile, File(description="The serialized trace (nnsight RequestModel.serialize).")],
 ) -> JobResponse:
     """Store the payload, create the job and put it on its model's queue."""
@@ -130,6 +135,7 @@ def cancel(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, sessions: 
 
 @router.get(
     "/{job_id}/result",
+    response_model=None,
     response_class=StreamingResponse,
     responses={
         **NOT_YOURS,
@@ -175,10 +181,7 @@ def _read_payload(file: BinaryIO, limit: int) -> bytes:
     """The upload's bytes, reading at most one byte past ``limit`` (the body limit already bounds the spool)."""
     data = file.read(limit + 1)
     if len(data) > limit:
-        raise HTTPException(
-            status.HTTP_413_CONTENT_TOO_LARGE,
-            f"payload too large: the limit is {limit} bytes (NNQUEUE_MAX_PAYLOAD_BYTES)",
-        )
+        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, payload_too_large(limit))
     return data
 
 
@@ -198,8 +201,8 @@ def _require_room(session: Session, caller: Caller, limit: int) -> None:
     if in_flight >= limit:
         raise HTTPException(
             status.HTTP_429_TOO_MANY_REQUESTS,
-            f"this API key already has {in_flight} jobs queued or running, the limit "
-            f"(NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY is {limit}); wait for some to finish",
+            f"this API key already has {in_flight} jobs queued or running; the limit is {limit} "
+            "(NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY): wait for some to finish",
         )
 
 
@@ -223,7 +226,7 @@ def _result_object(job: Job, format: str) -> str:  # noqa: A002
         )
     if format == "torch":
         return job.result_key
-    if job.result_format != TORCH_AND_SAFETENSORS_FORMAT:
+    if "safetensors" not in (job.result_format or "").split("+"):
         raise HTTPException(
             status.HTTP_409_CONFLICT,
             f"job {job.id} has no safetensors result (format {job.result_format}): not every saved value is a tensor",

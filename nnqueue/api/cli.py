@@ -1,0 +1,84 @@
+"""``nnqueue serve-api`` and ``nnqueue keys create|list|revoke``, registered on the main CLI.
+
+Keys are managed directly in the database (whoever can run this has the database's credentials),
+so there is no HTTP route that creates keys.
+"""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.api import auth
+from nnqueue.db import migrate
+from nnqueue.db.session import make_engine, session_factory, transaction
+from nnqueue.settings import Settings
+
+keys_app = typer.Typer(help="Create, list and revoke API keys.")
+console = Console()
+
+
+def serve_api(
+    host: str | None = typer.Option(None, help="Interface to listen on (default NNQUEUE_API_HOST, 127.0.0.1)."),
+    port: int | None = typer.Option(None, help="Port to listen on (default NNQUEUE_API_PORT, 8000)."),
+) -> None:
+    """Serve the HTTP API with uvicorn. The database must be migrated first (nnqueue db upgrade)."""
+    import uvicorn
+
+    settings = Settings()
+    try:
+        migrate.require_head(settings.resolved_database_url)
+    except migrate.SchemaOutOfDate as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
+    uvicorn.run(
+        "nnqueue.api.app:create_app",
+        factory=True,
+        host=host or settings.api_host,
+        port=port or settings.api_port,
+    )
+
+
+@keys_app.command("create")
+def create_key(
+    owner: str = typer.Option(..., help="Who the key belongs to: the owner of the jobs it submits."),
+    scope: list[str] = typer.Option([], help="A scope recorded with the key (repeatable; not enforced yet)."),
+) -> None:
+    """Create a key and print its secret, which is shown only this once."""
+    with transaction(_sessions()) as session:
+        try:
+            key, secret = auth.create_key(session, owner, scope)
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--owner") from None
+    console.print(f"created key {key.id} ({key.key_prefix}...) for {owner}; its secret, shown only once:")
+    typer.echo(secret)
+
+
+@keys_app.command("list")
+def list_keys() -> None:
+    """List the keys: id, prefix, owner, scopes, creation and revocation (never the secrets)."""
+    table = Table("id", "prefix", "owner", "scopes", "created", "revoked")
+    with _sessions()() as session:
+        for key in auth.list_keys(session):
+            revoked = key.revoked_at.isoformat(timespec="seconds") if key.revoked_at else ""
+            created = key.created_at.isoformat(timespec="seconds")
+            table.add_row(str(key.id), key.key_prefix, key.owner, ",".join(key.scopes), created, revoked)
+    console.print(table)
+
+
+@keys_app.command("revoke")
+def revoke_key(prefix_or_id: str = typer.Argument(..., help="The key's id, or its secret's prefix.")) -> None:
+    """Revoke a key: requests with it get 401 from now on."""
+    with transaction(_sessions()) as session:
+        try:
+            key = auth.revoke_key(session, prefix_or_id)
+        except auth.KeyNotFound as error:
+            console.print(f"[red]{error}[/red]")
+            raise typer.Exit(1) from None
+    console.print(f"revoked key {key.id} ({key.key_prefix}...) of {key.owner}")
+
+
+def _sessions() -> sessionmaker[Session]:
+    return session_factory(make_engine(Settings().resolved_database_url))

@@ -1,0 +1,275 @@
+"""Client commands of ``nnqueue``: submit, status, jobs, cancel, download, models.
+
+Every command talks to the API at ``--url`` / ``NNQUEUE_URL`` with ``--api-key`` / ``NNQUEUE_API_KEY``
+(either may also come from a ``.env`` file).
+
+``nnqueue submit script.py [ARGS...]`` runs a Python script that writes ordinary nnsight traces with
+``backend=client.backend()``, where ``client = nnqueue.client.Client.from_env()`` (the command exports
+``NNQUEUE_URL`` and ``NNQUEUE_API_KEY`` for it). Every job the script submits is listed at the end.
+Without ``--wait`` the script's backends only *queue* their traces (their default ``blocking`` becomes
+false, through ``NNQUEUE_BLOCKING=0``), so the script runs through and the command prints the job ids
+to follow with ``nnqueue status`` and fetch with ``nnqueue download``; the trace variables are then not
+set, so a script that reads them needs ``--wait``. With ``--wait`` the traces block as usual (saved
+values land in the script's variables), and any job still unfinished at the end is waited for.
+A backend built with an explicit ``blocking=`` keeps it either way.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from nnqueue.client.client import Client, submit_hooks
+from nnqueue.client.errors import JobCancelled, JobFailed, NNqueueError
+from nnqueue.client.job import Job
+
+console = Console()
+err_console = Console(stderr=True)
+
+UrlOption = typer.Option(None, "--url", envvar="NNQUEUE_URL", help="The API's URL (NNQUEUE_URL).", show_default=False)
+KeyOption = typer.Option(
+    None, "--api-key", envvar="NNQUEUE_API_KEY", help="Your API key (NNQUEUE_API_KEY).", show_default=False
+)
+STATUS_STYLE = {"queued": "yellow", "running": "cyan", "completed": "green", "failed": "red", "cancelled": "magenta"}
+
+
+@contextmanager
+def _connected(url: str | None, api_key: str | None) -> Iterator[Client]:
+    """The API's client; an nnqueue error in the block (HTTP, connection, job) exits 1 with its message."""
+    try:
+        with Client.from_env(url=url, api_key=api_key) as client:
+            yield client
+    except NNqueueError as error:
+        err_console.print(f"[red]{type(error).__name__}:[/red] {escape(str(error))}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+def submit(
+    script: Path = typer.Argument(..., exists=True, dir_okay=False, help="A Python script that traces with client.backend()."),
+    args: list[str] = typer.Argument(None, help="Arguments for the script (after --)."),
+    wait: bool = typer.Option(False, "--wait", help="Block on each trace and wait for every job to finish."),
+    url: str | None = UrlOption,
+    api_key: str | None = KeyOption,
+) -> None:
+    """Run SCRIPT; list the jobs its traces submitted (queued only, unless --wait)."""
+    exported = {"NNQUEUE_BLOCKING": "1" if wait else "0"}
+    if url:
+        exported["NNQUEUE_URL"] = url
+    if api_key:
+        exported["NNQUEUE_API_KEY"] = api_key
+    saved_env = {name: os.environ.get(name) for name in exported}
+    os.environ.update(exported)
+    submitted: list[Job] = []
+    submit_hooks.append(submitted.append)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    sys.argv = [str(script), *(args or [])]
+    sys.path.insert(0, str(script.resolve().parent))
+    failure: BaseException | None = None
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            failure = exit_
+    except Exception as error:  # the script's own error: show it, then what it queued
+        failure = error
+        err_console.print("".join(traceback.format_exception(error)).rstrip(), highlight=False, markup=False)
+    finally:
+        submit_hooks.remove(submitted.append)
+        sys.argv, sys.path = saved_argv, saved_path
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+    if wait:
+        for job in submitted:
+            if not job.done:
+                try:
+                    job.wait()
+                except (JobFailed, JobCancelled):
+                    pass  # shown in the table
+    if submitted:
+        console.print(_jobs_table(submitted, title=f"{len(submitted)} job(s) submitted by {script.name}"))
+    else:
+        err_console.print(f"[yellow]{script.name} submitted no jobs[/yellow] (did it trace with client.backend()?)")
+    if not wait and submitted:
+        first = submitted[0].id
+        console.print(f"follow with [bold]nnqueue status {first}[/bold], fetch with [bold]nnqueue download {first} out.pt[/bold]")
+    if isinstance(failure, NameError) and not wait and submitted:
+        err_console.print("[yellow]hint:[/yellow] without --wait traces only queue jobs, so their saved variables are unset")
+    if failure is not None or (wait and any(job.info.get("status") != "completed" for job in submitted)):
+        raise typer.Exit(1)
+
+
+def status(
+    job_id: str = typer.Argument(..., help="The job's id."),
+    wait: bool = typer.Option(False, "--wait", help="Follow the job until it ends, with a progress display."),
+    url: str | None = UrlOption,
+    api_key: str | None = KeyOption,
+) -> None:
+    """Show a job: status, queue position, progress, times, error."""
+    with _connected(url, api_key) as client:
+        job = client.job(job_id)
+        if wait and not job.done:
+            try:
+                job.wait()
+            except (JobFailed, JobCancelled):
+                pass
+    console.print(_job_table(job))
+    error = job.info.get("error")
+    if error and error.get("traceback"):
+        console.print("[bold]worker traceback[/bold]")
+        console.print(error["traceback"].rstrip(), markup=False, highlight=False)
+    if wait and job.info.get("status") != "completed":
+        raise typer.Exit(1)
+
+
+def jobs(
+    status_filter: str | None = typer.Option(
+        None, "--status", help="Only jobs with this status (queued, running, completed, failed, cancelled)."
+    ),
+    model_key: str | None = typer.Option(None, "--model", help="Only jobs for this model key."),
+    limit: int = typer.Option(20, min=1, help="Show at most this many (newest first)."),
+    url: str | None = UrlOption,
+    api_key: str | None = KeyOption,
+) -> None:
+    """List your jobs, newest first."""
+    shown: list[Job] = []
+    with _connected(url, api_key) as client:
+        for job in client.jobs(status=status_filter, model_key=model_key, page_size=min(limit + 1, 200)):
+            if len(shown) == limit:
+                break
+            shown.append(job)
+    if not shown:
+        console.print("no jobs")
+        return
+    console.print(_jobs_table(shown))
+
+
+def cancel(
+    job_id: str = typer.Argument(..., help="The job's id."),
+    url: str | None = UrlOption,
+    api_key: str | None = KeyOption,
+) -> None:
+    """Cancel a queued or running job."""
+    with _connected(url, api_key) as client:
+        job = client.job(job_id).cancel()
+    console.print(f"job {job.id} is {_status(job.info)}")
+
+
+def download(
+    job_id: str = typer.Argument(..., help="The job's id."),
+    path: Path = typer.Argument(..., help="Where to write the result (a directory: <id>.pt in it)."),
+    wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for an unfinished job first."),
+    inline: bool = typer.Option(False, "--inline", help="Stream through the API instead of the presigned URL."),
+    url: str | None = UrlOption,
+    api_key: str | None = KeyOption,
+) -> None:
+    """Download a job's result (torch.save of its saves dict), with progress bars."""
+    with _connected(url, api_key) as client:
+        written = client.job(job_id).download(path, wait=wait, inline=inline)
+    console.print(f"wrote {written} ({written.stat().st_size:,} bytes); load it with torch.load(path, weights_only=False)")
+
+
+def models(url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
+    """List the models that live workers serve."""
+    with _connected(url, api_key) as client:
+        served = client.models()
+    table = Table("model key", "workers", "capacity")
+    for model in served:
+        table.add_row(escape(model["model_key"]), str(model["workers"]), str(model["capacity"]))
+    console.print(table if served else "no live workers")
+
+
+COMMANDS = {"submit": submit, "status": status, "jobs": jobs, "cancel": cancel, "download": download, "models": models}
+
+
+def register(app: typer.Typer) -> None:
+    """Add the client commands to the ``nnqueue`` app."""
+    for name, command in COMMANDS.items():
+        app.command(name)(command)
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+
+def _status(info: dict[str, Any]) -> str:
+    value = str(info.get("status"))
+    style = STATUS_STYLE.get(value, "")
+    return f"[{style}]{value}[/{style}]" if style else value
+
+
+def _when(value: str | None) -> str:
+    if not value:
+        return ""
+    try:
+        return datetime.fromisoformat(value).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return value
+
+
+def _progress(info: dict[str, Any]) -> str:
+    progress = info.get("progress") or {}
+    total = progress.get("total")
+    return f"{progress.get('done', 0)}/{total}" if total else ""
+
+
+def _detail(info: dict[str, Any]) -> str:
+    if info.get("status") == "queued" and info.get("queue_position") is not None:
+        return f"position {info['queue_position']}"
+    if error := info.get("error"):
+        return escape(f"{error.get('type')}: {error.get('message', '')}"[:80])
+    if result := info.get("result"):
+        return f"result {result.get('size', 0):,} B"
+    return ""
+
+
+def _jobs_table(jobs: list[Job], title: str | None = None) -> Table:
+    table = Table("id", "status", "model", "created", "progress", "detail", title=title)
+    for job in jobs:
+        info = job.info
+        table.add_row(job.id, _status(info), escape(job.model_key), _when(info.get("created_at")), _progress(info), _detail(info))
+    return table
+
+
+def _job_table(job: Job) -> Table:
+    info = job.info
+    table = Table(show_header=False, title=f"job {job.id}")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("status", _status(info)),
+        ("model", escape(job.model_key)),
+        ("owner", str(info.get("owner", ""))),
+        ("priority", str(info.get("priority", ""))),
+        ("timeout", f"{info['timeout_s']:g} s" if info.get("timeout_s") is not None else ""),
+        ("queue position", str(info["queue_position"]) if info.get("queue_position") is not None else ""),
+        ("progress", _progress(info)),
+        ("attempts", str(info.get("attempts", ""))),
+        ("created", _when(info.get("created_at"))),
+        ("started", _when(info.get("started_at"))),
+        ("finished", _when(info.get("finished_at"))),
+    ]
+    if result := info.get("result"):
+        rows.append(("result", f"{result.get('size', 0):,} bytes ({result.get('format')})"))
+    if error := info.get("error"):
+        rows.append(("error", escape(f"{error.get('type')}: {error.get('message', '')}")))
+    if metadata := info.get("metadata"):
+        rows.append(("metadata", escape(str(metadata))))
+    for name, value in rows:
+        if value:
+            table.add_row(name, value)
+    return table

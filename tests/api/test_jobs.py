@@ -1,0 +1,288 @@
+"""``/v1/jobs`` without a worker process: submission and its limits, tenant isolation, listing, cancelling.
+
+Jobs are submitted for a model whose worker row is live, so they stay QUEUED (no process consumes
+their queue); completed jobs are made through the same lifecycle calls a worker makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any
+
+import pytest
+import torch
+from sqlalchemy import select
+
+from nnqueue.api.limits import FORM_OVERHEAD_BYTES
+from nnqueue.db.lifecycle import transition
+from nnqueue.db.models import Job, JobEvent, JobStatus
+from nnqueue.db.session import transaction
+from nnqueue.storage.results import write_result
+from tests.api.conftest import LIVE_MODEL, Api, api_client, register_worker
+from tests.servers import free_ports
+from tests.workers.conftest import Services
+
+S = JobStatus
+
+
+@pytest.fixture(scope="module", autouse=True)
+def live_worker(services: Services) -> str:
+    return register_worker(services.sessions)
+
+
+def complete(services: Services, job_id: str, saves: dict[str, Any]) -> None:
+    """Run a job to COMPLETED the way a worker does: claim, store the result, finish."""
+    job_uuid = uuid.UUID(job_id)
+    with transaction(services.sessions) as session:
+        transition(session, job_uuid, S.RUNNING, worker_id="test-worker")
+    stored = write_result(services.store, job_uuid, saves)
+    with transaction(services.sessions) as session:
+        transition(
+            session, job_uuid, S.COMPLETED,
+            result_key=stored.key, result_size=stored.size, result_format=stored.format, progress_done=1,
+        )
+
+
+def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> None:
+    alice = api.new_key("alice")
+    client = {"nnsight": "0.8.1", "python": "3.11.9"}
+    job = api.submit_ok(alice, b"serialized trace", priority=3, metadata={"run": 7}, client=client)
+
+    assert job["owner"] == "alice" and job["model_key"] == LIVE_MODEL and job["kind"] == "trace"
+    assert job["status"] == "queued" and job["priority"] == 3 and job["metadata"] == {"run": 7}
+    assert job["timeout_s"] == api.resources.settings.default_job_timeout_s  # null -> the server's default
+    assert job["attempts"] == 0 and job["progress"] == {"done": 0, "total": None}
+    assert job["error"] is None and job["result"] is None and job["started_at"] is None
+    assert job["created_at"].endswith("Z") and job["queue_position"] >= 1
+
+    stored = services.job(uuid.UUID(job["id"]))
+    assert stored.meta == {"metadata": {"run": 7}, "client": client}  # the worker reads meta["client"]
+    assert api.resources.store.get_bytes(stored.payload_key) == b"serialized trace"
+    assert api.http.get(f"/v1/jobs/{job['id']}", headers=alice).json() == job
+
+
+def test_queue_position_counts_the_models_queued_jobs_in_order(api: Api, services: Services) -> None:
+    model = "position-model"
+    register_worker(services.sessions, model)
+    alice, bob = api.new_key("alice"), api.new_key("bob")
+    ids = [api.submit_ok(key, model_key=model)["id"] for key in (alice, bob, alice)]
+
+    def position(job_id: str, key: dict[str, str]) -> int | None:
+        return api.http.get(f"/v1/jobs/{job_id}", headers=key).json()["queue_position"]
+
+    assert [position(ids[0], alice), position(ids[1], bob), position(ids[2], alice)] == [1, 2, 3]
+    api.http.post(f"/v1/jobs/{ids[0]}/cancel", headers=alice)
+    assert [position(ids[0], alice), position(ids[1], bob), position(ids[2], alice)] == [None, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        ("{not json", ["body", "spec"]),
+        (json.dumps({"kind": "trace"}), ["body", "spec", "model_key"]),
+        (json.dumps({"model_key": LIVE_MODEL, "kind": "harvest-everything"}), ["body", "spec", "kind"]),
+        (json.dumps({"model_key": LIVE_MODEL, "timeout_s": 0}), ["body", "spec", "timeout_s"]),
+        (json.dumps({"model_key": LIVE_MODEL, "timeout_s": 86401}), ["body", "spec", "timeout_s"]),
+        (json.dumps({"model_key": LIVE_MODEL, "timeout_s": "soon"}), ["body", "spec", "timeout_s"]),
+        (json.dumps({"model_key": LIVE_MODEL, "priority": 1.5}), ["body", "spec", "priority"]),
+        (json.dumps({"model_key": LIVE_MODEL, "client": {"nnsight": "0.8"}}), ["body", "spec", "client", "python"]),
+        (json.dumps({"model_key": LIVE_MODEL, "timeout": 5}), ["body", "spec", "timeout"]),
+        (json.dumps(["model_key"]), ["body", "spec"]),
+    ],
+)
+def test_a_malformed_spec_is_422_naming_the_field(api: Api, spec: str, field: list[str]) -> None:
+    response = api.http.post(
+        "/v1/jobs", headers=api.new_key("alice"), data={"spec": spec}, files={"payload": ("t", b"x")}
+    )
+    assert response.status_code == 422, response.text
+    assert field in [error["loc"] for error in response.json()["detail"]]
+
+
+def test_missing_form_fields_are_422(api: Api) -> None:
+    alice = api.new_key("alice")
+    no_payload = api.http.post("/v1/jobs", headers=alice, data={"spec": json.dumps({"model_key": LIVE_MODEL})})
+    no_spec = api.http.post("/v1/jobs", headers=alice, files={"payload": ("t", b"x")})
+    assert no_payload.status_code == no_spec.status_code == 422
+    assert ["body", "payload"] in [error["loc"] for error in no_payload.json()["detail"]]
+    assert ["body", "spec"] in [error["loc"] for error in no_spec.json()["detail"]]
+
+
+def test_an_oversized_payload_is_413_and_nothing_is_stored(services: Services) -> None:
+    limit = 1000
+    with api_client(services, max_payload_bytes=limit, worker_stale_after_s=3600) as api:
+        ivan = api.new_key("ivan")
+        assert api.submit(ivan, b"x" * limit).status_code == 201  # exactly the limit is fine
+
+        over = api.submit(ivan, b"x" * (limit + 1))  # checked by the route
+        huge = api.submit(ivan, b"x" * (4 * 1024 * 1024))  # refused from its Content-Length
+        for response in (over, huge):
+            assert response.status_code == 413, response.text
+            detail = response.json()["detail"]
+            assert detail == f"payload too large: the limit is {limit} bytes (NNQUEUE_MAX_PAYLOAD_BYTES)"
+        assert len(api.http.get("/v1/jobs", headers=ivan).json()["jobs"]) == 1
+
+
+def test_an_upload_without_content_length_is_cut_off_while_it_streams_in(services: Services) -> None:
+    """Driven at the ASGI level, chunk by chunk, as a server delivers a chunked upload."""
+    limit, chunk = 1000, b"x" * 65536
+    with api_client(services, max_payload_bytes=limit, worker_stale_after_s=3600) as api:
+        secret = api.new_key("ivan")["Authorization"].encode()
+        spec = json.dumps({"model_key": LIVE_MODEL}).encode()
+        head = b'--b\r\nContent-Disposition: form-data; name="spec"\r\n\r\n' + spec + b"\r\n"
+        head += b'--b\r\nContent-Disposition: form-data; name="payload"; filename="t"\r\n\r\n'
+        messages = iter([head] + [chunk] * 1024)  # a 64 MiB upload
+        received, response = 0, {}
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            body = next(messages, b"")
+            received += len(body)
+            return {"type": "http.request", "body": body, "more_body": bool(body)}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                response["status"] = message["status"]
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+            "path": "/v1/jobs", "raw_path": b"/v1/jobs", "query_string": b"", "root_path": "",
+            "headers": [(b"authorization", secret), (b"content-type", b"multipart/form-data; boundary=b")],
+            "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+        }
+        asyncio.run(api.http.app(scope, receive, send))
+    assert response["status"] == 413
+    assert received <= limit + FORM_OVERHEAD_BYTES + len(chunk)  # it stopped reading near the limit
+
+
+def test_jobs_in_flight_per_key_are_limited_with_429(services: Services) -> None:
+    with api_client(services, max_jobs_in_flight_per_key=2, worker_stale_after_s=3600) as api:
+        first_key, second_key = api.new_key("erin"), api.new_key("erin")
+        ids = [api.submit_ok(first_key)["id"] for _ in range(2)]
+
+        refused = api.submit(first_key)
+        assert refused.status_code == 429 and "already has 2 jobs queued or running" in refused.json()["detail"]
+        assert api.submit(second_key).status_code == 201  # the limit is per key, not per owner
+
+        api.http.post(f"/v1/jobs/{ids[0]}/cancel", headers=first_key)  # an ended job frees its place
+        assert api.submit(first_key).status_code == 201
+
+
+def test_an_unknown_model_is_400_naming_the_live_models(api: Api) -> None:
+    response = api.submit(api.new_key("alice"), model_key="gpt-nobody")
+    assert response.status_code == 400
+    detail = response.json()["detail"]
+    assert "'gpt-nobody'" in detail and f"'{LIVE_MODEL}'" in detail
+
+
+def test_a_broker_that_is_down_is_503_and_the_job_is_marked_failed(services: Services) -> None:
+    [closed_port] = free_ports(1)
+    with api_client(services, broker_url=f"redis://127.0.0.1:{closed_port}/0", worker_stale_after_s=3600) as api:
+        alice = api.new_key("frank")
+        response = api.submit(alice)
+        assert response.status_code == 503 and "broker is unreachable" in response.json()["detail"]
+        [job] = api.http.get("/v1/jobs", headers=alice).json()["jobs"]
+    assert job["status"] == "failed" and "could not be put on the queue" in job["error"]["message"]
+
+
+def test_another_owners_job_is_404_everywhere(api: Api, services: Services) -> None:
+    alice, bob = api.new_key("alice"), api.new_key("bob")
+    queued = api.submit_ok(bob)["id"]
+    completed = api.submit_ok(bob)["id"]
+    complete(services, completed, {"x": torch.ones(2)})
+
+    for job_id in (queued, completed):
+        assert api.http.get(f"/v1/jobs/{job_id}", headers=bob).status_code == 200
+        for method, path in (("GET", ""), ("POST", "/cancel"), ("GET", "/result"), ("GET", "/result?inline=1")):
+            response = api.http.request(method, f"/v1/jobs/{job_id}{path}", headers=alice)
+            assert response.status_code == 404, (method, path)
+            assert response.json()["detail"] == f"no job {job_id}"
+    listed = {job["id"] for job in api.http.get("/v1/jobs?limit=200", headers=alice).json()["jobs"]}
+    assert queued not in listed and completed not in listed
+    assert services.job(uuid.UUID(queued)).status is S.QUEUED  # alice's cancel did nothing
+    assert api.http.get(f"/v1/jobs/{completed}/result?inline=1", headers=bob).status_code == 200
+    assert api.http.get(f"/v1/jobs/{uuid.uuid4()}", headers=bob).status_code == 404
+    assert api.http.get("/v1/jobs/not-a-uuid", headers=bob).status_code == 422
+
+
+def test_listing_pages_through_the_callers_jobs_newest_first_without_gaps(api: Api) -> None:
+    gina, bob = api.new_key("gina"), api.new_key("bob")
+    mine = [api.submit_ok(gina, metadata={"n": n})["id"] for n in range(7)]
+    api.submit_ok(bob)
+
+    seen: list[str] = []
+    cursor: str | None = None
+    pages = 0
+    while True:
+        params = {"limit": 3, **({"cursor": cursor} if cursor else {})}
+        page = api.http.get("/v1/jobs", headers=gina, params=params).json()
+        seen += [job["id"] for job in page["jobs"]]
+        pages += 1
+        api.submit_ok(gina)  # newer jobs arriving meanwhile do not shift the pages
+        cursor = page["next_cursor"]
+        if cursor is None:
+            break
+    assert pages == 3 and seen == mine[::-1]
+
+    everything = api.http.get("/v1/jobs", headers=gina, params={"limit": 200}).json()
+    assert len(everything["jobs"]) == 10 and everything["next_cursor"] is None
+    assert api.http.get("/v1/jobs", headers=gina, params={"cursor": "bogus"}).status_code == 422
+    assert api.http.get("/v1/jobs", headers=gina, params={"limit": 0}).status_code == 422
+    assert api.http.get("/v1/jobs", headers=gina, params={"limit": 201}).status_code == 422
+
+
+def test_listing_filters_by_status_and_model(api: Api, services: Services) -> None:
+    register_worker(services.sessions, "filter-model")
+    hank = api.new_key("hank")
+    queued = api.submit_ok(hank)["id"]
+    other_model = api.submit_ok(hank, model_key="filter-model")["id"]
+    cancelled = api.submit_ok(hank)["id"]
+    api.http.post(f"/v1/jobs/{cancelled}/cancel", headers=hank)
+
+    def ids(**params: str) -> list[str]:
+        return [job["id"] for job in api.http.get("/v1/jobs", headers=hank, params=params).json()["jobs"]]
+
+    assert ids(status="cancelled") == [cancelled]
+    assert ids(status="queued") == [other_model, queued]
+    assert ids(model_key="filter-model") == [other_model]
+    assert ids(status="queued", model_key=LIVE_MODEL) == [queued]
+    assert api.http.get("/v1/jobs", headers=hank, params={"status": "lost"}).status_code == 422
+
+
+def test_cancel_a_queued_job_and_409_once_it_has_ended(api: Api, services: Services) -> None:
+    alice = api.new_key("alice")
+    job_id = api.submit_ok(alice)["id"]
+
+    cancelled = api.http.post(f"/v1/jobs/{job_id}/cancel", headers=alice)
+    assert cancelled.status_code == 200
+    body = cancelled.json()
+    assert body["status"] == "cancelled" and body["finished_at"] is not None and body["queue_position"] is None
+    with services.sessions() as session:
+        events = select(JobEvent).where(JobEvent.job_id == uuid.UUID(job_id)).order_by(JobEvent.id.desc())
+        event = session.scalar(events)
+    assert event.to_status is S.CANCELLED and event.detail == {"by": "alice"}
+
+    again = api.http.post(f"/v1/jobs/{job_id}/cancel", headers=alice)
+    assert again.status_code == 409 and "is cancelled" in again.json()["detail"]
+
+    finished = api.submit_ok(alice)["id"]
+    complete(services, finished, {"x": torch.ones(1)})
+    refused = api.http.post(f"/v1/jobs/{finished}/cancel", headers=alice)
+    assert refused.status_code == 409 and "is completed" in refused.json()["detail"]
+    with services.sessions() as session:
+        assert session.get(Job, uuid.UUID(finished)).status is S.COMPLETED
+
+
+def test_a_result_is_409_until_the_job_completes(api: Api, services: Services) -> None:
+    alice = api.new_key("alice")
+    job_id = api.submit_ok(alice)["id"]
+    early = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice)
+    assert early.status_code == 409 and "is queued" in early.json()["detail"]
+
+    complete(services, job_id, {"tensor": torch.ones(1), "count": 3})  # not all tensors: no safetensors copy
+    body = api.http.get(f"/v1/jobs/{job_id}", headers=alice).json()
+    assert body["status"] == "completed" and body["result"]["format"] == "torch" and body["result"]["size"] > 0
+    no_safetensors = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "safetensors"})
+    assert no_safetensors.status_code == 409 and "no safetensors result" in no_safetensors.json()["detail"]
+    assert api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "npz"}).status_code == 422

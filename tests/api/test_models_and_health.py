@@ -1,0 +1,75 @@
+"""``/v1/models`` follows worker heartbeats; ``/healthz`` and ``/readyz`` report on the process and its servers."""
+
+from __future__ import annotations
+
+import time
+
+from nnqueue.workers import registry
+from tests.api.conftest import api_client, create_secret, register_worker
+from tests.servers import free_ports
+from tests.workers.conftest import Services
+
+
+def test_models_lists_live_workers_and_drops_one_that_stops_heartbeating(services: Services) -> None:
+    stale_after_s = 1.5
+    with api_client(services, worker_stale_after_s=stale_after_s) as api:
+        headers = {"ndif-api-key": create_secret(services.sessions, "alice")}
+
+        def models() -> dict[str, tuple[int, int]]:
+            response = api.http.get("/v1/models", headers=headers)
+            assert response.status_code == 200
+            return {m["model_key"]: (m["workers"], m["capacity"]) for m in response.json()["models"]}
+
+        assert models() == {}
+        steady = register_worker(services.sessions, "model-a", capacity=4)
+        register_worker(services.sessions, "model-a", capacity=2)
+        fading = register_worker(services.sessions, "model-b", capacity=8)
+        assert models() == {"model-a": (2, 6), "model-b": (1, 8)}
+
+        deadline = time.monotonic() + stale_after_s + 1
+        while time.monotonic() < deadline:  # only `steady` keeps beating
+            registry.heartbeat(services.sessions, steady)
+            time.sleep(0.2)
+        assert models() == {"model-a": (1, 4)}
+        unknown = api.submit({"ndif-api-key": headers["ndif-api-key"]}, model_key="model-b")
+        assert unknown.status_code == 400 and "live models: 'model-a'" in unknown.json()["detail"]
+
+        registry.heartbeat(services.sessions, fading)  # beating again: live again
+        registry.mark_stopped(services.sessions, steady)  # stopped cleanly: gone at once
+        assert models() == {"model-b": (1, 8)}
+
+
+def test_healthz_answers_without_a_key(services: Services) -> None:
+    with api_client(services) as api:
+        response = api.http.get("/healthz")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+def test_readyz_is_200_when_everything_is_reachable(services: Services) -> None:
+    with api_client(services) as api:
+        response = api.http.get("/readyz")
+    assert response.status_code == 200, response.text
+    assert response.json() == {
+        "status": "ready",
+        "checks": {"database": "ok", "broker": "ok", "object_store": "ok"},
+    }
+
+
+def test_readyz_is_503_naming_what_is_unreachable(services: Services) -> None:
+    [closed_port] = free_ports(1)
+    with api_client(services, broker_url=f"redis://127.0.0.1:{closed_port}/0") as api:
+        started = time.monotonic()
+        response = api.http.get("/readyz")
+        elapsed = time.monotonic() - started
+    assert response.status_code == 503
+    body = response.json()
+    assert body["status"] == "unavailable"
+    assert body["checks"]["database"] == body["checks"]["object_store"] == "ok"
+    assert "OperationalError" in body["checks"]["broker"] and "refused" in body["checks"]["broker"]
+    assert elapsed < 5  # no retry loop on a dead broker
+
+    [closed_port] = free_ports(1)
+    database = f"postgresql+psycopg://nobody@127.0.0.1:{closed_port}/nothing"
+    with api_client(services, database_url=database) as api:
+        body = api.http.get("/readyz").json()
+    assert body["checks"]["broker"] == "ok" and body["checks"]["database"] != "ok"

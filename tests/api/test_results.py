@@ -1,0 +1,149 @@
+"""Through the API to a real worker and back: the downloaded result equals the same trace run in-process.
+
+One ``nnqueue worker`` process serves the tiny model for this module. Results live in S3 (SeaweedFS,
+which checks signatures and expiry), so downloads go through presigned URLs by default.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import nnsight
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+
+from nnqueue.engines.trace_runner import run_serialized_trace
+from nnqueue.storage.results import load_result
+from tests.api.conftest import Api, api_client
+from tests.conftest import PayloadBackend
+from tests.workers.conftest import MODEL_KEY, Services, WorkerProcess
+
+PROMPT = "The Eiffel Tower is in"
+CLIENT = {"nnsight": nnsight.__version__, "python": platform.python_version()}
+
+
+@pytest.fixture(scope="module")
+def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return start_worker(max_concurrent_jobs=4)
+
+
+@pytest.fixture(scope="module")
+def alice(api: Api) -> dict[str, str]:
+    return api.new_key("alice")
+
+
+@pytest.fixture(scope="module")
+def payload(client_model: Any) -> bytes:
+    backend = PayloadBackend()
+    with client_model.trace(PROMPT, temperature=0.0, max_tokens=1, backend=backend):
+        out = client_model.model.layers[0].output
+        hidden = (out[0] + out[1]).save()  # vLLM's Llama layer returns (mlp_out, residual)
+        logits = client_model.logits.save()
+    return backend.payload
+
+
+@pytest.fixture(scope="module")
+def completed(api: Api, worker: WorkerProcess, alice: dict[str, str], payload: bytes) -> dict[str, Any]:
+    job = api.submit_ok(alice, payload, model_key=MODEL_KEY, timeout_s=120, client=CLIENT)
+    done = wait_ended(api, alice, job["id"])
+    assert done["status"] == "completed", done["error"]
+    return done
+
+
+def wait_ended(api: Api, headers: dict[str, str], job_id: str, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = api.http.get(f"/v1/jobs/{job_id}", headers=headers).json()
+        if job["status"] in ("completed", "failed", "cancelled"):
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} did not end in {timeout} s")
+
+
+def test_models_shows_the_running_worker(api: Api, worker: WorkerProcess, alice: dict[str, str]) -> None:
+    models = api.http.get("/v1/models", headers=alice).json()["models"]
+    assert models == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4}]
+
+
+def test_the_presigned_download_equals_an_in_process_run(
+    api: Api, alice: dict[str, str], completed: dict[str, Any], payload: bytes, inprocess_engine: Any
+) -> None:
+    assert completed["result"]["format"] == "torch+safetensors"
+    assert completed["progress"] == {"done": 1, "total": 1} and completed["attempts"] == 1
+    assert completed["started_at"] <= completed["finished_at"] and completed["queue_position"] is None
+
+    redirect = api.http.get(f"/v1/jobs/{completed['id']}/result", headers=alice, follow_redirects=False)
+    assert redirect.status_code == 302
+    url = redirect.headers["location"]
+    assert url.startswith(api.resources.settings.s3.endpoint_url) and "X-Amz-Expires=3600" in url
+    downloaded = httpx.get(url)  # no API key: the URL itself is the credential
+    assert downloaded.status_code == 200 and len(downloaded.content) == completed["result"]["size"]
+    saves = load_result(downloaded.content)
+
+    reference = inprocess_engine.run(run_serialized_trace(inprocess_engine.model, payload, "api-reference"))
+    assert reference.error is None and set(saves) == set(reference.saves) == {"hidden", "logits"}
+    for name, value in reference.saves.items():
+        torch.testing.assert_close(saves[name], value, atol=1e-5, rtol=1e-5)
+
+    url = api.http.get(
+        f"/v1/jobs/{completed['id']}/result", headers=alice, params={"format": "safetensors"}, follow_redirects=False
+    ).headers["location"]
+    tensors = safetensors_load(httpx.get(url).content)
+    for name, value in saves.items():
+        torch.testing.assert_close(tensors[name], value)
+
+
+def test_inline_download_streams_the_same_bytes(api: Api, alice: dict[str, str], completed: dict[str, Any]) -> None:
+    url = f"/v1/jobs/{completed['id']}/result"
+    inline = api.http.get(url, headers=alice, params={"inline": 1})
+    assert inline.status_code == 200 and inline.headers["content-type"] == "application/octet-stream"
+    assert int(inline.headers["content-length"]) == completed["result"]["size"]
+    assert inline.headers["content-disposition"] == f'attachment; filename="{completed["id"]}.pt"'
+    presigned = api.http.get(url, headers=alice, follow_redirects=False).headers["location"]
+    assert inline.content == httpx.get(presigned).content
+
+
+def test_a_presigned_url_expires(services: Services, alice: dict[str, str], completed: dict[str, Any]) -> None:
+    with api_client(services, result_url_expiry_s=3) as short:
+        issued = time.monotonic()
+        url = short.http.get(
+            f"/v1/jobs/{completed['id']}/result", headers=alice, follow_redirects=False
+        ).headers["location"]
+    assert "X-Amz-Expires=3" in url
+    assert httpx.get(url).status_code == 200  # valid while fresh...
+    time.sleep(max(0.0, issued + 4.5 - time.monotonic()))
+    expired = httpx.get(url)
+    assert expired.status_code == 403, expired.text  # ...and S3 refuses it once it has expired
+    assert "expired" in expired.text.lower()
+
+
+def test_another_owner_cannot_download_or_cancel_it(api: Api, completed: dict[str, Any], alice: dict[str, str]) -> None:
+    bob = api.new_key("bob")
+    for path in ("/result", "/result?inline=1", ""):
+        assert api.http.get(f"/v1/jobs/{completed['id']}{path}", headers=bob).status_code == 404
+    assert api.http.post(f"/v1/jobs/{completed['id']}/cancel", headers=bob).status_code == 404
+    ended = api.http.post(f"/v1/jobs/{completed['id']}/cancel", headers=alice)
+    assert ended.status_code == 409 and "is completed" in ended.json()["detail"]
+
+
+def test_an_error_in_user_code_is_reported_on_the_job(
+    api: Api, worker: WorkerProcess, alice: dict[str, str], client_model: Any
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(PROMPT, temperature=0.0, max_tokens=1, backend=backend):
+        hidden = client_model.model.layers[0].output[0]
+        raise ValueError(f"user code broke on shape {tuple(hidden.shape)}")
+    job = api.submit_ok(alice, backend.payload, model_key=MODEL_KEY, client=CLIENT)
+
+    failed = wait_ended(api, alice, job["id"])
+    assert failed["status"] == "failed" and failed["result"] is None
+    assert failed["error"]["type"] == "ValueError"
+    assert "user code broke on shape" in failed["error"]["message"]
+    assert "raise ValueError" in failed["error"]["traceback"]
+    refused = api.http.get(f"/v1/jobs/{job['id']}/result", headers=alice)
+    assert refused.status_code == 409 and "is failed" in refused.json()["detail"]

@@ -1,0 +1,57 @@
+"""``nnqueue serve-api``: refuses a database that is not migrated, else serves the app with uvicorn."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from nnqueue.cli import app
+from tests.servers import free_ports
+from tests.workers.conftest import Services
+
+
+def test_serve_api_refuses_an_unmigrated_database(
+    database_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NNQUEUE_DATABASE_URL", database_factory(migrated=False))
+    result = CliRunner().invoke(app, ["serve-api"], env={"COLUMNS": "200"})
+    assert result.exit_code == 1
+    assert "none (no nnqueue tables)" in result.output and "run `nnqueue db upgrade`" in result.output
+
+
+def test_serve_api_serves_the_app(services: Services) -> None:
+    [port] = free_ports(1)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nnqueue", "serve-api", "--port", str(port)],
+        env={**os.environ, **services.env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+            try:
+                health = httpx.get(f"{url}/healthz")
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, "serve-api did not answer in 60 s"
+                time.sleep(0.2)
+        assert health.json() == {"status": "ok"}
+        assert httpx.get(f"{url}/readyz").status_code == 200
+        schema = httpx.get(f"{url}/openapi.json").json()
+        assert {"/v1/jobs", "/v1/jobs/{job_id}/result", "/v1/models", "/readyz"} <= set(schema["paths"])
+        assert httpx.get(f"{url}/v1/jobs").status_code == 401
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)

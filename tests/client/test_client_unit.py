@@ -1,0 +1,262 @@
+"""The client against a scripted API (httpx.MockTransport): wire format, errors, redirects, waiting.
+
+No servers: these pin the client's side of the API contract, including what the end-to-end tests cannot
+see, such as the API key never travelling to the object store with a presigned download.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from nnsight.intervention.errors import raise_deferred
+
+from nnqueue.client import (
+    APIConnectionError,
+    APIError,
+    AuthenticationError,
+    Client,
+    ConflictError,
+    JobCancelled,
+    JobFailed,
+    NotFoundError,
+    PayloadTooLargeError,
+    TooManyJobsError,
+    UnknownModelError,
+)
+from nnqueue.client import client as client_module
+from nnqueue.client.job import Job
+
+API = "http://api.test"
+JOB_ID = "7c0e7a52-1d0c-4d8e-9f3f-0a9c1b2c3d4e"
+
+
+def job_json(status: str = "queued", **fields: Any) -> dict[str, Any]:
+    return {
+        "id": JOB_ID, "owner": "alice", "model_key": "m", "kind": "trace", "status": status, "priority": 0,
+        "timeout_s": 600.0, "metadata": {}, "attempts": 0, "created_at": "2026-11-22T08:00:00Z",
+        "queued_at": "2026-11-22T08:00:00Z", "started_at": None, "finished_at": None, "queue_position": None,
+        "progress": {"done": 0, "total": None}, "error": None, "result": None, **fields,
+    }
+
+
+def scripted(handler: Callable[[httpx.Request], httpx.Response]) -> Client:
+    return Client(API, "nnq_secret", transport=httpx.MockTransport(handler))
+
+
+def saves_bytes(saves: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(saves, buffer)
+    return buffer.getvalue()
+
+
+def test_submit_sends_the_spec_and_payload_as_multipart_with_the_key() -> None:
+    seen: dict[str, Any] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["auth"] = request.headers.get("authorization")
+        seen["body"] = request.read()
+        seen["type"] = request.headers["content-type"]
+        return httpx.Response(201, json=job_json())
+
+    submitted: list[Job] = []
+    client_module.submit_hooks.append(submitted.append)
+    try:
+        job = scripted(handler).submit("m", b"\x00payload\xff", timeout_s=30, priority=2, metadata={"a": 1})
+    finally:
+        client_module.submit_hooks.remove(submitted.append)
+
+    assert job.id == JOB_ID and submitted == [job]
+    assert seen["auth"] == "Bearer nnq_secret" and seen["type"].startswith("multipart/form-data")
+    body: bytes = seen["body"]
+    assert b'name="payload"' in body and b"\x00payload\xff" in body
+    spec_part = body.split(b'name="spec"', 1)[1].split(b"\r\n\r\n", 1)[1].split(b"\r\n--", 1)[0]
+    spec = json.loads(spec_part)
+    import nnsight
+
+    assert spec["model_key"] == "m" and spec["kind"] == "trace" and spec["priority"] == 2
+    assert spec["timeout_s"] == 30 and spec["metadata"] == {"a": 1}
+    assert spec["client"]["nnsight"] == nnsight.__version__ and spec["client"]["python"].count(".") == 2
+
+
+@pytest.mark.parametrize(
+    ("status", "method", "path", "cls"),
+    [
+        (401, "GET", f"/v1/jobs/{JOB_ID}", AuthenticationError),
+        (404, "GET", f"/v1/jobs/{JOB_ID}", NotFoundError),
+        (409, "POST", f"/v1/jobs/{JOB_ID}/cancel", ConflictError),
+        (413, "POST", "/v1/jobs", PayloadTooLargeError),
+        (429, "POST", "/v1/jobs", TooManyJobsError),
+        (400, "POST", "/v1/jobs", UnknownModelError),
+        (500, "GET", f"/v1/jobs/{JOB_ID}", APIError),
+    ],
+)
+def test_http_errors_carry_status_and_detail(status: int, method: str, path: str, cls: type[APIError]) -> None:
+    client = scripted(lambda request: httpx.Response(status, json={"detail": f"because {status}"}))
+    with pytest.raises(cls) as caught:
+        client._request(method, path)
+    assert type(caught.value) is cls and caught.value.status_code == status
+    assert caught.value.detail == f"because {status}" and f"because {status}" in str(caught.value)
+
+
+def test_a_422_names_the_fields() -> None:
+    detail = [{"loc": ["body", "spec", "model_key"], "msg": "Field required", "type": "missing"}]
+    client = scripted(lambda request: httpx.Response(422, json={"detail": detail}))
+    with pytest.raises(APIError) as caught:
+        client.submit("", b"x")
+    assert caught.value.status_code == 422 and "spec.model_key: Field required" in str(caught.value)
+
+
+def test_an_unreachable_api_is_a_connection_error() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with pytest.raises(APIConnectionError, match="cannot reach the nnqueue API at http://api.test"):
+        scripted(refuse).models()
+
+
+def test_jobs_follows_the_cursor_across_pages() -> None:
+    pages = {None: (["a", "b"], "c1"), "c1": (["c"], "c2"), "c2": ([], None)}
+    queries: list[dict[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        query = dict(request.url.params)
+        queries.append(query)
+        ids, cursor = pages[query.get("cursor")]
+        return httpx.Response(200, json={"jobs": [job_json(id=i) for i in ids], "next_cursor": cursor})
+
+    ids = [job.id for job in scripted(handler).jobs(status="failed", model_key="m", page_size=2)]
+    assert ids == ["a", "b", "c"]
+    assert queries[0] == {"status": "failed", "model_key": "m", "limit": "2"} and queries[2]["cursor"] == "c2"
+
+
+def test_failed_jobs_raise_like_nnsights_raise_deferred() -> None:
+    traceback = '  File "<trace>", line 3, in <module>\n    raise ValueError("bad")\n'
+    failed = job_json("failed", error={"type": "ValueError", "message": "bad", "traceback": traceback})
+    client = scripted(lambda request: httpx.Response(200, json=failed))
+    with pytest.raises(JobFailed) as caught:
+        client.job(JOB_ID).wait(progress=False)
+    with pytest.raises(RuntimeError) as nnsight_way:
+        raise_deferred({"type_name": "ValueError", "message": "bad", "traceback": traceback})
+    assert str(caught.value) == str(nnsight_way.value)
+    assert isinstance(caught.value, RuntimeError)
+    assert (caught.value.type_name, caught.value.error_message, caught.value.traceback) == ("ValueError", "bad", traceback)
+
+
+def test_wait_follows_queued_running_completed_and_survives_a_blip(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("nnqueue.client.job.time.sleep", lambda seconds: None)
+    answers = [
+        httpx.Response(200, json=job_json("queued", queue_position=2)),
+        httpx.Response(503, json={"detail": "database restarting"}),
+        httpx.Response(200, json=job_json("running", progress={"done": 1, "total": 2})),
+        httpx.Response(200, json=job_json("completed", progress={"done": 2, "total": 2}, result={"size": 3, "format": "torch"})),
+    ]
+    client = scripted(lambda request: answers.pop(0))
+    job = Job(client, job_json())
+    assert job.wait(progress=True) is job and job.info["status"] == "completed" and not answers
+
+
+def test_a_cancelled_job_raises() -> None:
+    client = scripted(lambda request: httpx.Response(200, json=job_json("cancelled")))
+    with pytest.raises(JobCancelled, match="was cancelled"):
+        client.job(JOB_ID).result(progress=False)
+
+
+def test_results_follow_the_redirect_without_the_api_key_and_load_the_saves(tmp_path: Any) -> None:
+    data = saves_bytes({"logits": torch.arange(4.0), "tokens": [1, 2]})
+    completed = job_json("completed", result={"size": len(data), "format": "torch"})
+    presigned: list[httpx.Request] = []
+
+    def api(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/result"):
+            if request.url.params.get("inline") == "1":
+                return httpx.Response(200, content=data, headers={"content-length": str(len(data))})
+            return httpx.Response(302, headers={"location": "http://store.test/bucket/saves.pt?X-Amz-Signature=abc"})
+        return httpx.Response(200, json=completed)
+
+    def store(request: httpx.Request) -> httpx.Response:
+        presigned.append(request)
+        return httpx.Response(200, content=data)
+
+    client = scripted(api)
+    client._plain = httpx.Client(transport=httpx.MockTransport(store))
+    job = client.job(JOB_ID)
+
+    saves = job.result(progress=False)
+    assert torch.equal(saves["logits"], torch.arange(4.0)) and saves["tokens"] == [1, 2]
+    [request] = presigned
+    assert "authorization" not in request.headers and request.url.params["X-Amz-Signature"] == "abc"
+
+    assert job.download(tmp_path / "r.pt", progress=False).read_bytes() == data
+    assert job.download(tmp_path / "i.pt", progress=False, inline=True).read_bytes() == data
+    assert len(presigned) == 2  # the inline download did not go to the store
+
+
+def test_a_short_download_is_an_error_and_leaves_no_file(tmp_path: Any) -> None:
+    completed = job_json("completed", result={"size": 100, "format": "torch"})
+
+    def api(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/result"):
+            return httpx.Response(200, content=b"only ten b")
+        return httpx.Response(200, json=completed)
+
+    with pytest.raises(APIError, match="is 10 bytes, expected 100"):
+        scripted(api).job(JOB_ID).download(tmp_path / "r.pt", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_from_env_reads_url_key_and_blocking(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NNQUEUE_URL", "http://queue.example:9000/")
+    monkeypatch.setenv("NNQUEUE_API_KEY", "nnq_from_env")
+    monkeypatch.setenv("NNQUEUE_BLOCKING", "0")
+    client = Client.from_env()
+    assert client.url == "http://queue.example:9000" and client.blocking is False
+    assert client._http.headers["authorization"] == "Bearer nnq_from_env"
+    assert Client.from_env(url="http://other:1").url == "http://other:1"
+    assert Client("http://x", None).blocking is False  # NNQUEUE_BLOCKING applies to direct construction too
+    backend = client.backend(model_key="m", blocking=True, priority=5)
+    assert backend.blocking is True and backend.submit_options == {"priority": 5}
+
+
+def test_the_default_model_key_is_the_models_repo_id_or_path() -> None:
+    from types import SimpleNamespace
+
+    from nnqueue.client.backend import default_model_key
+
+    class MetaVLLM:  # what nnsight's VLLM offers: no repo_id, the path it was built from
+        def _remoteable_model_key(self) -> str:
+            return "/models/smollm2-135m"
+
+    assert default_model_key(SimpleNamespace(envoy=MetaVLLM())) == "/models/smollm2-135m"
+    assert default_model_key(SimpleNamespace(envoy=SimpleNamespace(repo_id="HuggingFaceTB/SmolLM2-135M"))) == (
+        "HuggingFaceTB/SmolLM2-135M"
+    )
+    with pytest.raises(ValueError, match="pass client.backend"):
+        default_model_key(SimpleNamespace(envoy=None))
+
+
+def test_an_interrupted_blocking_trace_cancels_its_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    calls: list[str] = []
+
+    def api(request: httpx.Request) -> httpx.Response:
+        calls.append(f"{request.method} {request.url.path}")
+        if request.url.path.endswith("/cancel"):
+            return httpx.Response(200, json=job_json("cancelled"))
+        return httpx.Response(201, json=job_json("queued"))
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("nnsight.schema.request.RequestModel.serialize", lambda tracer, compress=False: b"trace")
+    monkeypatch.setattr(Job, "result", interrupted)
+    backend = scripted(api).backend(model_key="m")
+    with pytest.raises(KeyboardInterrupt):
+        backend(SimpleNamespace(info=None))
+    assert calls == ["POST /v1/jobs", f"POST /v1/jobs/{JOB_ID}/cancel"]
