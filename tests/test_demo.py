@@ -1,0 +1,48 @@
+"""``nnqueue demo``, the README's main job: the real SmolLM2-135M converted from the wheel's GGUF, the whole
+embedded stack, and one trace job through the API. Its values are checked against the model itself, not
+against numbers written down here."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from rich.console import Console
+from typer.testing import CliRunner
+
+from nnqueue.cli import app
+from nnqueue.demo import MARKER, MODEL_KEY, ensure_model, gguf_path, run_demo
+
+
+def test_the_demo_runs_a_real_trace_job_and_prints_the_summary(tmp_path: Path) -> None:
+    console = Console(record=True, width=160)
+    saves = run_demo(tmp_path / "data", console)
+    output = console.export_text()
+
+    # The logit lens reads the model's own answer off its last layer: the first generated token.
+    assert saves["lens_ids"].shape == saves["lens_probs"].shape == (30,)  # SmolLM2-135M has 30 layers
+    assert saves["lens_ids"][-1].item() == saves["plain_ids"][0]
+    assert len(saves["plain_ids"]) == len(saves["steered_ids"]) == 8
+    assert saves["steered_ids"] != saves["plain_ids"]  # the steering edit changed the generation
+    for heading in ("logit lens", "without the edit", "with the edit", "stopped everything"):
+        assert heading in output
+    [result] = (tmp_path / "data" / "results").glob("*.pt")
+    assert re.search(rf"{result.stem}: .*{result.name} \(", output.replace("\n", ""))
+    # The converted model stays for the next run, marked complete.
+    assert (tmp_path / "data" / "models" / MODEL_KEY / MARKER).is_file()
+
+
+def test_the_demo_reuses_a_converted_model_and_finds_the_wheels_gguf(tmp_path: Path) -> None:
+    source = gguf_path()
+    assert source.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and source.stat().st_size > 50_000_000
+    cached = tmp_path / MODEL_KEY
+    cached.mkdir()
+    fingerprint = {"gguf": source.name, "size": source.stat().st_size, "dtype": "float32"}
+    (cached / MARKER).write_text(json.dumps(fingerprint))
+    assert ensure_model(tmp_path, Console()) == (cached, False)  # the marker says it is complete: no conversion
+
+
+def test_demo_help_describes_the_embedded_run() -> None:
+    result = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "--data-dir" in result.output and "embedded" in result.output
