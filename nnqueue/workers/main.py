@@ -1,4 +1,8 @@
-"""``nnqueue worker``: load one engine, register, and consume the model's queue until stopped."""
+"""``nnqueue worker``: load one engine, register, and consume the model's queue until stopped.
+
+Each heartbeat also aborts the jobs cancelled while running here and requeues the model's jobs that
+a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from typing import Any
 
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.engines.lifetime import WORKER_PID_ENV
+from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import object_store_from_settings
 from nnqueue.workers import registry
@@ -38,7 +43,12 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     runner = JobRunner(sessions, store, engine, worker_id, settings.worker_stale_after_s)
     register_run_job(app, host, runner)
     registry.register(sessions, worker_id, model_key, queue, max_concurrent_jobs)
-    beat = registry.HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, runner.reap_cancelled)
+
+    def on_beat() -> None:
+        runner.reap_cancelled()
+        requeue_orphans(sessions, app, model_key, settings.worker_stale_after_s)
+
+    beat = registry.HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)
     beat.start()
     try:
         app.worker_main(

@@ -1,7 +1,8 @@
 """Workers announce themselves in the database: one row per process, kept fresh by heartbeats.
 
-The API lists models from live rows, and a worker that finds a job RUNNING under another worker
-takes it over only when that worker's heartbeat is stale (the process died without giving it back).
+The API lists models from live rows. A job RUNNING under a worker whose heartbeat went stale was
+orphaned by a dead process: live workers of its model requeue it (nnqueue.scheduler.recovery), and a
+redelivered message finding it takes it over.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def mark_stopped(sessions: sessionmaker[Session], worker_id: str) -> None:
 def _live(stale_after_s: float) -> Select[tuple[Worker]]:
     cutoff = utcnow() - timedelta(seconds=stale_after_s)
     return select(Worker).where(Worker.stopped_at.is_(None), Worker.heartbeat_at >= cutoff)
+
+
+def live_worker_ids(stale_after_s: float) -> Select[tuple[str]]:
+    """A query of the live workers' ids, for use as a subquery."""
+    return _live(stale_after_s).with_only_columns(Worker.id)
 
 
 def live_workers(session: Session, stale_after_s: float) -> list[Worker]:

@@ -1,4 +1,5 @@
-"""A worker SIGKILLed mid-job loses nothing: the message comes back and another worker completes the job once."""
+"""A worker SIGKILLed mid-job loses nothing: a live worker requeues the job at its next heartbeat (without
+waiting for the broker's visibility timeout) and completes it exactly once."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import psutil
+import pytest
 from nnsight.modeling.vllm import VLLM
 from sqlalchemy import select
 
@@ -16,7 +18,15 @@ from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerPr
 S = JobStatus
 
 
-def test_a_killed_workers_job_is_redelivered_and_completes_exactly_once(
+@pytest.fixture(scope="module")
+def services(services: Services) -> Services:
+    """Workers whose broker redelivers an unacknowledged message only after an hour: within this test, only
+    the live worker's sweep (nnqueue.scheduler.recovery) can bring the killed worker's job back."""
+    services.env["NNQUEUE_BROKER_VISIBILITY_TIMEOUT_S"] = "3600"
+    return services
+
+
+def test_a_killed_workers_job_is_requeued_and_completes_exactly_once(
     services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM
 ) -> None:
     first = start_worker(max_concurrent_jobs=2)

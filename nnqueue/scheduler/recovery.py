@@ -1,0 +1,64 @@
+"""Jobs orphaned by a dead worker go back on their queue without waiting for the broker.
+
+A worker that dies mid-job (SIGKILL, the OOM killer, a lost node) leaves its job RUNNING and the
+job's task message unacknowledged. Redis hands that message to another worker only after the
+visibility timeout, which must outlast the longest job (two hours by default). Live workers look
+sooner: on each heartbeat a worker puts its model's RUNNING jobs whose worker stopped or went
+silent back to QUEUED and sends a fresh message. The unacknowledged original stays the backstop
+(if this send fails, or no worker of the model is alive); whichever delivery claims the job first
+runs it, and the later one finds it taken and is dropped (claims are compare-and-set).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from celery import Celery
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.lifecycle import InvalidTransition, transition
+from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.session import transaction
+from nnqueue.scheduler.enqueue import enqueue
+from nnqueue.workers.registry import live_worker_ids
+
+log = logging.getLogger(__name__)
+
+
+def requeue_orphans(
+    sessions: sessionmaker[Session], app: Celery, model_key: str, stale_after_s: float
+) -> list[uuid.UUID]:
+    """Requeue ``model_key``'s RUNNING jobs whose worker is not live; returns the jobs put back."""
+    with sessions() as session:
+        orphans = session.execute(
+            select(Job.id, Job.worker_id).where(
+                Job.model_key == model_key,
+                Job.status == JobStatus.RUNNING,
+                Job.worker_id.not_in(live_worker_ids(stale_after_s)),
+            )
+        ).all()
+    requeued = []
+    for job_id, dead_worker in orphans:
+        job = _requeue(sessions, job_id, dead_worker)
+        if job is None:
+            continue
+        requeued.append(job_id)
+        try:
+            enqueue(app, job)
+        except Exception:  # the job's unacknowledged original message still comes back later
+            log.exception("requeued job %s, but could not send its message; the broker will redeliver it", job_id)
+    return requeued
+
+
+def _requeue(sessions: sessionmaker[Session], job_id: uuid.UUID, dead_worker: str) -> Job | None:
+    """QUEUED again, unless meanwhile another worker requeued or claimed it (or it ended, or was cancelled)."""
+    try:
+        with transaction(sessions) as session:
+            job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
+            if job is None or job.status is not JobStatus.RUNNING or job.worker_id != dead_worker:
+                return None
+            return transition(session, job_id, JobStatus.QUEUED, detail={"reason": f"worker {dead_worker} lost"})
+    except InvalidTransition:
+        return None

@@ -1,0 +1,137 @@
+"""A dead worker's RUNNING jobs go back on their queue at a live worker's heartbeat, on real Postgres and
+Redis: the job row, its history and the new message are read back; live workers' and other models' jobs
+stay as they are; of the two deliveries a requeued job then has, only one runs it. (The whole path with
+worker processes: tests/workers/test_redelivery.py.)"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.lifecycle import transition
+from nnqueue.db.models import JobEvent, JobStatus, Worker, utcnow
+from nnqueue.db.session import make_engine, session_factory, transaction
+from nnqueue.scheduler.recovery import requeue_orphans
+from nnqueue.scheduler.submission import submit_job
+from nnqueue.settings import Settings
+from nnqueue.storage.local import LocalObjectStore
+from nnqueue.workers import registry
+from nnqueue.workers.celery_app import RUN_JOB_TASK, create_celery_app, queue_name
+from nnqueue.workers.job_execution import claim
+
+S = JobStatus
+STALE_AFTER_S = 30.0
+
+
+def start_job(
+    sessions: sessionmaker[Session], app: Celery, store: LocalObjectStore, model_key: str, worker: str
+) -> uuid.UUID:
+    """A job RUNNING on ``worker``, its submission's message already taken off the queue."""
+    job = submit_job(sessions, store, app, owner="alice", model_key=model_key, payload=b"trace")
+    assert drain(app, model_key) == [str(job.id)]
+    with transaction(sessions) as session:
+        transition(session, job.id, S.RUNNING, worker_id=worker)
+    return job.id
+
+
+def drain(app: Celery, model_key: str) -> list[str]:
+    """The job ids of the messages on the model's queue, taken off it."""
+    ids = []
+    with app.connection_for_read() as connection, connection.SimpleQueue(queue_name(model_key)) as queue:
+        while True:
+            try:
+                message = queue.get(timeout=1)
+            except queue.Empty:
+                return ids
+            assert message.headers["task"] == RUN_JOB_TASK
+            ids.extend(message.payload[0])
+            message.ack()
+
+
+def new_worker(sessions: sessionmaker[Session], model_key: str, silent_for_s: float = 0.0) -> str:
+    worker_id = registry.new_worker_id()
+    registry.register(sessions, worker_id, model_key, queue_name(model_key), capacity=1)
+    with transaction(sessions) as session:
+        session.execute(
+            update(Worker).where(Worker.id == worker_id).values(heartbeat_at=utcnow() - timedelta(seconds=silent_for_s))
+        )
+    return worker_id
+
+
+@dataclass
+class Queue:
+    sessions: sessionmaker[Session]
+    app: Celery
+    store: LocalObjectStore
+
+
+@pytest.fixture
+def queue(database_factory: Callable[..., str], redis_url: str, tmp_path: Path) -> Queue:
+    sessions = session_factory(make_engine(database_factory()))
+    return Queue(sessions, create_celery_app(Settings(_env_file=None, broker_url=redis_url)), LocalObjectStore(tmp_path))
+
+
+def test_a_dead_workers_running_jobs_are_requeued_with_a_new_message(queue: Queue) -> None:
+    sessions, app, store = queue.sessions, queue.app, queue.store
+    model, other_model = f"m-{uuid.uuid4().hex[:8]}", f"o-{uuid.uuid4().hex[:8]}"
+    dead = new_worker(sessions, model, silent_for_s=2 * STALE_AFTER_S)
+    stopped = new_worker(sessions, model)
+    registry.mark_stopped(sessions, stopped)
+    alive = new_worker(sessions, model)
+    dead_elsewhere = new_worker(sessions, other_model, silent_for_s=2 * STALE_AFTER_S)
+
+    orphan = start_job(sessions, app, store, model, dead)
+    left_by_a_clean_stop = start_job(sessions, app, store, model, stopped)
+    healthy = start_job(sessions, app, store, model, alive)
+    other = start_job(sessions, app, store, other_model, dead_elsewhere)
+
+    requeued = requeue_orphans(sessions, app, model, STALE_AFTER_S)
+
+    assert sorted(requeued) == sorted([orphan, left_by_a_clean_stop])
+    assert sorted(drain(app, model)) == sorted(str(job_id) for job_id in requeued)
+    with sessions() as session:
+        status = dict(session.execute(select(JobEvent.job_id, JobEvent.to_status).order_by(JobEvent.id)).all())
+        reasons = dict(
+            session.execute(
+                select(JobEvent.job_id, JobEvent.detail).where(JobEvent.to_status == S.QUEUED).order_by(JobEvent.id)
+            ).all()
+        )
+    assert status == {orphan: S.QUEUED, left_by_a_clean_stop: S.QUEUED, healthy: S.RUNNING, other: S.RUNNING}
+    assert reasons[orphan] == {"reason": f"worker {dead} lost"}
+    # Nothing is requeued twice: a second sweep (another worker's) finds them QUEUED.
+    assert requeue_orphans(sessions, app, model, STALE_AFTER_S) == []
+    assert drain(app, other_model) == []
+
+
+def test_after_a_requeue_only_the_first_of_two_deliveries_runs_the_job(queue: Queue) -> None:
+    sessions, model = queue.sessions, f"m-{uuid.uuid4().hex[:8]}"
+    dead = new_worker(sessions, model, silent_for_s=2 * STALE_AFTER_S)
+    first, second = new_worker(sessions, model), new_worker(sessions, model)
+    job_id = start_job(sessions, queue.app, queue.store, model, dead)
+    assert requeue_orphans(sessions, queue.app, model, STALE_AFTER_S) == [job_id]
+
+    claimed = claim(sessions, job_id, first, STALE_AFTER_S)  # the new message
+    assert claimed is not None and claimed.worker_id == first and claimed.attempts == 2
+    assert claim(sessions, job_id, second, STALE_AFTER_S) is None  # the dead worker's redelivered original
+
+
+def test_a_redelivered_message_takes_over_a_job_no_sweep_requeued(queue: Queue) -> None:
+    sessions, model = queue.sessions, f"m-{uuid.uuid4().hex[:8]}"
+    dead = new_worker(sessions, model, silent_for_s=2 * STALE_AFTER_S)
+    first, second = new_worker(sessions, model), new_worker(sessions, model)
+    job_id = start_job(sessions, queue.app, queue.store, model, dead)
+
+    taken = claim(sessions, job_id, first, STALE_AFTER_S)  # RUNNING on a dead worker: taken over
+    assert taken is not None and taken.worker_id == first
+    assert claim(sessions, job_id, second, STALE_AFTER_S) is None  # RUNNING on a live worker: dropped
+    with sessions() as session:
+        history = session.execute(select(JobEvent.to_status).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+        assert list(history.scalars()) == [S.QUEUED, S.RUNNING, S.QUEUED, S.RUNNING]
