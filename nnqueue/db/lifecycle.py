@@ -32,8 +32,8 @@ class JobNotFound(LookupError):
 
 
 class InvalidTransition(ValueError):
-    def __init__(self, job_id: uuid.UUID, current: JobStatus, target: JobStatus) -> None:
-        super().__init__(f"job {job_id} is {current.value}; it cannot become {target.value}")
+    def __init__(self, job_id: uuid.UUID, current: JobStatus, target: JobStatus, reason: str = "") -> None:
+        super().__init__(f"job {job_id} is {current.value}{reason}; it cannot become {target.value}")
         self.job_id, self.current, self.target = job_id, current, target
 
 
@@ -62,22 +62,31 @@ def transition(
     target: JobStatus,
     *,
     detail: dict[str, Any] | None = None,
+    held_by: str | None = None,
     **fields: Any,
 ) -> Job:
     """Move ``job_id`` to ``target`` and set ``fields`` on it, or raise. The caller commits.
 
+    ``held_by``: change it only while that worker holds it (a worker finishing its job, which may
+    meanwhile have been requeued and claimed by another because this one looked dead).
     Raises :class:`JobNotFound` or :class:`InvalidTransition` (the job is then unchanged).
     """
     # FOR UPDATE holds the row on Postgres until commit; SQLite ignores it, and there the
-    # ``status == current`` guard of the UPDATE is what makes the change a compare-and-set.
-    current = session.scalar(select(Job.status).where(Job.id == job_id).with_for_update())
-    if current is None:
+    # guards of the UPDATE (status, and holder) are what make the change a compare-and-set.
+    row = session.execute(select(Job.status, Job.worker_id).where(Job.id == job_id).with_for_update()).first()
+    if row is None:
         raise JobNotFound(f"no job {job_id}")
+    current, holder = row
     if current not in ALLOWED_FROM[target]:
         raise InvalidTransition(job_id, current, target)
+    if held_by is not None and holder != held_by:
+        raise InvalidTransition(job_id, current, target, f" under worker {holder}, not {held_by}")
+    guards = [Job.id == job_id, Job.status == current]
+    if held_by is not None:
+        guards.append(Job.worker_id == held_by)
     changed = session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.status == current)
+        .where(*guards)
         .values(status=target, **_timestamps(target), **fields)
         .execution_options(synchronize_session=False)
     )

@@ -2,7 +2,7 @@
 
 A QUEUED job's message may still be in the queue; when it is delivered the worker's claim fails
 and the job never runs. A RUNNING job is noticed by its worker's heartbeat, which aborts the job's
-vLLM requests (see :meth:`nnqueue.workers.job_execution.JobRunner.reap_cancelled`).
+vLLM requests (see :meth:`nnqueue.workers.job_execution.JobRunner.reap_lost`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ The database decides whether a delivered task may run (:func:`claim`): a message
 (a worker died, or Redis's visibility timeout passed), and only the delivery that moves the job to
 RUNNING runs it. Every outcome is a status change with its cause: COMPLETED with the result's key,
 or FAILED with the error's type, message and the user's traceback. A cancel is seen by
-:meth:`JobRunner.reap_cancelled`, which the heartbeat calls; it aborts the job's vLLM requests.
+:meth:`JobRunner.reap_lost`, which the heartbeat calls; it aborts the job's vLLM requests, as it does for a
+job requeued while this worker looked dead. A worker finishes (and writes the result of) only a job it
+still holds.
 
 Database and object-store calls run in threads (``asyncio.to_thread``) so that the engine loop keeps
 serving the other jobs; the trace *build* runs on the loop itself, without an await, because builds
@@ -60,7 +62,8 @@ class JobRunner:
     worker_id: str
     stale_after_s: float
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
-    _cancelled: set[uuid.UUID] = field(default_factory=set)
+    # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
+    _aborted: dict[uuid.UUID, Outcome] = field(default_factory=dict)
 
     async def run(self, job_id: uuid.UUID) -> Outcome:
         job = await asyncio.to_thread(claim, self.sessions, job_id, self.worker_id, self.stale_after_s)
@@ -72,6 +75,11 @@ class JobRunner:
         self._running[job_id] = task
         try:
             saves, invokes = await asyncio.wait_for(self._execute(job), timeout=job.timeout_s)
+            if not await asyncio.to_thread(self._holds, job_id):
+                # Taken from us (requeued while this worker looked dead) or cancelled: the result
+                # key is the job's, so writing it could overwrite the other holder's result.
+                log.info("job %s no longer held by this worker; its result is dropped", job_id)
+                return Outcome.SKIPPED
             stored = await asyncio.to_thread(write_result, self.store, job_id, saves)
             return await self._finish(
                 job_id,
@@ -83,10 +91,10 @@ class JobRunner:
                 progress_done=invokes,
             )
         except asyncio.CancelledError:
-            if job_id not in self._cancelled:
+            if job_id not in self._aborted:
                 raise  # the worker is shutting down; the message is redelivered
-            log.info("job %s cancelled; its requests were aborted", job_id)
-            return Outcome.CANCELLED  # the canceller already wrote CANCELLED
+            log.info("job %s stopped (%s); its requests were aborted", job_id, self._aborted[job_id].value)
+            return self._aborted[job_id]  # its status is the canceller's or the new holder's
         except TimeoutError:
             failure = JobFailure("JobTimeout", f"job exceeded its timeout of {job.timeout_s:g} s and was aborted")
             return await self._fail(job_id, failure)
@@ -97,7 +105,7 @@ class JobRunner:
             return await self._fail(job_id, JobFailure(type(error).__name__, str(error), traceback.format_exc()))
         finally:
             self._running.pop(job_id, None)
-            self._cancelled.discard(job_id)
+            self._aborted.pop(job_id, None)
 
     async def _execute(self, job: Job) -> tuple[dict[str, Any], int]:
         """The job's saves and its number of invokes, or raises :class:`JobFailure`."""
@@ -122,9 +130,9 @@ class JobRunner:
 
     async def _finish(self, job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], **fields: Any) -> Outcome:
         try:
-            await asyncio.to_thread(_transition, self.sessions, job_id, target, detail, fields)
+            await asyncio.to_thread(_transition, self.sessions, job_id, target, detail, self.worker_id, fields)
         except InvalidTransition as lost:
-            # Cancelled (or taken over) while finishing: the other writer's status stands.
+            # Cancelled or taken over while finishing: the other writer's status stands.
             log.info("job %s not marked %s: %s", job_id, target.value, lost)
             return Outcome.CANCELLED if lost.current is S.CANCELLED else Outcome.SKIPPED
         return Outcome(target.value)
@@ -146,20 +154,30 @@ class JobRunner:
     def running_jobs(self) -> list[uuid.UUID]:
         return list(self._running)
 
-    def reap_cancelled(self) -> list[uuid.UUID]:
-        """Abort the running jobs whose status became CANCELLED. Call from any thread but the loop's."""
+    def reap_lost(self) -> list[uuid.UUID]:
+        """Abort the running jobs this worker no longer holds: CANCELLED by their owner, or requeued
+        (and maybe claimed by another worker) while this one looked dead. Call from any thread but the loop's."""
         running = self.running_jobs()
         if not running:
             return []
         with self.sessions() as session:
-            cancelled = list(session.scalars(select(Job.id).where(Job.id.in_(running), Job.status == S.CANCELLED)))
-        for job_id in cancelled:
-            self._cancelled.add(job_id)
+            rows = session.execute(select(Job.id, Job.status, Job.worker_id).where(Job.id.in_(running))).all()
+        lost = [(job_id, status) for job_id, status, holder in rows if not self._held(status, holder)]
+        for job_id, status in lost:
+            self._aborted[job_id] = Outcome.CANCELLED if status is S.CANCELLED else Outcome.SKIPPED
             task = self._running.get(job_id)
             if task is not None:
                 # Cancelling the task cancels its vLLM generate streams, which aborts the requests.
                 task.get_loop().call_soon_threadsafe(task.cancel)
-        return cancelled
+        return [job_id for job_id, _ in lost]
+
+    def _held(self, status: JobStatus, holder: str | None) -> bool:
+        return status is S.RUNNING and holder == self.worker_id
+
+    def _holds(self, job_id: uuid.UUID) -> bool:
+        with self.sessions() as session:
+            row = session.execute(select(Job.status, Job.worker_id).where(Job.id == job_id)).first()
+        return row is not None and self._held(*row)
 
 
 def claim(sessions: sessionmaker[Session], job_id: uuid.UUID, worker_id: str, stale_after_s: float) -> Job | None:
@@ -186,10 +204,15 @@ def claim(sessions: sessionmaker[Session], job_id: uuid.UUID, worker_id: str, st
 
 
 def _transition(
-    sessions: sessionmaker[Session], job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], fields: dict[str, Any]
+    sessions: sessionmaker[Session],
+    job_id: uuid.UUID,
+    target: JobStatus,
+    detail: dict[str, Any],
+    worker_id: str,
+    fields: dict[str, Any],
 ) -> None:
     with transaction(sessions) as session:
-        transition(session, job_id, target, detail=detail, **fields)
+        transition(session, job_id, target, detail=detail, held_by=worker_id, **fields)
 
 
 def _build_error_message(error: Exception, job: Job) -> str:

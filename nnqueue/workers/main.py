@@ -45,7 +45,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     registry.register(sessions, worker_id, model_key, queue, max_concurrent_jobs)
 
     def on_beat() -> None:
-        runner.reap_cancelled()
+        runner.reap_lost()
         requeue_orphans(sessions, app, model_key, settings.worker_stale_after_s)
 
     beat = registry.HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)

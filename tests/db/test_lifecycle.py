@@ -56,6 +56,19 @@ def test_a_job_runs_to_completion_with_timestamps_attempts_and_history(sessions:
     assert _history(sessions, job_id) == [(None, S.QUEUED), (S.QUEUED, S.RUNNING), (S.RUNNING, S.COMPLETED)]
 
 
+def test_only_the_worker_holding_a_job_finishes_it(sessions: sessionmaker[Session]) -> None:
+    # w1 looked dead: its job went back to the queue and w2 claimed it; w1 then tries to finish it.
+    job_id = _new_job(sessions)
+    for target, worker in ((S.RUNNING, "w1"), (S.QUEUED, None), (S.RUNNING, "w2")):
+        with transaction(sessions) as session:
+            transition(session, job_id, target, **({"worker_id": worker} if worker else {}))
+    with pytest.raises(InvalidTransition, match="under worker w2, not w1"), transaction(sessions) as session:
+        transition(session, job_id, S.COMPLETED, held_by="w1", result_key="results/w1")
+    with transaction(sessions) as session:
+        job = transition(session, job_id, S.COMPLETED, held_by="w2", result_key="results/w2")
+    assert (job.status, job.worker_id, job.result_key) == (S.COMPLETED, "w2", "results/w2")
+
+
 @pytest.mark.parametrize("terminal", [S.COMPLETED, S.FAILED, S.CANCELLED])
 def test_a_finished_job_never_runs_again(sessions: sessionmaker[Session], terminal: JobStatus) -> None:
     job_id = _new_job(sessions)
