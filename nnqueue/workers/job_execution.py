@@ -93,8 +93,10 @@ class JobRunner:
         except asyncio.CancelledError:
             if job_id not in self._aborted:
                 raise  # the worker is shutting down; the message is redelivered
-            log.info("job %s stopped (%s); its requests were aborted", job_id, self._aborted[job_id].value)
-            return self._aborted[job_id]  # its status is the canceller's or the new holder's
+            outcome = self._aborted[job_id]
+            why = "cancelled" if outcome is Outcome.CANCELLED else "taken over by another worker"
+            log.info("job %s %s; its requests were aborted", job_id, why)
+            return outcome  # its status is the canceller's or the new holder's
         except TimeoutError:
             failure = JobFailure("JobTimeout", f"job exceeded its timeout of {job.timeout_s:g} s and was aborted")
             return await self._fail(job_id, failure)

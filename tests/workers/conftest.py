@@ -29,11 +29,22 @@ from nnqueue.settings import S3Settings, Settings
 from nnqueue.storage import object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.celery_app import create_celery_app
-from tests.conftest import TINY_ENGINE_KWARGS, PayloadBackend  # noqa: F401  (re-exported for the tests)
+from tests.conftest import PROMPTS, TINY_ENGINE_KWARGS, PayloadBackend  # noqa: F401  (re-exported for the tests)
 
 MODEL_KEY = "tiny-llama"
 ENGINE_ARGS = [f"--{name.replace('_', '-')}={value}" for name, value in TINY_ENGINE_KWARGS.items()]
 _redis_databases = itertools.count(1)
+
+
+def slow_payload(client: Any, steps: int) -> bytes:
+    """A job that decodes ``steps`` tokens and sleeps 0.1 s in its intervention at each: slow, never stalled."""
+    backend = PayloadBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=steps, ignore_eos=True, backend=backend) as tracer:
+        for _ in tracer.iter[:]:
+            time.sleep(0.1)
+            client.logits
+        last = client.logits.save()
+    return backend.payload
 
 
 class Services:

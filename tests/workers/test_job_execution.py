@@ -17,21 +17,10 @@ from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.storage.keys import TORCH_FILE, payload_key, result_key
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.workers.job_execution import JobRunner, Outcome
-from tests.conftest import InProcessEngine, PayloadBackend
+from tests.conftest import InProcessEngine
+from tests.workers.conftest import slow_payload
 
 S = JobStatus
-
-
-def slow_payload(client: Any) -> bytes:
-    """About 5 s of decoding: the block sleeps at every generated token."""
-    backend = PayloadBackend()
-    sampling = {"temperature": 0.0, "max_tokens": 100, "ignore_eos": True}
-    with client.trace("The Eiffel Tower is in", backend=backend, **sampling) as tracer:
-        for _ in tracer.iter[:]:
-            time.sleep(0.05)
-            client.logits
-        logits = client.logits.save()
-    return backend.payload
 
 
 def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
@@ -40,7 +29,7 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
     sessions = session_factory(make_engine(database_factory()))
     store = LocalObjectStore(tmp_path)
     job_id = uuid.uuid4()
-    size = store.put_bytes(payload_key(job_id), slow_payload(client_model))
+    size = store.put_bytes(payload_key(job_id), slow_payload(client_model, steps=50))  # about 5 s
     with transaction(sessions) as session:
         job = Job(id=job_id, owner="alice", model_key="tiny", kind=JobKind.TRACE, timeout_s=120,
                   payload_key=payload_key(job_id), payload_size=size)

@@ -3,7 +3,6 @@ waiting for the broker's visibility timeout) and completes it exactly once."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import psutil
@@ -13,7 +12,7 @@ from sqlalchemy import select
 
 from nnqueue.db.models import JobEvent, JobStatus
 from nnqueue.scheduler.submission import submit_job
-from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess
+from tests.workers.conftest import MODEL_KEY, Services, WorkerProcess, slow_payload
 
 S = JobStatus
 
@@ -30,15 +29,9 @@ def test_a_killed_workers_job_is_requeued_and_completes_exactly_once(
     services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM
 ) -> None:
     first = start_worker(max_concurrent_jobs=2)
-    backend = PayloadBackend()
-    with client_model.trace("The Eiffel Tower is in", temperature=0.0, max_tokens=60, ignore_eos=True,
-                            backend=backend) as tracer:
-        for _ in tracer.iter[:]:
-            time.sleep(0.1)  # about 6 s of decoding: long enough to be killed mid-job
-            client_model.logits
-        logits = client_model.logits.save()
+    payload = slow_payload(client_model, steps=60)  # about 6 s of decoding: long enough to be killed mid-job
     job = submit_job(
-        services.sessions, services.store, services.celery, owner="alice", model_key=MODEL_KEY, payload=backend.payload
+        services.sessions, services.store, services.celery, owner="alice", model_key=MODEL_KEY, payload=payload
     )
     running = services.wait_for(job.id, {S.RUNNING})
     first_worker = first.wait_registered()

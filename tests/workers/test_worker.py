@@ -8,7 +8,6 @@ same trace run in-process on an engine in this test process.
 from __future__ import annotations
 
 import platform
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,7 @@ from nnqueue.storage.object_store import ObjectNotFound
 from nnqueue.storage.results import load_result
 from nnqueue.workers.celery_app import RUN_JOB_TASK, queue_name
 from tests.conftest import PROMPTS, two_invoke_payload
-from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess
+from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess, slow_payload
 
 S = JobStatus
 
@@ -110,17 +109,6 @@ def test_jobs_from_two_owners_are_batched_in_the_same_engine_steps(
         # Sharing a step with other users' jobs does not change this job's values.
         torch.testing.assert_close(saves["logits"], solo[prompt]["logits"], atol=1e-4, rtol=1e-4)
     assert shared_steps >= 2
-
-
-def slow_payload(client: VLLM, steps: int) -> bytes:
-    """A job that decodes ``steps`` tokens and sleeps 0.1 s in its intervention at each: slow, never stalled."""
-    backend = PayloadBackend()
-    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=steps, ignore_eos=True, backend=backend) as tracer:
-        for _ in tracer.iter[:]:
-            time.sleep(0.1)
-            client.logits
-        last = client.logits.save()
-    return backend.payload
 
 
 def test_failing_jobs_fail_alone_while_a_good_job_completes(
