@@ -18,7 +18,7 @@ from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.lifecycle import InvalidTransition, transition
+from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.enqueue import enqueue
@@ -52,13 +52,20 @@ def requeue_orphans(
     return requeued
 
 
+def requeue_lost(session: Session, job_id: uuid.UUID, dead_worker: str) -> Job:
+    """Put a job RUNNING under ``dead_worker`` back to QUEUED, recording why. The caller commits.
+
+    Raises :class:`InvalidTransition` if it is no longer RUNNING under that worker.
+    """
+    return transition(
+        session, job_id, JobStatus.QUEUED, detail={"reason": f"worker {dead_worker} lost"}, held_by=dead_worker
+    )
+
+
 def _requeue(sessions: sessionmaker[Session], job_id: uuid.UUID, dead_worker: str) -> Job | None:
     """QUEUED again, unless meanwhile another worker requeued or claimed it (or it ended, or was cancelled)."""
     try:
         with transaction(sessions) as session:
-            job = session.get(Job, job_id, with_for_update=True, populate_existing=True)
-            if job is None or job.status is not JobStatus.RUNNING or job.worker_id != dead_worker:
-                return None
-            return transition(session, job_id, JobStatus.QUEUED, detail={"reason": f"worker {dead_worker} lost"})
-    except InvalidTransition:
+            return requeue_lost(session, job_id, dead_worker)
+    except (InvalidTransition, JobNotFound):
         return None

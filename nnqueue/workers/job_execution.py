@@ -32,6 +32,7 @@ from nnqueue.db.lifecycle import InvalidTransition, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.engines import trace_runner
+from nnqueue.scheduler.recovery import requeue_lost
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
 from nnqueue.storage.results import write_result
 from nnqueue.workers import registry
@@ -197,7 +198,7 @@ def claim(sessions: sessionmaker[Session], job_id: uuid.UUID, worker_id: str, st
             if job.status is S.RUNNING:
                 if job.worker_id == worker_id or registry.is_alive(session, job.worker_id or "", stale_after_s):
                     return None
-                transition(session, job_id, S.QUEUED, detail={"reason": f"worker {job.worker_id} lost"})
+                requeue_lost(session, job_id, job.worker_id or "")
             elif job.status is not S.QUEUED:
                 return None
             return transition(session, job_id, S.RUNNING, detail={"worker": worker_id}, worker_id=worker_id)
