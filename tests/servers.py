@@ -12,6 +12,7 @@ beyond ``pip install -e .[dev]`` and the Debian PostgreSQL package is needed.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 import pwd
@@ -185,6 +186,20 @@ class RedisServer:
 
     def stop(self) -> None:
         self.process.stop()
+
+
+# Redis database numbers handed out this session (0 stays the server's default). One counter for the whole
+# suite: pytest may import a conftest under two module names, so a counter there could repeat numbers.
+_redis_databases = itertools.count(1)
+REDIS_DATABASES = 16
+
+
+def redis_database_url(redis_url: str) -> str:
+    """``redis_url`` on a database number no other caller got this session, so its queues are its own."""
+    number = next(_redis_databases)
+    if number >= REDIS_DATABASES:
+        raise ServerStartError(f"more than {REDIS_DATABASES - 1} test modules asked for a Redis database of their own")
+    return redis_url.rsplit("/", 1)[0] + f"/{number}"
 
 
 def start_redis(timeout: float = 30) -> RedisServer:

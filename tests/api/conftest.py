@@ -1,18 +1,15 @@
 """API tests: ``create_app`` on the suite's real Postgres, Redis and S3, called through FastAPI's TestClient.
 
 Each module gets its own service namespace (a fresh migrated database, a Redis database number and an
-S3 bucket), built with the worker tests' :class:`Services`. The Redis numbers count from 8 because
-pytest imports ``tests/workers/conftest.py`` under a module name of its own, whose counter starts at 1.
+S3 bucket): the worker tests' ``services`` fixture.
 Jobs are submitted for models that "live" workers serve: real worker rows, registered and kept fresh
 through :mod:`nnqueue.workers.registry`; only ``test_results.py`` starts a real worker process.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -25,18 +22,9 @@ from nnqueue.api import auth
 from nnqueue.api.app import create_app
 from nnqueue.api.deps import Resources
 from nnqueue.db.session import transaction
-from nnqueue.settings import S3Settings, Settings
+from nnqueue.settings import Settings
 from nnqueue.workers import registry
-from tests.workers.conftest import Services, start_worker  # noqa: F401  (start_worker: a fixture for test_results)
-
-_redis_databases = itertools.count(8)
-
-
-@pytest.fixture(scope="module")
-def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
-    redis = redis_url.rsplit("/", 1)[0] + f"/{next(_redis_databases)}"
-    s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
-    return Services(database_factory(), redis, s3)
+from tests.workers.conftest import Services, services, start_worker  # noqa: F401  (fixtures; start_worker for test_results)
 
 
 class Api:

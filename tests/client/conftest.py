@@ -1,14 +1,13 @@
 """Client tests: the real API (uvicorn on a free port, in a thread) on the suite's Postgres, Redis and S3,
 with one real ``nnqueue worker`` process for the tiny model (the worker tests' ``start_worker``).
 
-The module's Redis database is 15: the worker tests count theirs up from 1 and the API tests from 8.
+Each module gets the worker tests' service namespace (``services``: its own database, Redis database and bucket).
 Results live in S3 (SeaweedFS, which checks signatures), so result downloads follow the API's redirect
 to a presigned URL unless a test asks for ``inline``.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -17,17 +16,8 @@ from nnqueue.api import auth
 from nnqueue.client import Client
 from nnqueue.db.session import transaction
 from nnqueue.embedded import ApiServer
-from nnqueue.settings import S3Settings, Settings
-from tests.workers.conftest import Services, WorkerProcess, start_worker  # noqa: F401  (start_worker: a fixture)
-
-REDIS_DATABASE = 15
-
-
-@pytest.fixture(scope="module")
-def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
-    redis = redis_url.rsplit("/", 1)[0] + f"/{REDIS_DATABASE}"
-    s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
-    return Services(database_factory(), redis, s3)
+from nnqueue.settings import Settings
+from tests.workers.conftest import Services, WorkerProcess, services, start_worker  # noqa: F401  (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ users do: a meta ``VLLM`` traces the block and a backend serializes it instead o
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import subprocess
@@ -30,10 +29,10 @@ from nnqueue.storage import object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.celery_app import create_celery_app
 from tests.conftest import PROMPTS, TINY_ENGINE_KWARGS, PayloadBackend  # noqa: F401  (re-exported for the tests)
+from tests.servers import redis_database_url
 
 MODEL_KEY = "tiny-llama"
 ENGINE_ARGS = [f"--{name.replace('_', '-')}={value}" for name, value in TINY_ENGINE_KWARGS.items()]
-_redis_databases = itertools.count(1)
 
 
 def slow_payload(client: Any, steps: int) -> bytes:
@@ -148,7 +147,7 @@ class WorkerProcess:
 
 @pytest.fixture(scope="module")
 def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
-    redis = redis_url.rsplit("/", 1)[0] + f"/{next(_redis_databases)}"
+    redis = redis_database_url(redis_url)
     s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
     return Services(database_factory(), redis, s3)
 
