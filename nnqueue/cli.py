@@ -45,7 +45,9 @@ def db_upgrade(revision: str = typer.Argument("head", help="Alembic revision to 
 
 
 @db_app.command("downgrade")
-def db_downgrade(revision: str = typer.Argument(..., help="Alembic revision to go back to ('base' drops all).")) -> None:
+def db_downgrade(
+    revision: str = typer.Argument(..., help="Alembic revision to go back to ('base' drops all)."),
+) -> None:
     """Revert the schema migrations down to REVISION."""
     url = Settings().resolved_database_url
     migrate.downgrade(url, revision)
@@ -120,4 +122,3 @@ def demo(
 
 def _redacted(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
-

@@ -347,7 +347,9 @@ def run_demo(data_dir: Path, console: Console | None = None) -> dict[str, Any]:
         for renderable in summary(saves, model.tokenizer):
             console.print(renderable)
         if saves["lens_ids"][-1].item() == saves["plain_ids"][0]:
-            console.print("[dim]the last layer's lens token is the token the model generated first, as it must be[/dim]")
+            console.print(
+                "[dim]the last layer's lens token is the token the model generated first, as it must be[/dim]"
+            )
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: cancelling the job and stopping the embedded servers[/yellow]")
         if job is not None:

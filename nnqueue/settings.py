@@ -25,9 +25,7 @@ class S3Settings(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="NNQUEUE_", env_nested_delimiter="__", env_file=".env", extra="ignore"
-    )
+    model_config = SettingsConfigDict(env_prefix="NNQUEUE_", env_nested_delimiter="__", env_file=".env", extra="ignore")
 
     data_dir: Path = Path(".nnqueue")
     # SQLAlchemy URL; Postgres in production (postgresql+psycopg://...), SQLite for the embedded default.

@@ -77,9 +77,9 @@ def build_tiny_llama(path: str | Path) -> Path:
         single="<s> $A", special_tokens=[("<s>", CONFIG["bos_token_id"])]
     )
     assert [bpe.token_to_id(token) for token in SPECIAL_TOKENS] == [0, 1, 2]
-    PreTrainedTokenizerFast(
-        tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(
+        path
+    )
 
     torch.manual_seed(SEED)
     config = LlamaConfig(**{key: value for key, value in CONFIG.items() if key != "architectures"})

@@ -17,10 +17,10 @@ from kombu.exceptions import OperationalError
 from nnqueue.api.deps import Resources
 from nnqueue.api.limits import BodySizeLimit
 from nnqueue.api.routers import health, jobs, models
+from nnqueue.broker import create_celery_app
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.settings import Settings
 from nnqueue.storage import object_store_from_settings
-from nnqueue.workers.celery_app import create_celery_app
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

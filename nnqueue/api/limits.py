@@ -52,4 +52,3 @@ class BodySizeLimit:
 
 def payload_too_large(limit: int) -> str:
     return f"payload too large: the limit is {limit} bytes (NNQUEUE_MAX_PAYLOAD_BYTES)"
-

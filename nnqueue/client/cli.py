@@ -57,7 +57,9 @@ def _connected(url: str | None, api_key: str | None) -> Iterator[Client]:
 
 
 def submit(
-    script: Path = typer.Argument(..., exists=True, dir_okay=False, help="A Python script that traces with client.backend()."),
+    script: Path = typer.Argument(
+        ..., exists=True, dir_okay=False, help="A Python script that traces with client.backend()."
+    ),
     args: list[str] = typer.Argument(None, help="Arguments for the script (after --)."),
     wait: bool = typer.Option(False, "--wait", help="Block on each trace and wait for every job to finish."),
     url: str | None = UrlOption,
@@ -107,9 +109,13 @@ def submit(
         err_console.print(f"[yellow]{script.name} submitted no jobs[/yellow] (did it trace with client.backend()?)")
     if not wait and submitted:
         first = submitted[0].id
-        console.print(f"follow with [bold]nnqueue status {first}[/bold], fetch with [bold]nnqueue download {first} out.pt[/bold]")
+        console.print(
+            f"follow with [bold]nnqueue status {first}[/bold], fetch with [bold]nnqueue download {first} out.pt[/bold]"
+        )
     if isinstance(failure, NameError) and not wait and submitted:
-        err_console.print("[yellow]hint:[/yellow] without --wait traces only queue jobs, so their saved variables are unset")
+        err_console.print(
+            "[yellow]hint:[/yellow] without --wait traces only queue jobs, so their saved variables are unset"
+        )
     if failure is not None or (wait and any(job.info.get("status") != "completed" for job in submitted)):
         raise typer.Exit(1)
 
@@ -181,7 +187,9 @@ def download(
     """Download a job's result (torch.save of its saves dict), with progress bars."""
     with _connected(url, api_key) as client:
         written = client.job(job_id).download(path, wait=wait, inline=inline)
-    console.print(f"wrote {written} ({written.stat().st_size:,} bytes); load it with torch.load(path, weights_only=False)")
+    console.print(
+        f"wrote {written} ({written.stat().st_size:,} bytes); load it with torch.load(path, weights_only=False)"
+    )
 
 
 def models(url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
@@ -241,7 +249,9 @@ def _jobs_table(jobs: list[Job], title: str | None = None) -> Table:
     table = Table("id", "status", "model", "created", "progress", "detail", title=title)
     for job in jobs:
         info = job.info
-        table.add_row(job.id, _status(info), escape(job.model_key), _when(info.get("created_at")), _progress(info), _detail(info))
+        table.add_row(
+            job.id, _status(info), escape(job.model_key), _when(info.get("created_at")), _progress(info), _detail(info)
+        )
     return table
 
 

@@ -224,7 +224,9 @@ class Client:
         # A presigned URL carries its own authorization: the API key must not travel to the object store
         # (S3 also refuses a request that is authorized twice). A same-origin redirect stays on the API.
         same_origin = (target.scheme, target.host, target.port) == (
-            response.url.scheme, response.url.host, response.url.port,
+            response.url.scheme,
+            response.url.host,
+            response.url.port,
         )
         http = self._http if same_origin else self._plain_http()
         try:

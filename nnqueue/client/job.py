@@ -251,13 +251,18 @@ class _WaitDisplay:
             where = f"position {position}" if position is not None else "waiting for a worker"
             self.progress.update(self.task, description=f"[yellow]queued[/yellow] ({where})", total=None, count="")
         elif status == "running":
-            self.progress.update(self.task, description="[cyan]running[/cyan]", total=total, completed=done, count=count)
+            self.progress.update(
+                self.task, description="[cyan]running[/cyan]", total=total, completed=done, count=count
+            )
         elif status == "completed":
             size = (info.get("result") or {}).get("size")
             what = f", result {_human_bytes(size)}" if size is not None else ""
             self.progress.update(
-                self.task, description=f"[green]completed[/green]{what}", total=total or 1,
-                completed=total or 1, count=count,
+                self.task,
+                description=f"[green]completed[/green]{what}",
+                total=total or 1,
+                completed=total or 1,
+                count=count,
             )
         elif status in ("failed", "cancelled"):
             error = info.get("error") or {}
@@ -278,4 +283,3 @@ def _human_bytes(size: int) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{size} B"
-

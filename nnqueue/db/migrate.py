@@ -1,4 +1,7 @@
-"""Run the Alembic migrations in ``migrations/`` on a database URL (code or CLI); check that one is current."""
+"""Run the Alembic migrations shipped in this package (``nnqueue/db/migrations``) on a database URL; check that one is current.
+
+The migrations are package data, found through the package's own path, so an installed wheel migrates
+its database exactly as a source checkout does."""
 
 from __future__ import annotations
 
@@ -12,13 +15,13 @@ from sqlalchemy.engine import make_url
 
 from nnqueue.db.session import make_engine
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 
 def alembic_config(database_url: str) -> Config:
     if not (MIGRATIONS_DIR / "env.py").is_file():
         raise FileNotFoundError(
-            f"Alembic migrations not found at {MIGRATIONS_DIR}; install nnqueue from its source tree (pip install -e .)"
+            f"Alembic migrations not found at {MIGRATIONS_DIR}: this nnqueue install is incomplete; reinstall it"
         )
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))

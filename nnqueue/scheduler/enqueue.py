@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from celery import Celery
 
+from nnqueue.broker import RUN_JOB_TASK, queue_name
 from nnqueue.db.models import Job
-from nnqueue.workers.celery_app import RUN_JOB_TASK, queue_name
 
 
 def enqueue(app: Celery, job: Job) -> None:

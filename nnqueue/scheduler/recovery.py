@@ -22,7 +22,7 @@ from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.enqueue import enqueue
-from nnqueue.workers.registry import live_worker_ids
+from nnqueue.scheduler.registry import live_worker_ids
 
 log = logging.getLogger(__name__)
 

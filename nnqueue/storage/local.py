@@ -94,7 +94,7 @@ class LocalObjectStore(ObjectStore):
 
     def _open(self, key: str) -> BinaryIO:
         try:
-            return open(self._path(key), "rb")  # noqa: SIM115 - the caller closes it
+            return open(self._path(key), "rb")
         except _MISSING as exc:
             raise ObjectNotFound(key) from exc
 

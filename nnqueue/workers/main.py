@@ -11,14 +11,15 @@ import os
 import time
 from typing import Any
 
+from nnqueue.broker import create_celery_app, queue_name
 from nnqueue.db.session import make_engine, session_factory
-from nnqueue.engines.lifetime import WORKER_PID_ENV
+from nnqueue.enginecore.lifetime import WORKER_PID_ENV
+from nnqueue.scheduler import registry
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import object_store_from_settings
-from nnqueue.workers import registry
-from nnqueue.workers.celery_app import create_celery_app, queue_name
 from nnqueue.workers.engine_host import EngineHost
+from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import JobRunner
 from nnqueue.workers.tasks import register_run_job
 
@@ -48,7 +49,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
         runner.reap_lost()
         requeue_orphans(sessions, app, model_key, settings.worker_stale_after_s)
 
-    beat = registry.HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)
+    beat = HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)
     beat.start()
     try:
         app.worker_main(

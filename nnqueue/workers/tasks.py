@@ -6,7 +6,7 @@ import uuid
 
 from celery import Celery
 
-from nnqueue.workers.celery_app import RUN_JOB_TASK
+from nnqueue.broker import RUN_JOB_TASK
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.job_execution import JobRunner, Outcome
 

@@ -3,7 +3,7 @@
 Each module gets its own service namespace (a fresh migrated database, a Redis database number and an
 S3 bucket): the worker tests' ``services`` fixture.
 Jobs are submitted for models that "live" workers serve: real worker rows, registered and kept fresh
-through :mod:`nnqueue.workers.registry`; only ``test_results.py`` starts a real worker process.
+through :mod:`nnqueue.scheduler.registry`; only ``test_results.py`` starts a real worker process.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from nnqueue.api import auth
 from nnqueue.api.app import create_app
 from nnqueue.api.deps import Resources
 from nnqueue.db.session import transaction
+from nnqueue.scheduler import registry
 from nnqueue.settings import Settings
-from nnqueue.workers import registry
 from tests.workers.conftest import Services, services, start_worker  # noqa: F401  (fixtures; start_worker for test_results)
 
 

@@ -40,8 +40,13 @@ def complete(services: Services, job_id: str, saves: dict[str, Any]) -> None:
     stored = write_result(services.store, job_uuid, saves)
     with transaction(services.sessions) as session:
         transition(
-            session, job_uuid, S.COMPLETED,
-            result_key=stored.key, result_size=stored.size, result_format=stored.format, progress_done=1,
+            session,
+            job_uuid,
+            S.COMPLETED,
+            result_key=stored.key,
+            result_size=stored.size,
+            result_format=stored.format,
+            progress_done=1,
         )
 
 
@@ -146,10 +151,18 @@ def test_an_upload_without_content_length_is_cut_off_while_it_streams_in(service
                 response["status"] = message["status"]
 
         scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-            "path": "/v1/jobs", "raw_path": b"/v1/jobs", "query_string": b"", "root_path": "",
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/jobs",
+            "raw_path": b"/v1/jobs",
+            "query_string": b"",
+            "root_path": "",
             "headers": [(b"authorization", secret), (b"content-type", b"multipart/form-data; boundary=b")],
-            "client": ("127.0.0.1", 1), "server": ("testserver", 80),
+            "client": ("127.0.0.1", 1),
+            "server": ("testserver", 80),
         }
         asyncio.run(api.http.app(scope, receive, send))
     assert response["status"] == 413

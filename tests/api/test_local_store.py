@@ -57,8 +57,9 @@ def test_sqlite_and_a_local_store_serve_jobs_and_stream_results(local_api: Api) 
         transition(session, job_id, S.RUNNING, worker_id="test-worker")
     stored = write_result(api.resources.store, job_id, saves)
     with transaction(api.resources.sessions) as session:
-        transition(session, job_id, S.COMPLETED, result_key=stored.key, result_size=stored.size,
-                   result_format=stored.format)
+        transition(
+            session, job_id, S.COMPLETED, result_key=stored.key, result_size=stored.size, result_format=stored.format
+        )
 
     response = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, follow_redirects=False)
     assert response.status_code == 200  # no presigned URL to redirect to

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from nnqueue.workers import registry
+from nnqueue.scheduler import registry
 from tests.api.conftest import api_client, create_secret, register_worker
 from tests.servers import free_ports
 from tests.workers.conftest import Services

@@ -111,9 +111,9 @@ def test_inline_download_streams_the_same_bytes(api: Api, alice: dict[str, str],
 def test_a_presigned_url_expires(services: Services, alice: dict[str, str], completed: dict[str, Any]) -> None:
     with api_client(services, result_url_expiry_s=3) as short:
         issued = time.monotonic()
-        url = short.http.get(
-            f"/v1/jobs/{completed['id']}/result", headers=alice, follow_redirects=False
-        ).headers["location"]
+        url = short.http.get(f"/v1/jobs/{completed['id']}/result", headers=alice, follow_redirects=False).headers[
+            "location"
+        ]
     assert "X-Amz-Expires=3" in url
     assert httpx.get(url).status_code == 200  # valid while fresh...
     time.sleep(max(0.0, issued + 4.5 - time.monotonic()))

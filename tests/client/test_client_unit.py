@@ -38,10 +38,24 @@ JOB_ID = "7c0e7a52-1d0c-4d8e-9f3f-0a9c1b2c3d4e"
 
 def job_json(status: str = "queued", **fields: Any) -> dict[str, Any]:
     return {
-        "id": JOB_ID, "owner": "alice", "model_key": "m", "kind": "trace", "status": status, "priority": 0,
-        "timeout_s": 600.0, "metadata": {}, "attempts": 0, "created_at": "2026-11-22T08:00:00Z",
-        "queued_at": "2026-11-22T08:00:00Z", "started_at": None, "finished_at": None, "queue_position": None,
-        "progress": {"done": 0, "total": None}, "error": None, "result": None, **fields,
+        "id": JOB_ID,
+        "owner": "alice",
+        "model_key": "m",
+        "kind": "trace",
+        "status": status,
+        "priority": 0,
+        "timeout_s": 600.0,
+        "metadata": {},
+        "attempts": 0,
+        "created_at": "2026-11-22T08:00:00Z",
+        "queued_at": "2026-11-22T08:00:00Z",
+        "started_at": None,
+        "finished_at": None,
+        "queue_position": None,
+        "progress": {"done": 0, "total": None},
+        "error": None,
+        "result": None,
+        **fields,
     }
 
 
@@ -145,7 +159,11 @@ def test_failed_jobs_raise_like_nnsights_raise_deferred() -> None:
         raise_deferred({"type_name": "ValueError", "message": "bad", "traceback": traceback})
     assert str(caught.value) == str(nnsight_way.value)
     assert isinstance(caught.value, RuntimeError)
-    assert (caught.value.type_name, caught.value.error_message, caught.value.traceback) == ("ValueError", "bad", traceback)
+    assert (caught.value.type_name, caught.value.error_message, caught.value.traceback) == (
+        "ValueError",
+        "bad",
+        traceback,
+    )
 
 
 def test_wait_follows_queued_running_completed_and_survives_a_blip(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,7 +172,9 @@ def test_wait_follows_queued_running_completed_and_survives_a_blip(monkeypatch: 
         httpx.Response(200, json=job_json("queued", queue_position=2)),
         httpx.Response(503, json={"detail": "database restarting"}),
         httpx.Response(200, json=job_json("running", progress={"done": 1, "total": 2})),
-        httpx.Response(200, json=job_json("completed", progress={"done": 2, "total": 2}, result={"size": 3, "format": "torch"})),
+        httpx.Response(
+            200, json=job_json("completed", progress={"done": 2, "total": 2}, result={"size": 3, "format": "torch"})
+        ),
     ]
     client = scripted(lambda request: answers.pop(0))
     job = Job(client, job_json())

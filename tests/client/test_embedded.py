@@ -12,7 +12,7 @@ from sqlalchemy import create_engine, text
 
 from nnqueue.client import Client
 from nnqueue.demo import EmbeddedStack
-from tests.conftest import PayloadBackend, TINY_ENGINE_KWARGS
+from tests.conftest import TINY_ENGINE_KWARGS, PayloadBackend
 
 PROMPT = "The Eiffel Tower is in"
 

@@ -197,7 +197,7 @@ def test_waiting_times_out_and_a_cancelled_job_raises(client: Client, worker: Wo
 
 # -- the client commands ----------------------------------------------------------------------------
 
-SCRIPT = '''
+SCRIPT = """
 import sys
 
 from nnsight.modeling.vllm import VLLM
@@ -212,7 +212,7 @@ for prompt in ("The Eiffel Tower is in", "A job queue runs many traces"):
     with model.trace(prompt, backend=client.backend(model_key="tiny-llama"), max_tokens=1, temperature=0.0):
         logits = model.logits.save()
     print("logits shape", tuple(logits.shape))
-'''
+"""
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
@@ -224,8 +224,13 @@ def run_cli(args: list[str], url: str, secret: str) -> Any:
 
 
 def test_submit_queues_a_scripts_traces_and_the_other_commands_follow_them(
-    api_server: ApiServer, secret: str, services: Services, worker: WorkerProcess, tiny_model_path: Any,
-    client_model: Any, tmp_path: Any,
+    api_server: ApiServer,
+    secret: str,
+    services: Services,
+    worker: WorkerProcess,
+    tiny_model_path: Any,
+    client_model: Any,
+    tmp_path: Any,
 ) -> None:
     script = tmp_path / "trace_two_prompts.py"
     script.write_text(SCRIPT)

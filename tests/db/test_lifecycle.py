@@ -94,15 +94,13 @@ def test_cancel_is_allowed_while_queued_and_while_running(sessions: sessionmaker
 
 def test_a_queued_job_cannot_complete_without_running(sessions: sessionmaker[Session]) -> None:
     job_id = _new_job(sessions)
-    with pytest.raises(InvalidTransition):
-        with transaction(sessions) as session:
-            transition(session, job_id, S.COMPLETED)
+    with pytest.raises(InvalidTransition), transaction(sessions) as session:
+        transition(session, job_id, S.COMPLETED)
 
 
 def test_unknown_job(sessions: sessionmaker[Session]) -> None:
-    with pytest.raises(JobNotFound):
-        with transaction(sessions) as session:
-            transition(session, uuid.uuid4(), S.RUNNING)
+    with pytest.raises(JobNotFound), transaction(sessions) as session:
+        transition(session, uuid.uuid4(), S.RUNNING)
 
 
 def test_racing_transitions_have_exactly_one_winner(sessions: sessionmaker[Session]) -> None:

@@ -16,16 +16,16 @@ from celery import Celery
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue.broker import RUN_JOB_TASK, create_celery_app, queue_name
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobEvent, JobStatus, Worker, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
+from nnqueue.scheduler import registry
+from nnqueue.scheduler.claim import claim
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import Settings
 from nnqueue.storage.local import LocalObjectStore
-from nnqueue.workers import registry
-from nnqueue.workers.celery_app import RUN_JOB_TASK, create_celery_app, queue_name
-from nnqueue.workers.job_execution import claim
 
 S = JobStatus
 STALE_AFTER_S = 30.0
@@ -76,7 +76,9 @@ class Queue:
 @pytest.fixture
 def queue(database_factory: Callable[..., str], redis_url: str, tmp_path: Path) -> Queue:
     sessions = session_factory(make_engine(database_factory()))
-    return Queue(sessions, create_celery_app(Settings(_env_file=None, broker_url=redis_url)), LocalObjectStore(tmp_path))
+    return Queue(
+        sessions, create_celery_app(Settings(_env_file=None, broker_url=redis_url)), LocalObjectStore(tmp_path)
+    )
 
 
 def test_a_dead_workers_running_jobs_are_requeued_with_a_new_message(queue: Queue) -> None:

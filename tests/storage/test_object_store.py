@@ -189,9 +189,7 @@ def written_bytes_at(offset: int, length: int, seed: int = 0) -> bytes:
     return rng.randbytes(MiB)[inner : inner + length]
 
 
-def test_failed_stream_leaves_previous_object(
-    store: ObjectStore, key: str, request: pytest.FixtureRequest
-) -> None:
+def test_failed_stream_leaves_previous_object(store: ObjectStore, key: str, request: pytest.FixtureRequest) -> None:
     store.put_bytes(key, b"previous")
     # 20 MiB is past the S3 multipart threshold, so the failure happens mid multipart upload.
     with pytest.raises(RuntimeError, match="upstream stream broke"):

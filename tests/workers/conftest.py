@@ -22,13 +22,13 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue.broker import create_celery_app
 from nnqueue.db.models import Job, JobStatus, Worker
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.settings import S3Settings, Settings
 from nnqueue.storage import object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
-from nnqueue.workers.celery_app import create_celery_app
-from tests.conftest import PROMPTS, TINY_ENGINE_KWARGS, PayloadBackend  # noqa: F401  (re-exported for the tests)
+from tests.conftest import PROMPTS, TINY_ENGINE_KWARGS, PayloadBackend
 from tests.servers import redis_database_url
 
 MODEL_KEY = "tiny-llama"
@@ -102,7 +102,11 @@ class WorkerProcess:
         command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
-                command, env={**os.environ, **services.env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                env={**os.environ, **services.env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def log(self) -> str:

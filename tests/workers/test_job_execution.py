@@ -31,8 +31,15 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
     job_id = uuid.uuid4()
     size = store.put_bytes(payload_key(job_id), slow_payload(client_model, steps=50))  # about 5 s
     with transaction(sessions) as session:
-        job = Job(id=job_id, owner="alice", model_key="tiny", kind=JobKind.TRACE, timeout_s=120,
-                  payload_key=payload_key(job_id), payload_size=size)
+        job = Job(
+            id=job_id,
+            owner="alice",
+            model_key="tiny",
+            kind=JobKind.TRACE,
+            timeout_s=120,
+            payload_key=payload_key(job_id),
+            payload_size=size,
+        )
         create_job(session, job)
     runner = JobRunner(sessions, store, inprocess_engine.model, "w-looked-dead", stale_after_s=30)
 

@@ -19,6 +19,7 @@ import torch
 from nnsight.modeling.vllm import VLLM
 from sqlalchemy import select
 
+from nnqueue.broker import RUN_JOB_TASK, queue_name
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import JobEvent, JobStatus
 from nnqueue.engines.trace_runner import run_serialized_trace
@@ -27,7 +28,6 @@ from nnqueue.scheduler.submission import submit_job
 from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
 from nnqueue.storage.object_store import ObjectNotFound
 from nnqueue.storage.results import load_result
-from nnqueue.workers.celery_app import RUN_JOB_TASK, queue_name
 from tests.conftest import PROMPTS, two_invoke_payload
 from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess, slow_payload
 
@@ -41,7 +41,12 @@ def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
 
 def submit(services: Services, payload: bytes, owner: str = "alice", timeout_s: float = 120) -> uuid.UUID:
     job = submit_job(
-        services.sessions, services.store, services.celery, owner=owner, model_key=MODEL_KEY, payload=payload,
+        services.sessions,
+        services.store,
+        services.celery,
+        owner=owner,
+        model_key=MODEL_KEY,
+        payload=payload,
         timeout_s=timeout_s,
     )
     return job.id
@@ -158,8 +163,13 @@ def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
     services: Services, worker: WorkerProcess
 ) -> None:
     job = submit_job(
-        services.sessions, services.store, services.celery, owner="alice", model_key=MODEL_KEY,
-        payload=b"this is not a serialized nnsight trace", meta={"client": {"nnsight": "0.7.2", "python": "3.10.4"}},
+        services.sessions,
+        services.store,
+        services.celery,
+        owner="alice",
+        model_key=MODEL_KEY,
+        payload=b"this is not a serialized nnsight trace",
+        meta={"client": {"nnsight": "0.7.2", "python": "3.10.4"}},
     )
     failed = services.wait_for(job.id, {S.FAILED, S.COMPLETED})
     assert failed.status is S.FAILED and failed.error_message.startswith("could not rebuild the trace")
@@ -171,7 +181,11 @@ def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
 def test_a_job_cancelled_while_queued_never_runs(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
     # Submitted for a model no worker serves, cancelled, then its message reaches the real worker.
     job = submit_job(
-        services.sessions, services.store, services.celery, owner="alice", model_key="nobody-serves-this",
+        services.sessions,
+        services.store,
+        services.celery,
+        owner="alice",
+        model_key="nobody-serves-this",
         payload=probe_payload(client_model, PROMPTS[0], max_tokens=1),
     )
     cancel_job(services.sessions, job.id, by="alice")

@@ -28,11 +28,11 @@ from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
+from nnqueue.scheduler.registry import live_workers
 from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
 from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
-from nnqueue.workers.registry import live_workers
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 IN_FLIGHT = (JobStatus.QUEUED, JobStatus.RUNNING)
@@ -195,9 +195,12 @@ def _require_live_model(session: Session, model_key: str, settings: Settings) ->
 
 
 def _require_room(session: Session, caller: Caller, limit: int) -> None:
-    in_flight = session.scalar(
-        select(func.count()).select_from(Job).where(Job.api_key_id == caller.key_id, Job.status.in_(IN_FLIGHT))
-    ) or 0
+    in_flight = (
+        session.scalar(
+            select(func.count()).select_from(Job).where(Job.api_key_id == caller.key_id, Job.status.in_(IN_FLIGHT))
+        )
+        or 0
+    )
     if in_flight >= limit:
         raise HTTPException(
             status.HTTP_429_TOO_MANY_REQUESTS,

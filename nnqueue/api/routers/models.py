@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from nnqueue.api.deps import CallerDep, SessionDep, SettingsDep
 from nnqueue.api.schemas import ModelInfo, ModelsResponse
-from nnqueue.workers.registry import live_workers
+from nnqueue.scheduler.registry import live_workers
 
 router = APIRouter(prefix="/v1/models", tags=["models"])
 

@@ -1,10 +1,10 @@
-"""nnsight's CUDA worker, plus nnqueue's stall watchdog (see :mod:`nnqueue.engines.stall_watchdog`)."""
+"""nnsight's CUDA worker, plus nnqueue's stall watchdog (see :mod:`nnqueue.enginecore.stall_watchdog`)."""
 
 from __future__ import annotations
 
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
-from nnqueue.engines import lifetime, stall_watchdog
+from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.settings import Settings
 
 

@@ -1,5 +1,9 @@
 """Workers announce themselves in the database: one row per process, kept fresh by heartbeats.
 
+The queries here are what the API and the scheduler ask of the registry (which models are live,
+whether a worker is alive); the heartbeat thread that keeps a worker's row fresh is
+:class:`nnqueue.workers.heartbeat.HeartbeatThread`.
+
 The API lists models from live rows. A job RUNNING under a worker whose heartbeat went stale was
 orphaned by a dead process: live workers of its model requeue it (nnqueue.scheduler.recovery), and a
 redelivered message finding it takes it over.
@@ -10,9 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import uuid
-from collections.abc import Callable
 from datetime import timedelta
 
 from sqlalchemy import Select, select, update
@@ -69,25 +71,3 @@ def live_workers(session: Session, stale_after_s: float) -> list[Worker]:
 
 def is_alive(session: Session, worker_id: str, stale_after_s: float) -> bool:
     return session.scalar(_live(stale_after_s).where(Worker.id == worker_id)) is not None
-
-
-class HeartbeatThread(threading.Thread):
-    """Sends a heartbeat every ``interval_s`` and then runs ``on_beat`` (e.g. look for cancelled jobs)."""
-
-    def __init__(
-        self, sessions: sessionmaker[Session], worker_id: str, interval_s: float, on_beat: Callable[[], None]
-    ) -> None:
-        super().__init__(name="nnqueue-heartbeat", daemon=True)
-        self._sessions, self._worker_id, self._interval_s, self._on_beat = sessions, worker_id, interval_s, on_beat
-        self._stopping = threading.Event()
-
-    def run(self) -> None:
-        while not self._stopping.wait(self._interval_s):
-            try:
-                heartbeat(self._sessions, self._worker_id)
-                self._on_beat()
-            except Exception:  # a database blip must not stop the heartbeat for good
-                log.exception("heartbeat of worker %s failed", self._worker_id)
-
-    def stop(self) -> None:
-        self._stopping.set()

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
 
-from nnqueue.engines import lifetime, stall_watchdog
+from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.settings import Settings
 
 
@@ -37,9 +37,7 @@ class NNsightCPUWorker(CPUWorker):
         # Exact type: the V2 CPU runner (VLLM_USE_V2_MODEL_RUNNER=1) is a different class
         # that nnsight does not instrument; nnsight's VLLM forces V1, this keeps it honest.
         if type(self.model_runner) is not CPUModelRunner:
-            raise NotImplementedError(
-                f"nnsight instruments vLLM's V1 CPUModelRunner, not {type(self.model_runner)!r}"
-            )
+            raise NotImplementedError(f"nnsight instruments vLLM's V1 CPUModelRunner, not {type(self.model_runner)!r}")
         self.model_runner.__class__ = NNsightCPUModelRunner
 
     # Plain forwards to ``self.model_runner``; borrowed rather than inherited because
