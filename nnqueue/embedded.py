@@ -22,10 +22,12 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from nnqueue.errors import NNqueueError
+
 MIN_REDIS_VERSION = (6, 2)
 
 
-class EmbeddedServerError(RuntimeError):
+class EmbeddedServerError(NNqueueError, RuntimeError):
     """An embedded server could not be found, started, or did not become ready in time."""
 
 

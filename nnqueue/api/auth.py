@@ -16,17 +16,18 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nnqueue.db.models import ApiKey, utcnow
+from nnqueue.errors import NNqueueError
 
 SECRET_PREFIX = "nnq_"
 # "nnq_" and 8 random characters: enough to tell keys apart, far too little to guess the rest.
 PREFIX_LENGTH = len(SECRET_PREFIX) + 8
 
 
-class AuthenticationFailed(Exception):
+class AuthenticationFailed(NNqueueError):
     """The presented key is unknown or revoked; the message says which, for a 401 response."""
 
 
-class KeyNotFound(LookupError):
+class KeyNotFound(NNqueueError, LookupError):
     pass
 
 

@@ -15,9 +15,10 @@ from datetime import datetime
 from sqlalchemy import ColumnElement, and_, or_
 
 from nnqueue.db.models import Job
+from nnqueue.errors import NNqueueError
 
 
-class InvalidCursor(ValueError):
+class InvalidCursor(NNqueueError, ValueError):
     pass
 
 

@@ -15,6 +15,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
+from nnqueue.errors import NNqueueError
 
 S = JobStatus
 # Which statuses each status may be entered from. RUNNING -> QUEUED is a redelivery after a worker was lost.
@@ -27,11 +28,11 @@ ALLOWED_FROM: dict[JobStatus, frozenset[JobStatus]] = {
 }
 
 
-class JobNotFound(LookupError):
+class JobNotFound(NNqueueError, LookupError):
     pass
 
 
-class InvalidTransition(ValueError):
+class InvalidTransition(NNqueueError, ValueError):
     def __init__(self, job_id: uuid.UUID, current: JobStatus, target: JobStatus, reason: str = "") -> None:
         super().__init__(f"job {job_id} is {current.value}{reason}; it cannot become {target.value}")
         self.job_id, self.current, self.target = job_id, current, target

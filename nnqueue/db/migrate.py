@@ -14,6 +14,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy.engine import make_url
 
 from nnqueue.db.session import make_engine
+from nnqueue.errors import NNqueueError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
@@ -38,7 +39,7 @@ def downgrade(database_url: str, revision: str = "base") -> None:
     command.downgrade(alembic_config(database_url), revision)
 
 
-class SchemaOutOfDate(RuntimeError):
+class SchemaOutOfDate(NNqueueError, RuntimeError):
     """The database is not migrated to the revision this code needs."""
 
 

@@ -25,8 +25,10 @@ from typing import Any
 
 from nnsight.intervention.interleaver import Mediator
 
+from nnqueue.errors import NNqueueError
 
-class InterventionStalled(Exception):
+
+class InterventionStalled(NNqueueError):
     """Intervention code ran too long without yielding to the model; raised inside it."""
 
 

@@ -32,6 +32,7 @@ from nnqueue.db.lifecycle import InvalidTransition, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.engines import trace_runner
+from nnqueue.errors import NNqueueError
 from nnqueue.scheduler.claim import claim
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
 from nnqueue.storage.results import write_result
@@ -48,7 +49,7 @@ class Outcome(enum.StrEnum):
 
 
 @dataclass
-class JobFailure(Exception):
+class JobFailure(NNqueueError):
     type_name: str
     message: str
     traceback: str = ""
