@@ -8,7 +8,7 @@ logits) on the same engine settings, K at a time:
   ``nnqueue worker`` process with ``--max-concurrent-jobs K``, until every job is COMPLETED with its
   result in S3, then every result downloaded.
 
-The servers are the test suite's (tests/servers.py): real Postgres, Redis and SeaweedFS S3.
+The servers are the test suite's (tests/utils/servers.py): real Postgres, Redis and SeaweedFS S3.
 Both run at once on the same machine, in alternating rounds; prints the best round of each and
 the throughput ratio queue/direct (1.0 means the queue costs nothing).
 
@@ -37,10 +37,10 @@ from nnqueue.engines.trace_runner import run_serialized_trace  # noqa: E402
 from nnqueue.scheduler.submission import submit_job  # noqa: E402
 from nnqueue.settings import S3Settings  # noqa: E402
 from nnqueue.workers.engine_host import EngineHost  # noqa: E402
-from tests import servers  # noqa: E402
-from tests.conftest import TINY_ENGINE_KWARGS  # noqa: E402
-from tests.tiny_model import build_tiny_llama  # noqa: E402
-from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess  # noqa: E402
+from tests.utils import servers  # noqa: E402
+from tests.utils.payloads import PayloadBackend  # noqa: E402
+from tests.utils.services import MODEL_KEY, Services, WorkerProcess  # noqa: E402
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS, build_tiny_llama  # noqa: E402
 
 PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces", "Hello world", "The capital of Japan is"]
 
@@ -77,7 +77,15 @@ def direct_round(host: EngineHost, engine: VLLM, blobs: list[bytes], concurrency
 def queue_round(services: Services, blobs: list[bytes]) -> float:
     start = time.perf_counter()
     jobs = [
-        submit_job(services.sessions, services.store, services.celery, owner="bench", model_key=MODEL_KEY, payload=blob)
+        submit_job(
+            services.sessions,
+            services.store,
+            services.celery,
+            admission=services.admission,
+            owner="bench",
+            model_key=MODEL_KEY,
+            payload=blob,
+        )
         for blob in blobs
     ]
     for job in jobs:

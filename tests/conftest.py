@@ -4,21 +4,22 @@ A server starts only when a test first asks for its fixture, and stops at the en
 To test against servers you already run, set ``NNQUEUE_TEST_DATABASE_URL``, ``NNQUEUE_TEST_REDIS_URL``
 or ``NNQUEUE_TEST_S3_ENDPOINT`` (with ``NNQUEUE_TEST_S3_ACCESS_KEY_ID``,
 ``NNQUEUE_TEST_S3_SECRET_ACCESS_KEY``, ``NNQUEUE_TEST_S3_REGION``, ``NNQUEUE_TEST_S3_BUCKET``); then
-nothing is started. How the servers are started lives in ``tests/servers.py``.
+nothing is started. How the servers are started lives in ``tests/utils/servers.py``.
+
+Also here, so that every test directory finds them: the tiny model (in-process engine and client meta
+model), and per-module service namespaces (``services``) with real ``nnqueue worker`` processes
+(``start_worker``). Helpers are in ``tests/utils/``.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-from nnsight.schema.request import RequestModel
-from nnsight.tracing.backend import Backend
 from pydantic import SecretStr
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -26,12 +27,12 @@ from sqlalchemy.engine import make_url
 from nnqueue.db import migrate
 from nnqueue.settings import S3Settings
 from nnqueue.workers.engine_host import EngineHost
-from tests import servers
+from tests.utils import servers
+from tests.utils.engines import InProcessEngine
+from tests.utils.services import Services, WorkerProcess
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 TEST_BUCKET = "nnqueue-test"
-# Engine arguments for the tiny model, the same for in-process engines and worker processes.
-TINY_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "seed": 0}
-T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -111,21 +112,10 @@ def database_factory(postgres_url: str) -> Iterator[Callable[..., str]]:
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama checkpoint with a locally trained tokenizer (see tests/tiny_model.py)."""
-    from tests.tiny_model import build_tiny_llama
+    """A tiny random Llama checkpoint with a locally trained tokenizer (see tests/utils/tiny_model.py)."""
+    from tests.utils.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.getbasetemp() / "tiny-llama")
-
-
-@dataclass
-class InProcessEngine:
-    """An engine in the test process, on its own loop (an ``EngineHost``, as in a worker)."""
-
-    host: EngineHost
-    model: Any
-
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return self.host.call(coroutine)
 
 
 @pytest.fixture(scope="session")
@@ -145,33 +135,6 @@ def inprocess_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
     host.stop()
 
 
-class PayloadBackend(Backend):
-    """Serialize the trace instead of running it, as a client does before submitting it."""
-
-    payload: bytes
-
-    def __call__(self, tracer: Any) -> None:
-        self.payload = RequestModel.serialize(tracer)
-
-
-PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
-
-
-def two_invoke_payload(client: Any) -> bytes:
-    """One trace, an invoke per prompt of PROMPTS, saving layer 0's output (HF's hidden state) and the logits."""
-    backend = PayloadBackend()
-    with client.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
-        with tracer.invoke(PROMPTS[0]):
-            out = client.model.layers[0].output
-            h0 = (out[0] + out[1]).save()  # vLLM's Llama layer returns (mlp_out, residual)
-            logits0 = client.logits.save()
-        with tracer.invoke(PROMPTS[1]):
-            out = client.model.layers[0].output
-            h1 = (out[0] + out[1]).save()
-            logits1 = client.logits.save()
-    return backend.payload
-
-
 @pytest.fixture(scope="session")
 def client_model(tiny_model_path: Path) -> Any:
     """A meta model, as a CPU-only client writes traces against (stock nnsight class)."""
@@ -181,3 +144,30 @@ def client_model(tiny_model_path: Path) -> Any:
 
     prepare_process()
     return VLLM(str(tiny_model_path), **TINY_ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
+    """The module's own service namespace: a fresh migrated database, a Redis database number, an S3 bucket."""
+    redis = servers.redis_database_url(redis_url)
+    s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
+    return Services(database_factory(), redis, s3)
+
+
+@pytest.fixture(scope="module")
+def start_worker(
+    services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """Starts ``nnqueue worker`` processes for the tiny model on the module's services; stops them at the end."""
+    started: list[WorkerProcess] = []
+    logs = tmp_path_factory.mktemp("worker-logs")
+
+    def start(**kwargs: Any) -> WorkerProcess:
+        worker = WorkerProcess(services, tiny_model_path, logs / f"worker-{len(started)}.log", **kwargs)
+        started.append(worker)
+        worker.wait_registered()
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

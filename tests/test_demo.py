@@ -8,11 +8,14 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
 from nnqueue.demo import MARKER, MODEL_KEY, ensure_model, gguf_path, run_demo
+
+pytestmark = pytest.mark.slow  # the demo: converts SmolLM2-135M and runs the whole embedded stack
 
 
 def test_the_demo_runs_a_real_trace_job_and_prints_the_summary(tmp_path: Path) -> None:

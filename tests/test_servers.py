@@ -9,8 +9,9 @@ import redis
 import sqlalchemy as sa
 from botocore.exceptions import ClientError
 
+from nnqueue.embedded import MIN_REDIS_VERSION
 from nnqueue.settings import S3Settings
-from tests import servers
+from tests.utils import servers
 
 
 def test_postgres_runs_sql(postgres_url: str) -> None:
@@ -31,7 +32,7 @@ def test_redis_pings_and_stores(redis_url: str) -> None:
         client.set(key, b"value", ex=60)
         assert client.get(key) == b"value"
         major, minor = (int(part) for part in client.info("server")["redis_version"].split(".")[:2])
-        assert (major, minor) >= servers.MIN_REDIS_VERSION
+        assert (major, minor) >= MIN_REDIS_VERSION
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from nnqueue.api import auth
 from nnqueue.cli import app
 from nnqueue.db.models import ApiKey
 from nnqueue.db.session import transaction
-from tests.api.conftest import Api, create_secret
-from tests.workers.conftest import Services
+from tests.utils.api import Api, create_secret
+from tests.utils.services import Services
 
 runner = CliRunner()
 

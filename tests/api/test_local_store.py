@@ -17,8 +17,8 @@ from nnqueue.db.session import transaction
 from nnqueue.settings import Settings
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.results import load_result, write_result
-from tests.api.conftest import Api, app_client, register_worker
-from tests.workers.conftest import Services
+from tests.utils.api import Api, app_client, register_worker
+from tests.utils.services import Services
 
 S = JobStatus
 

@@ -19,9 +19,11 @@ from safetensors.torch import load as safetensors_load
 
 from nnqueue.engines.trace_runner import run_serialized_trace
 from nnqueue.storage.results import load_result
-from tests.api.conftest import Api, api_client
-from tests.conftest import PayloadBackend
-from tests.workers.conftest import MODEL_KEY, Services, WorkerProcess
+from tests.utils.api import Api, api_client
+from tests.utils.payloads import PayloadBackend
+from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+
+pytestmark = pytest.mark.slow  # end to end: a real worker process
 
 PROMPT = "The Eiffel Tower is in"
 CLIENT = {"nnsight": nnsight.__version__, "python": platform.python_version()}

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
-from tests.servers import free_ports
-from tests.workers.conftest import Services
+from tests.utils.servers import free_ports
+from tests.utils.services import Services
 
 
 def test_serve_api_refuses_an_unmigrated_database(

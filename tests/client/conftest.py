@@ -1,7 +1,7 @@
 """Client tests: the real API (uvicorn on a free port, in a thread) on the suite's Postgres, Redis and S3,
-with one real ``nnqueue worker`` process for the tiny model (the worker tests' ``start_worker``).
+with one real ``nnqueue worker`` process for the tiny model (``start_worker``).
 
-Each module gets the worker tests' service namespace (``services``: its own database, Redis database and bucket).
+Each module gets its own service namespace (``services``: its own database, Redis database and bucket).
 Results live in S3 (SeaweedFS, which checks signatures), so result downloads follow the API's redirect
 to a presigned URL unless a test asks for ``inline``.
 """
@@ -17,7 +17,7 @@ from nnqueue.client import Client
 from nnqueue.db.session import transaction
 from nnqueue.embedded import ApiServer
 from nnqueue.settings import Settings
-from tests.workers.conftest import Services, WorkerProcess, services, start_worker  # noqa: F401  (fixtures)
+from tests.utils.services import Services, WorkerProcess
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import torch
 from sqlalchemy import create_engine, text
 
 from nnqueue.client import Client
 from nnqueue.demo import EmbeddedStack
-from tests.conftest import TINY_ENGINE_KWARGS, PayloadBackend
+from tests.utils.payloads import PayloadBackend
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+
+pytestmark = pytest.mark.slow  # end to end: the demo's embedded stack with a worker process
 
 PROMPT = "The Eiffel Tower is in"
 

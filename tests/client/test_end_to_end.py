@@ -31,8 +31,10 @@ from nnqueue.client import (
 from nnqueue.embedded import ApiServer
 from nnqueue.engines.trace_runner import run_serialized_trace
 from nnqueue.storage.keys import result_key
-from tests.conftest import PayloadBackend
-from tests.workers.conftest import MODEL_KEY, Services, WorkerProcess
+from tests.utils.payloads import PayloadBackend
+from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+
+pytestmark = pytest.mark.slow  # end to end: a real worker process behind a real API server
 
 PROMPT = "The Eiffel Tower is in"
 

@@ -22,7 +22,8 @@ from nnsight.modeling.vllm import VLLM
 
 from nnqueue.engines.platform import EngineVLLM
 from nnqueue.engines.trace_runner import abort_trace, build_trace, run_serialized_trace, run_trace
-from tests.conftest import PROMPTS, InProcessEngine, PayloadBackend, two_invoke_payload
+from tests.utils.engines import InProcessEngine
+from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
 
 T = TypeVar("T")
 

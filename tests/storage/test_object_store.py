@@ -26,7 +26,7 @@ from nnqueue.storage import (
     object_store_from_settings,
 )
 from nnqueue.storage.s3 import MIN_PART_SIZE
-from tests import servers
+from tests.utils import servers
 
 MiB = 1024 * 1024
 

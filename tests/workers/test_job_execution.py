@@ -17,8 +17,8 @@ from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.storage.keys import TORCH_FILE, payload_key, result_key
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.workers.job_execution import JobRunner, Outcome
-from tests.conftest import InProcessEngine
-from tests.workers.conftest import slow_payload
+from tests.utils.engines import InProcessEngine
+from tests.utils.payloads import slow_payload
 
 S = JobStatus
 

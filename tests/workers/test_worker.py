@@ -23,13 +23,16 @@ from nnqueue.broker import RUN_JOB_TASK, queue_name
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import JobEvent, JobStatus
 from nnqueue.engines.trace_runner import run_serialized_trace
+from nnqueue.scheduler import registry
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.submission import submit_job
 from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
 from nnqueue.storage.object_store import ObjectNotFound
 from nnqueue.storage.results import load_result
-from tests.conftest import PROMPTS, two_invoke_payload
-from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess, slow_payload
+from tests.utils.payloads import PROMPTS, PayloadBackend, slow_payload, two_invoke_payload
+from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+
+pytestmark = pytest.mark.slow  # end to end: a real worker process
 
 S = JobStatus
 
@@ -44,6 +47,7 @@ def submit(services: Services, payload: bytes, owner: str = "alice", timeout_s: 
         services.sessions,
         services.store,
         services.celery,
+        admission=services.admission,
         owner=owner,
         model_key=MODEL_KEY,
         payload=payload,
@@ -166,6 +170,7 @@ def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
         services.sessions,
         services.store,
         services.celery,
+        admission=services.admission,
         owner="alice",
         model_key=MODEL_KEY,
         payload=b"this is not a serialized nnsight trace",
@@ -179,11 +184,14 @@ def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
 
 
 def test_a_job_cancelled_while_queued_never_runs(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
-    # Submitted for a model no worker serves, cancelled, then its message reaches the real worker.
+    # Submitted for a model whose only worker row has no process behind it (nothing consumes its queue),
+    # cancelled, then its message reaches the real worker.
+    registry.register(services.sessions, registry.new_worker_id(), "nobody-serves-this", "no-consumer", 1)
     job = submit_job(
         services.sessions,
         services.store,
         services.celery,
+        admission=services.admission,
         owner="alice",
         model_key="nobody-serves-this",
         payload=probe_payload(client_model, PROMPTS[0], max_tokens=1),

@@ -87,3 +87,7 @@ def build_tiny_llama(path: str | Path) -> Path:
 
     marker.write_text(fingerprint)
     return path
+
+
+# Engine arguments for the tiny model, the same for in-process engines, worker processes and client models.
+TINY_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "seed": 0}

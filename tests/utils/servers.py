@@ -34,7 +34,7 @@ import redis
 from botocore import UNSIGNED
 from botocore.config import Config
 
-from nnqueue.embedded import MIN_REDIS_VERSION, ChildProcess, EmbeddedServerError, redis_server_binary  # noqa: F401 (re-exported)
+from nnqueue.embedded import ChildProcess, EmbeddedServerError, redis_server_binary
 from nnqueue.settings import S3Settings
 
 # The user PostgreSQL runs as when the suite runs as root: initdb and postgres refuse root.

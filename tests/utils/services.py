@@ -1,8 +1,8 @@
-"""Worker tests run real ``nnqueue worker`` processes against the suite's Postgres, Redis and S3.
+"""One test module's view of the suite's servers, and ``nnqueue worker`` processes on it.
 
-Each module gets its own service namespace (a fresh migrated database, a Redis database number, an
-S3 bucket), so a module's worker never sees another module's jobs. Clients build payloads the way
-users do: a meta ``VLLM`` traces the block and a backend serializes it instead of running it.
+A :class:`Services` is a service namespace of its own (a fresh migrated database, a Redis database
+number, an S3 bucket), so a module's worker never sees another module's jobs; the ``services`` and
+``start_worker`` fixtures (tests/conftest.py) build them.
 """
 
 from __future__ import annotations
@@ -13,37 +13,23 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import psutil
-import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.broker import create_celery_app
 from nnqueue.db.models import Job, JobStatus, Worker
 from nnqueue.db.session import make_engine, session_factory
+from nnqueue.scheduler.admission import AdmissionPolicy
 from nnqueue.settings import S3Settings, Settings
 from nnqueue.storage import object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
-from tests.conftest import PROMPTS, TINY_ENGINE_KWARGS, PayloadBackend
-from tests.servers import redis_database_url
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 MODEL_KEY = "tiny-llama"
 ENGINE_ARGS = [f"--{name.replace('_', '-')}={value}" for name, value in TINY_ENGINE_KWARGS.items()]
-
-
-def slow_payload(client: Any, steps: int) -> bytes:
-    """A job that decodes ``steps`` tokens and sleeps 0.1 s in its intervention at each: slow, never stalled."""
-    backend = PayloadBackend()
-    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=steps, ignore_eos=True, backend=backend) as tracer:
-        for _ in tracer.iter[:]:
-            time.sleep(0.1)
-            client.logits
-        last = client.logits.save()
-    return backend.payload
 
 
 class Services:
@@ -61,7 +47,6 @@ class Services:
             # Fast failure detection, so the redelivery test runs in seconds.
             "NNQUEUE_WORKER_HEARTBEAT_S": "0.5",
             "NNQUEUE_WORKER_STALE_AFTER_S": "3",
-            "NNQUEUE_BROKER_VISIBILITY_TIMEOUT_S": "8",
             "NNQUEUE_ENGINE_STALL_TIMEOUT_S": "3",
         }
         self.settings = Settings(
@@ -71,11 +56,11 @@ class Services:
             s3=s3,
             worker_heartbeat_s=0.5,
             worker_stale_after_s=3,
-            broker_visibility_timeout_s=8,
         )
         self.sessions: sessionmaker[Session] = session_factory(make_engine(database_url))
         self.store: ObjectStore = object_store_from_settings(self.settings)
         self.celery = create_celery_app(self.settings)
+        self.admission = AdmissionPolicy.from_settings(self.settings)
 
     def job(self, job_id: uuid.UUID) -> Job:
         with self.sessions() as session:
@@ -147,28 +132,3 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=60)
-
-
-@pytest.fixture(scope="module")
-def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
-    redis = redis_database_url(redis_url)
-    s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
-    return Services(database_factory(), redis, s3)
-
-
-@pytest.fixture(scope="module")
-def start_worker(
-    services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[..., WorkerProcess]]:
-    started: list[WorkerProcess] = []
-    logs = tmp_path_factory.mktemp("worker-logs")
-
-    def start(**kwargs: Any) -> WorkerProcess:
-        worker = WorkerProcess(services, tiny_model_path, logs / f"worker-{len(started)}.log", **kwargs)
-        started.append(worker)
-        worker.wait_registered()
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop()

@@ -1,0 +1,73 @@
+"""Calling the API in tests: ``create_app`` on a module's services through FastAPI's TestClient, keys, and
+worker rows that make a model "live" without a worker process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+from fastapi.testclient import TestClient
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.api import auth
+from nnqueue.api.app import create_app
+from nnqueue.api.deps import Resources
+from nnqueue.db.session import transaction
+from nnqueue.scheduler import registry
+from nnqueue.settings import Settings
+from tests.utils.services import Services
+
+
+class Api:
+    """A TestClient on one app, with helpers that speak the API contract."""
+
+    def __init__(self, http: TestClient) -> None:
+        self.http = http
+        self.resources: Resources = http.app.state.resources
+
+    def new_key(self, owner: str) -> dict[str, str]:
+        """Headers that authenticate as a fresh key of ``owner``."""
+        return {"Authorization": f"Bearer {create_secret(self.resources.sessions, owner)}"}
+
+    def submit(self, headers: dict[str, str], payload: bytes = b"trace", **spec: Any) -> httpx.Response:
+        body = {"model_key": spec.pop("model_key", LIVE_MODEL), **spec}
+        return self.http.post(
+            "/v1/jobs", headers=headers, data={"spec": json.dumps(body)}, files={"payload": ("trace.bin", payload)}
+        )
+
+    def submit_ok(self, headers: dict[str, str], payload: bytes = b"trace", **spec: Any) -> dict[str, Any]:
+        response = self.submit(headers, payload, **spec)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+
+LIVE_MODEL = "api-test-model"
+
+
+def create_secret(sessions: sessionmaker[Session], owner: str) -> str:
+    with transaction(sessions) as session:
+        _, secret = auth.create_key(session, owner)
+    return secret
+
+
+def register_worker(sessions: sessionmaker[Session], model_key: str = LIVE_MODEL, capacity: int = 4) -> str:
+    """A live worker row (its heartbeat is fresh until worker_stale_after_s passes)."""
+    worker_id = registry.new_worker_id()
+    registry.register(sessions, worker_id, model_key, f"queue-{model_key}", capacity)
+    return worker_id
+
+
+@contextmanager
+def api_client(services: Services, **overrides: Any) -> Iterator[Api]:
+    """An app on the module's services, with some settings overridden."""
+    with app_client(Settings(_env_file=None, **{**services.settings.model_dump(), **overrides})) as api:
+        yield api
+
+
+@contextmanager
+def app_client(settings: Settings) -> Iterator[Api]:
+    with TestClient(create_app(settings)) as http:
+        yield Api(http)
