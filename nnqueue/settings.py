@@ -3,14 +3,19 @@
 With nothing set, nnqueue runs on the *embedded default*: a SQLite file and a local object-store
 directory under ``NNQUEUE_DATA_DIR`` (default ``./.nnqueue``). Production points the same settings at
 Postgres, Redis and an S3-compatible store. Nested values use ``__``: ``NNQUEUE_S3__ENDPOINT_URL``.
+
+The model checks itself when it is built: every value in range, the rules between values (a worker's
+heartbeat comes more often than the silence that marks it dead), and the defaults that depend on other
+settings filled in (``database_url`` and ``store_dir`` are never None afterwards), so a bad configuration
+fails at start with the names of the variables to fix.
 """
 
 from __future__ import annotations
 
-from functools import cached_property
 from pathlib import Path
+from typing import Self
 
-from pydantic import BaseModel, SecretStr
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -25,45 +30,83 @@ class S3Settings(BaseModel):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="NNQUEUE_", env_nested_delimiter="__", env_file=".env", extra="ignore")
+    # Validation errors leave the values out: they may hold passwords (a database URL, S3 secrets).
+    model_config = SettingsConfigDict(
+        env_prefix="NNQUEUE_", env_nested_delimiter="__", env_file=".env", extra="ignore", hide_input_in_errors=True
+    )
 
     data_dir: Path = Path(".nnqueue")
-    # SQLAlchemy URL; Postgres in production (postgresql+psycopg://...), SQLite for the embedded default.
+    # SQLAlchemy URL; Postgres in production (postgresql+psycopg://...). Unset: the embedded SQLite file
+    # <data_dir>/nnqueue.db (filled in when the settings are built).
     database_url: str | None = None
     # Celery broker URL (redis://...).
     broker_url: str | None = None
-    # The object store: S3 when ``s3.endpoint_url`` or ``s3.bucket`` credentials are configured,
-    # otherwise ``store_dir`` (default ``<data_dir>/objects``).
+    # The object store: S3 as soon as any ``NNQUEUE_S3__*`` variable is set (``s3`` is then not None; without
+    # ``s3.endpoint_url`` that is AWS itself, with boto3's usual credential chain), otherwise the local folder
+    # ``store_dir`` (default ``<data_dir>/objects``, filled in when the settings are built).
     s3: S3Settings | None = None
     store_dir: Path | None = None
 
     # Workers. A job's task message stays unacknowledged while it runs; Redis hands it to another
     # worker once this long has passed, so it must exceed the longest job timeout.
-    broker_visibility_timeout_s: float = 7200.0
-    worker_heartbeat_s: float = 5.0
+    broker_visibility_timeout_s: float = Field(7200.0, gt=0)
+    worker_heartbeat_s: float = Field(5.0, gt=0)
     # A worker silent for this long is taken for dead: its RUNNING jobs may be taken over.
-    worker_stale_after_s: float = 30.0
-    default_job_timeout_s: float = 600.0
+    worker_stale_after_s: float = Field(30.0, gt=0)
+    default_job_timeout_s: float = Field(600.0, gt=0)
     # Intervention code that runs this long without handing control back to the model (a user's
     # endless loop) is stopped inside the engine, so that the jobs batched with it go on.
-    engine_stall_timeout_s: float = 60.0
+    engine_stall_timeout_s: float = Field(60.0, gt=0)
 
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"
-    api_port: int = 8000
+    api_port: int = Field(8000, ge=0, le=65535)
     # The largest serialized trace a client may submit, in bytes (larger uploads get 413).
-    max_payload_bytes: int = 64 * 1024 * 1024
+    max_payload_bytes: int = Field(64 * 1024 * 1024, gt=0)
     # Jobs one API key may have queued or running at once (more submissions get 429).
-    max_jobs_in_flight_per_key: int = 64
-    # How long the presigned result URLs that the API redirects to stay valid.
-    result_url_expiry_s: int = 3600
+    max_jobs_in_flight_per_key: int = Field(64, ge=1)
+    # How long the presigned result URLs that the API redirects to stay valid (SigV4 allows up to 7 days).
+    result_url_expiry_s: int = Field(3600, ge=1, le=7 * 24 * 3600)
 
-    @cached_property
+    # Days after a job ends that ``nnqueue gc`` deletes its payload and results (the job's row stays, and
+    # its result answers 410). Unset: everything is kept; deleting users' results is the operator's choice.
+    retention_days: float | None = Field(None, gt=0)
+
+    _store_dir_defaulted: bool = PrivateAttr(default=False)
+
+    @model_validator(mode="after")
+    def _check_and_fill_in(self) -> Self:
+        if self.worker_stale_after_s <= self.worker_heartbeat_s:
+            raise ValueError(
+                f"NNQUEUE_WORKER_STALE_AFTER_S ({self.worker_stale_after_s:g}) must be greater than "
+                f"NNQUEUE_WORKER_HEARTBEAT_S ({self.worker_heartbeat_s:g}): otherwise a live worker looks dead "
+                "between two of its heartbeats and its jobs are taken from it"
+            )
+        if self.broker_visibility_timeout_s <= self.default_job_timeout_s:
+            raise ValueError(
+                f"NNQUEUE_BROKER_VISIBILITY_TIMEOUT_S ({self.broker_visibility_timeout_s:g}) must be greater than "
+                f"NNQUEUE_DEFAULT_JOB_TIMEOUT_S ({self.default_job_timeout_s:g}): otherwise Redis hands a job that "
+                "is still running to another worker"
+            )
+        if not self.database_url:
+            self.database_url = f"sqlite:///{(self.data_dir / 'nnqueue.db').resolve()}"
+        self._store_dir_defaulted = self.store_dir is None
+        self.store_dir = (self.store_dir or self.data_dir / "objects").resolve()
+        return self
+
+    @property
     def resolved_database_url(self) -> str:
-        if self.database_url:
-            return self.database_url
-        return f"sqlite:///{(self.data_dir / 'nnqueue.db').resolve()}"
+        """``database_url``, never None (the settings fill it in)."""
+        assert self.database_url is not None
+        return self.database_url
 
-    @cached_property
+    @property
     def resolved_store_dir(self) -> Path:
-        return (self.store_dir or self.data_dir / "objects").resolve()
+        """``store_dir``, never None (the settings fill it in)."""
+        assert self.store_dir is not None
+        return self.store_dir
+
+    @property
+    def store_dir_defaulted(self) -> bool:
+        """Whether ``store_dir`` is the default under ``data_dir`` rather than set."""
+        return self._store_dir_defaulted

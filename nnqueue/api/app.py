@@ -7,6 +7,7 @@ be migrated (``nnqueue db upgrade``): the API never changes it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -20,12 +21,15 @@ from nnqueue.api.routers import health, jobs, models
 from nnqueue.broker import create_celery_app
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.settings import Settings
-from nnqueue.storage import object_store_from_settings
+from nnqueue.storage import log_store, object_store_from_settings
+
+log = logging.getLogger(__name__)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     resources = _resources(settings)
+    log_store(settings, log)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -6,6 +6,8 @@ so there is no HTTP route that creates keys.
 
 from __future__ import annotations
 
+import logging
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -27,6 +29,8 @@ def serve_api(
     """Serve the HTTP API with uvicorn. The database must be migrated first (nnqueue db upgrade)."""
     import uvicorn
 
+    # nnqueue's own start-up lines (which object store, and a warning when it is probably not shared).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
     try:
         migrate.require_head(settings.resolved_database_url)

@@ -120,6 +120,7 @@ class HealthResponse(BaseModel):
 class ReadyResponse(BaseModel):
     status: Literal["ready", "unavailable"]
     checks: dict[str, str] = Field(description="'ok', or the error, for database, broker and object_store.")
+    store: str = Field(description="The object store in use: 's3://<bucket> at <endpoint>' or 'local folder <path>'.")
 
 
 def _error(job: Job) -> JobError | None:

@@ -19,10 +19,12 @@ import types
 from abc import ABC, abstractmethod
 from typing import BinaryIO, Protocol, Self
 
+from nnqueue.errors import NNqueueError
+
 MAX_KEY_LENGTH = 1024  # S3's limit, in UTF-8 bytes
 
 
-class ObjectStoreError(Exception):
+class ObjectStoreError(NNqueueError):
     """Base class of object-store errors."""
 
 
@@ -36,6 +38,11 @@ class ObjectNotFound(ObjectStoreError):
 
 class PresignUnsupported(ObjectStoreError):
     """The backend cannot hand out URLs; serve the object through the API instead."""
+
+
+class StoreNotShared(ObjectStoreError):
+    """This process's store is a per-host folder while other processes may run elsewhere (see
+    :func:`nnqueue.storage.unshared_store_problem`)."""
 
 
 class ObjectReader(Protocol):

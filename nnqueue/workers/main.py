@@ -17,7 +17,7 @@ from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
-from nnqueue.storage import object_store_from_settings
+from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import JobRunner
@@ -30,6 +30,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     settings = Settings()
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
+    log_store(settings, log)
     app = create_celery_app(settings, prefetch=max_concurrent_jobs)
     queue = queue_name(model_key)
 

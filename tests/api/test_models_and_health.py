@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from nnqueue.scheduler import registry
-from tests.api.conftest import api_client, create_secret, register_worker
-from tests.servers import free_ports
-from tests.workers.conftest import Services
+from tests.utils.api import api_client, create_secret, register_worker
+from tests.utils.servers import free_ports
+from tests.utils.services import Services
 
 
 def test_models_lists_live_workers_and_drops_one_that_stops_heartbeating(services: Services) -> None:
@@ -49,10 +50,29 @@ def test_readyz_is_200_when_everything_is_reachable(services: Services) -> None:
     with api_client(services) as api:
         response = api.http.get("/readyz")
     assert response.status_code == 200, response.text
+    s3 = services.settings.s3
+    assert s3 is not None
     assert response.json() == {
         "status": "ready",
         "checks": {"database": "ok", "broker": "ok", "object_store": "ok"},
+        "store": f"s3://{s3.bucket} at {s3.endpoint_url}",
     }
+
+
+def test_readyz_is_503_when_a_shared_database_meets_the_default_local_folder(
+    services: Services, tmp_path: Path
+) -> None:
+    """Postgres is shared by processes on several hosts; a per-host default folder would split the store."""
+    with api_client(services, s3=None, store_dir=None, data_dir=tmp_path) as api:
+        body = api.http.get("/readyz").json()
+    assert body["status"] == "unavailable" and body["store"] == f"local folder {tmp_path / 'objects'}"
+    assert body["checks"]["object_store"].startswith("StoreNotShared: the object store is the default local folder")
+    assert "NNQUEUE_S3__*" in body["checks"]["object_store"] and body["checks"]["database"] == "ok"
+
+    chosen = tmp_path / "mounted-everywhere"  # set explicitly: trusted to be shared
+    with api_client(services, s3=None, store_dir=chosen) as api:
+        body = api.http.get("/readyz").json()
+    assert body["status"] == "ready" and body["store"] == f"local folder {chosen}"
 
 
 def test_readyz_is_503_naming_what_is_unreachable(services: Services) -> None:

@@ -2,7 +2,9 @@
 
 Neither needs a key: load balancers and orchestrators call them. Readiness checks the database
 (``SELECT 1``), the broker (a connection through the Celery app, so any transport works) and the
-object store (a lookup of a key that need not exist), and names the ones that failed.
+object store (a lookup of a key that need not exist), and names the ones that failed. It also names the
+store in use; a default local folder while the database is a shared server is not ready (see
+:func:`nnqueue.storage.unshared_store_problem`): the workers would keep results the API cannot serve.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from sqlalchemy import text
 
 from nnqueue.api.deps import Resources, get_resources
 from nnqueue.api.schemas import HealthResponse, ReadyResponse
+from nnqueue.storage import StoreNotShared, describe_store, unshared_store_problem
 
 router = APIRouter(tags=["health"])
 BROKER_TIMEOUT_S = 5.0
@@ -29,10 +32,11 @@ def healthz() -> HealthResponse:
 @router.get("/readyz", responses={503: {"model": ReadyResponse, "description": "Something is unreachable."}})
 def readyz(resources: Annotated[Resources, Depends(get_resources)], response: Response) -> ReadyResponse:
     checks = {name: _outcome(check, resources) for name, check in CHECKS.items()}
+    store = describe_store(resources.settings)
     if all(result == "ok" for result in checks.values()):
-        return ReadyResponse(status="ready", checks=checks)
+        return ReadyResponse(status="ready", checks=checks, store=store)
     response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-    return ReadyResponse(status="unavailable", checks=checks)
+    return ReadyResponse(status="unavailable", checks=checks, store=store)
 
 
 def _database(resources: Resources) -> None:
@@ -46,6 +50,8 @@ def _broker(resources: Resources) -> None:
 
 
 def _object_store(resources: Resources) -> None:
+    if problem := unshared_store_problem(resources.settings):
+        raise StoreNotShared(problem)
     resources.store.exists(PROBE_KEY)
 
 
