@@ -1,6 +1,7 @@
-"""Accepting a job: payload to the object store, row to the database, message to the model's queue.
+"""Accepting a job: admission, payload to the object store, row to the database, message to the model's queue.
 
-The order makes an accepted job durable before anyone can run it: the payload is stored first (its
+Admission comes first (:mod:`nnqueue.scheduler.admission`: a live worker serves the model, the key has room),
+so a refused job leaves nothing behind. The order of the rest makes an accepted job durable before anyone can run it: the payload is stored first (its
 key is derived from a fresh job id), then the QUEUED row is committed, then the task is sent. If the
 broker refuses the message the job is marked FAILED with that cause rather than left queued forever.
 """
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue.db.lifecycle import create_job, transition
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.db.session import transaction
+from nnqueue.scheduler.admission import AdmissionPolicy, admit
 from nnqueue.scheduler.enqueue import enqueue
 from nnqueue.storage.keys import payload_key
 from nnqueue.storage.object_store import ObjectStore
@@ -26,6 +28,7 @@ def submit_job(
     store: ObjectStore,
     app: Celery,
     *,
+    admission: AdmissionPolicy,
     owner: str,
     model_key: str,
     payload: bytes,
@@ -35,6 +38,9 @@ def submit_job(
     meta: dict[str, Any] | None = None,
     api_key_id: int | None = None,
 ) -> Job:
+    """Accept the job, or raise :class:`~nnqueue.scheduler.admission.AdmissionRefused` (nothing stored)."""
+    with sessions() as session:
+        admit(session, admission, model_key, api_key_id)
     job_id = uuid.uuid4()
     key = payload_key(job_id)
     size = store.put_bytes(key, payload)

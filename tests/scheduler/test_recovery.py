@@ -21,6 +21,7 @@ from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobEvent, JobStatus, Worker, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler import registry
+from nnqueue.scheduler.admission import AdmissionPolicy
 from nnqueue.scheduler.claim import claim
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.scheduler.submission import submit_job
@@ -29,13 +30,15 @@ from nnqueue.storage.local import LocalObjectStore
 
 S = JobStatus
 STALE_AFTER_S = 30.0
+# The jobs were submitted while their workers were alive: admission counts the since-silent workers as live.
+ADMISSION = AdmissionPolicy(stale_after_s=10 * STALE_AFTER_S, max_jobs_in_flight_per_key=100)
 
 
 def start_job(
     sessions: sessionmaker[Session], app: Celery, store: LocalObjectStore, model_key: str, worker: str
 ) -> uuid.UUID:
     """A job RUNNING on ``worker``, its submission's message already taken off the queue."""
-    job = submit_job(sessions, store, app, owner="alice", model_key=model_key, payload=b"trace")
+    job = submit_job(sessions, store, app, admission=ADMISSION, owner="alice", model_key=model_key, payload=b"trace")
     assert drain(app, model_key) == [str(job.id)]
     with transaction(sessions) as session:
         transition(session, job.id, S.RUNNING, worker_id=worker)

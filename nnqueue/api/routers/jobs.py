@@ -2,9 +2,8 @@
 
 Every route sees only the caller's own jobs: another owner's job answers 404, exactly as a job
 that does not exist, so ids cannot be probed. Submission checks its limits before anything is
-stored: the spec (422), the payload size (413), a live worker for the model (400) and the key's
-jobs in flight (429). The in-flight count is read before the job is added, so submissions racing
-each other may pass it together; it bounds a key's load, it is not an exact quota.
+stored: the spec (422) and the payload size (413) here, then ``submit_job``'s admission: a live worker
+for the model (400) and the key's jobs in flight (429; see :mod:`nnqueue.scheduler.admission`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile, sta
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, StreamingResponse
 from pydantic import ValidationError
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nnqueue.api.deps import Caller, CallerDep, CeleryDep, SessionDep, SessionsDep, SettingsDep, StoreDep
@@ -26,16 +25,14 @@ from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, o
 from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
+from nnqueue.scheduler.admission import AdmissionPolicy, ModelNotServed, TooManyJobsInFlight
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
-from nnqueue.scheduler.registry import live_workers
 from nnqueue.scheduler.submission import submit_job
-from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
 from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-IN_FLIGHT = (JobStatus.QUEUED, JobStatus.RUNNING)
 STREAM_CHUNK = 1024 * 1024
 NOT_YOURS = {404: {"description": "No such job, or another owner's."}}
 SPEC_DESCRIPTION = (
@@ -65,25 +62,29 @@ def submit(
     """Store the payload, create the job and put it on its model's queue."""
     job_spec = _parse_spec(spec)
     data = _read_payload(payload.file, settings.max_payload_bytes)
-    _require_live_model(session, job_spec.model_key, settings)
-    _require_room(session, caller, settings.max_jobs_in_flight_per_key)
     session.commit()  # end this read transaction (on SQLite, a snapshot) so the new job is visible below
     meta: dict[str, Any] = {"metadata": job_spec.metadata}
     if job_spec.client is not None:
         meta["client"] = job_spec.client.model_dump()
-    job = submit_job(
-        sessions,
-        store,
-        celery,
-        owner=caller.owner,
-        api_key_id=caller.key_id,
-        model_key=job_spec.model_key,
-        payload=data,
-        kind=JobKind(job_spec.kind),
-        timeout_s=settings.default_job_timeout_s if job_spec.timeout_s is None else job_spec.timeout_s,
-        priority=job_spec.priority,
-        meta=meta,
-    )
+    try:
+        job = submit_job(
+            sessions,
+            store,
+            celery,
+            admission=AdmissionPolicy.from_settings(settings),
+            owner=caller.owner,
+            api_key_id=caller.key_id,
+            model_key=job_spec.model_key,
+            payload=data,
+            kind=JobKind(job_spec.kind),
+            timeout_s=settings.default_job_timeout_s if job_spec.timeout_s is None else job_spec.timeout_s,
+            priority=job_spec.priority,
+            meta=meta,
+        )
+    except ModelNotServed as refused:
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(refused)) from None
+    except TooManyJobsInFlight as refused:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(refused)) from None
     return _view(session, _owned(session, job.id, caller))
 
 
@@ -183,30 +184,6 @@ def _read_payload(file: BinaryIO, limit: int) -> bytes:
     if len(data) > limit:
         raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, payload_too_large(limit))
     return data
-
-
-def _require_live_model(session: Session, model_key: str, settings: Settings) -> None:
-    live = sorted({worker.model_key for worker in live_workers(session, settings.worker_stale_after_s)})
-    if model_key not in live:
-        served = ", ".join(repr(key) for key in live) or "none"
-        raise HTTPException(
-            status.HTTP_400_BAD_REQUEST, f"no live worker serves model {model_key!r}; live models: {served}"
-        )
-
-
-def _require_room(session: Session, caller: Caller, limit: int) -> None:
-    in_flight = (
-        session.scalar(
-            select(func.count()).select_from(Job).where(Job.api_key_id == caller.key_id, Job.status.in_(IN_FLIGHT))
-        )
-        or 0
-    )
-    if in_flight >= limit:
-        raise HTTPException(
-            status.HTTP_429_TOO_MANY_REQUESTS,
-            f"this API key already has {in_flight} jobs queued or running; the limit is {limit} "
-            "(NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY): wait for some to finish",
-        )
 
 
 def _owned(session: Session, job_id: uuid.UUID, caller: Caller) -> Job:

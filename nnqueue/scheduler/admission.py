@@ -1,0 +1,65 @@
+"""Admission: whether a new job may be accepted, checked by :func:`nnqueue.scheduler.submission.submit_job`
+for every submitter (the API, the CLI, schedules), before anything is stored.
+
+Two rules: some live worker serves the job's model (else :class:`ModelNotServed`: nothing would ever run it),
+and the submitting API key has fewer than its limit of jobs queued or running (else
+:class:`TooManyJobsInFlight`). The count is read before the job is added, so submissions racing each other
+may pass it together: it bounds a key's load, it is not an exact quota.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from nnqueue.db.models import Job, JobStatus
+from nnqueue.errors import NNqueueError
+from nnqueue.scheduler.registry import live_workers
+from nnqueue.settings import Settings
+
+IN_FLIGHT = (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class AdmissionRefused(NNqueueError):
+    """A job was not accepted; the message says why and what to do."""
+
+
+class ModelNotServed(AdmissionRefused):
+    """No live worker serves the job's model; the message names the live models."""
+
+
+class TooManyJobsInFlight(AdmissionRefused):
+    """The submitting API key already has its limit of jobs queued or running."""
+
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    # A worker whose heartbeat is older than this does not count as serving its model.
+    stale_after_s: float
+    # Jobs one API key may have queued or running at once (jobs submitted without a key are not counted).
+    max_jobs_in_flight_per_key: int
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AdmissionPolicy:
+        return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key)
+
+
+def admit(session: Session, policy: AdmissionPolicy, model_key: str, api_key_id: int | None) -> None:
+    """Return if a job for ``model_key`` from ``api_key_id`` may be accepted, else raise :class:`AdmissionRefused`."""
+    live = sorted({worker.model_key for worker in live_workers(session, policy.stale_after_s)})
+    if model_key not in live:
+        served = ", ".join(repr(key) for key in live) or "none"
+        raise ModelNotServed(f"no live worker serves model {model_key!r}; live models: {served}")
+    if api_key_id is None:
+        return
+    in_flight = session.scalar(
+        select(func.count()).select_from(Job).where(Job.api_key_id == api_key_id, Job.status.in_(IN_FLIGHT))
+    )
+    limit = policy.max_jobs_in_flight_per_key
+    if (in_flight or 0) >= limit:
+        raise TooManyJobsInFlight(
+            f"this API key already has {in_flight} jobs queued or running; the limit is {limit} "
+            "(NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY): wait for some to finish"
+        )
