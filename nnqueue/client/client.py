@@ -13,15 +13,14 @@ from __future__ import annotations
 import json
 import platform
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from rich.console import Console
 
-from nnqueue.client.errors import APIConnectionError, api_error
 from nnqueue.client.job import Job
 from nnqueue.client.settings import ClientSettings
+from nnqueue.client.transport import Transport
 
 if TYPE_CHECKING:
     from nnqueue.client.backend import NNqueueBackend
@@ -48,26 +47,18 @@ class Client:
         *,
         inline_results: bool = False,
         blocking: bool | None = None,
-        transport: httpx.BaseTransport | None = None,
+        http_transport: httpx.BaseTransport | None = None,
         console: Console | None = None,
     ) -> None:
         """``timeout``: seconds for one HTTP request. ``inline_results``: fetch results through the API
         (``?inline=1``) rather than from the presigned object-store URL it redirects to. ``blocking``: the
         default of `backend`'s ``blocking`` (None: ``NNQUEUE_BLOCKING``, which ``nnqueue submit`` sets, else
-        true). ``transport``: an httpx transport for the API (tests pass a mock one); a result redirect to
+        true). ``http_transport``: an httpx transport for the API (tests pass a mock one); a result redirect to
         another host (a presigned object-store URL) uses neither it nor the API key."""
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self.inline_results = inline_results
+        self.transport = Transport(url, api_key, timeout, inline_results=inline_results, http_transport=http_transport)
+        self.url = self.transport.url
         self.blocking = ClientSettings().blocking if blocking is None else blocking
         self.console = console or Console(stderr=True)
-        headers = {"User-Agent": f"nnqueue-client/{_version()}"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout, connect=10.0), transport=transport
-        )
-        self._plain: httpx.Client | None = None
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Client:
@@ -84,9 +75,7 @@ class Client:
         return cls(**options)
 
     def close(self) -> None:
-        self._http.close()
-        if self._plain is not None:
-            self._plain.close()
+        self.transport.close()
 
     def __enter__(self) -> Client:
         return self
@@ -122,20 +111,20 @@ class Client:
             "metadata": metadata or {},
             "client": client_versions(),
         }
-        response = self._request(
+        response = self.transport.request(
             "POST",
             "/v1/jobs",
             data={"spec": json.dumps(spec)},
             files={"payload": ("payload", payload, "application/octet-stream")},
         )
-        job = Job(self, response.json())
+        job = self._job(response.json())
         for hook in list(submit_hooks):
             hook(job)
         return job
 
     def job(self, job_id: str) -> Job:
         """The job with this id (404 :class:`NotFoundError` if it is not one of this key's owner's)."""
-        return Job(self, self._get_json(f"/v1/jobs/{job_id}"))
+        return self._job(self.transport.get_json(f"/v1/jobs/{job_id}"))
 
     def jobs(
         self, status: str | None = None, model_key: str | None = None, *, page_size: int | None = None
@@ -149,9 +138,9 @@ class Client:
         if page_size:
             params["limit"] = page_size
         while True:
-            page = self._get_json("/v1/jobs", params=params)
+            page = self.transport.get_json("/v1/jobs", params=params)
             for info in page.get("jobs", []):
-                yield Job(self, info)
+                yield self._job(info)
             cursor = page.get("next_cursor")
             if not cursor:
                 return
@@ -159,13 +148,13 @@ class Client:
 
     def models(self) -> list[dict[str, Any]]:
         """Models with live workers: ``[{"model_key", "workers", "capacity"}]``."""
-        return list(self._get_json("/v1/models").get("models", []))
+        return list(self.transport.get_json("/v1/models").get("models", []))
 
     def health(self) -> dict[str, Any]:
-        return self._get_json("/healthz")
+        return self.transport.get_json("/healthz")
 
     def ready(self) -> dict[str, Any]:
-        return self._get_json("/readyz")
+        return self.transport.get_json("/readyz")
 
     def backend(
         self,
@@ -194,71 +183,5 @@ class Client:
             **submit_options,
         )
 
-    # -- HTTP -----------------------------------------------------------------------------------
-
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as error:
-            raise APIConnectionError(f"cannot reach the nnqueue API at {self.url}: {error}") from error
-        _check(response)
-        return response
-
-    def _get_json(self, path: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self._request("GET", path, params=params).json()
-
-    @contextmanager
-    def _result_stream(self, job_id: str, *, inline: bool | None = None) -> Iterator[httpx.Response]:
-        """The result's bytes as a streaming response: through the API, or from where it redirects to."""
-        inline = self.inline_results if inline is None else inline
-        params = {"inline": 1} if inline else None
-        try:
-            with self._http.stream("GET", f"/v1/jobs/{job_id}/result", params=params) as response:
-                if not response.is_redirect:
-                    _check(response)
-                    yield response
-                    return
-                target = response.url.join(response.headers["location"])
-        except httpx.TransportError as error:
-            raise APIConnectionError(f"cannot reach the nnqueue API at {self.url}: {error}") from error
-        # A presigned URL carries its own authorization: the API key must not travel to the object store
-        # (S3 also refuses a request that is authorized twice). A same-origin redirect stays on the API.
-        same_origin = (target.scheme, target.host, target.port) == (
-            response.url.scheme,
-            response.url.host,
-            response.url.port,
-        )
-        http = self._http if same_origin else self._plain_http()
-        try:
-            with http.stream("GET", target) as redirected:
-                _check(redirected)
-                yield redirected
-        except httpx.TransportError as error:
-            raise APIConnectionError(f"cannot download the result from {target.host}: {error}") from error
-
-    def _plain_http(self) -> httpx.Client:
-        if self._plain is None:
-            self._plain = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0), follow_redirects=True)
-        return self._plain
-
-
-def _check(response: httpx.Response) -> None:
-    if response.is_success:
-        return
-    if not response.is_stream_consumed:
-        response.read()
-    try:
-        body = response.json()
-        detail = body.get("detail", body) if isinstance(body, dict) else body
-    except ValueError:
-        detail = response.text.strip()[:2000] or response.reason_phrase
-    raise api_error(response.status_code, detail, method=response.request.method, url=str(response.request.url))
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("nnqueue")
-    except Exception:  # noqa: BLE001 - a source checkout without metadata
-        return "0"
+    def _job(self, info: dict[str, Any]) -> Job:
+        return Job(self.transport, info, self.console)

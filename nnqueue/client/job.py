@@ -27,7 +27,7 @@ from nnqueue.client.errors import APIConnectionError, APIError, JobCancelled, Jo
 if TYPE_CHECKING:
     import httpx
 
-    from nnqueue.client.client import Client
+    from nnqueue.client.transport import Transport
 
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
 CHUNK_SIZE = 1 << 20
@@ -39,11 +39,13 @@ MAX_POLL_FAILURES = 10
 
 
 class Job:
-    """One job. ``info`` is the API's last answer about it (the Job JSON); `status` refreshes it."""
+    """One job. ``info`` is the API's last answer about it (the Job JSON); `status` refreshes it.
+    ``console`` shows the progress displays (default: stderr)."""
 
-    def __init__(self, client: Client, info: dict[str, Any]) -> None:
-        self.client = client
+    def __init__(self, transport: Transport, info: dict[str, Any], console: Console | None = None) -> None:
+        self.transport = transport
         self.info = info
+        self.console = console or Console(stderr=True)
 
     @property
     def id(self) -> str:
@@ -64,7 +66,7 @@ class Job:
     # -- state ----------------------------------------------------------------------------------
 
     def refresh(self) -> dict[str, Any]:
-        self.info = self.client._get_json(f"/v1/jobs/{self.id}")
+        self.info = self.transport.get_json(f"/v1/jobs/{self.id}")
         return self.info
 
     def status(self) -> str:
@@ -73,7 +75,7 @@ class Job:
 
     def cancel(self) -> Job:
         """Cancel the job (queued: it never runs; running: its requests are aborted). 409 if it had ended."""
-        self.info = self.client._request("POST", f"/v1/jobs/{self.id}/cancel").json()
+        self.info = self.transport.request("POST", f"/v1/jobs/{self.id}/cancel").json()
         return self
 
     def cancel_quietly(self) -> None:
@@ -104,7 +106,7 @@ class Job:
         first = poll_interval or FIRST_POLL_S
         longest = poll_interval or MAX_POLL_S
         interval, failures, last_seen = first, 0, None
-        with _WaitDisplay(self, self.client.console, enabled=progress) as display:
+        with _WaitDisplay(self, self.console, enabled=progress) as display:
             while True:
                 try:
                     self.refresh()
@@ -178,10 +180,10 @@ class Job:
     def _download_to(self, file: BinaryIO, *, progress: bool, inline: bool | None, bar_from: int = 0) -> int:
         expected = (self.info.get("result") or {}).get("size")
         written = 0
-        with self.client._result_stream(self.id, inline=inline) as response:
+        with self.transport.result_stream(self.id, inline=inline) as response:
             total = _content_length(response) or expected
             show = progress and (total is None or total >= bar_from)
-            with _download_bar(self.client.console, f"job {self.id[:8]} result", total, show) as advance:
+            with _download_bar(self.console, f"job {self.id[:8]} result", total, show) as advance:
                 for chunk in response.iter_bytes(CHUNK_SIZE):
                     file.write(chunk)
                     written += len(chunk)

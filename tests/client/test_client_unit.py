@@ -60,7 +60,7 @@ def job_json(status: str = "queued", **fields: Any) -> dict[str, Any]:
 
 
 def scripted(handler: Callable[[httpx.Request], httpx.Response]) -> Client:
-    return Client(API, "nnq_secret", transport=httpx.MockTransport(handler))
+    return Client(API, "nnq_secret", http_transport=httpx.MockTransport(handler))
 
 
 def saves_bytes(saves: dict[str, Any]) -> bytes:
@@ -113,7 +113,7 @@ def test_submit_sends_the_spec_and_payload_as_multipart_with_the_key() -> None:
 def test_http_errors_carry_status_and_detail(status: int, method: str, path: str, cls: type[APIError]) -> None:
     client = scripted(lambda request: httpx.Response(status, json={"detail": f"because {status}"}))
     with pytest.raises(cls) as caught:
-        client._request(method, path)
+        client.transport.request(method, path)
     assert type(caught.value) is cls and caught.value.status_code == status
     assert caught.value.detail == f"because {status}" and f"because {status}" in str(caught.value)
 
@@ -177,7 +177,7 @@ def test_wait_follows_queued_running_completed_and_survives_a_blip(monkeypatch: 
         ),
     ]
     client = scripted(lambda request: answers.pop(0))
-    job = Job(client, job_json())
+    job = Job(client.transport, job_json())
     assert job.wait(progress=True) is job and job.info["status"] == "completed" and not answers
 
 
@@ -204,7 +204,7 @@ def test_results_follow_the_redirect_without_the_api_key_and_load_the_saves(tmp_
         return httpx.Response(200, content=data)
 
     client = scripted(api)
-    client._plain = httpx.Client(transport=httpx.MockTransport(store))
+    client.transport._plain = httpx.Client(transport=httpx.MockTransport(store))
     job = client.job(JOB_ID)
 
     saves = job.result(progress=False)
@@ -236,7 +236,7 @@ def test_from_env_reads_url_key_and_blocking(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("NNQUEUE_BLOCKING", "0")
     client = Client.from_env()
     assert client.url == "http://queue.example:9000" and client.blocking is False
-    assert client._http.headers["authorization"] == "Bearer nnq_from_env"
+    assert client.transport._http.headers["authorization"] == "Bearer nnq_from_env"
     assert Client.from_env(url="http://other:1").url == "http://other:1"
     assert Client("http://x", None).blocking is False  # NNQUEUE_BLOCKING applies to direct construction too
     backend = client.backend(model_key="m", blocking=True, priority=5)
