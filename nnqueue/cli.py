@@ -1,4 +1,4 @@
-"""The ``nnqueue`` command line: migrations, the API and its keys, workers, the client commands and the demo."""
+"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the client commands and the demo."""
 
 from __future__ import annotations
 
@@ -52,6 +52,43 @@ def db_downgrade(
     url = Settings().resolved_database_url
     migrate.downgrade(url, revision)
     console.print(f"database at {_redacted(url)} is at revision {revision}")
+
+
+@app.command()
+def gc(
+    older_than_days: float | None = typer.Option(
+        None, min=0, help="Purge jobs that ended longer ago than this (default NNQUEUE_RETENTION_DAYS)."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only count the jobs that would be purged."),
+) -> None:
+    """Delete the payloads and results of jobs that ended more than NNQUEUE_RETENTION_DAYS ago (their rows stay)."""
+    from datetime import timedelta
+
+    from nnqueue.db.session import make_engine, session_factory
+    from nnqueue.scheduler.retention import purge_expired
+    from nnqueue.storage import object_store_from_settings
+
+    settings = Settings()
+    days = settings.retention_days if older_than_days is None else older_than_days
+    if days is None:
+        console.print("NNQUEUE_RETENTION_DAYS is not set, so every payload and result is kept: nothing purged")
+        return
+    try:
+        migrate.require_head(settings.resolved_database_url)
+    except migrate.SchemaOutOfDate as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(1) from None
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        report = purge_expired(
+            session_factory(engine), object_store_from_settings(settings), timedelta(days=days), dry_run=dry_run
+        )
+    finally:
+        engine.dispose()
+    verb = "would purge" if dry_run else "purged"
+    console.print(
+        f"{verb} the payloads and results of {report.jobs} jobs that ended before {report.cutoff:%Y-%m-%d %H:%M} UTC"
+    )
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -70,6 +70,9 @@ class JobResponse(BaseModel):
     queued_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+    purged_at: datetime | None = Field(
+        description="When the payload and result were deleted (NNQUEUE_RETENTION_DAYS after the job ended); null while kept."
+    )
     queue_position: int | None = Field(description="1-based place among the model's queued jobs; null unless queued.")
     progress: Progress
     error: JobError | None
@@ -91,6 +94,7 @@ class JobResponse(BaseModel):
             queued_at=_utc(job.queued_at),
             started_at=_utc(job.started_at),
             finished_at=_utc(job.finished_at),
+            purged_at=_utc(job.purged_at),
             queue_position=queue_position,
             progress=Progress(done=job.progress_done, total=job.progress_total),
             error=_error(job),

@@ -40,10 +40,6 @@ class JobStatus(enum.StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
 
-    @property
-    def is_terminal(self) -> bool:
-        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
-
 
 class JobKind(enum.StrEnum):
     TRACE = "trace"  # a serialized nnsight trace
@@ -83,6 +79,8 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_owner_created_at", "owner", "created_at"),
         Index("ix_jobs_api_key_id_status", "api_key_id", "status"),
+        # Retention finds ended jobs not yet purged, oldest first (nnqueue.scheduler.retention).
+        Index("ix_jobs_purged_at_finished_at", "purged_at", "finished_at"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
@@ -116,6 +114,8 @@ class Job(Base):
     queued_at: Mapped[datetime | None] = mapped_column(Timestamp)
     started_at: Mapped[datetime | None] = mapped_column(Timestamp)
     finished_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    # When retention deleted the job's payload and results (NNQUEUE_RETENTION_DAYS); the row stays.
+    purged_at: Mapped[datetime | None] = mapped_column(Timestamp)
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan", passive_deletes=True

@@ -9,20 +9,22 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from nnqueue.api.limits import FORM_OVERHEAD_BYTES
 from nnqueue.db.lifecycle import transition
-from nnqueue.db.models import Job, JobEvent, JobStatus
+from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
 from nnqueue.db.session import transaction
+from nnqueue.scheduler.retention import purge_expired
 from nnqueue.storage.results import write_result
-from tests.api.conftest import LIVE_MODEL, Api, api_client, register_worker
-from tests.servers import free_ports
-from tests.workers.conftest import Services
+from tests.utils.api import LIVE_MODEL, Api, api_client, register_worker
+from tests.utils.servers import free_ports
+from tests.utils.services import Services
 
 S = JobStatus
 
@@ -299,3 +301,20 @@ def test_a_result_is_409_until_the_job_completes(api: Api, services: Services) -
     no_safetensors = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "safetensors"})
     assert no_safetensors.status_code == 409 and "no safetensors result" in no_safetensors.json()["detail"]
     assert api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "npz"}).status_code == 422
+
+
+def test_a_purged_jobs_result_is_410_and_the_job_says_when(api: Api, services: Services) -> None:
+    alice = api.new_key("alice")
+    job_id = api.submit_ok(alice)["id"]
+    complete(services, job_id, {"x": torch.ones(1)})
+    with transaction(services.sessions) as session:
+        ended = utcnow() - timedelta(days=3)
+        session.execute(update(Job).where(Job.id == uuid.UUID(job_id)).values(finished_at=ended))
+    assert api.http.get(f"/v1/jobs/{job_id}", headers=alice).json()["purged_at"] is None
+
+    purge_expired(services.sessions, services.store, timedelta(days=2))
+    body = api.http.get(f"/v1/jobs/{job_id}", headers=alice).json()
+    assert body["status"] == "completed" and body["purged_at"] is not None and body["result"]["size"] > 0
+    for params in ({}, {"inline": 1}, {"format": "safetensors"}):
+        gone = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params=params)
+        assert gone.status_code == 410 and "was deleted at" in gone.json()["detail"], params

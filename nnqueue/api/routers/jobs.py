@@ -143,7 +143,7 @@ def cancel(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, sessions: 
         200: {"content": {"application/octet-stream": {}}, "description": "The result's bytes (inline)."},
         302: {"description": "Redirect to a presigned object-store URL."},
         409: {"description": "The job has not completed, or has no result in that format."},
-        410: {"description": "The result is no longer in the object store."},
+        410: {"description": "The result was deleted (NNQUEUE_RETENTION_DAYS), or is no longer in the object store."},
     },
 )
 def download_result(
@@ -203,6 +203,12 @@ def _result_object(job: Job, format: str) -> str:  # noqa: A002
     if job.status is not JobStatus.COMPLETED or job.result_key is None:
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"job {job.id} is {job.status.value}; only completed jobs have a result"
+        )
+    if job.purged_at is not None:
+        raise HTTPException(
+            status.HTTP_410_GONE,
+            f"the result of job {job.id} was deleted at {job.purged_at.isoformat(timespec='seconds')} "
+            "(the server keeps results for NNQUEUE_RETENTION_DAYS after a job ends)",
         )
     if format == "torch":
         return job.result_key
