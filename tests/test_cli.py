@@ -3,6 +3,8 @@ tests/test_demo.py)."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -16,10 +18,43 @@ from nnqueue.cli import app, engine_args
 runner = CliRunner()
 
 
-def test_help_lists_the_commands() -> None:
-    result = subprocess.run([sys.executable, "-m", "nnqueue", "--help"], capture_output=True, text=True, check=True)
-    for command in ("worker", "db", "demo", "version", "submit", "status", "jobs", "cancel", "download", "models"):
-        assert command in result.stdout
+SERVER_COMMANDS = {"version", "db", "gc", "keys", "serve-api", "worker", "demo"}
+CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models"}
+COMMANDS = {
+    (): SERVER_COMMANDS | CLIENT_COMMANDS,
+    ("db",): {"upgrade", "downgrade"},
+    ("keys",): {"create", "list", "revoke"},
+}
+
+
+def listed_commands(help_text: str) -> set[str]:
+    """The names in the command column of Typer's help: the first word of each row of the Commands panel."""
+    lines = help_text.splitlines()
+    start = next(index for index, line in enumerate(lines) if re.match(r"\s*╭─ Commands", line))
+    names = set()
+    for line in lines[start + 1 :]:
+        if line.lstrip().startswith("╰"):
+            break
+        if match := re.match(r"\s*│ (\S+)", line):  # a row; its wrapped description lines start with spaces
+            names.add(match.group(1))
+    return names
+
+
+@pytest.mark.parametrize("group", sorted(COMMANDS))
+def test_help_lists_the_commands(group: tuple[str, ...]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "nnqueue", *group, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert listed_commands(result.stdout) == COMMANDS[group]
+
+
+def test_the_command_column_is_read_and_descriptions_are_not() -> None:
+    panel = "╭─ Commands ─╮\n│ gc    Delete the payloads\n│       of jobs that ended\n│ db    Manage\n╰───╯\n│ after  x"
+    assert listed_commands(panel) == {"gc", "db"}
 
 
 def test_db_upgrade_migrates_the_configured_database(

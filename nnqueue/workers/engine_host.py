@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -29,10 +29,6 @@ class EngineHost:
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the engine loop and wait for its result (from any other thread)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def call_soon(self, callback: Callable[[], Any]) -> None:
-        """Schedule a plain callback on the engine loop (from any other thread)."""
-        self.loop.call_soon_threadsafe(callback)
 
     def stop(self) -> None:
         """Cancel what still runs on the loop, let it finish cancelling, then stop the loop.
