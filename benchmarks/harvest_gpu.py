@@ -210,10 +210,7 @@ def harvest_trace(model: Any, ids: list[int], layer: int, last: bool, backend: A
     state; the sum also copies it out of the step's buffers), every token or the last token only."""
     with model.trace(ids, temperature=0.0, max_tokens=1, backend=backend) as tracer:
         out = model.model.layers[layer].output
-        if last:
-            h = (out[0][-1] + out[1][-1]).save()
-        else:
-            h = (out[0] + out[1]).save()
+        h = (out[0][-1] + out[1][-1]).save() if last else (out[0] + out[1]).save()
     return tracer.backend if backend is None else backend
 
 
@@ -661,7 +658,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ref = torch.load(args.compare_ref)["last"]
         here = [queue.load(j)["h"].cpu() for j in run_b(True, P, 1, "(b) compare run")[: len(ref)]]
         report["tp_vs_ref_rel_err"] = [
-            float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref)
+            float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref, strict=True)
         ]
     stop(host, engine)
 
@@ -744,7 +741,7 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts = [
         ids[:n]
         for ids, n in zip(
-            prompt_ids(len(CHECK_LENGTHS), max(CHECK_LENGTHS), config["vocab_size"], seed=1), CHECK_LENGTHS
+            prompt_ids(len(CHECK_LENGTHS), max(CHECK_LENGTHS), config["vocab_size"], seed=1), CHECK_LENGTHS, strict=True
         )
     ]
     job_ids = queue.submit([check_trace(client, ids, CHECK_LAYER, PayloadBackend()).payload for ids in prompts])
@@ -781,7 +778,7 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         report["vs_pytorch_rel_err"] = errors
         report["vs_pytorch_pass"] = all(max(e.values()) < args.tolerance for e in errors)
         print(f"nnqueue vs float32 PyTorch, layer {CHECK_LAYER} ({args.weights} weights):")
-        for n, e in zip(CHECK_LENGTHS, errors):
+        for n, e in zip(CHECK_LENGTHS, errors, strict=True):
             print(f"  {n:>4} tokens: " + "  ".join(f"{k} {v:.2e}" for k, v in e.items()))
         print(f"  pass (all < {args.tolerance}): {report['vs_pytorch_pass']}")
     if args.save_ref:
@@ -790,7 +787,7 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ref = torch.load(args.compare_ref)
         errors = [
             {k: float((s[k].float().cpu() - r[k].float()).norm() / r[k].float().norm()) for k in ("e", "m", "r")}
-            for s, r in zip(saved, ref)
+            for s, r in zip(saved, ref, strict=True)
         ]
         report["vs_ref_rel_err"] = errors
         report["vs_ref_pass"] = all(max(e.values()) < args.tolerance for e in errors)
@@ -836,7 +833,7 @@ def main() -> None:
     mode = "check" if args.check_1b else "plain" if args.plain_vllm else "bench"
     try:
         report = {"check": check_1b, "plain": plain_vllm, "bench": bench}[mode](args, work)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - Ctrl-C too: exit now rather than wait on the engine's threads
         # Don't wait on the engine's threads and child processes: fail the call now, loudly.
         traceback.print_exc()
         sys.stdout.flush()

@@ -27,20 +27,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nnsight.modeling.vllm import VLLM  # noqa: E402
-from pydantic import SecretStr  # noqa: E402
+from nnsight.modeling.vllm import VLLM
+from pydantic import SecretStr
 
-from nnqueue.db import migrate  # noqa: E402
-from nnqueue.db.models import JobStatus  # noqa: E402
-from nnqueue.engines.platform import load_engine, prepare_process  # noqa: E402
-from nnqueue.engines.trace_runner import run_serialized_trace  # noqa: E402
-from nnqueue.scheduler.submission import submit_job  # noqa: E402
-from nnqueue.settings import S3Settings  # noqa: E402
-from nnqueue.workers.engine_host import EngineHost  # noqa: E402
-from tests.utils import servers  # noqa: E402
-from tests.utils.payloads import PayloadBackend  # noqa: E402
-from tests.utils.services import MODEL_KEY, Services, WorkerProcess  # noqa: E402
-from tests.utils.tiny_model import TINY_ENGINE_KWARGS, build_tiny_llama  # noqa: E402
+from nnqueue.db import migrate
+from nnqueue.db.models import JobStatus
+from nnqueue.engines.platform import load_engine, prepare_process
+from nnqueue.engines.trace_runner import run_serialized_trace
+from nnqueue.scheduler.submission import submit_job
+from nnqueue.settings import S3Settings
+from nnqueue.workers.engine_host import EngineHost
+from tests.utils import servers
+from tests.utils.payloads import PayloadBackend
+from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS, build_tiny_llama
 
 PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces", "Hello world", "The capital of Japan is"]
 

@@ -92,7 +92,8 @@ def ensure_model(models_dir: Path, console: Console) -> tuple[Path, bool]:
     shutil.rmtree(staging, ignore_errors=True)
     with console.status(f"converting {source.name} to a Hugging Face folder (once; later runs reuse it)"):
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        # Any: the attributes changed below are not in transformers' types (nn.Module's __setattr__ is).
+        model: Any = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         # transformers dequantizes GGUF weights on load but keeps the GGUF quantization marker, which
         # refuses to save; the weights in memory are plain float32.
         model.hf_quantizer = None

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from nnqueue.errors import NNqueueError
+from nnqueue.settings import Settings
 
 MIN_REDIS_VERSION = (6, 2)
 
@@ -189,23 +190,24 @@ def preload_anyio() -> None:
     if all(name in sys.modules for name in modules):
         return
     nnsight = sys.modules.get("nnsight")
-    lifted = nnsight is not None and "save" in vars(object)
-    if lifted:
-        from nnsight._c import mount, unmount
+    if nnsight is None or "save" not in vars(object):
+        for name in modules:
+            importlib.import_module(name)
+        return
+    from nnsight._c import mount, unmount
 
-        unmount("save")
+    unmount("save")
     try:
         for name in modules:
             importlib.import_module(name)
     finally:
-        if lifted:
-            mount(nnsight.save, "save")  # type: ignore[union-attr]
+        mount(nnsight.save, "save")
 
 
 class ApiServer:
     """The HTTP API (``create_app(settings)``) under uvicorn in a thread of this process, on a free port."""
 
-    def __init__(self, settings: object, *, host: str = "127.0.0.1", port: int | None = None, timeout: float = 30.0):
+    def __init__(self, settings: Settings, *, host: str = "127.0.0.1", port: int | None = None, timeout: float = 30.0):
         import threading
 
         import uvicorn
@@ -216,7 +218,7 @@ class ApiServer:
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
         config = uvicorn.Config(
-            create_app(settings),  # type: ignore[arg-type]
+            create_app(settings),
             host=host,
             port=self.port,
             log_level="warning",

@@ -20,7 +20,7 @@ import os
 import runpy
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -84,7 +84,7 @@ def submit(
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             failure = exit_
-    except Exception as error:  # the script's own error: show it, then what it queued
+    except Exception as error:  # noqa: BLE001 - the script's own error, whatever it is: show it, then what it queued
         failure = error
         err_console.print("".join(traceback.format_exception(error)).rstrip(), highlight=False, markup=False)
     finally:
@@ -202,7 +202,14 @@ def models(url: str | None = UrlOption, api_key: str | None = KeyOption) -> None
     console.print(table if served else "no live workers")
 
 
-COMMANDS = {"submit": submit, "status": status, "jobs": jobs, "cancel": cancel, "download": download, "models": models}
+COMMANDS: dict[str, Callable[..., None]] = {
+    "submit": submit,
+    "status": status,
+    "jobs": jobs,
+    "cancel": cancel,
+    "download": download,
+    "models": models,
+}
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import IO, TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import (
@@ -177,7 +177,7 @@ class Job:
             partial.unlink(missing_ok=True)
         return target
 
-    def _download_to(self, file: BinaryIO, *, progress: bool, inline: bool | None, bar_from: int = 0) -> int:
+    def _download_to(self, file: IO[bytes], *, progress: bool, inline: bool | None, bar_from: int = 0) -> int:
         expected = (self.info.get("result") or {}).get("size")
         written = 0
         with self.transport.result_stream(self.id, inline=inline) as response:

@@ -9,6 +9,7 @@ authorized twice, and the key must not travel to another host).
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -108,8 +109,6 @@ def _check(response: httpx.Response) -> None:
 
 def _version() -> str:
     try:
-        from importlib.metadata import version
-
-        return version("nnqueue")
-    except Exception:  # noqa: BLE001 - a source checkout without metadata
+        return importlib.metadata.version("nnqueue")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout that was never installed
         return "0"

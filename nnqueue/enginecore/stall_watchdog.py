@@ -63,7 +63,7 @@ def install(stall_timeout_s: float) -> None:
                 if entry.fired:
                     _set_async_exc(entry.thread_id, None)  # undelivered: it must not land outside
 
-    Mediator.switch = timed_switch  # type: ignore[method-assign]
+    Mediator.switch = timed_switch
     threading.Thread(target=_watch, args=(stall_timeout_s,), name="nnqueue-stall-watchdog", daemon=True).start()
 
 

@@ -51,7 +51,7 @@ class EngineVLLM(VLLM):
 
     # Read by VLLM._load_sync/_load_async when the engine is built.
     @property
-    def _WORKER_CLS(self) -> str:  # type: ignore[override]
+    def _WORKER_CLS(self) -> str:
         return CPU_WORKER_CLS if is_cpu() else GPU_WORKER_CLS
 
 

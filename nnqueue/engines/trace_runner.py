@@ -67,7 +67,7 @@ def build_trace(model: VLLM, payload: bytes, request_id_prefix: str) -> BuiltTra
             tracer = RequestModel.deserialize(payload, model._remoteable_persistent_objects())
             # Deserialize drops the AST node, which `_attach_mediators` needs to re-serialize
             # the workers; parse it back from the source deserialize just put in linecache.
-            source = "".join(linecache.cache[tracer.info.frame.f_code.co_filename][2])
+            source = "".join(linecache.getlines(tracer.info.frame.f_code.co_filename))
             tracer.node = ast.parse(source)
             _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
             model._attach_mediators(params, **forward_kwargs)
@@ -86,7 +86,8 @@ async def _run_request(
     collected = False
     try:
         output = None
-        async for output in engine.generate(prompt, params, request_id, lora_request=lora_request):
+        # B007: the loop only runs the stream; its last (finished) output is used below.
+        async for output in engine.generate(prompt, params, request_id, lora_request=lora_request):  # noqa: B007
             pass
         # The finished output goes back to the worker, which needs it to serve `tracer.result`.
         entry = await acollect(engine, request_id, output)
@@ -114,11 +115,11 @@ async def run_trace(model: VLLM, trace: BuiltTrace) -> TraceResult:
             tasks = [
                 group.create_task(_run_request(engine, request_id, prompt, params, lora))
                 for request_id, prompt, params, lora in zip(
-                    trace.request_ids, trace.prompts, trace.params, trace.lora_requests
+                    trace.request_ids, trace.prompts, trace.params, trace.lora_requests, strict=True
                 )
             ]
     except BaseExceptionGroup as failures:
-        raise failures.exceptions[0]
+        raise failures.exceptions[0] from None  # the first failure itself, not the group around it
 
     saves: dict[str, Any] = {}
     error: DeferredError | None = None
@@ -135,7 +136,7 @@ async def run_serialized_trace(model: VLLM, payload: bytes, request_id_prefix: s
     """`build_trace` then `run_trace`; a build failure comes back as the result's error."""
     try:
         trace = build_trace(model, payload, request_id_prefix)
-    except Exception as exception:
+    except Exception as exception:  # noqa: BLE001 - a payload fails to rebuild in any way; it is the trace's error
         return TraceResult({}, capture_exception(exception))
     return await run_trace(model, trace)
 

@@ -41,6 +41,8 @@ def requeue_orphans(
         ).all()
     requeued = []
     for job_id, dead_worker in orphans:
+        if dead_worker is None:
+            continue  # not a RUNNING job's (its worker is set when claimed), and NULL is in no NOT IN list
         job = _requeue(sessions, job_id, dead_worker)
         if job is None:
             continue

@@ -54,12 +54,12 @@ def mark_stopped(sessions: sessionmaker[Session], worker_id: str) -> None:
         session.execute(update(Worker).where(Worker.id == worker_id).values(stopped_at=utcnow()))
 
 
-def _live(stale_after_s: float) -> Select[tuple[Worker]]:
+def _live(stale_after_s: float) -> Select[Worker]:
     cutoff = utcnow() - timedelta(seconds=stale_after_s)
     return select(Worker).where(Worker.stopped_at.is_(None), Worker.heartbeat_at >= cutoff)
 
 
-def live_worker_ids(stale_after_s: float) -> Select[tuple[str]]:
+def live_worker_ids(stale_after_s: float) -> Select[str]:
     """A query of the live workers' ids, for use as a subquery."""
     return _live(stale_after_s).with_only_columns(Worker.id)
 

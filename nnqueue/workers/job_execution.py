@@ -115,12 +115,14 @@ class JobRunner:
         try:
             payload = await asyncio.to_thread(self.store.get_bytes, job.payload_key)
         except ObjectNotFound:
-            raise JobFailure("PayloadMissing", f"the job's payload {job.payload_key} is not in the object store")
+            raise JobFailure(
+                "PayloadMissing", f"the job's payload {job.payload_key} is not in the object store"
+            ) from None
         try:
             # No await between here and the submit: builds must not interleave.
             built = trace_runner.build_trace(self.model, payload, f"{job.id}-{job.attempts}")
-        except Exception as error:
-            raise JobFailure(type(error).__name__, _build_error_message(error, job), traceback.format_exc())
+        except Exception as error:  # a payload fails to rebuild in any way; the job fails with it
+            raise JobFailure(type(error).__name__, _build_error_message(error, job), traceback.format_exc()) from error
         await asyncio.to_thread(self._set_total, job.id, len(built.request_ids))
         result = await trace_runner.run_trace(self.model, built)
         if result.error is not None and not result.error.get("is_control_flow"):

@@ -154,7 +154,7 @@ def test_listing_fetching_cancelling_and_http_errors(
 
     listed = [listed.id for listed in client.jobs(page_size=1)]  # one per page: follows the cursor
     assert job.id in listed and len(listed) == len(set(listed)) >= 2
-    assert [j.id for j in client.jobs(status="completed", model_key=MODEL_KEY)][0] == job.id
+    assert next(j.id for j in client.jobs(status="completed", model_key=MODEL_KEY)) == job.id
     assert all(j.info["status"] == "failed" for j in client.jobs(status="failed"))
     assert client.job(job.id).info["status"] == "completed"
     assert client.models() == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4}]

@@ -94,7 +94,7 @@ def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
 
 
 def test_direct_trace_matches_transformers(loop, engine, reference) -> None:
-    for prompt, expected in zip(PROMPTS, reference):
+    for prompt, expected in zip(PROMPTS, reference, strict=True):
         saves = direct_trace(loop, engine, prompt)
         assert saves["h"].shape == expected["h"].shape
         torch.testing.assert_close(saves["h"], expected["h"], atol=1e-4, rtol=1e-4)
@@ -107,7 +107,7 @@ def test_serialized_trace_matches_direct(loop, engine, client, reference) -> Non
     result = run(loop, run_serialized_trace(engine, two_invoke_payload(client), "serialized"))
     assert result.error is None
     assert set(result.saves) == {"h0", "logits0", "h1", "logits1"}
-    for index, (saves, expected) in enumerate(zip(direct, reference)):
+    for index, (saves, expected) in enumerate(zip(direct, reference, strict=True)):
         torch.testing.assert_close(result.saves[f"h{index}"], saves["h"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(result.saves[f"logits{index}"], saves["logits"], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(result.saves[f"h{index}"], expected["h"], atol=1e-4, rtol=1e-4)

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import httpx
 import pytest
@@ -61,7 +61,7 @@ class GeneratorReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+    def readinto(self, buffer: Any) -> int:  # any writable buffer (a bytearray, a memoryview)
         while not self._pending:
             chunk = next(self._chunks, None)
             if chunk is None:
@@ -74,7 +74,7 @@ class GeneratorReader(io.RawIOBase):
 
 
 def stream_of(chunks: Iterator[bytes]) -> BinaryIO:
-    return io.BufferedReader(GeneratorReader(chunks), buffer_size=MiB)  # type: ignore[return-value]
+    return io.BufferedReader(GeneratorReader(chunks), buffer_size=MiB)
 
 
 def random_chunks(count: int, digest: hashlib._Hash, seed: int = 0) -> Iterator[bytes]:

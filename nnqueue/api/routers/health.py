@@ -65,6 +65,6 @@ CHECKS: dict[str, Callable[[Resources], None]] = {
 def _outcome(check: Callable[[Resources], None], resources: Resources) -> str:
     try:
         check(resources)
-    except Exception as error:  # any failure means "not ready"; report it rather than raise
+    except Exception as error:  # noqa: BLE001 - any failure means "not ready"; report it rather than raise
         return f"{type(error).__name__}: {error}"
     return "ok"

@@ -34,13 +34,13 @@ from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectSto
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 STREAM_CHUNK = 1024 * 1024
-NOT_YOURS = {404: {"description": "No such job, or another owner's."}}
+NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such job, or another owner's."}}
 SPEC_DESCRIPTION = (
     'A JSON object: {"model_key": str, "kind": "trace", "priority": int = 0, "timeout_s": float | null '
     '(0 < t <= 86400; null: the server default), "metadata": object = {}, "client": {"nnsight": str, '
     '"python": str} | null}. Unknown fields are rejected.'
 )
-SUBMIT_ERRORS = {
+SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "No live worker serves the model; the detail names the live models."},
     413: {"description": "The payload is over NNQUEUE_MAX_PAYLOAD_BYTES."},
     429: {"description": "The key has NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY jobs queued or running."},
@@ -198,8 +198,8 @@ def _view(session: Session, job: Job) -> JobResponse:
     return JobResponse.of(job, queue_positions(session, [job]).get(job.id))
 
 
-def _result_object(job: Job, format: str) -> str:  # noqa: A002
-    """The object key of the job's result in ``format``, or 409 when it has none."""
+def _result_object(job: Job, fmt: str) -> str:
+    """The object key of the job's result in format ``fmt``, or 409 (410 once deleted) when it has none."""
     if job.status is not JobStatus.COMPLETED or job.result_key is None:
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"job {job.id} is {job.status.value}; only completed jobs have a result"
@@ -210,7 +210,7 @@ def _result_object(job: Job, format: str) -> str:  # noqa: A002
             f"the result of job {job.id} was deleted at {job.purged_at.isoformat(timespec='seconds')} "
             "(the server keeps results for NNQUEUE_RETENTION_DAYS after a job ends)",
         )
-    if format == "torch":
+    if fmt == "torch":
         return job.result_key
     if "safetensors" not in (job.result_format or "").split("+"):
         raise HTTPException(
