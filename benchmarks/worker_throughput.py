@@ -34,12 +34,11 @@ from nnqueue.db import migrate
 from nnqueue.db.models import JobStatus
 from nnqueue.engines.platform import load_engine, prepare_process
 from nnqueue.engines.trace_runner import run_serialized_trace
-from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import S3Settings
 from nnqueue.workers.engine_host import EngineHost
 from tests.utils import servers
 from tests.utils.payloads import PayloadBackend
-from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+from tests.utils.services import Services, WorkerProcess
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS, build_tiny_llama
 
 PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces", "Hello world", "The capital of Japan is"]
@@ -76,18 +75,7 @@ def direct_round(host: EngineHost, engine: VLLM, blobs: list[bytes], concurrency
 
 def queue_round(services: Services, blobs: list[bytes]) -> float:
     start = time.perf_counter()
-    jobs = [
-        submit_job(
-            services.sessions,
-            services.store,
-            services.celery,
-            admission=services.admission,
-            owner="bench",
-            model_key=MODEL_KEY,
-            payload=blob,
-        )
-        for blob in blobs
-    ]
+    jobs = [services.submit(blob, owner="bench") for blob in blobs]
     for job in jobs:
         done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED}, timeout=1800)
         assert done.status is JobStatus.COMPLETED, done.error_message

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 from sqlalchemy import select
@@ -23,6 +24,7 @@ from nnqueue.broker import create_celery_app
 from nnqueue.db.models import Job, JobStatus, Worker
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.scheduler.admission import AdmissionPolicy
+from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import S3Settings, Settings
 from nnqueue.storage import object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
@@ -61,6 +63,19 @@ class Services:
         self.store: ObjectStore = object_store_from_settings(self.settings)
         self.celery = create_celery_app(self.settings)
         self.admission = AdmissionPolicy.from_settings(self.settings)
+
+    def submit(self, payload: bytes, *, owner: str = "alice", model_key: str = MODEL_KEY, **options: Any) -> Job:
+        """``submit_job`` on these services, admission included, as the API submits (``options``: timeout_s, meta...)."""
+        return submit_job(
+            self.sessions,
+            self.store,
+            self.celery,
+            admission=self.admission,
+            owner=owner,
+            model_key=model_key,
+            payload=payload,
+            **options,
+        )
 
     def job(self, job_id: uuid.UUID) -> Job:
         with self.sessions() as session:

@@ -11,9 +11,8 @@ from nnsight.modeling.vllm import VLLM
 from sqlalchemy import select
 
 from nnqueue.db.models import JobEvent, JobStatus
-from nnqueue.scheduler.submission import submit_job
 from tests.utils.payloads import slow_payload
-from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+from tests.utils.services import Services, WorkerProcess
 
 pytestmark = pytest.mark.slow  # crash and redelivery: kills a worker process and starts another
 
@@ -33,15 +32,7 @@ def test_a_killed_workers_job_is_requeued_and_completes_exactly_once(
 ) -> None:
     first = start_worker(max_concurrent_jobs=2)
     payload = slow_payload(client_model, steps=60)  # about 6 s of decoding: long enough to be killed mid-job
-    job = submit_job(
-        services.sessions,
-        services.store,
-        services.celery,
-        admission=services.admission,
-        owner="alice",
-        model_key=MODEL_KEY,
-        payload=payload,
-    )
+    job = services.submit(payload)
     running = services.wait_for(job.id, {S.RUNNING})
     first_worker = first.wait_registered()
     assert running.worker_id == first_worker.id

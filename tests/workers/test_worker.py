@@ -25,7 +25,6 @@ from nnqueue.db.models import JobEvent, JobStatus
 from nnqueue.engines.trace_runner import run_serialized_trace
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.cancellation import cancel_job
-from nnqueue.scheduler.submission import submit_job
 from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
 from nnqueue.storage.object_store import ObjectNotFound
 from nnqueue.storage.results import load_result
@@ -43,17 +42,7 @@ def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
 
 
 def submit(services: Services, payload: bytes, owner: str = "alice", timeout_s: float = 120) -> uuid.UUID:
-    job = submit_job(
-        services.sessions,
-        services.store,
-        services.celery,
-        admission=services.admission,
-        owner=owner,
-        model_key=MODEL_KEY,
-        payload=payload,
-        timeout_s=timeout_s,
-    )
-    return job.id
+    return services.submit(payload, owner=owner, timeout_s=timeout_s).id
 
 
 def result_of(services: Services, job_id: uuid.UUID) -> dict[str, Any]:
@@ -166,15 +155,8 @@ def test_failing_jobs_fail_alone_while_a_good_job_completes(
 def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
     services: Services, worker: WorkerProcess
 ) -> None:
-    job = submit_job(
-        services.sessions,
-        services.store,
-        services.celery,
-        admission=services.admission,
-        owner="alice",
-        model_key=MODEL_KEY,
-        payload=b"this is not a serialized nnsight trace",
-        meta={"client": {"nnsight": "0.7.2", "python": "3.10.4"}},
+    job = services.submit(
+        b"this is not a serialized nnsight trace", meta={"client": {"nnsight": "0.7.2", "python": "3.10.4"}}
     )
     failed = services.wait_for(job.id, {S.FAILED, S.COMPLETED})
     assert failed.status is S.FAILED and failed.error_message.startswith("could not rebuild the trace")
@@ -187,15 +169,7 @@ def test_a_job_cancelled_while_queued_never_runs(services: Services, worker: Wor
     # Submitted for a model whose only worker row has no process behind it (nothing consumes its queue),
     # cancelled, then its message reaches the real worker.
     registry.register(services.sessions, registry.new_worker_id(), "nobody-serves-this", "no-consumer", 1)
-    job = submit_job(
-        services.sessions,
-        services.store,
-        services.celery,
-        admission=services.admission,
-        owner="alice",
-        model_key="nobody-serves-this",
-        payload=probe_payload(client_model, PROMPTS[0], max_tokens=1),
-    )
+    job = services.submit(probe_payload(client_model, PROMPTS[0], max_tokens=1), model_key="nobody-serves-this")
     cancel_job(services.sessions, job.id, by="alice")
     services.celery.send_task(RUN_JOB_TASK, args=[str(job.id)], queue=queue_name(MODEL_KEY))
     worker.wait_log(f"job {job.id} skipped")
