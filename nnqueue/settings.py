@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     # Intervention code that runs this long without handing control back to the model (a user's
     # endless loop) is stopped inside the engine, so that the jobs batched with it go on.
     engine_stall_timeout_s: float = Field(60.0, gt=0)
+    # Sandboxed processes per worker that rebuild raw nnsight payloads (nnsight's own clients, old nnqueue
+    # clients) into prebuilt ones; started on first use. 0: the worker runs only client-prebuilt payloads.
+    trace_builders: int = Field(2, ge=0)
 
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"

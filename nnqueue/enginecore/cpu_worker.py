@@ -5,7 +5,7 @@ nnsight 0.8.1 hard-codes a CUDA worker (``NNsightGPUWorker``) that swaps vLLM's
 runner. vLLM's CPU worker builds a ``CPUModelRunner`` (a ``GPUModelRunner`` subclass that
 swaps device buffers for host ones), so the same swap works once nnsight's runner is mixed
 in above it. The RPC surface (``collect_nnsight`` & co., reached by name through
-``collective_rpc``) is nnsight's own, reused unchanged.
+``collective_rpc``) is nnsight's own, reused unchanged, plus nnqueue's (`NNqueueRPC`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
+from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.settings import Settings
 
 
@@ -27,8 +28,8 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
     """
 
 
-class NNsightCPUWorker(CPUWorker):
-    """vLLM's CPU worker, with nnsight's model runner and RPC methods."""
+class NNsightCPUWorker(NNqueueRPC, CPUWorker):
+    """vLLM's CPU worker, with nnsight's model runner and RPC methods, and nnqueue's."""
 
     def init_device(self) -> None:
         super().init_device()

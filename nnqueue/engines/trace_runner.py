@@ -1,152 +1,153 @@
-"""Run serialized nnsight traces on a dispatched async ``VLLM`` engine.
+"""Run a trace's vLLM requests on a dispatched async ``VLLM`` engine; the engine writes its result.
 
-A payload is ``RequestModel.serialize(tracer)`` bytes, written by a client against a meta
-model. This reproduces nnsight 0.8.1's ``nnsight.modeling.vllm.serve.server.generate``
-minus the HTTP: rebuild the tracer, build one vLLM request per invoke with its worker
-serialized into ``SamplingParams.extra_args``, submit them to the ``AsyncLLM``, and
-collect each finished request's saves from the engine worker (``acollect``).
+The requests come ready-made (:mod:`nnqueue.engines.prebuilt`): nnsight's mediator bytes already sit in
+each request's ``extra_args``, so nothing is deserialized or re-serialized here. `run_trace` submits them
+together and, once all have finished, makes one RPC, ``nnqueue_finish_trace``, with the finished outputs
+(which serve ``tracer.result``) and the sinks to write to: the engine collects and merges the saves in its
+own process and writes them (:mod:`nnqueue.enginecore.rpc`). The outcome (written objects, the trace's
+first error as nnsight's deferred-error dict) comes back through the outbox and is validated here, because
+the engine process runs users' code.
 
-Results use nnsight-serve's shape: saves merged by name across invokes (a later invoke
-wins a clash) and the first error as an nnsight deferred error, which a client re-raises
-with ``nnsight.intervention.errors.raise_deferred``.
-
-Aborting: ``AsyncLLM.abort(request_ids)`` with the external ids used here (`abort_trace`),
-or simply cancel the task running `run_trace`: vLLM aborts a request whose ``generate``
-stream is cancelled, and `run_trace` then frees its worker on the engine.
+Aborting: ``AsyncLLM.abort(request_ids)`` (`abort_trace`) ends the requests with whatever they saved so
+far; cancelling the task running `run_trace` aborts them and frees their state on the engine
+(``nnqueue_discard_trace``), so a cancelled or timed-out job leaves nothing behind.
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import linecache
-import threading
+import pickle
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nnsight.intervention.errors import DeferredError, capture_exception
-from nnsight.modeling.vllm import VLLM
-from nnsight.modeling.vllm.engines.engine import acollect
-from nnsight.schema.request import RequestModel
+from nnqueue.engines.outbox import OutboxPoller
+from nnqueue.engines.prebuilt import TraceRequests
 
-# Held for the whole build. Builds must not interleave: each one appends its workers to the
-# model's single interleaver, and deserialize registers the trace's source in the
-# process-global linecache under the client's filename, which the build then reads back.
-BUILD_LOCK = threading.Lock()
+MAX_ERROR_TEXT = 64 * 1024
+SHA256 = re.compile(r"[0-9a-f]{64}")
 
 # Strong references to in-flight cleanups (asyncio holds tasks weakly).
 _cleanups: set[asyncio.Task[Any]] = set()
 
 
+class InvalidReport(Exception):
+    """The engine's report of a trace's result was malformed."""
+
+
 @dataclass(frozen=True)
-class BuiltTrace:
-    """One trace's vLLM requests, ready to submit: one per invoke, workers attached."""
-
-    request_ids: list[str]
-    prompts: list[Any]
-    params: list[Any]
-    lora_requests: list[Any]
+class WrittenObject:
+    size: int
+    sha256: str
 
 
-@dataclass
-class TraceResult:
-    saves: dict[str, Any]
-    error: DeferredError | None
+@dataclass(frozen=True)
+class TraceReport:
+    """What the engine reported about a finished trace."""
+
+    error: dict[str, Any] | None  # nnsight's DeferredError: type_name, message, traceback, is_control_flow
+    load_failed: bool  # the error is a mediator this engine could not load
+    objects: dict[str, WrittenObject]  # written sinks by name ("torch", "safetensors")
+    write_error: str | None
 
 
-def build_trace(model: VLLM, payload: bytes, request_id_prefix: str) -> BuiltTrace:
-    """Rebuild a serialized trace against ``model`` and turn it into requests.
+async def run_trace(
+    model: Any,
+    trace: TraceRequests,
+    *,
+    trace_id: str,
+    sinks: dict[str, Any],
+    outbox: OutboxPoller,
+    on_finished: Callable[[int], None] | None = None,
+) -> TraceReport:
+    """Submit the trace's requests, wait for all, and have the engine write the result to ``sinks``.
 
-    Synchronous and under `BUILD_LOCK`: there must be no ``await`` in here. Raises whatever
-    the payload raises (a corrupt or incompatible trace, a bad sampling argument).
-    Request ids are ``f"{request_id_prefix}-{invoke index}"``; the prefix must be unique
-    among requests in flight on this engine.
+    ``on_finished(n)`` is called as the n-th request finishes. Engine failures (``EngineDeadError``,
+    ``EngineGenerateError``) propagate after the trace's requests are aborted and freed.
     """
-    with BUILD_LOCK:
-        try:
-            tracer = RequestModel.deserialize(payload, model._remoteable_persistent_objects())
-            # Deserialize drops the AST node, which `_attach_mediators` needs to re-serialize
-            # the workers; parse it back from the source deserialize just put in linecache.
-            source = "".join(linecache.getlines(tracer.info.frame.f_code.co_filename))
-            tracer.node = ast.parse(source)
-            _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
-            model._attach_mediators(params, **forward_kwargs)
-        finally:
-            # The workers now ride on `params`; clear them (also after a failed build, or
-            # they would bleed into the next one).
-            model.interleaver.cancel()
-    request_ids = [f"{request_id_prefix}-{index}" for index in range(len(prompts))]
-    return BuiltTrace(request_ids, prompts, params, lora_requests)
-
-
-async def _run_request(
-    engine: Any, request_id: str, prompt: Any, params: Any, lora_request: Any
-) -> dict[str, Any] | None:
-    """Drive one request to its finished output and collect its entry from the worker."""
-    collected = False
+    engine = model.vllm_entrypoint
+    outputs: dict[str, Any] = {}
+    finished = False
     try:
-        output = None
-        # B007: the loop only runs the stream; its last (finished) output is used below.
-        async for output in engine.generate(prompt, params, request_id, lora_request=lora_request):  # noqa: B007
-            pass
-        # The finished output goes back to the worker, which needs it to serve `tracer.result`.
-        entry = await acollect(engine, request_id, output)
-        collected = True
-        return entry
+
+        async def one(request_id: str, prompt: Any, params: Any) -> None:
+            async for output in engine.generate(prompt, params, request_id):
+                outputs[request_id] = output  # the last one is the finished one
+            if on_finished is not None:
+                on_finished(len(outputs))
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for request_id, prompt, params in zip(trace.request_ids, trace.prompts, trace.params, strict=True):
+                    group.create_task(one(request_id, prompt, params))
+        except BaseExceptionGroup as failures:
+            raise failures.exceptions[0] from None
+        report = outbox.expect(trace_id)
+        try:
+            await engine.collective_rpc(
+                "nnqueue_finish_trace", args=(trace_id, trace.request_ids, pickle.dumps(outputs), sinks)
+            )
+        except BaseException:
+            report.cancel()
+            raise
+        finished = True
+        return parse_report(await report)
     finally:
-        if not collected:
-            # Cancelled or failed before collecting: free the worker, which vLLM's abort
-            # leaves on the engine. A shielded task, so our own cancellation can't stop it.
-            cleanup = asyncio.ensure_future(acollect(engine, request_id))
+        if not finished:
+            # Aborted, cancelled or failed before the engine took the trace over: free its requests'
+            # state there. A shielded task, so our own cancellation cannot stop it.
+            cleanup = asyncio.ensure_future(engine.collective_rpc("nnqueue_discard_trace", args=(trace.request_ids,)))
             _cleanups.add(cleanup)
             cleanup.add_done_callback(_cleanups.discard)
             await asyncio.shield(cleanup)
 
 
-async def run_trace(model: VLLM, trace: BuiltTrace) -> TraceResult:
-    """Submit a built trace's requests together and gather their saves.
-
-    Engine failures (``EngineDeadError``, ``EngineGenerateError``) propagate; the other
-    requests of the trace are then cancelled, i.e. aborted and freed.
-    """
-    engine = model.vllm_entrypoint
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [
-                group.create_task(_run_request(engine, request_id, prompt, params, lora))
-                for request_id, prompt, params, lora in zip(
-                    trace.request_ids, trace.prompts, trace.params, trace.lora_requests, strict=True
-                )
-            ]
-    except BaseExceptionGroup as failures:
-        raise failures.exceptions[0] from None  # the first failure itself, not the group around it
-
-    saves: dict[str, Any] = {}
-    error: DeferredError | None = None
-    for task in tasks:
-        entry = task.result()
-        if entry is None:
-            continue
-        saves.update(entry["saves"])
-        error = error or entry["error"]
-    return TraceResult(saves, error)
-
-
-async def run_serialized_trace(model: VLLM, payload: bytes, request_id_prefix: str) -> TraceResult:
-    """`build_trace` then `run_trace`; a build failure comes back as the result's error."""
-    try:
-        trace = build_trace(model, payload, request_id_prefix)
-    except Exception as exception:  # noqa: BLE001 - a payload fails to rebuild in any way; it is the trace's error
-        return TraceResult({}, capture_exception(exception))
-    return await run_trace(model, trace)
-
-
-async def abort_trace(model: VLLM, request_ids: list[str]) -> None:
-    """Abort a running trace's requests by the ids `build_trace` gave them.
-
-    Each request's stream then ends with a finished ``abort`` output, so `run_trace`
-    returns (collecting and freeing the workers) with whatever was saved so far and,
-    typically, an error for a worker that never reached the locations it waited on.
-    Ids not (or no longer) in flight are ignored.
-    """
+async def abort_trace(model: Any, request_ids: list[str]) -> None:
+    """Abort a running trace's requests. Each request's stream then ends with a finished ``abort`` output,
+    so `run_trace` goes on to write whatever was saved so far (typically with an error for a block that
+    never reached the location it waited on). Ids not (or no longer) in flight are ignored."""
     await model.vllm_entrypoint.abort(request_ids)
+
+
+def parse_report(entry: dict[str, Any]) -> TraceReport:
+    """Validate a ``trace_result`` outbox entry (see :mod:`nnqueue.enginecore.trace_results`)."""
+    if entry.get("kind") != "trace_result":
+        raise InvalidReport(f"expected a trace_result, got {entry.get('kind')!r}")
+    objects = {}
+    raw_objects = entry.get("objects")
+    if not isinstance(raw_objects, dict):
+        raise InvalidReport("objects must be a dict")
+    for name, raw in raw_objects.items():
+        if not (
+            isinstance(raw, dict)
+            and isinstance(raw.get("size"), int)
+            and raw["size"] >= 0
+            and isinstance(raw.get("sha256"), str)
+            and SHA256.fullmatch(raw["sha256"])
+        ):
+            raise InvalidReport(f"object {name!r} must be {{size, sha256}}")
+        objects[name] = WrittenObject(raw["size"], raw["sha256"])
+    write_error = entry.get("write_error")
+    if write_error is not None and not isinstance(write_error, str):
+        raise InvalidReport("write_error must be a string or null")
+    return TraceReport(
+        error=_deferred_error(entry.get("error")),
+        load_failed=entry.get("load_failed") is True,
+        objects=objects,
+        write_error=None if write_error is None else write_error[:MAX_ERROR_TEXT],
+    )
+
+
+def _deferred_error(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise InvalidReport("error must be a dict or null")
+    error: dict[str, Any] = {"is_control_flow": raw.get("is_control_flow") is True}
+    for name, default in (("type_name", "Exception"), ("message", ""), ("traceback", "")):
+        value = raw.get(name, default)
+        if not isinstance(value, str):
+            raise InvalidReport(f"error.{name} must be a string")
+        error[name] = value[:MAX_ERROR_TEXT]
+    return error

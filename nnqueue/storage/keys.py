@@ -14,9 +14,20 @@ def payload_key(job_id: str | int | UUID) -> str:
     return f"payloads/{_segment(str(job_id), 'job id')}"
 
 
-def result_key(job_id: str | int | UUID, name: str) -> str:
-    """``results/<job>/<name>``: one named output of a job."""
-    return f"results/{_segment(str(job_id), 'job id')}/{_segment(name, 'result name')}"
+def result_key(job_id: str | int | UUID, name: str, attempt: int | None = None) -> str:
+    """``results/<job>/<name>``: one named output of a job; ``results/<job>/<attempt>/<name>``: of one attempt.
+
+    Trace results are per attempt: the engine writes them straight to the store, so a worker that lost the
+    job (it was requeued and claimed elsewhere) must not overwrite the new holder's result.
+    """
+    job = _segment(str(job_id), "job id")
+    where = job if attempt is None else f"{job}/{_segment(str(int(attempt)), 'attempt')}"
+    return f"results/{where}/{_segment(name, 'result name')}"
+
+
+def sibling_key(key: str, name: str) -> str:
+    """The key of the object ``name`` beside ``key`` (the safetensors copy of a ``saves.pt``)."""
+    return f"{key.rsplit('/', 1)[0]}/{_segment(name, 'result name')}"
 
 
 def _segment(value: str, what: str) -> str:

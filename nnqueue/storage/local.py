@@ -57,6 +57,18 @@ class LocalObjectStore(ObjectStore):
         _fsync_dir(path.parent)  # make the rename itself durable
         return size
 
+    def put_file(self, key: str, path: str) -> int:
+        """Move the file into the store (a rename when it is on the store's filesystem)."""
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.chmod(path, FILE_MODE)
+            os.replace(path, target)
+        except OSError:  # another filesystem, or a file we may not chmod: copy it
+            return super().put_file(key, path)
+        _fsync_dir(target.parent)
+        return target.stat().st_size
+
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         start, end = validate_range(start, end)
         with self._open(key) as f:
@@ -86,6 +98,9 @@ class LocalObjectStore(ObjectStore):
             f"the local object store ({self.root}) cannot presign URLs; stream the object through "
             "the API instead, or configure an S3 store (NNQUEUE_S3__*) for direct downloads"
         )
+
+    def presigned_put_url(self, key: str, expires_in: int) -> str:
+        raise PresignUnsupported(f"the local object store ({self.root}) cannot presign URLs")
 
     def _path(self, key: str) -> Path:
         # validate_key rejects empty, '.' and '..' segments, a leading '/' and backslashes, so the

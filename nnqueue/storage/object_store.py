@@ -15,6 +15,7 @@ Conventions shared by every backend:
 
 from __future__ import annotations
 
+import os
 import types
 from abc import ABC, abstractmethod
 from typing import BinaryIO, Protocol, Self
@@ -77,6 +78,16 @@ class ObjectStore(ABC):
         memory; returns the size in bytes. ``size_hint``, the expected size if known, lets a backend
         pick its part size."""
 
+    def put_file(self, key: str, path: str) -> int:
+        """Store the file at ``path`` under ``key`` and remove the file; returns the size in bytes.
+
+        For a file another process wrote (an engine's result handed off to the worker). A backend may
+        move it rather than copy it."""
+        with open(path, "rb") as file:
+            size = self.put_stream(key, file, size_hint=os.fstat(file.fileno()).st_size)
+        os.unlink(path)
+        return size
+
     @abstractmethod
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes, or the half-open range ``[start, end)`` of them."""
@@ -100,6 +111,12 @@ class ObjectStore(ABC):
     @abstractmethod
     def presigned_get_url(self, key: str, expires_in: int) -> str:
         """A URL that lets anyone holding it GET the object for ``expires_in`` seconds.
+
+        Raises :class:`PresignUnsupported` where the backend has no URLs of its own."""
+
+    @abstractmethod
+    def presigned_put_url(self, key: str, expires_in: int) -> str:
+        """A URL that lets anyone holding it PUT (create or replace) the object for ``expires_in`` seconds.
 
         Raises :class:`PresignUnsupported` where the backend has no URLs of its own."""
 

@@ -107,6 +107,14 @@ class S3ObjectStore(ObjectStore):
             ExpiresIn=validate_expiry(expires_in),
         )
 
+    def presigned_put_url(self, key: str, expires_in: int) -> str:
+        self._ensure_bucket()
+        return self._client.generate_presigned_url(
+            "put_object",
+            Params={"Bucket": self.bucket, "Key": validate_key(key)},
+            ExpiresIn=validate_expiry(expires_in),
+        )
+
     def _call(self, operation: str, key: str, **params: Any) -> Any:
         """Call one keyed S3 operation, mapping "no such key" to :class:`ObjectNotFound`."""
         validate_key(key)

@@ -1,16 +1,17 @@
-"""Running one job on the worker's engine: claim it, rebuild its trace, run it, store its result.
+"""Running one job on the worker: claim it, hand it to the engine's executor, record how it ended.
 
 The database decides whether a delivered task may run (:func:`claim`): a message can arrive twice
 (a worker died, or Redis's visibility timeout passed), and only the delivery that moves the job to
 RUNNING runs it. Every outcome is a status change with its cause: COMPLETED with the result's key,
-or FAILED with the error's type, message and the user's traceback. A cancel is seen by
-:meth:`JobRunner.reap_lost`, which the heartbeat calls; it aborts the job's vLLM requests, as it does for a
-job requeued while this worker looked dead. A worker finishes (and writes the result of) only a job it
-still holds.
+or FAILED with the error's type, message and the user's traceback (and the result, when the trace saved
+values before it failed). A cancel is seen by :meth:`JobRunner.reap_lost`, which the heartbeat calls; it
+cancels the job's task, which aborts its engine requests, as it does for a job requeued while this worker
+looked dead. A worker finishes only a job it still holds (the finishing update is guarded by the holder).
 
-Database and object-store calls run in threads (``asyncio.to_thread``) so that the engine loop keeps
-serving the other jobs; the trace *build* runs on the loop itself, without an await, because builds
-must not interleave (see :mod:`nnqueue.engines.trace_runner`).
+Running is the executor's (:class:`Executor`): one per engine kind, e.g. the vLLM trace executor
+(:mod:`nnqueue.workers.trace_execution`). Database calls run in threads (``asyncio.to_thread``) so that
+the engine loop keeps serving the other jobs; progress is written as the executor reports it, throttled,
+in the background, so it never delays a job.
 """
 
 from __future__ import annotations
@@ -18,27 +19,28 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import platform
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-import nnsight
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.lifecycle import InvalidTransition, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
-from nnqueue.engines import trace_runner
 from nnqueue.errors import NNqueueError
 from nnqueue.scheduler.claim import claim
-from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
-from nnqueue.storage.results import write_result
+from nnqueue.storage.results import StoredResult
 
 log = logging.getLogger(__name__)
 S = JobStatus
+# Progress is written at most this often per job; a job shorter than the first delay writes none
+# until it finishes (COMPLETED records the final count).
+PROGRESS_FIRST_S = 0.5
+PROGRESS_EVERY_S = 1.0
 
 
 class Outcome(enum.StrEnum):
@@ -56,10 +58,26 @@ class JobFailure(NNqueueError):
 
 
 @dataclass
+class Execution:
+    """How an executor's run of a job ended: its size in units of progress, its stored result (if any),
+    and its failure (if any: a job can fail and still have a result, the saves made before the error)."""
+
+    units: int
+    result: StoredResult | None = None
+    failure: JobFailure | None = None
+
+
+class Executor(Protocol):
+    async def execute(self, job: Job, progress: Callable[[int, int], None]) -> Execution:
+        """Run the claimed ``job``; call ``progress(done, total)`` as units finish. Raises :class:`JobFailure`
+        when the job cannot run at all."""
+        ...
+
+
+@dataclass
 class JobRunner:
     sessions: sessionmaker[Session]
-    store: ObjectStore
-    model: Any  # a dispatched async nnsight VLLM
+    executor: Executor
     worker_id: str
     stale_after_s: float
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
@@ -74,23 +92,17 @@ class JobRunner:
         task = asyncio.current_task()
         assert task is not None
         self._running[job_id] = task
+        progress = _ProgressWriter(self.sessions, job_id, self.worker_id)
         try:
-            saves, invokes = await asyncio.wait_for(self._execute(job), timeout=job.timeout_s)
-            if not await asyncio.to_thread(self._holds, job_id):
-                # Taken from us (requeued while this worker looked dead) or cancelled: the result
-                # key is the job's, so writing it could overwrite the other holder's result.
-                log.info("job %s no longer held by this worker; its result is dropped", job_id)
-                return Outcome.SKIPPED
-            stored = await asyncio.to_thread(write_result, self.store, job_id, saves)
-            return await self._finish(
-                job_id,
-                S.COMPLETED,
-                {"result_bytes": stored.size},
-                result_key=stored.key,
-                result_size=stored.size,
-                result_format=stored.format,
-                progress_done=invokes,
-            )
+            execution = await asyncio.wait_for(self.executor.execute(job, progress.report), timeout=job.timeout_s)
+            result = execution.result
+            fields: dict[str, Any] = {"progress_done": execution.units, "progress_total": execution.units}
+            if result is not None:
+                fields.update(result_key=result.key, result_size=result.size, result_format=result.format)
+            if execution.failure is not None:
+                return await self._fail(job_id, execution.failure, **fields)
+            detail = {"result_bytes": result.size if result else 0}
+            return await self._finish(job_id, S.COMPLETED, detail, **fields)
         except asyncio.CancelledError:
             if job_id not in self._aborted:
                 raise  # the worker is shutting down; the message is redelivered
@@ -107,31 +119,9 @@ class JobRunner:
             log.exception("job %s failed in the worker", job_id)
             return await self._fail(job_id, JobFailure(type(error).__name__, str(error), traceback.format_exc()))
         finally:
+            progress.stop()
             self._running.pop(job_id, None)
             self._aborted.pop(job_id, None)
-
-    async def _execute(self, job: Job) -> tuple[dict[str, Any], int]:
-        """The job's saves and its number of invokes, or raises :class:`JobFailure`."""
-        try:
-            payload = await asyncio.to_thread(self.store.get_bytes, job.payload_key)
-        except ObjectNotFound:
-            raise JobFailure(
-                "PayloadMissing", f"the job's payload {job.payload_key} is not in the object store"
-            ) from None
-        try:
-            # No await between here and the submit: builds must not interleave.
-            built = trace_runner.build_trace(self.model, payload, f"{job.id}-{job.attempts}")
-        except Exception as error:  # a payload fails to rebuild in any way; the job fails with it
-            raise JobFailure(type(error).__name__, _build_error_message(error, job), traceback.format_exc()) from error
-        await asyncio.to_thread(self._set_total, job.id, len(built.request_ids))
-        result = await trace_runner.run_trace(self.model, built)
-        if result.error is not None and not result.error.get("is_control_flow"):
-            raise JobFailure(
-                result.error.get("type_name", "Exception"),
-                result.error.get("message", ""),
-                result.error.get("traceback", ""),
-            )
-        return result.saves, len(built.request_ids)
 
     async def _finish(self, job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], **fields: Any) -> Outcome:
         try:
@@ -142,7 +132,7 @@ class JobRunner:
             return Outcome.CANCELLED if lost.current is S.CANCELLED else Outcome.SKIPPED
         return Outcome(target.value)
 
-    async def _fail(self, job_id: uuid.UUID, failure: JobFailure) -> Outcome:
+    async def _fail(self, job_id: uuid.UUID, failure: JobFailure, **fields: Any) -> Outcome:
         return await self._finish(
             job_id,
             S.FAILED,
@@ -150,11 +140,8 @@ class JobRunner:
             error_type=failure.type_name,
             error_message=failure.message,
             error_traceback=failure.traceback,
+            **fields,
         )
-
-    def _set_total(self, job_id: uuid.UUID, total: int) -> None:
-        with transaction(self.sessions) as session:
-            session.execute(update(Job).where(Job.id == job_id).values(progress_total=total))
 
     def running_jobs(self) -> list[uuid.UUID]:
         return list(self._running)
@@ -179,10 +166,43 @@ class JobRunner:
     def _held(self, status: JobStatus, holder: str | None) -> bool:
         return status is S.RUNNING and holder == self.worker_id
 
-    def _holds(self, job_id: uuid.UUID) -> bool:
-        with self.sessions() as session:
-            row = session.execute(select(Job.status, Job.worker_id).where(Job.id == job_id)).first()
-        return row is not None and self._held(*row)
+
+class _ProgressWriter:
+    """Writes a running job's progress in the background: the first report after ``PROGRESS_FIRST_S``,
+    then the latest at most every ``PROGRESS_EVERY_S``; one write in flight at a time; never after the
+    job left RUNNING under this worker."""
+
+    def __init__(self, sessions: sessionmaker[Session], job_id: uuid.UUID, worker_id: str) -> None:
+        self.sessions, self.job_id, self.worker_id = sessions, job_id, worker_id
+        self.latest: tuple[int, int] | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def report(self, done: int, total: int) -> None:
+        self.latest = (done, total)
+        if self.task is None:
+            self.task = asyncio.ensure_future(self._write_until_current())
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+    async def _write_until_current(self) -> None:
+        await asyncio.sleep(PROGRESS_FIRST_S)
+        written = None
+        while self.latest != written:
+            written = self.latest
+            assert written is not None
+            await asyncio.to_thread(self._write, *written)
+            await asyncio.sleep(PROGRESS_EVERY_S)
+        self.task = None
+
+    def _write(self, done: int, total: int) -> None:
+        with transaction(self.sessions) as session:
+            session.execute(
+                update(Job)
+                .where(Job.id == self.job_id, Job.status == S.RUNNING, Job.worker_id == self.worker_id)
+                .values(progress_done=done, progress_total=total)
+            )
 
 
 def _transition(
@@ -195,16 +215,3 @@ def _transition(
 ) -> None:
     with transaction(sessions) as session:
         transition(session, job_id, target, detail=detail, held_by=worker_id, **fields)
-
-
-def _build_error_message(error: Exception, job: Job) -> str:
-    """The build error, with both sides' versions when the client's differ from the server's."""
-    client = job.meta.get("client", {}) if isinstance(job.meta, dict) else {}
-    server = {"nnsight": nnsight.__version__, "python": platform.python_version()}
-    message = f"could not rebuild the trace: {error}"
-    if client and any(client.get(name) != version for name, version in server.items()):
-        message += (
-            f" (client nnsight {client.get('nnsight', '?')} / python {client.get('python', '?')},"
-            f" server nnsight {server['nnsight']} / python {server['python']})"
-        )
-    return message

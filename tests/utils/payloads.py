@@ -1,5 +1,5 @@
-"""Trace payloads built the way clients build them: a meta ``VLLM`` traces the block and a backend
-serializes it instead of running it."""
+"""Trace payloads built the way clients build them: a meta ``VLLM`` traces the block and a backend builds the
+payload instead of running it: prebuilt as the nnqueue client sends it, or raw as nnsight's own clients do."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
 
 
 class PayloadBackend(Backend):
-    """Serialize the trace instead of running it, as a client does before submitting it."""
+    """Serialize the trace instead of running it, as nnsight's own remote clients do (a raw payload)."""
 
     payload: bytes
 
@@ -21,9 +21,19 @@ class PayloadBackend(Backend):
         self.payload = RequestModel.serialize(tracer)
 
 
-def two_invoke_payload(client: Any) -> bytes:
+class PrebuiltBackend(Backend):
+    """Build the trace's requests instead of running them, as the nnqueue client does (a prebuilt payload)."""
+
+    payload: bytes
+
+    def __call__(self, tracer: Any) -> None:
+        from nnqueue.client.backend import build_payload
+
+        self.payload = build_payload(tracer)
+
+
+def two_invoke_trace(client: Any, backend: Backend) -> None:
     """One trace, an invoke per prompt of PROMPTS, saving layer 0's output (HF's hidden state) and the logits."""
-    backend = PayloadBackend()
     with client.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
         with tracer.invoke(PROMPTS[0]):
             out = client.model.layers[0].output
@@ -33,12 +43,18 @@ def two_invoke_payload(client: Any) -> bytes:
             out = client.model.layers[0].output
             h1 = (out[0] + out[1]).save()
             logits1 = client.logits.save()
+
+
+def two_invoke_payload(client: Any, raw: bool = False) -> bytes:
+    """`two_invoke_trace` as a payload: prebuilt by the nnqueue client, or ``raw`` as nnsight serializes it."""
+    backend = PayloadBackend() if raw else PrebuiltBackend()
+    two_invoke_trace(client, backend)
     return backend.payload
 
 
 def slow_payload(client: Any, steps: int) -> bytes:
     """A job that decodes ``steps`` tokens and sleeps 0.1 s in its intervention at each: slow, never stalled."""
-    backend = PayloadBackend()
+    backend = PrebuiltBackend()
     with client.trace(PROMPTS[0], temperature=0.0, max_tokens=steps, ignore_eos=True, backend=backend) as tracer:
         for _ in tracer.iter[:]:
             time.sleep(0.1)

@@ -96,14 +96,21 @@ class Services:
 class WorkerProcess:
     """``nnqueue worker`` in a subprocess of its own process group, logging to a file."""
 
-    def __init__(self, services: Services, model_path: Path, log_path: Path, max_concurrent_jobs: int = 4) -> None:
+    def __init__(
+        self,
+        services: Services,
+        model_path: Path,
+        log_path: Path,
+        max_concurrent_jobs: int = 4,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.services, self.log_path = services, log_path
         command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", MODEL_KEY]
         command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command,
-                env={**os.environ, **services.env},
+                env={**os.environ, **services.env, **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

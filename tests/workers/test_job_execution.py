@@ -14,9 +14,13 @@ from typing import Any
 from nnqueue.db.lifecycle import create_job, transition
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
-from nnqueue.storage.keys import TORCH_FILE, payload_key, result_key
+from nnqueue.engines.builders import BuilderPool
+from nnqueue.engines.outbox import OutboxPoller
+from nnqueue.storage.keys import payload_key
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.workers.job_execution import JobRunner, Outcome
+from nnqueue.workers.sinks import ResultSinks
+from nnqueue.workers.trace_execution import VLLMTraceExecutor
 from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import slow_payload
 
@@ -41,7 +45,15 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
             payload_size=size,
         )
         create_job(session, job)
-    runner = JobRunner(sessions, store, inprocess_engine.model, "w-looked-dead", stale_after_s=30)
+    model = inprocess_engine.model
+    executor = VLLMTraceExecutor(
+        store,
+        model,
+        ResultSinks(store, tmp_path / ".handoff"),
+        OutboxPoller(model.vllm_entrypoint),
+        BuilderPool("", {}, 0, 0),
+    )
+    runner = JobRunner(sessions, executor, "w-looked-dead", stale_after_s=30)
 
     outcome = asyncio.run_coroutine_threadsafe(runner.run(job_id), inprocess_engine.host.loop)
     deadline = time.monotonic() + 30
@@ -58,7 +70,7 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
     with sessions() as session:
         job = session.get(Job, job_id)
         assert job is not None and (job.status, job.worker_id, job.result_key) == (S.RUNNING, "w-new", None)
-    assert not store.exists(result_key(job_id, TORCH_FILE))
+    assert not (tmp_path / "results").exists() and not any((tmp_path / ".handoff").rglob("*.pt"))
     assert _running_requests(inprocess_engine) == 0  # the aborted requests freed the engine
 
 

@@ -1,13 +1,20 @@
 """A real worker process runs queued trace jobs on its one engine: values, batching, failures, cancels.
 
 The jobs go through the real path: payload to S3, row to Postgres, message through Redis, and the
-worker's result back in S3. Expected values come from transformers on the same weights and from the
-same trace run in-process on an engine in this test process.
+engine's result in S3 (through presigned URLs). Expected values come from transformers on the same
+weights and from the same trace run in-process by nnsight's own flow on an engine in this test process.
+Payloads are prebuilt as the nnqueue client builds them, or raw (``RequestModel.serialize``, as nnsight's
+own clients send them), which the worker's sandboxed builder process rebuilds; this module's worker has
+one builder, so consecutive raw payloads share its process.
 """
 
 from __future__ import annotations
 
+import linecache
+import os
 import platform
+import runpy
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -17,18 +24,26 @@ import nnsight
 import pytest
 import torch
 from nnsight.modeling.vllm import VLLM
+from nnsight.tracing.globals import BLOCKS, SOURCES
 from sqlalchemy import select
 
+from nnqueue import trace_payload
 from nnqueue.broker import RUN_JOB_TASK, queue_name
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import JobEvent, JobStatus
-from nnqueue.engines.trace_runner import run_serialized_trace
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.cancellation import cancel_job
-from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
-from nnqueue.storage.object_store import ObjectNotFound
+from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
 from nnqueue.storage.results import load_result
-from tests.utils.payloads import PROMPTS, PayloadBackend, slow_payload, two_invoke_payload
+from tests.utils.payloads import (
+    PROMPTS,
+    PayloadBackend,
+    PrebuiltBackend,
+    slow_payload,
+    two_invoke_payload,
+    two_invoke_trace,
+)
+from tests.utils.reference import reference_saves
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
 pytestmark = pytest.mark.slow  # end to end: a real worker process
@@ -38,7 +53,7 @@ S = JobStatus
 
 @pytest.fixture(scope="module")
 def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
-    return start_worker(max_concurrent_jobs=4)
+    return start_worker(max_concurrent_jobs=4, env={"NNQUEUE_TRACE_BUILDERS": "1"})
 
 
 def submit(services: Services, payload: bytes, owner: str = "alice", timeout_s: float = 120) -> uuid.UUID:
@@ -54,7 +69,7 @@ def result_of(services: Services, job_id: uuid.UUID) -> dict[str, Any]:
 def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
     """Saves the logits and, from inside the engine's forward, how many tokens that forward carried
     across all requests in the step (engine-side evidence of batching)."""
-    backend = PayloadBackend()
+    backend = PrebuiltBackend()
     with client.trace(prompt, temperature=0.0, backend=backend, **sampling):
         client.model.layers[0].output
         step_tokens = nnsight.save(client.interleaver.batcher.total)
@@ -62,19 +77,24 @@ def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
     return backend.payload
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["prebuilt", "raw"])
 def test_two_invoke_trace_matches_transformers_and_an_in_process_run(
-    services: Services, worker: WorkerProcess, client_model: VLLM, tiny_model_path: Path, inprocess_engine: Any
+    services: Services,
+    worker: WorkerProcess,
+    client_model: VLLM,
+    tiny_model_path: Path,
+    inprocess_engine: Any,
+    raw: bool,
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    payload = two_invoke_payload(client_model)
-    job_id = submit(services, payload)
+    job_id = submit(services, two_invoke_payload(client_model, raw=raw))
     saves = result_of(services, job_id)
 
-    in_process = inprocess_engine.run(run_serialized_trace(inprocess_engine.model, payload, "reference"))
-    assert in_process.error is None and set(saves) == set(in_process.saves) == {"h0", "logits0", "h1", "logits1"}
-    for name, value in in_process.saves.items():
-        torch.testing.assert_close(saves[name], value, atol=1e-5, rtol=1e-5)
+    in_process = reference_saves(client_model, inprocess_engine, two_invoke_trace)
+    assert set(saves) == set(in_process) == {"h0", "logits0", "h1", "logits1"}
+    for name, value in in_process.items():
+        assert torch.equal(saves[name], value), name
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
@@ -86,7 +106,95 @@ def test_two_invoke_trace_matches_transformers_and_an_in_process_run(
 
     job = services.job(job_id)
     assert job.result_format == "torch+safetensors" and job.progress_done == job.progress_total == 2
-    assert services.store.size(result_key(job_id, SAFETENSORS_FILE)) > 0
+    assert job.result_key == f"results/{job_id}/1/saves.pt"
+    assert services.store.size(sibling_key(job.result_key, SAFETENSORS_FILE)) > 0
+
+
+SCRIPT = """
+import nnsight
+from nnqueue_test_model import model, backend, prompts
+
+with model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+{body}
+"""
+# Two users' (or two versions of one user's) scripts with the same file name, and their `with` blocks on the same lines.
+SCALED = "    with tracer.invoke(prompts[0]):\n        scaled = (model.logits * {scale}).save()\n"
+TWO_INVOKES = (
+    "    with tracer.invoke(prompts[0]):\n        first = model.logits.save()\n"
+    "    with tracer.invoke(prompts[1]):\n        second = model.logits.save()\n"
+)
+
+
+def raw_payload_of(script: Path, body: str, client: VLLM) -> bytes:
+    """Write ``script`` and run it as its user would, in a fresh client (nnsight's caches of the test
+    process cleared, as a new interpreter has them), capturing its trace as nnsight's remote clients send it."""
+    import sys
+    import types
+
+    script.write_text(SCRIPT.format(body=body))
+    backend = PayloadBackend()
+    module = types.ModuleType("nnqueue_test_model")
+    module.model, module.backend, module.prompts = client, backend, PROMPTS
+    sys.modules["nnqueue_test_model"] = module
+    SOURCES.clear()
+    BLOCKS.clear()
+    linecache.checkcache(str(script))
+    try:
+        runpy.run_path(str(script))
+    finally:
+        del sys.modules["nnqueue_test_model"]
+    return backend.payload
+
+
+def test_raw_traces_from_the_same_file_each_run_their_own_code(
+    services: Services, worker: WorkerProcess, client_model: VLLM, tmp_path: Path
+) -> None:
+    script = tmp_path / "experiment.py"
+    versions = [raw_payload_of(script, SCALED.format(scale=scale), client_model) for scale in ("1.0", "2.0")]
+    other = raw_payload_of(script, TWO_INVOKES, client_model)
+
+    # One builder process builds all three, one after the other.
+    one, two = (result_of(services, submit(services, payload)) for payload in versions)
+    torch.testing.assert_close(two["scaled"], 2 * one["scaled"])
+    both = result_of(services, submit(services, other))
+    assert set(both) == {"first", "second"}
+    torch.testing.assert_close(both["first"], one["scaled"])
+
+
+def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        # Trace-level code: rebuilt (run) by the worker's builder process.
+        seen = nnsight.save(sorted(name for name in os.environ if name.startswith(("NNQUEUE", "AWS_"))))
+        with tracer.invoke(PROMPTS[0]):
+            names = seen
+            logits = client_model.logits.save()
+    saves = result_of(services, submit(services, backend.payload))
+    assert "logits" in saves and "NNQUEUE_ENGINE_STALL_TIMEOUT_S" in saves["seen"]  # the environment was read
+    assert not {"NNQUEUE_DATABASE_URL", "NNQUEUE_BROKER_URL", "NNQUEUE_S3__SECRET_ACCESS_KEY"} & set(saves["seen"])
+
+
+def test_progress_is_written_as_invokes_finish(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
+    backend = PrebuiltBackend()
+    with client_model.trace(temperature=0.0, backend=backend) as tracer:
+        with tracer.invoke(PROMPTS[0], max_tokens=1):
+            quick = client_model.logits.save()
+        with tracer.invoke(PROMPTS[1], max_tokens=100, ignore_eos=True):
+            for _ in tracer.iter[:]:
+                time.sleep(0.1)
+                client_model.logits
+            slow = client_model.logits.save()
+    job_id = submit(services, backend.payload)
+    deadline = time.monotonic() + 60
+    while (job := services.job(job_id)).status is not S.COMPLETED:
+        assert job.status in (S.QUEUED, S.RUNNING) and time.monotonic() < deadline, job.status
+        if (job.progress_done, job.progress_total) == (1, 2):
+            break
+        time.sleep(0.1)
+    assert (job.status, job.progress_done, job.progress_total) == (S.RUNNING, 1, 2)
+    cancel_job(services.sessions, job_id, by="alice")
 
 
 def test_jobs_from_two_owners_are_batched_in_the_same_engine_steps(
@@ -112,13 +220,13 @@ def test_jobs_from_two_owners_are_batched_in_the_same_engine_steps(
 def test_failing_jobs_fail_alone_while_a_good_job_completes(
     services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
-    backend = PayloadBackend()
+    backend = PrebuiltBackend()
     with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
         hidden = client_model.model.layers[0].output[0]
         raise ValueError(f"user code broke on a tensor of shape {tuple(hidden.shape)}")
     raising = backend.payload
 
-    backend = PayloadBackend()
+    backend = PrebuiltBackend()
     with client_model.trace(PROMPTS[1], temperature=0.0, max_tokens=1, backend=backend):
         client_model.model.layers[0].output
         spins = 0
@@ -153,16 +261,25 @@ def test_failing_jobs_fail_alone_while_a_good_job_completes(
 
 
 def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
-    services: Services, worker: WorkerProcess
+    services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
-    job = services.submit(
-        b"this is not a serialized nnsight trace", meta={"client": {"nnsight": "0.7.2", "python": "3.10.4"}}
-    )
-    failed = services.wait_for(job.id, {S.FAILED, S.COMPLETED})
-    assert failed.status is S.FAILED and failed.error_message.startswith("could not rebuild the trace")
     server = f"server nnsight {nnsight.__version__} / python {platform.python_version()}"
-    assert f"(client nnsight 0.7.2 / python 3.10.4, {server})" in failed.error_message
-    assert failed.error_traceback
+    old_client = {"nnsight": "0.7.2", "python": "3.10.4"}
+    # What each format looks like from a client whose nnsight this server cannot read: bytes that are
+    # no trace at all, a raw payload that does not unpickle, and a prebuilt one whose mediators do not load.
+    garbage = b"this is not a serialized nnsight trace"
+    unknown_class = b"\x8c\x0bnot_nnsight\x8c\x05Trace\x93."  # a pickled class this server does not have
+    raw = trace_payload.PICKLE_PROTOCOL_4 + len(unknown_class).to_bytes(8, "little") + unknown_class
+    invoke = trace_payload.decode(probe_payload(client_model, PROMPTS[0], max_tokens=1)).invokes[0]
+    stale_invoke = trace_payload.Invoke(invoke.prompt, invoke.sampling, b"\x80\x04" + unknown_class)
+    stale = trace_payload.encode(trace_payload.PrebuiltTrace([stale_invoke], *old_client.values()))
+    for payload in (garbage, raw, stale):
+        job = services.submit(payload, meta={"client": old_client})
+        failed = services.wait_for(job.id, {S.FAILED, S.COMPLETED})
+        assert failed.status is S.FAILED and failed.error_message.startswith("could not rebuild the trace"), (
+            failed.error_message
+        )
+        assert f"(client nnsight 0.7.2 / python 3.10.4, {server})" in failed.error_message
 
 
 def test_a_job_cancelled_while_queued_never_runs(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
@@ -191,7 +308,6 @@ def test_a_job_cancelled_while_running_is_aborted(
     worker.wait_log(f"job {job_id} cancelled", timeout=15)
     with pytest.raises(InvalidTransition):
         cancel_job(services.sessions, job_id, by="alice")
-    with pytest.raises(ObjectNotFound):
-        services.store.size(result_key(job_id, "saves.pt"))
+    assert services.job(job_id).result_key is None
     # The engine is free again for the next job.
     assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[1], max_tokens=1)))

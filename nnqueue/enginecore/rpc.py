@@ -1,0 +1,80 @@
+"""nnqueue's RPC methods on the engine's worker class, reached by name through ``collective_rpc``.
+
+Mixed into both worker classes (:mod:`nnqueue.enginecore.cpu_worker`, :mod:`nnqueue.enginecore.gpu_worker`).
+Every rank runs each call (each holds its own workers for the requests); only the first rank reports and
+writes, and the others return None, as nnsight's ``collect_nnsight`` does under tensor parallelism.
+
+* ``nnqueue_finish_trace``: once per job, after all its requests finished. Collects and merges the saves in
+  this process (:mod:`nnqueue.enginecore.trace_collect`), copies them to host memory, and hands them to the
+  result writer thread; returns at once. The outcome arrives through the outbox.
+* ``nnqueue_discard_trace``: frees the state of requests that were aborted, cancelled or timed out.
+* ``nnqueue_outbox``: the queued completions (:mod:`nnqueue.enginecore.outbox`).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Any
+
+from nnqueue.enginecore import outbox, trace_collect, trace_results
+
+log = logging.getLogger(__name__)
+_writer: list[trace_results.ResultWriter] = []
+
+
+def reporting_rank() -> bool:
+    """Whether this process reports for the engine: global rank 0 (nnsight's ``collect_nnsight`` test)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    return bool(get_pp_group().rank == 0)
+
+
+class NNqueueRPC:
+    """RPC methods for a vLLM worker whose ``model_runner`` is nnsight's runner."""
+
+    model_runner: Any
+
+    def nnqueue_finish_trace(
+        self, trace_id: str, request_ids: list[str], outputs: bytes | None, sinks: dict[str, Any]
+    ) -> bool | None:
+        """Collect the finished trace ``request_ids`` (its invokes, in order) and write its result to ``sinks``.
+
+        ``outputs``: the pickled ``{request id: finished RequestOutput}`` (pickled by the frontend: the
+        engine's RPC transport carries bytes), which serves ``tracer.result``.
+        """
+        reporting = reporting_rank()
+        try:
+            finished = pickle.loads(outputs) if outputs else None
+            collected = trace_collect.collect_trace(self.model_runner, list(request_ids), finished)
+            if not reporting:
+                return None
+            collected.saves = trace_results.snapshot(collected.saves)
+            _result_writer().submit(trace_id, collected, sinks)
+        except Exception as error:  # a bug here must fail the job, not the engine every job shares
+            log.exception("finishing trace %s failed", trace_id)
+            trace_collect.release(self.model_runner, list(request_ids))
+            if reporting:
+                outbox.post(
+                    {
+                        "id": trace_id,
+                        "kind": trace_results.TRACE_RESULT,
+                        "error": None,
+                        "load_failed": False,
+                        "objects": {},
+                        "write_error": f"{type(error).__name__}: {error}",
+                    }
+                )
+        return True if reporting else None
+
+    def nnqueue_discard_trace(self, request_ids: list[str]) -> None:
+        trace_collect.release(self.model_runner, list(request_ids))
+
+    def nnqueue_outbox(self) -> list[dict[str, Any]] | None:
+        return outbox.drain() if reporting_rank() else None
+
+
+def _result_writer() -> trace_results.ResultWriter:
+    if not _writer:
+        _writer.append(trace_results.ResultWriter())
+    return _writer[0]

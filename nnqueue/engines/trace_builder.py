@@ -1,0 +1,142 @@
+"""Turn a raw nnsight payload (``RequestModel.serialize``) into a prebuilt one, inside a sandboxed builder process.
+
+Raw payloads are what nnsight's own clients (``remote=True``, ``serve=``) and older nnqueue clients send.
+Rebuilding one unpickles it and runs the trace's top-level code, so it happens only in a builder process
+(:mod:`nnqueue.engines.builders` starts them with a scrubbed environment), never in the worker. The steps
+are nnsight 0.8.1's serve server's (``nnsight.modeling.vllm.serve.server``): ``RequestModel.deserialize``
+against a meta ``VLLM`` of the worker's model, ``tracer.prepare`` to build each invoke's mediator, and
+``VLLM._attach_mediators`` to serialize them into the requests, which :mod:`nnqueue.trace_payload` then
+writes out. The worker parses the result like any client's (it is untrusted: user code ran here).
+
+Each build reads its own payload's source, never an earlier build's: nnsight caches a file's source and
+its parsed ``with`` blocks per process (``SOURCES`` / ``BLOCKS`` in ``nnsight.tracing.globals``), and
+``RequestModel.deserialize`` registers the payload's source in ``linecache`` under the client's filename,
+so two users (or two versions of one script) with the same filename would otherwise share code. Both
+caches and the ``linecache`` entry are cleared around every build.
+
+Run as ``python -m nnqueue.engines.trace_builder --model M --engine-kwargs JSON``: it loads the meta model,
+writes a ready frame, then answers one build per request frame on its stdin/stdout (see `main`). What the
+user's code prints goes to stderr (the worker's log), never into the protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import linecache
+import os
+import sys
+import traceback
+from typing import Any, BinaryIO
+
+from nnqueue import trace_payload
+
+FRAME_HEADER = 8
+OK, FAILED, READY = 0, 1, 2
+
+
+def build_prebuilt(model: Any, payload: bytes) -> bytes:
+    """The prebuilt payload for the raw nnsight payload ``payload``, built against meta model ``model``."""
+    from nnsight.intervention.util import clear_shared_locals
+    from nnsight.schema.request import RequestModel
+    from nnsight.tracing.tracer import dec, inc
+
+    filename = None
+    _forget_sources()
+    # A trace's body runs inside a trace scope (nnsight's Tracer.__exit__ opens it before the backend),
+    # which is what lets trace-level code call nnsight.save(...).
+    inc()
+    try:
+        tracer = RequestModel.deserialize(
+            payload, model._remoteable_persistent_objects(), compress=payload.startswith(trace_payload.ZSTD_MAGIC)
+        )
+        filename = tracer.info.frame.f_code.co_filename
+        # Deserialize drops the AST node, which `_attach_mediators` needs to serialize a direct-input
+        # trace's mediator; parse it back from the source deserialize just registered.
+        tracer.node = ast.parse("".join(linecache.cache[filename][2]))
+        _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
+        model._attach_mediators(params, **forward_kwargs)
+        return trace_payload.encode(trace_payload.from_vllm_requests(prompts, params, lora_requests))
+    finally:
+        model.interleaver.cancel()
+        clear_shared_locals()
+        dec()
+        _forget_sources()
+        if filename is not None:
+            linecache.cache.pop(filename, None)
+
+
+def _forget_sources() -> None:
+    from nnsight.tracing.globals import BLOCKS, SOURCES
+
+    SOURCES.clear()
+    BLOCKS.clear()
+
+
+def load_meta_model(model: str, engine_kwargs: dict[str, Any]) -> Any:
+    """A meta ``VLLM`` of the worker's model, as a client builds one (no weights, no engine)."""
+    from nnsight.modeling.vllm import VLLM
+
+    from nnqueue.engines.platform import prepare_process
+
+    prepare_process()
+    meta = VLLM(model, **engine_kwargs)
+    # Edits live on the worker's engine, not here: let the engine check the names a trace asks for.
+    meta._serving = True
+    return meta
+
+
+def write_frame(out: BinaryIO, status: int, body: bytes) -> None:
+    out.write((len(body) + 1).to_bytes(FRAME_HEADER, "big") + bytes([status]) + body)
+    out.flush()
+
+
+def read_frame(source: BinaryIO) -> bytes | None:
+    """One frame's body from ``source``, or None at end of input."""
+    header = source.read(FRAME_HEADER)
+    if len(header) < FRAME_HEADER:
+        return None
+    size = int.from_bytes(header, "big")
+    body = source.read(size)
+    return body if len(body) == size else None
+
+
+def failure(error: BaseException) -> bytes:
+    return json.dumps(
+        {
+            "type_name": type(error).__name__,
+            "message": str(error),
+            "traceback": "".join(traceback.format_exception(error)),
+        }
+    ).encode()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="nnqueue's sandboxed trace builder (started by a worker)")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--engine-kwargs", default="{}")
+    args = parser.parse_args(argv)
+
+    # The protocol owns the original stdout; anything else printed (user code) goes to stderr.
+    protocol = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    from nnqueue.enginecore.lifetime import exit_with_worker
+
+    exit_with_worker()
+    model = load_meta_model(args.model, json.loads(args.engine_kwargs))
+    import nnsight
+
+    write_frame(protocol, READY, json.dumps({"nnsight": nnsight.__version__}).encode())
+    requests = sys.stdin.buffer
+    while (payload := read_frame(requests)) is not None:
+        try:
+            built = build_prebuilt(model, payload)
+        except Exception as error:  # noqa: BLE001 - the build's error, whatever it is, goes to the worker
+            write_frame(protocol, FAILED, failure(error))
+        else:
+            write_frame(protocol, OK, built)
+
+
+if __name__ == "__main__":
+    main()
