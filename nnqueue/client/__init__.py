@@ -5,11 +5,13 @@
     with model.trace("The Eiffel Tower is in", backend=client.backend(), max_tokens=3):
         logits = model.logits.save()
 
-The backend (`NNqueueBackend`, which imports nnsight) loads on first use, so the CLI starts fast.
+The backend (`NNqueueBackend`, which imports nnsight) loads on first use, so the CLI starts fast. On a
+CPU-only machine, importing the client also lets a meta ``VLLM`` build (see :mod:`nnqueue.client.platform`).
 """
 
 from typing import Any
 
+from nnqueue.client import platform
 from nnqueue.client.client import Client
 from nnqueue.client.errors import (
     APIConnectionError,
@@ -27,6 +29,8 @@ from nnqueue.client.errors import (
 )
 from nnqueue.client.job import Job
 from nnqueue.client.settings import ClientSettings
+
+platform.install()
 
 __all__ = [
     "APIConnectionError",

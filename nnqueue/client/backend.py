@@ -6,11 +6,18 @@
         logits = model.logits.save()
     hidden, logits                                           # the worker's values, here
 
-The block is serialized the way nnsight's own serve client does it (``RequestModel.serialize``), submitted
-through the HTTP API, waited for (with a progress display), and its saves are marked and pushed into the
-caller's frame exactly as a local run's are (``mark`` + ``push``, like ``LocalServeBackend``). A job that
-failed re-raises here as :class:`~nnqueue.client.errors.JobFailed`, a ``RuntimeError`` shaped like
-nnsight's ``raise_deferred``: ``"<Type>: <message>"`` plus the worker-side traceback.
+For a vLLM model the client builds the trace's requests itself, exactly as nnsight does before it submits
+them to a local engine (``VLLMTracer.prepare``, then ``VLLM._attach_mediators``, which serializes each
+invoke's mediator), and submits them as a prebuilt payload (:mod:`nnqueue.trace_payload`) that the worker
+reads without unpickling. Other models' traces are submitted as nnsight serializes them for its own
+remote clients (``RequestModel.serialize``).
+
+The job is waited for (with a progress display) and its saves are marked and pushed into the caller's
+frame, as nnsight's ``VLLM._collect`` and ``VLLMTracer.execute`` do for a local run (the worker merged them
+the same way). A job that failed pushes what the other invokes saved, then raises
+:class:`~nnqueue.client.errors.JobFailed`, a ``RuntimeError`` shaped like nnsight's ``raise_deferred``
+(``"<Type>: <message>"`` plus the worker-side traceback) that is also an instance of the original
+exception type when that is a built-in one (``except TypeError`` works).
 
 Non-blocking (``client.backend(blocking=False)``), the trace only submits: the trace's variables stay
 unset, and ``backend.job`` is the :class:`~nnqueue.client.job.Job` to wait on and read ``.result()`` from.
@@ -21,6 +28,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from nnsight.tracing.backend import Backend
+
+from nnqueue.client.errors import JobFailed
 
 if TYPE_CHECKING:
     from nnsight.tracing.tracer import Tracer
@@ -52,10 +61,8 @@ class NNqueueBackend(Backend):
         self.jobs: list[Job] = []
 
     def __call__(self, tracer: Tracer) -> dict[str, Any] | None:
-        from nnsight.schema.request import RequestModel
-
         model_key = self.model_key or default_model_key(tracer)
-        payload = RequestModel.serialize(tracer, compress=False)
+        payload = build_payload(tracer)
         self.job = self.client.submit(model_key, payload, **self.submit_options)
         self.jobs.append(self.job)
         if not self.blocking:
@@ -66,12 +73,41 @@ class NNqueueBackend(Backend):
             # The trace was abandoned, so its values can never land: don't leave the job running.
             self.job.cancel_quietly()
             raise
+        except JobFailed as failure:
+            # As a local run does: the values the other invokes saved land, then the error is raised.
+            if failure.saves is not None:
+                push_saves(failure.saves, tracer)
+            raise
         push_saves(saves, tracer)
         return saves
 
     def __repr__(self) -> str:
         mode = "blocking" if self.blocking else "non-blocking"
         return f"<NNqueueBackend {self.client.url} model={self.model_key or '<traced model>'} {mode}>"
+
+
+def build_payload(tracer: Any) -> bytes:
+    """The payload for a captured trace: prebuilt for a vLLM model, nnsight's serialization otherwise."""
+    from nnsight.modeling.vllm import VLLM
+
+    model = getattr(tracer, "envoy", None)
+    if not isinstance(model, VLLM) or not hasattr(tracer, "prepare"):
+        from nnsight.schema.request import RequestModel
+
+        return RequestModel.serialize(tracer, compress=False)
+
+    from nnsight.intervention.util import clear_shared_locals
+
+    from nnqueue import trace_payload
+
+    try:
+        # What VLLMTracer.execute + VLLM._call do before they submit to a local engine.
+        _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
+        model._attach_mediators(params, **forward_kwargs)
+    finally:
+        model.interleaver.cancel()
+        clear_shared_locals()
+    return trace_payload.encode(trace_payload.from_vllm_requests(prompts, params, lora_requests))
 
 
 def default_model_key(tracer: Any) -> str:

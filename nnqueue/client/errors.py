@@ -2,12 +2,17 @@
 
 A job that FAILED on the worker surfaces as :class:`JobFailed`, a ``RuntimeError`` whose message has
 the shape of nnsight's ``raise_deferred``: ``"<Type>: <message>"``, then the worker-side traceback
-under ``Intervention traceback:``. Code that already matches nnsight's remote errors by their text
-matches these too; code that wants the parts reads ``type_name``, ``error_message`` and ``traceback``.
+under ``Intervention traceback:``. Code that already matches nnsight's errors from a vLLM engine (which
+``raise_deferred`` re-raises as ``RuntimeError``) matches these too. When the original type is a Python
+built-in exception, the error is also an instance of it: a ``TypeError`` in intervention code can be
+caught with ``except TypeError`` as well as ``except RuntimeError``. Code that wants the parts reads
+``type_name``, ``error_message`` and ``traceback``; ``saves`` holds what the trace's other invokes saved.
 """
 
 from __future__ import annotations
 
+import builtins
+import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -96,20 +101,42 @@ class JobFailed(NNqueueError, RuntimeError):
         self.type_name = type_name
         self.error_message = message
         self.traceback = traceback
+        # What the trace saved before it failed (its other invokes' values), when the job has a result.
+        self.saves: dict[str, Any] | None = None
         lines = [f"{type_name}: {message}"]
         if traceback:
             lines += ["", "Intervention traceback:", traceback.rstrip()]
         super().__init__("\n".join(lines))
 
+    def __str__(self) -> str:  # not a built-in base's (KeyError quotes its message)
+        return str(self.args[0]) if self.args else ""
+
     @classmethod
     def from_job(cls, job: Job) -> JobFailed:
         error = job.info.get("error") or {}
-        return cls(
+        type_name = error.get("type") or "JobFailed"
+        arguments = (
             job,
-            error.get("type") or "JobFailed",
+            type_name,
             error.get("message") or f"job {job.id} failed without an error message",
             error.get("traceback") or "",
         )
+        try:
+            return failure_class(type_name)(*arguments)
+        except TypeError:  # a built-in whose constructor takes other arguments
+            return cls(*arguments)
+
+
+@functools.cache
+def failure_class(type_name: str) -> type[JobFailed]:
+    """JobFailed, also an instance of the built-in exception ``type_name`` when there is one."""
+    original = getattr(builtins, type_name, None)
+    if not isinstance(original, type) or not issubclass(original, Exception) or issubclass(JobFailed, original):
+        return JobFailed
+    try:
+        return type(f"JobFailed[{type_name}]", (JobFailed, original), {"__module__": __name__})
+    except TypeError:  # an incompatible layout
+        return JobFailed
 
 
 class JobCancelled(NNqueueError):

@@ -136,12 +136,22 @@ class Job:
     ) -> dict[str, Any]:
         """Wait for the job, download its result and load it: the saves dict ``{name: value}``.
 
-        Loading unpickles (``torch.load(weights_only=False)``): load only results of jobs you trust.
+        A failed trace raises :class:`JobFailed`; its ``saves`` are what the trace's other invokes saved
+        before the error (None when nothing was). Loading unpickles (``torch.load(weights_only=False)``):
+        load only results of jobs you trust.
         """
+        if not self.done or self.info.get("status") != "completed":
+            try:
+                self.wait(timeout, progress)
+            except JobFailed as failure:
+                if self.info.get("result"):
+                    failure.saves = self._load(progress, inline)
+                raise
+        return self._load(progress, inline)
+
+    def _load(self, progress: bool, inline: bool | None) -> dict[str, Any]:
         import torch
 
-        if not self.done or self.info.get("status") != "completed":
-            self.wait(timeout, progress)
         with tempfile.SpooledTemporaryFile(max_size=64 << 20) as spool:
             # A bar only where it helps: small results arrive before it could draw.
             self._download_to(spool, progress=progress, inline=inline, bar_from=4 * CHUNK_SIZE)

@@ -8,7 +8,8 @@ the ``{name: value}`` dict (``saves.pt``), a safetensors copy when every value i
 its sink (:mod:`nnqueue.enginecore.sink`), and an outbox entry for the frontend:
 
 ``{"id": trace id, "kind": "trace_result", "error": nnsight DeferredError | None, "load_failed": bool,
-"objects": {"torch": {"size", "sha256"}, "safetensors": {...}}, "write_error": str | None}``
+"objects": {"torch": {"size", "sha256"}, "safetensors": {...}}, "write_error": str | None}``; a failed trace
+that saved nothing writes no object.
 """
 
 from __future__ import annotations
@@ -100,8 +101,12 @@ class ResultWriter:
                 "objects": {},
                 "write_error": None,
             }
+            error = job.collected.error
+            failed = error is not None and not error.get("is_control_flow")
             try:
-                entry["objects"] = write_saves(job.collected.saves, job.sinks)
+                # A failed trace has a result only when its other invokes saved something.
+                if job.collected.saves or not failed:
+                    entry["objects"] = write_saves(job.collected.saves, job.sinks)
             except Exception as error:  # reported to the frontend, which fails the job with it
                 log.exception("writing trace %s's result failed", job.trace_id)
                 entry["write_error"] = f"{type(error).__name__}: {error}"

@@ -44,7 +44,7 @@ def purge_expired(
 ) -> PurgeReport:
     """Delete the payload and results of every job that ended more than ``older_than`` ago and is not yet purged."""
     cutoff = utcnow() - older_than
-    expired = select(Job.id, Job.payload_key).where(
+    expired = select(Job.id, Job.payload_key, Job.attempts).where(
         Job.status.in_(ENDED), Job.purged_at.is_(None), Job.finished_at < cutoff
     )
     if dry_run:
@@ -57,13 +57,16 @@ def purge_expired(
             batch = session.execute(expired.order_by(Job.finished_at).limit(batch_size)).all()
         if not batch:
             break
-        for job_id, payload_key in batch:
-            for key in (payload_key, result_key(job_id, TORCH_FILE), result_key(job_id, SAFETENSORS_FILE)):
-                store.delete(key)
+        for job_id, payload_key, attempts in batch:
+            store.delete(payload_key)
+            # Each attempt's result (a lost attempt may have left one), and the per-job keys of older versions.
+            for attempt in [None, *range(1, attempts + 1)]:
+                for name in (TORCH_FILE, SAFETENSORS_FILE):
+                    store.delete(result_key(job_id, name, attempt))
         with transaction(sessions) as session:
             session.execute(
                 update(Job)
-                .where(Job.id.in_([job_id for job_id, _ in batch]), Job.purged_at.is_(None))
+                .where(Job.id.in_([job_id for job_id, _, _ in batch]), Job.purged_at.is_(None))
                 .values(purged_at=utcnow())
                 .execution_options(synchronize_session=False)
             )

@@ -59,18 +59,21 @@ class VLLMTraceExecutor:
                 outbox=self.outbox,
                 on_finished=lambda done: progress(done, total),
             )
-            if report.write_error is not None:
+            failure = _failure(report, job, trace)
+            if report.write_error is not None and failure is None:
                 raise JobFailure("ResultWriteFailed", f"the engine could not write the result: {report.write_error}")
-            written = {name: written.size for name, written in report.objects.items()}
-            try:
-                stored = await asyncio.to_thread(self.sinks.commit, sinks, written)
-            except (ResultNotWritten, OSError, ObjectNotFound) as error:
-                raise JobFailure("ResultWriteFailed", f"the result did not reach the store: {error}") from None
-            committed = True
+            stored = None
+            if report.write_error is None and (report.objects or failure is None):
+                written = {name: written.size for name, written in report.objects.items()}
+                try:
+                    stored = await asyncio.to_thread(self.sinks.commit, sinks, written)
+                except (ResultNotWritten, OSError, ObjectNotFound) as error:
+                    raise JobFailure("ResultWriteFailed", f"the result did not reach the store: {error}") from None
+                committed = True
         finally:
             if not committed:
                 await asyncio.to_thread(self.sinks.discard, sinks)
-        return Execution(total, stored, _failure(report, job, trace))
+        return Execution(total, stored, failure)
 
     async def _prepare(self, job: Job, payload: bytes) -> tuple[trace_payload.PrebuiltTrace, prebuilt.TraceRequests]:
         """The payload's trace and its vLLM requests: parsed, after a builder process prebuilt a raw payload."""

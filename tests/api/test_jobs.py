@@ -16,13 +16,16 @@ import pytest
 import torch
 from sqlalchemy import select, update
 
+from nnqueue import trace_payload
 from nnqueue.api.limits import FORM_OVERHEAD_BYTES
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.retention import purge_expired
-from nnqueue.storage.results import write_result
+from nnqueue.storage.results import load_result
 from tests.utils.api import LIVE_MODEL, Api, api_client, register_worker
+from tests.utils.payloads import fake_trace
+from tests.utils.results import store_result
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -39,7 +42,7 @@ def complete(services: Services, job_id: str, saves: dict[str, Any]) -> None:
     job_uuid = uuid.UUID(job_id)
     with transaction(services.sessions) as session:
         transition(session, job_uuid, S.RUNNING, worker_id="test-worker")
-    stored = write_result(services.store, job_uuid, saves)
+    stored = store_result(services.store, job_uuid, saves)
     with transaction(services.sessions) as session:
         transition(
             session,
@@ -55,7 +58,7 @@ def complete(services: Services, job_id: str, saves: dict[str, Any]) -> None:
 def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> None:
     alice = api.new_key("alice")
     client = {"nnsight": "0.8.1", "python": "3.11.9"}
-    job = api.submit_ok(alice, b"serialized trace", priority=3, metadata={"run": 7}, client=client)
+    job = api.submit_ok(alice, fake_trace(b"serialized trace"), priority=3, metadata={"run": 7}, client=client)
 
     assert job["owner"] == "alice" and job["model_key"] == LIVE_MODEL and job["kind"] == "trace"
     assert job["status"] == "queued" and job["priority"] == 3 and job["metadata"] == {"run": 7}
@@ -66,7 +69,7 @@ def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> N
 
     stored = services.job(uuid.UUID(job["id"]))
     assert stored.meta == {"metadata": {"run": 7}, "client": client}  # the worker reads meta["client"]
-    assert api.resources.store.get_bytes(stored.payload_key) == b"serialized trace"
+    assert api.resources.store.get_bytes(stored.payload_key) == fake_trace(b"serialized trace")
     assert api.http.get(f"/v1/jobs/{job['id']}", headers=alice).json() == job
 
 
@@ -120,7 +123,7 @@ def test_an_oversized_payload_is_413_and_nothing_is_stored(services: Services) -
     limit = 1000
     with api_client(services, max_payload_bytes=limit, worker_stale_after_s=3600) as api:
         ivan = api.new_key("ivan")
-        assert api.submit(ivan, b"x" * limit).status_code == 201  # exactly the limit is fine
+        assert api.submit(ivan, fake_trace(b"x" * (limit - 11))).status_code == 201  # exactly the limit is fine
 
         over = api.submit(ivan, b"x" * (limit + 1))  # checked by the route
         huge = api.submit(ivan, b"x" * (4 * 1024 * 1024))  # refused from its Content-Length
@@ -318,3 +321,51 @@ def test_a_purged_jobs_result_is_410_and_the_job_says_when(api: Api, services: S
     for params in ({}, {"inline": 1}, {"format": "safetensors"}):
         gone = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params=params)
         assert gone.status_code == 410 and "was deleted at" in gone.json()["detail"], params
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"random bytes, not a trace", "neither an nnqueue prebuilt trace nor an nnsight serialized trace"),
+        (b"\x80\x04\x95" + (1 << 40).to_bytes(8, "little") + b"short", "neither an nnqueue prebuilt trace"),
+        (trace_payload.MAGIC + (1 << 20).to_bytes(8, "big") + b"{}", "invalid prebuilt trace: header length"),
+        (trace_payload.MAGIC + (7).to_bytes(8, "big") + b"{nope}}", "invalid prebuilt trace: header is not JSON"),
+        (trace_payload.MAGIC + (13).to_bytes(8, "big") + b'{"format": 9}', "prebuilt trace format 9 is not supported"),
+    ],
+    ids=["random", "truncated-pickle", "header-past-end", "header-not-json", "future-format"],
+)
+def test_a_payload_that_is_no_trace_is_422_and_nothing_is_stored(api: Api, payload: bytes, reason: str) -> None:
+    vera = api.new_key("vera")
+    response = api.submit(vera, payload)
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "payload"] and reason in error["msg"]
+    assert api.http.get("/v1/jobs", headers=vera).json()["jobs"] == []
+
+
+def test_a_zstd_compressed_nnsight_trace_is_accepted(api: Api) -> None:
+    assert api.submit(api.new_key("alice"), trace_payload.ZSTD_MAGIC + b"compressed frame").status_code == 201
+
+
+def test_a_failed_trace_that_saved_values_serves_them(api: Api, services: Services) -> None:
+    alice = api.new_key("alice")
+    job_id = api.submit_ok(alice)["id"]
+    job_uuid = uuid.UUID(job_id)
+    with transaction(services.sessions) as session:
+        transition(session, job_uuid, S.RUNNING, worker_id="test-worker")
+    stored = store_result(services.store, job_uuid, {"first_invoke": torch.ones(2)})
+    with transaction(services.sessions) as session:
+        transition(
+            session,
+            job_uuid,
+            S.FAILED,
+            error_type="TypeError",
+            error_message="the second invoke failed",
+            result_key=stored.key,
+            result_size=stored.size,
+            result_format=stored.format,
+        )
+    body = api.http.get(f"/v1/jobs/{job_id}", headers=alice).json()
+    assert body["status"] == "failed" and body["error"]["type"] == "TypeError" and body["result"]["size"] == stored.size
+    served = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"inline": 1})
+    assert served.status_code == 200 and set(load_result(served.content)) == {"first_invoke"}

@@ -16,8 +16,10 @@ from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.settings import Settings
 from nnqueue.storage.local import LocalObjectStore
-from nnqueue.storage.results import load_result, write_result
+from nnqueue.storage.results import load_result
 from tests.utils.api import Api, app_client, register_worker
+from tests.utils.payloads import fake_trace
+from tests.utils.results import store_result
 from tests.utils.services import Services
 
 S = JobStatus
@@ -43,7 +45,7 @@ def test_sqlite_and_a_local_store_serve_jobs_and_stream_results(local_api: Api) 
     api = local_api
     assert isinstance(api.resources.store, LocalObjectStore)
     alice = api.new_key("alice")
-    ids = [api.submit_ok(alice, b"trace %d" % n)["id"] for n in range(3)]
+    ids = [api.submit_ok(alice, fake_trace(b"trace %d" % n))["id"] for n in range(3)]
     first = api.http.get(f"/v1/jobs/{ids[0]}", headers=alice).json()
     assert first["queue_position"] == 1 and first["created_at"].endswith("Z")
 
@@ -55,7 +57,7 @@ def test_sqlite_and_a_local_store_serve_jobs_and_stream_results(local_api: Api) 
     saves = {"hidden": torch.arange(6.0).reshape(2, 3), "logits": torch.ones(4)}
     with transaction(api.resources.sessions) as session:
         transition(session, job_id, S.RUNNING, worker_id="test-worker")
-    stored = write_result(api.resources.store, job_id, saves)
+    stored = store_result(api.resources.store, job_id, saves)
     with transaction(api.resources.sessions) as session:
         transition(
             session, job_id, S.COMPLETED, result_key=stored.key, result_size=stored.size, result_format=stored.format
@@ -70,7 +72,7 @@ def test_sqlite_and_a_local_store_serve_jobs_and_stream_results(local_api: Api) 
 
     safetensors = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "safetensors"})
     assert safetensors.status_code == 200 and safetensors.content == api.resources.store.get_bytes(
-        f"results/{job_id}/saves.safetensors"
+        f"results/{job_id}/1/saves.safetensors"
     )
 
     api.resources.store.delete(stored.key)

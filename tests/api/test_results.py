@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
-from nnqueue.engines.trace_runner import run_serialized_trace
 from nnqueue.storage.results import load_result
 from tests.utils.api import Api, api_client
-from tests.utils.payloads import PayloadBackend
+from tests.utils.payloads import PrebuiltBackend
+from tests.utils.reference import reference_saves
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
 pytestmark = pytest.mark.slow  # end to end: a real worker process
@@ -39,13 +39,17 @@ def alice(api: Api) -> dict[str, str]:
     return api.new_key("alice")
 
 
+def hidden_and_logits(model: Any, backend: Any) -> None:
+    with model.trace(PROMPT, temperature=0.0, max_tokens=1, backend=backend):
+        out = model.model.layers[0].output
+        hidden = (out[0] + out[1]).save()  # vLLM's Llama layer returns (mlp_out, residual)
+        logits = model.logits.save()
+
+
 @pytest.fixture(scope="module")
 def payload(client_model: Any) -> bytes:
-    backend = PayloadBackend()
-    with client_model.trace(PROMPT, temperature=0.0, max_tokens=1, backend=backend):
-        out = client_model.model.layers[0].output
-        hidden = (out[0] + out[1]).save()  # vLLM's Llama layer returns (mlp_out, residual)
-        logits = client_model.logits.save()
+    backend = PrebuiltBackend()
+    hidden_and_logits(client_model, backend)
     return backend.payload
 
 
@@ -73,7 +77,7 @@ def test_models_shows_the_running_worker(api: Api, worker: WorkerProcess, alice:
 
 
 def test_the_presigned_download_equals_an_in_process_run(
-    api: Api, alice: dict[str, str], completed: dict[str, Any], payload: bytes, inprocess_engine: Any
+    api: Api, alice: dict[str, str], completed: dict[str, Any], client_model: Any, inprocess_engine: Any
 ) -> None:
     assert completed["result"]["format"] == "torch+safetensors"
     assert completed["progress"] == {"done": 1, "total": 1} and completed["attempts"] == 1
@@ -87,10 +91,10 @@ def test_the_presigned_download_equals_an_in_process_run(
     assert downloaded.status_code == 200 and len(downloaded.content) == completed["result"]["size"]
     saves = load_result(downloaded.content)
 
-    reference = inprocess_engine.run(run_serialized_trace(inprocess_engine.model, payload, "api-reference"))
-    assert reference.error is None and set(saves) == set(reference.saves) == {"hidden", "logits"}
-    for name, value in reference.saves.items():
-        torch.testing.assert_close(saves[name], value, atol=1e-5, rtol=1e-5)
+    reference = reference_saves(client_model, inprocess_engine, hidden_and_logits)
+    assert set(saves) == set(reference) == {"hidden", "logits"}
+    for name, value in reference.items():
+        assert torch.equal(saves[name], value), name
 
     url = api.http.get(
         f"/v1/jobs/{completed['id']}/result", headers=alice, params={"format": "safetensors"}, follow_redirects=False
@@ -136,7 +140,7 @@ def test_another_owner_cannot_download_or_cancel_it(api: Api, completed: dict[st
 def test_an_error_in_user_code_is_reported_on_the_job(
     api: Api, worker: WorkerProcess, alice: dict[str, str], client_model: Any
 ) -> None:
-    backend = PayloadBackend()
+    backend = PrebuiltBackend()
     with client_model.trace(PROMPT, temperature=0.0, max_tokens=1, backend=backend):
         hidden = client_model.model.layers[0].output[0]
         raise ValueError(f"user code broke on shape {tuple(hidden.shape)}")
@@ -147,5 +151,5 @@ def test_an_error_in_user_code_is_reported_on_the_job(
     assert failed["error"]["type"] == "ValueError"
     assert "user code broke on shape" in failed["error"]["message"]
     assert "raise ValueError" in failed["error"]["traceback"]
-    refused = api.http.get(f"/v1/jobs/{job['id']}/result", headers=alice)
+    refused = api.http.get(f"/v1/jobs/{job['id']}/result", headers=alice)  # it saved nothing: no result
     assert refused.status_code == 409 and "is failed" in refused.json()["detail"]

@@ -6,6 +6,7 @@ see, such as the API key never travelling to the object store with a presigned d
 
 from __future__ import annotations
 
+import builtins
 import io
 import json
 import re
@@ -159,12 +160,29 @@ def test_failed_jobs_raise_like_nnsights_raise_deferred() -> None:
     with pytest.raises(RuntimeError) as nnsight_way:
         raise_deferred({"type_name": "ValueError", "message": "bad", "traceback": traceback})
     assert str(caught.value) == str(nnsight_way.value)
-    assert isinstance(caught.value, RuntimeError)
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, ValueError)  # also its own type
     assert (caught.value.type_name, caught.value.error_message, caught.value.traceback) == (
         "ValueError",
         "bad",
         traceback,
     )
+
+
+@pytest.mark.parametrize("type_name", ["KeyError", "ModuleNotFoundError", "OSError", "StopIteration", "TypeError"])
+def test_a_failed_jobs_error_is_also_its_builtin_type(type_name: str) -> None:
+    failed = job_json("failed", error={"type": type_name, "message": "it broke", "traceback": ""})
+    client = scripted(lambda request: httpx.Response(200, json=failed))
+    with pytest.raises(getattr(builtins, type_name)) as caught:
+        client.job(JOB_ID).wait(progress=False)
+    assert isinstance(caught.value, JobFailed) and str(caught.value) == f"{type_name}: it broke"
+
+
+@pytest.mark.parametrize("type_name", ["InterventionStalled", "OutOfOrderError", "ExceptionGroup", "KeyboardInterrupt"])
+def test_other_error_types_raise_plain_job_failed(type_name: str) -> None:
+    failed = job_json("failed", error={"type": type_name, "message": "it broke", "traceback": ""})
+    with pytest.raises(JobFailed) as caught:
+        scripted(lambda request: httpx.Response(200, json=failed)).job(JOB_ID).wait(progress=False)
+    assert type(caught.value) is JobFailed and caught.value.type_name == type_name
 
 
 def test_wait_follows_queued_running_completed_and_survives_a_blip(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -275,7 +293,7 @@ def test_an_interrupted_blocking_trace_cancels_its_job(monkeypatch: pytest.Monke
     def interrupted(*args: Any, **kwargs: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("nnsight.schema.request.RequestModel.serialize", lambda tracer, compress=False: b"trace")
+    monkeypatch.setattr("nnqueue.client.backend.build_payload", lambda tracer: b"trace")
     monkeypatch.setattr(Job, "result", interrupted)
     backend = scripted(api).backend(model_key="m")
     with pytest.raises(KeyboardInterrupt):

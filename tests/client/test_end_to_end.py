@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -29,20 +30,13 @@ from nnqueue.client import (
     WaitTimeout,
 )
 from nnqueue.embedded import ApiServer
-from nnqueue.engines.trace_runner import run_serialized_trace
-from nnqueue.storage.keys import result_key
-from tests.utils.payloads import PayloadBackend
+from tests.utils.payloads import fake_trace
+from tests.utils.reference import InProcessBackend
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
 pytestmark = pytest.mark.slow  # end to end: a real worker process behind a real API server
 
 PROMPT = "The Eiffel Tower is in"
-
-
-def reference_saves(model: Any, inprocess_engine: Any, payload: bytes) -> dict[str, Any]:
-    result = inprocess_engine.run(run_serialized_trace(inprocess_engine.model, payload, f"ref-{time.monotonic_ns()}"))
-    assert result.error is None, result.error
-    return result.saves
 
 
 def test_the_issue_snippet_gives_the_in_process_values_in_the_callers_variables(
@@ -54,16 +48,14 @@ def test_the_issue_snippet_gives_the_in_process_values_in_the_callers_variables(
         logits = model.logits.save()
     queued_hidden, queued_logits = hidden, logits
 
-    backend = PayloadBackend()
-    with model.trace(PROMPT, backend=backend, max_tokens=3, temperature=0.0):
+    with model.trace(PROMPT, backend=InProcessBackend(inprocess_engine), max_tokens=3, temperature=0.0):
         hidden = model.model.layers[-1].output.save()
         logits = model.logits.save()
-    expected = reference_saves(model, inprocess_engine, backend.payload)
 
     assert isinstance(queued_hidden, tuple) and len(queued_hidden) == 2  # vLLM's Llama layer: (mlp_out, residual)
-    for got, want in zip(queued_hidden, expected["hidden"], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(queued_logits, expected["logits"], atol=1e-5, rtol=1e-5)
+    for got, want in zip(queued_hidden, hidden, strict=True):
+        assert torch.equal(got, want)
+    assert torch.equal(queued_logits, logits)
 
 
 def test_the_backend_is_reusable_and_records_each_job(client: Client, worker: WorkerProcess, client_model: Any) -> None:
@@ -112,10 +104,9 @@ def test_the_non_blocking_backend_returns_the_job(
 
     saves = job.result(timeout=120)
 
-    reference = PayloadBackend()
-    with model.trace(PROMPT, backend=reference, max_tokens=1, temperature=0.0):
+    with model.trace(PROMPT, backend=InProcessBackend(inprocess_engine), max_tokens=1, temperature=0.0):
         logits = model.logits.save()
-    torch.testing.assert_close(saves["logits"], reference_saves(model, inprocess_engine, reference.payload)["logits"])
+    assert torch.equal(saves["logits"], logits)
     assert job.status() == "completed" and job.done
 
 
@@ -131,7 +122,7 @@ def test_download_writes_the_stored_bytes_by_presigned_url_and_inline(
     assert job is not None
 
     path = job.download(tmp_path / "result.pt", progress=True)  # waits for the job first
-    stored = services.store.get_bytes(result_key(job.id, "saves.pt"))
+    stored = services.store.get_bytes(services.job(uuid.UUID(job.id)).result_key)
     assert path == tmp_path / "result.pt" and path.read_bytes() == stored
     assert len(stored) == job.info["result"]["size"]
     assert not (tmp_path / "result.pt.part").exists()
@@ -164,7 +155,7 @@ def test_listing_fetching_cancelling_and_http_errors(
     assert conflict.value.status_code == 409 and "only queued or running jobs can be cancelled" in str(conflict.value)
 
     with pytest.raises(UnknownModelError) as unknown:
-        client.submit("no-such-model", b"payload")
+        client.submit("no-such-model", fake_trace())
     assert unknown.value.status_code == 400 and repr(MODEL_KEY) in str(unknown.value.detail)
 
     with pytest.raises(NotFoundError):
@@ -205,9 +196,7 @@ import sys
 from nnsight.modeling.vllm import VLLM
 
 from nnqueue.client import Client
-from nnqueue.engines.platform import prepare_process
 
-prepare_process()
 model = VLLM(sys.argv[1], dtype="float32", max_model_len=256, seed=0)
 client = Client.from_env()
 for prompt in ("The Eiffel Tower is in", "A job queue runs many traces"):
@@ -252,7 +241,7 @@ def test_submit_queues_a_scripts_traces_and_the_other_commands_follow_them(
 
     downloaded = run_cli(["download", job_id, str(tmp_path / "out.pt")], api_server.url, secret)
     assert downloaded.exit_code == 0, downloaded.output
-    assert (tmp_path / "out.pt").read_bytes() == services.store.get_bytes(result_key(job_id, "saves.pt"))
+    assert (tmp_path / "out.pt").read_bytes() == services.store.get_bytes(services.job(uuid.UUID(job_id)).result_key)
     assert set(torch.load(tmp_path / "out.pt", weights_only=False)) == {"logits"}
 
     status = run_cli(["status", job_id], api_server.url, secret)

@@ -22,7 +22,7 @@ from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler.retention import purge_expired
 from nnqueue.storage.keys import SAFETENSORS_FILE, payload_key, result_key
 from nnqueue.storage.local import LocalObjectStore
-from nnqueue.storage.results import write_result
+from tests.utils.results import store_result
 
 S = JobStatus
 
@@ -42,7 +42,7 @@ def add_job(sessions: sessionmaker[Session], store: LocalObjectStore, ended: S |
         transition(session, job_id, S.RUNNING, worker_id="w")
     fields = {}
     if ended is S.COMPLETED:
-        stored = write_result(store, job_id, {"x": torch.ones(2)})
+        stored = store_result(store, job_id, {"x": torch.ones(2)})
         fields = {"result_key": stored.key, "result_size": stored.size, "result_format": stored.format}
     with transaction(sessions) as session:
         transition(session, job_id, ended, **fields)
@@ -51,7 +51,7 @@ def add_job(sessions: sessionmaker[Session], store: LocalObjectStore, ended: S |
 
 
 def objects(store: LocalObjectStore, job_id: uuid.UUID) -> list[bool]:
-    keys = (payload_key(job_id), result_key(job_id, "saves.pt"), result_key(job_id, SAFETENSORS_FILE))
+    keys = (payload_key(job_id), result_key(job_id, "saves.pt", 1), result_key(job_id, SAFETENSORS_FILE, 1))
     return [store.exists(key) for key in keys]
 
 

@@ -18,6 +18,7 @@ from nnqueue.api.deps import Resources
 from nnqueue.db.session import transaction
 from nnqueue.scheduler import registry
 from nnqueue.settings import Settings
+from tests.utils.payloads import fake_trace
 from tests.utils.services import Services
 
 
@@ -32,13 +33,12 @@ class Api:
         """Headers that authenticate as a fresh key of ``owner``."""
         return {"Authorization": f"Bearer {create_secret(self.resources.sessions, owner)}"}
 
-    def submit(self, headers: dict[str, str], payload: bytes = b"trace", **spec: Any) -> httpx.Response:
+    def submit(self, headers: dict[str, str], payload: bytes | None = None, **spec: Any) -> httpx.Response:
         body = {"model_key": spec.pop("model_key", LIVE_MODEL), **spec}
-        return self.http.post(
-            "/v1/jobs", headers=headers, data={"spec": json.dumps(body)}, files={"payload": ("trace.bin", payload)}
-        )
+        files = {"payload": ("trace.bin", fake_trace() if payload is None else payload)}
+        return self.http.post("/v1/jobs", headers=headers, data={"spec": json.dumps(body)}, files=files)
 
-    def submit_ok(self, headers: dict[str, str], payload: bytes = b"trace", **spec: Any) -> dict[str, Any]:
+    def submit_ok(self, headers: dict[str, str], payload: bytes | None = None, **spec: Any) -> dict[str, Any]:
         response = self.submit(headers, payload, **spec)
         assert response.status_code == 201, response.text
         return response.json()

@@ -61,3 +61,11 @@ def slow_payload(client: Any, steps: int) -> bytes:
             client.logits
         last = client.logits.save()
     return backend.payload
+
+
+def fake_trace(body: bytes = b"serialized trace") -> bytes:
+    """Bytes that start like an nnsight serialized trace (a pickle's protocol-4 header), which the API takes
+    without unpickling, and are none: for tests that never run the job."""
+    from nnqueue import trace_payload
+
+    return trace_payload.PICKLE_PROTOCOL_4 + len(body).to_bytes(8, "little") + body

@@ -2,8 +2,10 @@
 
 Every route sees only the caller's own jobs: another owner's job answers 404, exactly as a job
 that does not exist, so ids cannot be probed. Submission checks its limits before anything is
-stored: the spec (422) and the payload size (413) here, then ``submit_job``'s admission: a live worker
-for the model (400) and the key's jobs in flight (429; see :mod:`nnqueue.scheduler.admission`).
+stored: the spec (422), the payload size (413) and its format (422: a prebuilt trace whose header is
+valid, or something that starts like an nnsight serialized trace; read, never unpickled) here, then
+``submit_job``'s admission: a live worker for the model (400) and the key's jobs in flight (429; see
+:mod:`nnqueue.scheduler.admission`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from nnqueue import trace_payload
 from nnqueue.api.deps import Caller, CallerDep, CeleryDep, SessionDep, SessionsDep, SettingsDep, StoreDep
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
@@ -29,7 +32,7 @@ from nnqueue.scheduler.admission import AdmissionPolicy, ModelNotServed, TooMany
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import submit_job
-from nnqueue.storage.keys import SAFETENSORS_FILE, result_key
+from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
 from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -62,6 +65,7 @@ def submit(
     """Store the payload, create the job and put it on its model's queue."""
     job_spec = _parse_spec(spec)
     data = _read_payload(payload.file, settings.max_payload_bytes)
+    _require_trace(data)
     session.commit()  # end this read transaction (on SQLite, a snapshot) so the new job is visible below
     meta: dict[str, Any] = {"metadata": job_spec.metadata}
     if job_spec.client is not None:
@@ -142,7 +146,10 @@ def cancel(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, sessions: 
         **NOT_YOURS,
         200: {"content": {"application/octet-stream": {}}, "description": "The result's bytes (inline)."},
         302: {"description": "Redirect to a presigned object-store URL."},
-        409: {"description": "The job has not completed, or has no result in that format."},
+        409: {
+            "description": "The job has no result (in that format): only completed jobs, and failed traces "
+            "that saved values before their error, have one."
+        },
         410: {"description": "The result was deleted (NNQUEUE_RETENTION_DAYS), or is no longer in the object store."},
     },
 )
@@ -158,6 +165,7 @@ def download_result(
     """The result: a redirect to a presigned URL, or its bytes when ``inline`` or the store cannot presign.
 
     ``torch`` is ``torch.save({name: value})``; ``safetensors`` exists when every saved value is a tensor.
+    A failed trace job has a result too when its other invokes saved values before the error.
     """
     job = _owned(session, job_id, caller)
     key = _result_object(job, format)
@@ -186,6 +194,22 @@ def _read_payload(file: BinaryIO, limit: int) -> bytes:
     return data
 
 
+def _require_trace(data: bytes) -> None:
+    kind = trace_payload.payload_kind(data)
+    if kind == "prebuilt":
+        try:
+            trace_payload.read_header(data)
+        except trace_payload.PayloadError as error:
+            raise _invalid(("body", "payload"), f"invalid prebuilt trace: {error}", None) from None
+    elif kind is None:
+        raise _invalid(
+            ("body", "payload"),
+            "the payload is neither an nnqueue prebuilt trace nor an nnsight serialized trace"
+            " (RequestModel.serialize: pickle protocol 4, or zstd-compressed)",
+            None,
+        )
+
+
 def _owned(session: Session, job_id: uuid.UUID, caller: Caller) -> Job:
     """The caller's job, freshly read; 404 for a job that is missing or another owner's."""
     job = session.get(Job, job_id, populate_existing=True)
@@ -200,9 +224,11 @@ def _view(session: Session, job: Job) -> JobResponse:
 
 def _result_object(job: Job, fmt: str) -> str:
     """The object key of the job's result in format ``fmt``, or 409 (410 once deleted) when it has none."""
-    if job.status is not JobStatus.COMPLETED or job.result_key is None:
+    if job.status not in (JobStatus.COMPLETED, JobStatus.FAILED) or job.result_key is None:
         raise HTTPException(
-            status.HTTP_409_CONFLICT, f"job {job.id} is {job.status.value}; only completed jobs have a result"
+            status.HTTP_409_CONFLICT,
+            f"job {job.id} is {job.status.value}; only completed jobs (and failed traces that saved values"
+            " before their error) have a result",
         )
     if job.purged_at is not None:
         raise HTTPException(
@@ -217,7 +243,7 @@ def _result_object(job: Job, fmt: str) -> str:
             status.HTTP_409_CONFLICT,
             f"job {job.id} has no safetensors result (format {job.result_format}): not every saved value is a tensor",
         )
-    return result_key(job.id, SAFETENSORS_FILE)
+    return sibling_key(job.result_key, SAFETENSORS_FILE)
 
 
 def _stream(store: ObjectStore, key: str, filename: str) -> StreamingResponse:
