@@ -61,6 +61,12 @@ class NNqueueBackend(Backend):
         self.jobs: list[Job] = []
 
     def __call__(self, tracer: Tracer) -> dict[str, Any] | None:
+        if getattr(tracer, "envoy", None) is None:
+            raise NotImplementedError(
+                "model.session(...) cannot run as one nnqueue job: a job is one trace, and a session passes"
+                " values between its traces in this process. Give each model.trace(...) inside the session"
+                " backend=client.backend() instead; their saved values come back."
+            )
         model_key = self.model_key or default_model_key(tracer)
         payload = build_payload(tracer)
         self.job = self.client.submit(model_key, payload, **self.submit_options)

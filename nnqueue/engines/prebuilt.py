@@ -41,10 +41,10 @@ def to_requests(trace: PrebuiltTrace, request_id_prefix: str) -> TraceRequests:
         unknown = sorted(set(invoke.sampling) - SAMPLING_FIELDS)
         if unknown:
             raise PayloadError(f"invoke {index}: sampling settings {unknown} are unknown to this server's vLLM")
-        sampling = dict(invoke.sampling)
-        # Only the finished output matters (saves arrive after it, `tracer.result` is served it), so the
-        # engine loop is spared an output per generated token. Its content is the same either way.
-        sampling.setdefault("output_kind", RequestOutputKind.FINAL_ONLY.value)
+        # What vLLM's offline LLM (nnsight's synchronous engine) does to every request: only the finished
+        # output is produced, which `tracer.result` is served, and the engine loop is spared one output
+        # per generated token. (With n > 1 it holds every sequence's completion.)
+        sampling = {**invoke.sampling, "output_kind": RequestOutputKind.FINAL_ONLY.value}
         try:
             param = msgspec.convert(sampling, SamplingParams, strict=False)
         except Exception as error:  # noqa: BLE001 - msgspec's type checks, or vLLM's own (VLLMValidationError, ValueError)
