@@ -30,6 +30,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from nnqueue.errors import NNqueueError
+
 MAGIC = b"NNQTRACE"
 FORMAT_VERSION = 1
 _LENGTH = struct.Struct(">Q")
@@ -47,11 +49,11 @@ MAX_NAME_LENGTH = 1024
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
 
 
-class PayloadError(ValueError):
+class PayloadError(NNqueueError, ValueError):
     """The bytes are not a valid prebuilt trace; the message says what is wrong."""
 
 
-class UnsupportedTrace(ValueError):
+class UnsupportedTrace(NNqueueError, ValueError):
     """The trace uses something the prebuilt format cannot carry (a LoRA adapter, a multimodal prompt)."""
 
 

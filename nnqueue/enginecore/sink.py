@@ -22,12 +22,14 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from nnqueue.errors import NNqueueError
+
 CHUNK = 1 << 20
 PUT_ATTEMPTS = 3
 PUT_TIMEOUT_S = 300.0
 
 
-class SinkError(Exception):
+class SinkError(NNqueueError):
     """The object could not be written to its sink."""
 
 

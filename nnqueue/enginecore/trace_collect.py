@@ -47,7 +47,8 @@ def collect_trace(runner: Any, request_ids: list[str], outputs: dict[str, Any] |
     (for ``tracer.result``). Every request named must have finished.
     """
     invokes = _take(runner, request_ids, outputs)
-    per_request, values = [], {}
+    per_request: list[dict[str, Any]] = []
+    values: dict[str, list[Any]] = {}
     for request_id in request_ids:
         invoke = invokes.get(request_id)
         sequences = [invoke.sequences[index] for index in sorted(invoke.sequences)] if invoke else []
@@ -68,13 +69,14 @@ def collect_trace(runner: Any, request_ids: list[str], outputs: dict[str, Any] |
             value = found
         merged[name] = value
 
-    failing = [
-        invokes[request_id]
-        for request_id in request_ids
-        if request_id in invokes and invokes[request_id].error and not invokes[request_id].error.get("is_control_flow")
-    ]
+    failing = [invokes[request_id] for request_id in request_ids if _failed(invokes.get(request_id))]
     first = failing[0] if failing else None
     return CollectedTrace(merged, first.error if first else None, bool(first and first.load_failed))
+
+
+def _failed(invoke: _Invoke | None) -> bool:
+    """Whether the invoke raised a real error (a ``tracer.stop()`` is control flow, not an error)."""
+    return invoke is not None and invoke.error is not None and not invoke.error.get("is_control_flow")
 
 
 def release(runner: Any, request_ids: list[str]) -> None:

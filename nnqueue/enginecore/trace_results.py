@@ -43,6 +43,7 @@ def snapshot(value: Any, memo: dict[int, Any] | None = None) -> Any:
     key = id(value)
     if key in memo:
         return memo[key]
+    copied: Any
     if isinstance(value, torch.Tensor):
         copied = value.detach().to("cpu", copy=True)
     elif isinstance(value, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device, torch.nn.Module)):

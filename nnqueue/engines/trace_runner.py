@@ -24,6 +24,7 @@ from typing import Any
 
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.prebuilt import TraceRequests
+from nnqueue.errors import NNqueueError
 
 MAX_ERROR_TEXT = 64 * 1024
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -32,7 +33,7 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 _cleanups: set[asyncio.Task[Any]] = set()
 
 
-class InvalidReport(Exception):
+class InvalidReport(NNqueueError, ValueError):
     """The engine's report of a trace's result was malformed."""
 
 

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
 from nnqueue.storage.results import TORCH_AND_SAFETENSORS_FORMAT, TORCH_FORMAT, StoredResult
@@ -27,7 +28,7 @@ URL_MARGIN_S = 600
 MAX_URL_EXPIRY_S = 7 * 24 * 3600
 
 
-class ResultNotWritten(Exception):
+class ResultNotWritten(NNqueueError):
     """What the engine reported does not match what reached the store."""
 
 
