@@ -1,7 +1,7 @@
 """The HTTP client for the nnqueue job API.
 
     client = Client("http://127.0.0.1:8000", api_key)        # or Client.from_env()
-    job = client.submit("smollm2-135m", payload)              # payload: RequestModel.serialize(tracer)
+    job = client.submit("smollm2-135m", payload)              # payload: backend.build_payload(tracer)
     saves = job.result()                                      # waits (with a progress display), downloads, loads
 
 Most users never build payloads themselves: ``model.trace(..., backend=client.backend())`` does it and
@@ -98,7 +98,8 @@ class Client:
         metadata: dict[str, Any] | None = None,
         kind: str = "trace",
     ) -> Job:
-        """Queue a serialized trace (``RequestModel.serialize(tracer)`` bytes) for ``model_key``'s workers.
+        """Queue a trace for ``model_key``'s workers: a prebuilt payload (:func:`nnqueue.client.backend.build_payload`)
+        or an nnsight serialized one (``RequestModel.serialize(tracer)`` bytes).
 
         ``timeout_s``: the job's run-time limit on the worker (server default when None). Higher
         ``priority`` runs earlier. ``metadata``: free-form JSON kept with the job.

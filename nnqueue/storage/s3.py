@@ -100,17 +100,15 @@ class S3ObjectStore(ObjectStore):
         self._call("delete_object", key)  # S3 deletes are idempotent
 
     def presigned_get_url(self, key: str, expires_in: int) -> str:
-        self._ensure_bucket()
-        return self._client.generate_presigned_url(
-            "get_object",
-            Params={"Bucket": self.bucket, "Key": validate_key(key)},
-            ExpiresIn=validate_expiry(expires_in),
-        )
+        return self._presigned("get_object", key, expires_in)
 
     def presigned_put_url(self, key: str, expires_in: int) -> str:
+        return self._presigned("put_object", key, expires_in)
+
+    def _presigned(self, operation: str, key: str, expires_in: int) -> str:
         self._ensure_bucket()
         return self._client.generate_presigned_url(
-            "put_object",
+            operation,
             Params={"Bucket": self.bucket, "Key": validate_key(key)},
             ExpiresIn=validate_expiry(expires_in),
         )

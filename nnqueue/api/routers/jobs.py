@@ -60,7 +60,13 @@ def submit(
     store: StoreDep,
     celery: CeleryDep,
     spec: Annotated[str, Form(description=SPEC_DESCRIPTION)],
-    payload: Annotated[UploadFile, File(description="The serialized trace (nnsight RequestModel.serialize).")],
+    payload: Annotated[
+        UploadFile,
+        File(
+            description="The trace: an nnqueue prebuilt trace (what the nnqueue client sends) or an nnsight "
+            "serialized trace (RequestModel.serialize, optionally zstd-compressed)."
+        ),
+    ],
 ) -> JobResponse:
     """Store the payload, create the job and put it on its model's queue."""
     job_spec = _parse_spec(spec)
