@@ -297,5 +297,5 @@ def test_an_interrupted_blocking_trace_cancels_its_job(monkeypatch: pytest.Monke
     monkeypatch.setattr(Job, "result", interrupted)
     backend = scripted(api).backend(model_key="m")
     with pytest.raises(KeyboardInterrupt):
-        backend(SimpleNamespace(info=None))
+        backend(SimpleNamespace(info=None, envoy=object()))
     assert calls == ["POST /v1/jobs", f"POST /v1/jobs/{JOB_ID}/cancel"]

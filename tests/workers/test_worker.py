@@ -176,6 +176,24 @@ def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
     assert not {"NNQUEUE_DATABASE_URL", "NNQUEUE_BROKER_URL", "NNQUEUE_S3__SECRET_ACCESS_KEY"} & set(saves["seen"])
 
 
+def test_a_builder_that_dies_fails_only_its_job_and_is_replaced(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        os._exit(3)  # trace-level code: it runs where the raw payload is rebuilt, in a builder process
+        with tracer.invoke(PROMPTS[0]):
+            logits = client_model.logits.save()
+    crashed = services.wait_for(submit(services, backend.payload), {S.FAILED, S.COMPLETED})
+    assert crashed.error_type == "TraceBuilderCrashed" and "exit code 3" in crashed.error_message
+    assert set(result_of(services, submit(services, two_invoke_payload(client_model, raw=True)))) == {
+        "h0",
+        "logits0",
+        "h1",
+        "logits1",
+    }
+
+
 def test_progress_is_written_as_invokes_finish(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
     backend = PrebuiltBackend()
     with client_model.trace(temperature=0.0, backend=backend) as tracer:
