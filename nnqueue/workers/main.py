@@ -14,6 +14,8 @@ from typing import Any
 from nnqueue.broker import create_celery_app, queue_name
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
+from nnqueue.engines.builders import BuilderPool
+from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
@@ -23,6 +25,7 @@ from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import JobRunner
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.tasks import register_run_job
+from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,13 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     log.info("engine for %s ready in %.1f s", model, time.monotonic() - started)
 
     worker_id = registry.new_worker_id()
-    executor = host.call(_trace_executor(settings, store, engine, model, engine_kwargs))
+    executor = VLLMTraceExecutor(
+        store,
+        engine,
+        ResultSinks(store, settings.resolved_store_dir / ".handoff"),
+        OutboxPoller(engine.vllm_entrypoint),
+        BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes),
+    )
     runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s)
     register_run_job(app, host, runner)
     registry.register(sessions, worker_id, model_key, queue, max_concurrent_jobs)
@@ -73,19 +82,6 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
         host.call(executor.builders.close())
         engine.vllm_entrypoint.shutdown()
         host.stop()
-
-
-async def _trace_executor(
-    settings: Settings, store: Any, engine: Any, model: str, engine_kwargs: dict[str, Any]
-) -> Any:
-    # Built on the engine loop, which the outbox poller and the builder pool run on.
-    from nnqueue.engines.builders import BuilderPool
-    from nnqueue.engines.outbox import OutboxPoller
-    from nnqueue.workers.trace_execution import VLLMTraceExecutor
-
-    builders = BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes)
-    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff")
-    return VLLMTraceExecutor(store, engine, sinks, OutboxPoller(engine.vllm_entrypoint), builders)
 
 
 async def _load_engine(model: str, engine_kwargs: dict[str, Any]) -> Any:
