@@ -162,8 +162,8 @@ def start_worker(
     started: list[WorkerProcess] = []
     logs = tmp_path_factory.mktemp("worker-logs")
 
-    def start(**kwargs: Any) -> WorkerProcess:
-        worker = WorkerProcess(services, tiny_model_path, logs / f"worker-{len(started)}.log", **kwargs)
+    def start(model_path: Path = tiny_model_path, **kwargs: Any) -> WorkerProcess:
+        worker = WorkerProcess(services, model_path, logs / f"worker-{len(started)}.log", **kwargs)
         started.append(worker)
         worker.wait_registered()
         return worker

@@ -17,7 +17,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.rpc import NNqueueRPC
-from nnqueue.settings import Settings
+from nnqueue.enginecore.sandbox import SandboxedWorker, engine_settings
 
 
 class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
@@ -28,12 +28,12 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
     """
 
 
-class NNsightCPUWorker(NNqueueRPC, CPUWorker):
-    """vLLM's CPU worker, with nnsight's model runner and RPC methods, and nnqueue's."""
+class NNsightCPUWorker(SandboxedWorker, NNqueueRPC, CPUWorker):
+    """vLLM's CPU worker, with nnsight's model runner and RPC methods and nnqueue's, sandboxed (see enginecore.sandbox)."""
 
     def init_device(self) -> None:
         super().init_device()
-        stall_watchdog.install(Settings().engine_stall_timeout_s)
+        stall_watchdog.install(engine_settings().engine_stall_timeout_s)
         lifetime.exit_with_worker()
         # Exact type: the V2 CPU runner (VLLM_USE_V2_MODEL_RUNNER=1) is a different class
         # that nnsight does not instrument; nnsight's VLLM forces V1, this keeps it honest.

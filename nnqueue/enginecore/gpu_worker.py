@@ -1,4 +1,4 @@
-"""nnsight's CUDA worker, plus nnqueue's stall watchdog (see :mod:`nnqueue.enginecore.stall_watchdog`) and RPC methods."""
+"""nnsight's CUDA worker, sandboxed (:mod:`nnqueue.enginecore.sandbox`), with nnqueue's stall watchdog and RPC methods."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.rpc import NNqueueRPC
-from nnqueue.settings import Settings
+from nnqueue.enginecore.sandbox import SandboxedWorker, engine_settings
 
 
-class NNqueueGPUWorker(NNqueueRPC, NNsightGPUWorker):
+class NNqueueGPUWorker(SandboxedWorker, NNqueueRPC, NNsightGPUWorker):
     def init_device(self) -> None:
         super().init_device()
-        stall_watchdog.install(Settings().engine_stall_timeout_s)
+        stall_watchdog.install(engine_settings().engine_stall_timeout_s)
         lifetime.exit_with_worker()

@@ -2,6 +2,9 @@
 
 Each heartbeat also aborts the jobs cancelled while running here and requeues the model's jobs that
 a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`).
+
+The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
+the engine's processes run users' code and must find no secret in their environment or their parent.
 """
 
 from __future__ import annotations
@@ -9,10 +12,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
+from nnqueue import isolation
 from nnqueue.broker import create_celery_app, queue_name
 from nnqueue.db.session import make_engine, session_factory
+from nnqueue.enginecore import protected
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
@@ -32,6 +38,7 @@ log = logging.getLogger(__name__)
 
 def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwargs: dict[str, Any]) -> None:
     settings = Settings()
+    isolate(settings)
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
@@ -82,6 +89,23 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
         host.call(executor.builders.close())
         engine.vllm_entrypoint.shutdown()
         host.stop()
+
+
+def isolate(settings: Settings) -> None:
+    """Remove the secrets from the environment the engine will inherit, and keep the engine out of ours.
+
+    Also: the engine reads its settings from the environment (never ``.env``), and its processes are
+    spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
+    """
+    for warning in isolation.env_file_warnings(Path(str(Settings.model_config.get("env_file"))), settings.engine_user):
+        log.warning("%s", warning)
+    removed = isolation.scrub_environment(settings.secret_env_patterns)
+    isolation.make_non_dumpable()
+    os.environ.update(settings.engine_environment())
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    if settings.protected_environment:  # this process still rebuilds raw payloads (trace_runner.build_trace)
+        protected.install(settings.allowed_modules)
+    log.info("removed %d secret variables from the engine's environment", len(removed))
 
 
 async def _load_engine(model: str, engine_kwargs: dict[str, Any]) -> Any:

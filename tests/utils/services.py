@@ -102,15 +102,21 @@ class WorkerProcess:
         model_path: Path,
         log_path: Path,
         max_concurrent_jobs: int = 4,
+        model_key: str = MODEL_KEY,
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        user: str | None = None,
     ) -> None:
+        """``env`` adds to the module's service settings; ``user`` runs the worker as that account."""
         self.services, self.log_path = services, log_path
-        command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", MODEL_KEY]
+        command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", model_key]
         command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command,
                 env={**os.environ, **services.env, **(env or {})},
+                cwd=cwd,
+                user=user,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
