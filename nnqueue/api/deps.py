@@ -7,7 +7,7 @@ build an app on their own settings and nothing reads global state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -33,10 +33,15 @@ class Resources:
 
 @dataclass(frozen=True)
 class Caller:
-    """Who is calling: the owner whose jobs they may see, and the key they used."""
+    """Who is calling: the owner whose jobs they may see, the key they used and its scopes."""
 
     owner: str
     key_id: int
+    scopes: frozenset[str] = frozenset()
+
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.scopes
 
 
 def get_resources(request: Request) -> Resources:
@@ -90,7 +95,7 @@ def get_caller(
         key = authenticate(session, secret)
     except AuthenticationFailed as failure:
         raise _unauthorized(str(failure)) from None
-    return Caller(owner=key.owner, key_id=key.id)
+    return Caller(owner=key.owner, key_id=key.id, scopes=frozenset(key.scopes))
 
 
 def _unauthorized(detail: str) -> HTTPException:
@@ -98,3 +103,30 @@ def _unauthorized(detail: str) -> HTTPException:
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
+
+SCOPE_PURPOSE = {
+    "trace": "submit traces (they run arbitrary code on the workers)",
+    "harvest": "submit harvests",
+    "admin": "act on other owners' jobs",
+}
+
+
+def check_scope(caller: Caller, scope: str) -> None:
+    """403, with the reason, unless the caller's key has ``scope``."""
+    if scope not in caller.scopes:
+        held = ", ".join(sorted(caller.scopes)) or "none"
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"this API key lacks the {scope!r} scope, needed to {SCOPE_PURPOSE[scope]} (its scopes: {held});"
+            f" an operator grants it with: nnqueue keys scopes <key id> --scope {scope}",
+        )
+
+
+def require_scope(scope: str) -> Callable[[Caller], Caller]:
+    """A dependency giving the caller, or 403 if its key lacks ``scope``: ``Depends(require_scope("harvest"))``."""
+
+    def caller_with_scope(caller: CallerDep) -> Caller:
+        check_scope(caller, scope)
+        return caller
+
+    return caller_with_scope

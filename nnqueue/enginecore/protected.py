@@ -354,6 +354,12 @@ class ProtectedModule(types.ModuleType):
     def __repr__(self) -> str:
         return f"<protected module {self.__name__!r}>"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Re-serialized (a trace builder sends mediators on) as cloudpickle sends any module.
+        from cloudpickle.cloudpickle import subimport
+
+        return (subimport, (self.__name__,))
+
 
 def protect(module: types.ModuleType) -> ProtectedModule:
     """``module`` wrapped for user code, or :class:`ProtectedEnvironmentError` if it is not allowed."""

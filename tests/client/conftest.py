@@ -29,7 +29,7 @@ def api_server(services: Services) -> Iterator[ApiServer]:
 
 def new_secret(services: Services, owner: str) -> str:
     with transaction(services.sessions) as session:
-        _, secret = auth.create_key(session, owner)
+        _, secret = auth.create_key(session, owner, ["trace"])
     return secret
 
 

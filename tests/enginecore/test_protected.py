@@ -102,6 +102,11 @@ def test_bytecode_functions_are_refused_and_sourced_ones_get_the_protected_built
     assert function(3) == 6 and function.__builtins__ is protected.SAFE_BUILTINS
 
 
+def test_a_protected_module_is_sent_on_as_a_module() -> None:
+    scope = run("import torch.nn.functional as F")
+    assert isinstance(load(dumps(scope["F"])), protected.ProtectedModule)
+
+
 def test_tensors_and_plain_data_load() -> None:
     value = load(dumps({"t": torch.arange(3), "x": [1, 2.5, "s"]}))
     assert torch.equal(value["t"], torch.arange(3)) and value["x"] == [1, 2.5, "s"]

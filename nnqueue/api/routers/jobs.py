@@ -1,7 +1,8 @@
 """``/v1/jobs``: submit, inspect, list, cancel, and download results.
 
 Every route sees only the caller's own jobs: another owner's job answers 404, exactly as a job
-that does not exist, so ids cannot be probed. Submission checks its limits before anything is
+that does not exist, so ids cannot be probed. A key with the ``admin`` scope sees, cancels and
+downloads every owner's jobs; submitting a trace needs the ``trace`` scope (403 otherwise). Submission checks its limits before anything is
 stored: the spec (422), the payload size (413) and its format (422: a prebuilt trace whose header is
 valid, or something that starts like an nnsight serialized trace; read, never unpickled) here, then
 ``submit_job``'s admission: a live worker for the model (400) and the key's jobs in flight (429; see
@@ -22,7 +23,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nnqueue import trace_payload
-from nnqueue.api.deps import Caller, CallerDep, CeleryDep, SessionDep, SessionsDep, SettingsDep, StoreDep
+from nnqueue.api.deps import (
+    Caller,
+    CallerDep,
+    CeleryDep,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    StoreDep,
+    check_scope,
+)
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
 from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec
@@ -45,6 +55,7 @@ SPEC_DESCRIPTION = (
 )
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "No live worker serves the model; the detail names the live models."},
+    403: {"description": "The key lacks the scope of the job's kind (`trace`)."},
     413: {"description": "The payload is over NNQUEUE_MAX_PAYLOAD_BYTES."},
     429: {"description": "The key has NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY jobs queued or running."},
     503: {"description": "The broker is unreachable; the job was not queued."},
@@ -70,6 +81,7 @@ def submit(
 ) -> JobResponse:
     """Store the payload, create the job and put it on its model's queue."""
     job_spec = _parse_spec(spec)
+    check_scope(caller, job_spec.kind)
     data = _read_payload(payload.file, settings.max_payload_bytes)
     _require_trace(data)
     session.commit()  # end this read transaction (on SQLite, a snapshot) so the new job is visible below
@@ -98,17 +110,24 @@ def submit(
     return _view(session, _owned(session, job.id, caller))
 
 
-@router.get("")
+@router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
 def list_jobs(
     caller: CallerDep,
     session: SessionDep,
     status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
     model_key: str | None = None,
+    owner: Annotated[
+        str | None, Query(description="Only this owner's jobs (admins; others may name only themselves).")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: str | None = None,
 ) -> JobListResponse:
-    """The caller's jobs, newest first, a page at a time."""
-    query = select(Job).where(Job.owner == caller.owner)
+    """The caller's jobs (an admin's: every owner's), newest first, a page at a time."""
+    if owner is not None and owner != caller.owner:
+        check_scope(caller, "admin")
+    query = select(Job)
+    if owner is not None or not caller.is_admin:
+        query = query.where(Job.owner == (owner if owner is not None else caller.owner))
     if status_filter is not None:
         query = query.where(Job.status == status_filter)
     if model_key is not None:
@@ -217,9 +236,9 @@ def _require_trace(data: bytes) -> None:
 
 
 def _owned(session: Session, job_id: uuid.UUID, caller: Caller) -> Job:
-    """The caller's job, freshly read; 404 for a job that is missing or another owner's."""
+    """The caller's job, freshly read; 404 for a job that is missing or another owner's (unless an admin asks)."""
     job = session.get(Job, job_id, populate_existing=True)
-    if job is None or job.owner != caller.owner:
+    if job is None or (job.owner != caller.owner and not caller.is_admin):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
     return job
 
