@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError
 
+from nnqueue.api import errors
 from nnqueue.api.deps import Resources
 from nnqueue.api.limits import BodySizeLimit
 from nnqueue.api.routers import health, jobs, models
@@ -45,6 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.resources = resources
     app.add_middleware(BodySizeLimit, max_payload_bytes=settings.max_payload_bytes)
     app.add_exception_handler(OperationalError, _broker_unreachable)
+    errors.install(app)
     for router in (jobs.router, models.router, health.router):
         app.include_router(router)
     return app

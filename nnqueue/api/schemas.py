@@ -29,7 +29,9 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_key: str = Field(min_length=1, max_length=500, description="A model some live worker serves.")
+    model_key: str = Field(
+        min_length=1, max_length=500, pattern=r"^[^\x00]+$", description="A model some live worker serves."
+    )
     # Only traces for now: workers cannot run declarative harvest specs yet.
     kind: Literal["trace"] = "trace"
     priority: int = Field(0, ge=-INT32 - 1, le=INT32)

@@ -361,13 +361,24 @@ class ProtectedModule(types.ModuleType):
         return (subimport, (self.__name__,))
 
 
+_wrappers: dict[int, ProtectedModule] = {}
+
+
 def protect(module: types.ModuleType) -> ProtectedModule:
-    """``module`` wrapped for user code, or :class:`ProtectedEnvironmentError` if it is not allowed."""
+    """``module`` wrapped for user code, or :class:`ProtectedEnvironmentError` if it is not allowed.
+
+    One wrapper per module for the life of the process: nnsight's vLLM runner tells saved values by
+    ``id()``, so short-lived wrappers would reuse the addresses of freed saved values and be taken for
+    saves themselves.
+    """
     if isinstance(module, ProtectedModule):
         return module
     if not is_allowed_module(module.__name__):
         raise refused(f"module {module.__name__!r}")
-    return ProtectedModule(module)
+    wrapper = _wrappers.get(id(module))
+    if wrapper is None:
+        wrapper = _wrappers.setdefault(id(module), ProtectedModule(module))
+    return wrapper
 
 
 def guarded_import(

@@ -11,6 +11,7 @@ valid, or something that starts like an nnsight serialized trace; read, never un
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Annotated, Any, BinaryIO, Literal
@@ -205,10 +206,19 @@ def download_result(
 
 def _parse_spec(spec: str) -> JobSpec:
     try:
+        json.loads(spec, parse_constant=_not_json)  # JSON has no NaN or Infinity; Python's parser takes them
         return JobSpec.model_validate_json(spec)
-    except ValidationError as error:
+    except RecursionError:
+        raise _invalid(("body", "spec"), "the spec is nested too deeply", spec[:200]) from None
+    except ValueError as error:
+        if not isinstance(error, ValidationError):
+            raise _invalid(("body", "spec"), f"the spec is not JSON: {error}", spec[:200]) from None
         errors = [{**e, "loc": ("body", "spec", *e["loc"])} for e in error.errors(include_url=False)]
         raise RequestValidationError(errors) from None
+
+
+def _not_json(constant: str) -> None:
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 def _read_payload(file: BinaryIO, limit: int) -> bytes:
