@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +99,24 @@ def worker(
     model_key: str | None = typer.Option(None, help="The name clients submit jobs for (default: --model)."),
     tensor_parallel_size: int = typer.Option(1, help="GPUs the engine spans."),
     max_concurrent_jobs: int = typer.Option(8, min=1, help="Jobs run at once on the engine (batched by vLLM)."),
+    supervise: bool = typer.Option(
+        True, help="Run the worker under a supervisor that starts it again when it fails (its engine died)."
+    ),
 ) -> None:
     """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments."""
-    from nnqueue.workers.main import run_worker
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if supervise:
+        from nnqueue.workers.supervisor import Supervisor
+
+        command = [sys.executable, "-m", "nnqueue", "worker", "--no-supervise", "--model", model]
+        command += ["--model-key", model_key or model, "--tensor-parallel-size", str(tensor_parallel_size)]
+        command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ctx.args]
+        raise typer.Exit(Supervisor(command).run())
+
+    from nnqueue.workers.main import run_worker
+    from nnqueue.workers.supervisor import exit_with_supervisor
+
+    exit_with_supervisor()
     engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
     run_worker(model, model_key or model, max_concurrent_jobs, engine_kwargs)
 

@@ -145,6 +145,16 @@ def drop_privileges(user: EngineUser | None = None, hand_over: Iterable[Path] = 
     return True
 
 
+def engine_writable_dir(prefix: str, user: str | None = None) -> Path:
+    """A fresh private directory (mode 0700) that the engine processes can write after dropping to
+    the engine user (owned by it when this process is root) and this process can read."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    if os.geteuid() == 0:
+        account = engine_user(user)
+        os.chown(directory, account.uid, account.gid)
+    return directory
+
+
 def enter_sandbox(extra_secret_patterns: Iterable[str] | None = None, hand_over: Iterable[Path] = ()) -> None:
     """What a spawned child that will run users' code calls first: scrub its environment and, when
     root, drop to the engine user (see :func:`drop_privileges` for ``hand_over``).

@@ -5,7 +5,9 @@ refuses to encode ``NaN``, ``Infinity`` or undecodable bytes: a spec holding ``N
 a 500 (and a dropped keep-alive connection). Here every error body goes through :func:`json_safe`,
 which keeps what JSON can hold and writes the rest as text. The database is the other source: text
 columns cannot hold NUL characters, so a value with one that reaches a query is refused as a 422
-(:func:`refuse_database_value`) rather than surfacing as the driver's error.
+(:func:`refuse_database_value`) rather than surfacing as the driver's error. And when the database
+or the object store cannot be reached, the answer is a 503 that says which (:func:`unavailable`),
+not a bare 500: the request may be sent again.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from botocore.exceptions import BotoCoreError
 from fastapi import FastAPI, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, DBAPIError, InterfaceError, OperationalError
 
 
 def json_safe(value: Any) -> Any:
@@ -48,6 +51,17 @@ async def refuse_database_value(_request: Request, error: Exception) -> JSONResp
     )
 
 
+async def unavailable(_request: Request, error: Exception) -> JSONResponse:
+    what = "the database" if isinstance(error, DBAPIError) else "the object store"
+    reason = str(getattr(error, "orig", error)).splitlines()[0][:300]
+    return JSONResponse(
+        {"detail": f"{what} is unreachable; try again later ({type(error).__name__}: {reason})"},
+        status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+    )
+
+
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(DataError, refuse_database_value)
+    for unreachable in (OperationalError, InterfaceError, BotoCoreError):
+        app.add_exception_handler(unreachable, unavailable)

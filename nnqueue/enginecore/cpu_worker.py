@@ -16,6 +16,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
+from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import SandboxedWorker, engine_settings
 
@@ -28,7 +29,7 @@ class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
     """
 
 
-class NNsightCPUWorker(SandboxedWorker, NNqueueRPC, CPUWorker):
+class NNsightCPUWorker(SandboxedWorker, CrashReportingWorker, NNqueueRPC, CPUWorker):
     """vLLM's CPU worker, with nnsight's model runner and RPC methods and nnqueue's, sandboxed (see enginecore.sandbox)."""
 
     def init_device(self) -> None:

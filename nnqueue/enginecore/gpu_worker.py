@@ -5,11 +5,12 @@ from __future__ import annotations
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
+from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import SandboxedWorker, engine_settings
 
 
-class NNqueueGPUWorker(SandboxedWorker, NNqueueRPC, NNsightGPUWorker):
+class NNqueueGPUWorker(SandboxedWorker, CrashReportingWorker, NNqueueRPC, NNsightGPUWorker):
     def init_device(self) -> None:
         super().init_device()
         stall_watchdog.install(engine_settings().engine_stall_timeout_s)

@@ -325,16 +325,22 @@ def refused(what: str) -> ProtectedEnvironmentError:
 
 class ProtectedModule(types.ModuleType):
     """A read-only view of an allowed module: submodules must be allowed too, private names and
-    file I/O are hidden."""
+    file I/O are hidden.
+
+    Every attribute read goes to the module (``__getattribute__``, not ``__getattr__``): nnsight mounts
+    a ``save`` method on every object, which would otherwise shadow ``nnsight.save``.
+    """
 
     def __init__(self, module: types.ModuleType) -> None:
         super().__init__(module.__name__, module.__doc__)
         object.__setattr__(self, "_nnqueue_module", module)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattribute__(self, name: str) -> Any:
+        if name in _WRAPPER_ATTRIBUTES:
+            return object.__getattribute__(self, name)
         module: types.ModuleType = object.__getattribute__(self, "_nnqueue_module")
         package = module.__name__.split(".", 1)[0]
-        if (name.startswith("_") and name not in ("__version__", "__all__")) or is_blocked_attribute(name):
+        if (name.startswith("_") and name not in _PUBLIC_DUNDERS) or is_blocked_attribute(name):
             raise AttributeError(f"{module.__name__}.{name} is not available in intervention code")
         if name in HIDDEN_ATTRIBUTES.get(package, ()):
             raise refused(f"{module.__name__}.{name}")
@@ -342,23 +348,30 @@ class ProtectedModule(types.ModuleType):
         return protect(value) if isinstance(value, types.ModuleType) else value
 
     def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"modules are read-only in intervention code (setting {self.__name__}.{name})")
+        raise AttributeError(f"modules are read-only in intervention code (setting {name})")
 
     def __delattr__(self, name: str) -> None:
-        raise AttributeError(f"modules are read-only in intervention code (deleting {self.__name__}.{name})")
+        raise AttributeError(f"modules are read-only in intervention code (deleting {name})")
 
     def __dir__(self) -> list[str]:
         module = object.__getattribute__(self, "_nnqueue_module")
         return [name for name in dir(module) if not name.startswith("_")]
 
     def __repr__(self) -> str:
-        return f"<protected module {self.__name__!r}>"
+        return f"<protected module {object.__getattribute__(self, '_nnqueue_module').__name__!r}>"
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Re-serialized (a trace builder sends mediators on) as cloudpickle sends any module.
         from cloudpickle.cloudpickle import subimport
 
-        return (subimport, (self.__name__,))
+        return (subimport, (object.__getattribute__(self, "_nnqueue_module").__name__,))
+
+
+# Read from the wrapper itself (the interpreter and pickle ask for them), and the module's public dunders.
+_WRAPPER_ATTRIBUTES = frozenset(
+    {"__class__", "__reduce__", "__reduce_ex__", "__repr__", "__dir__", "__setattr__", "__delattr__", "__init__"}
+)
+_PUBLIC_DUNDERS = frozenset({"__name__", "__doc__", "__version__", "__all__"})
 
 
 _wrappers: dict[int, ProtectedModule] = {}

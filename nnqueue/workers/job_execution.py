@@ -34,6 +34,7 @@ from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
 from nnqueue.scheduler.claim import claim
 from nnqueue.storage.results import StoredResult
+from nnqueue.workers.engine_health import EngineHealth, is_engine_death
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -80,11 +81,16 @@ class JobRunner:
     executor: Executor
     worker_id: str
     stale_after_s: float
+    # Settles the worker's jobs if the engine dies (and runs `run_alone` jobs alone); None in tests.
+    health: EngineHealth | None = None
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
     # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
     _aborted: dict[uuid.UUID, Outcome] = field(default_factory=dict)
 
     async def run(self, job_id: uuid.UUID) -> Outcome:
+        if self.health is not None and self.health.dead.is_set():
+            await asyncio.to_thread(self.health.hand_back, job_id)  # the engine is gone: another worker runs it
+            return Outcome.SKIPPED
         job = await asyncio.to_thread(claim, self.sessions, job_id, self.worker_id, self.stale_after_s)
         if job is None:
             log.info("job %s skipped: another delivery owns it, or it has ended", job_id)
@@ -94,7 +100,10 @@ class JobRunner:
         self._running[job_id] = task
         progress = _ProgressWriter(self.sessions, job_id, self.worker_id)
         try:
-            execution = await asyncio.wait_for(self.executor.execute(job, progress.report), timeout=job.timeout_s)
+            running = self.executor.execute(job, progress.report)
+            if self.health is not None:  # a job that was in a step that crashed an engine runs alone
+                running = self.health.gate.run(job.meta, running)
+            execution = await asyncio.wait_for(running, timeout=job.timeout_s)
             result = execution.result
             fields: dict[str, Any] = {"progress_done": execution.units, "progress_total": execution.units}
             if result is not None:
@@ -116,6 +125,9 @@ class JobRunner:
         except JobFailure as failure:
             return await self._fail(job_id, failure)
         except Exception as error:  # our side failed (object store, engine): say so, don't hang
+            if self.health is not None and is_engine_death(error):
+                await self.health.engine_died()  # fails or requeues this job with the others
+                return Outcome.SKIPPED
             log.exception("job %s failed in the worker", job_id)
             return await self._fail(job_id, JobFailure(type(error).__name__, str(error), traceback.format_exc()))
         finally:

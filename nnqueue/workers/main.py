@@ -1,7 +1,9 @@
 """``nnqueue worker``: load one engine, register, and consume the model's queue until stopped.
 
 Each heartbeat also aborts the jobs cancelled while running here and requeues the model's jobs that
-a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`).
+a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`). If the engine dies, the worker settles
+its jobs and exits with EXIT_ENGINE_DIED (:mod:`nnqueue.workers.engine_health`); ``nnqueue worker``
+runs this under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`).
 
 The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
 the engine's processes run users' code and must find no secret in their environment or their parent.
@@ -11,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,7 @@ from nnqueue import isolation
 from nnqueue.broker import create_celery_app, queue_name
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore import protected
+from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
@@ -26,6 +31,7 @@ from nnqueue.scheduler import registry
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
+from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import JobRunner
@@ -47,6 +53,8 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
 
     # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
     os.environ[WORKER_PID_ENV] = str(os.getpid())
+    crash_dir = isolation.engine_writable_dir("nnqueue-crash-", settings.engine_user)
+    os.environ[CRASH_DIR_ENV] = str(crash_dir)
     host = EngineHost(blocking_threads=min(2 * max_concurrent_jobs + 2, 64))
     started = time.monotonic()
     engine = host.call(_load_engine(model, engine_kwargs))
@@ -60,7 +68,8 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
         OutboxPoller(engine.vllm_entrypoint),
         BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes),
     )
-    runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s)
+    health = EngineHealth(sessions, app, worker_id, queue, crash_dir)
+    runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s, health)
     register_run_job(app, host, runner)
     registry.register(sessions, worker_id, model_key, queue, max_concurrent_jobs)
 
@@ -89,6 +98,9 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
         host.call(executor.builders.close())
         engine.vllm_entrypoint.shutdown()
         host.stop()
+        shutil.rmtree(crash_dir, ignore_errors=True)
+    if health.dead.is_set():
+        sys.exit(EXIT_ENGINE_DIED)  # the supervisor starts a fresh worker
 
 
 def isolate(settings: Settings) -> None:

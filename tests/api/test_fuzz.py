@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.api.conftest import create_secret, register_worker
+from nnqueue.settings import Settings
+from tests.api.conftest import app_client, create_secret, register_worker
 from tests.servers import free_ports
 from tests.workers.conftest import Services
 
@@ -139,3 +140,18 @@ def test_no_request_gets_a_server_error(server: ServeApi, headers: dict[str, str
         assert server.process.poll() is None, f"the API process died at {operation.label}"
     assert not failures, "\n".join(failures[:20])
     assert httpx.get(f"{server.url}/healthz").status_code == 200
+
+
+def test_an_unreachable_database_or_store_is_a_503_that_says_so(services: Services) -> None:
+    (closed,) = free_ports(1)
+    down = f"postgresql+psycopg://nnqueue:x@127.0.0.1:{closed}/nnqueue?connect_timeout=2"
+    with app_client(Settings(_env_file=None, **{**services.settings.model_dump(), "database_url": down})) as api:
+        response = api.http.get("/v1/jobs", headers={"Authorization": "Bearer nnq_anything"})
+    assert response.status_code == 503 and "the database is unreachable" in response.json()["detail"]
+
+    s3 = services.settings.s3.model_copy(update={"endpoint_url": f"http://127.0.0.1:{closed}"})
+    with app_client(Settings(_env_file=None, **{**services.settings.model_dump(), "s3": s3})) as api:
+        register_worker(api.resources.sessions, model_key="fuzz-model")
+        headers = {"Authorization": f"Bearer {create_secret(services.sessions, 'erin')}"}
+        response = api.submit(headers, model_key="fuzz-model")
+    assert response.status_code == 503 and "the object store is unreachable" in response.json()["detail"]

@@ -102,6 +102,14 @@ def test_bytecode_functions_are_refused_and_sourced_ones_get_the_protected_built
     assert function(3) == 6 and function.__builtins__ is protected.SAFE_BUILTINS
 
 
+def test_module_attributes_come_from_the_module() -> None:
+    # nnsight mounts a `save` method on every object: on a wrapper it would shadow nnsight.save.
+    import nnsight
+
+    assert run("import nnsight\nsave = nnsight.save")["save"] is nnsight.save
+    assert run("import torch\nname = torch.__name__")["name"] == "torch"
+
+
 def test_a_protected_module_is_sent_on_as_a_module() -> None:
     scope = run("import torch.nn.functional as F")
     assert isinstance(load(dumps(scope["F"])), protected.ProtectedModule)

@@ -130,8 +130,14 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"worker exited with {self.process.returncode}:\n{self.log()[-5000:]}")
+            # `nnqueue worker` supervises the worker process: the registered pid is a child's.
+            pids = [self.process.pid, *(child.pid for child in self.children())]
             with self.services.sessions() as session:
-                worker = session.scalar(select(Worker).where(Worker.pid == self.process.pid))
+                worker = session.scalar(
+                    select(Worker)
+                    .where(Worker.pid.in_(pids), Worker.stopped_at.is_(None))
+                    .order_by(Worker.started_at.desc())
+                )
             if worker is not None:
                 return worker
             time.sleep(0.5)
@@ -145,7 +151,8 @@ class WorkerProcess:
             time.sleep(0.2)
 
     def kill(self) -> None:
-        """SIGKILL the worker process alone, as the OOM killer would; its engine process is not told."""
+        """SIGKILL the worker (its supervisor, whose death the kernel passes on to the worker process
+        as a SIGKILL), as the OOM killer would; its engine process is not told."""
         self.process.kill()
         self.process.wait(timeout=60)
 
