@@ -2,8 +2,8 @@
 
 Real servers (tests/servers.py: PostgreSQL, Redis, SeaweedFS S3), the HTTP API in this process, and
 ``--workers`` supervised ``nnqueue worker`` processes for the tiny test model. A submitter sends jobs
-through the API: traces that complete, traces whose code raises (they fail), and slow traces it cancels
-a moment later. Meanwhile the chaos thread SIGKILLs a worker process ``--kills`` times (its supervisor
+through the API: traces that complete (quick ones, and slow ones that a fault can catch running),
+traces whose code raises (they fail), and slow traces it cancels a moment later. Meanwhile the chaos thread SIGKILLs a worker process ``--kills`` times (its supervisor
 restarts it), restarts Redis empty, restarts PostgreSQL, and stops S3 for ``--outage-s``. Then it waits
 for every accepted job to end and prints: jobs accepted (201) and refused, completed, failed by cause,
 cancelled, run more than once, completed more than once, stuck (not ended), and the time from the last
@@ -103,7 +103,7 @@ class Chaos:
             "NNQUEUE_S3__SECRET_ACCESS_KEY": self.s3.secret_access_key,
             "NNQUEUE_WORKER_HEARTBEAT_S": "1",
             "NNQUEUE_WORKER_STALE_AFTER_S": "8",
-            "NNQUEUE_BROKER_VISIBILITY_TIMEOUT_S": "120",
+            "NNQUEUE_BROKER_VISIBILITY_TIMEOUT_S": "900",
         }
         self.settings = Settings(
             _env_file=None,
@@ -121,7 +121,7 @@ class Chaos:
         self.workers = [self.start_worker(index) for index in range(args.workers)]
         self.accepted: list[str] = []
         self.refused: collections.Counter[str] = collections.Counter()
-        self.faults_done = threading.Event()
+        self.faults_done, self.finished = threading.Event(), threading.Event()
         self.last_fault = time.monotonic()
 
     def start_worker(self, index: int) -> ChildProcess:
@@ -173,7 +173,7 @@ class Chaos:
         threading.Thread(target=cancel, daemon=True).start()
 
     def load(self, payloads: dict[str, bytes]) -> None:
-        kinds = ["good"] * 6 + ["failing"] * 2 + ["cancelled"] * 2
+        kinds = ["good", "slow"] * 3 + ["failing"] * 2 + ["cancelled"] * 2
         for index in range(self.args.jobs):
             kind = kinds[index % len(kinds)]
             job_id = self.submit(payloads[kind])
@@ -212,6 +212,8 @@ class Chaos:
                 self.s3.process = restart(self.s3.process, down_s=self.args.outage_s, env=env)
             self.last_fault = time.monotonic()
         self.faults_done.set()
+        # The restarted servers die with the thread that started them (PR_SET_PDEATHSIG): stay alive.
+        self.finished.wait()
 
     # --- outcome -----------------------------------------------------------------------------
 
@@ -233,23 +235,19 @@ class Chaos:
             time.sleep(2)
         return None
 
+    def entries(self, status: JobStatus) -> dict[Any, int]:
+        """How many times each accepted job entered ``status``, from its history."""
+        with self.sessions() as session:
+            rows = session.execute(
+                select(JobEvent.job_id, func.count())
+                .where(JobEvent.to_status == status, JobEvent.job_id.in_(self.accepted))
+                .group_by(JobEvent.job_id)
+            ).all()
+        return dict(rows)  # type: ignore[arg-type]
+
     def report(self, recovered_after: float | None) -> None:
         jobs = self.statuses()
-        with self.sessions() as session:
-            starts = dict(
-                session.execute(
-                    select(JobEvent.job_id, func.count())
-                    .where(JobEvent.to_status == JobStatus.RUNNING, JobEvent.job_id.in_(self.accepted))
-                    .group_by(JobEvent.job_id)
-                ).all()
-            )
-            completions = dict(
-                session.execute(
-                    select(JobEvent.job_id, func.count())
-                    .where(JobEvent.to_status == JobStatus.COMPLETED, JobEvent.job_id.in_(self.accepted))
-                    .group_by(JobEvent.job_id)
-                ).all()
-            )
+        starts, completions = self.entries(JobStatus.RUNNING), self.entries(JobStatus.COMPLETED)
         by_status = collections.Counter(job.status.value for job in jobs.values())
         causes = collections.Counter(job.error_type for job in jobs.values() if job.status is JobStatus.FAILED)
         stuck = [job_id for job_id in self.accepted if job_id not in jobs or jobs[job_id].status.value not in TERMINAL]
@@ -273,6 +271,7 @@ class Chaos:
         self.api.stop()
         for server in (self.s3, self.redis, self.postgres):
             server.stop()
+        self.finished.set()
 
 
 def main() -> None:
@@ -311,7 +310,7 @@ def main() -> None:
         faults = threading.Thread(target=chaos.faults, daemon=True)
         faults.start()
         chaos.load(payloads)
-        faults.join()
+        chaos.faults_done.wait()
         log("faults done; waiting for every accepted job to end")
         chaos.report(chaos.wait_for_the_end())
     finally:
