@@ -41,9 +41,10 @@ from nnqueue.db.models import Job, JobEvent, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.embedded import ApiServer, ChildProcess
 from nnqueue.settings import S3Settings, Settings
-from tests import servers
-from tests.conftest import TINY_ENGINE_KWARGS, PayloadBackend, two_invoke_payload
-from tests.workers.conftest import ENGINE_ARGS, slow_payload
+from tests.utils import servers
+from tests.utils.payloads import PayloadBackend, slow_payload, two_invoke_payload
+from tests.utils.services import ENGINE_ARGS
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 MODEL_KEY = "chaos-tiny"
 TERMINAL = {JobStatus.COMPLETED.value, JobStatus.FAILED.value, JobStatus.CANCELLED.value}
@@ -62,11 +63,10 @@ def failing_payload(client: Any) -> bytes:
 
 
 def restart(
-    process: ChildProcess, *, down_s: float = 0.0, env: dict[str, str] | None = None, user: str | None = None
+    process: ChildProcess, cwd: Path, *, down_s: float = 0.0, env: dict[str, str] | None = None, user: str | None = None
 ) -> ChildProcess:
     """Stop a server (keeping its data directory) and start it again with the same command line."""
-    argv = list(process.process.args)  # type: ignore[arg-type]
-    cwd = Path(getattr(process, "workdir", process.log_path.parent))
+    argv = [str(arg) for arg in process.process.args]
     ChildProcess.stop(process, grace=10)
     for port_socket in glob.glob("/tmp/seaweedfs-*.sock"):
         if any(arg.endswith(port_socket.rsplit("-", 1)[1].removesuffix(".sock")) for arg in argv):
@@ -75,7 +75,6 @@ def restart(
     fresh = ChildProcess(
         process.name, argv, process.log_path, env=env, cwd=cwd, stop_signal=process.stop_signal, user=user
     )
-    fresh.workdir = cwd  # type: ignore[attr-defined]
     return fresh
 
 
@@ -85,6 +84,10 @@ class Chaos:
         self.base = Path(tempfile.mkdtemp(prefix="nnqueue-chaos-"))
         log(f"servers and logs under {self.base}")
         self.postgres, self.redis, self.s3 = servers.start_postgres(), servers.start_redis(), servers.start_s3()
+        self.workdirs = {
+            name: server.process.workdir
+            for name, server in (("postgres", self.postgres), ("redis", self.redis), ("s3", self.s3))
+        }
         migrate.upgrade(self.postgres.url)
         s3 = S3Settings(
             endpoint_url=self.s3.endpoint_url,
@@ -200,16 +203,16 @@ class Chaos:
                 self.kill_a_worker()
             elif kind == "redis":
                 log("Redis restarts, empty")
-                self.redis.process = restart(self.redis.process)
+                self.redis.process = restart(self.redis.process, self.workdirs["redis"])
             elif kind == "postgres":
                 log("PostgreSQL restarts")
                 user = servers.POSTGRES_USER_WHEN_ROOT if os.geteuid() == 0 else None
-                self.postgres.process = restart(self.postgres.process, down_s=2, user=user)
+                self.postgres.process = restart(self.postgres.process, self.workdirs["postgres"], down_s=2, user=user)
             else:
                 log(f"S3 is down for {self.args.outage_s:g} s")
-                workdir = str(self.s3.process.workdir)
-                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "TMPDIR": workdir}
-                self.s3.process = restart(self.s3.process, down_s=self.args.outage_s, env=env)
+                workdir = self.workdirs["s3"]
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir), "TMPDIR": str(workdir)}
+                self.s3.process = restart(self.s3.process, workdir, down_s=self.args.outage_s, env=env)
             self.last_fault = time.monotonic()
         self.faults_done.set()
         # The restarted servers die with the thread that started them (PR_SET_PDEATHSIG): stay alive.
@@ -243,7 +246,7 @@ class Chaos:
                 .where(JobEvent.to_status == status, JobEvent.job_id.in_(self.accepted))
                 .group_by(JobEvent.job_id)
             ).all()
-        return dict(rows)  # type: ignore[arg-type]
+        return {job_id: count for job_id, count in rows}
 
     def report(self, recovered_after: float | None) -> None:
         jobs = self.statuses()
@@ -293,7 +296,7 @@ def main() -> None:
 
     prepare_process()
     if args.model is None:
-        from tests.tiny_model import build_tiny_llama
+        from tests.utils.tiny_model import build_tiny_llama
 
         args.model = build_tiny_llama(Path(tempfile.gettempdir()) / "nnqueue-chaos-tiny-llama")
     client = VLLM(str(args.model), **TINY_ENGINE_KWARGS)

@@ -23,7 +23,7 @@ CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models"}
 COMMANDS = {
     (): SERVER_COMMANDS | CLIENT_COMMANDS,
     ("db",): {"upgrade", "downgrade"},
-    ("keys",): {"create", "list", "revoke"},
+    ("keys",): {"create", "list", "revoke", "scopes"},
 }
 
 

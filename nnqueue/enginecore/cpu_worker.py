@@ -18,7 +18,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.rpc import NNqueueRPC
-from nnqueue.enginecore.sandbox import SandboxedWorker, engine_settings
+from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
 
 
 class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
@@ -34,7 +34,7 @@ class NNsightCPUWorker(SandboxedWorker, CrashReportingWorker, NNqueueRPC, CPUWor
 
     def init_device(self) -> None:
         super().init_device()
-        stall_watchdog.install(engine_settings().engine_stall_timeout_s)
+        stall_watchdog.install(EngineConfig.from_environment().stall_timeout_s)
         lifetime.exit_with_worker()
         # Exact type: the V2 CPU runner (VLLM_USE_V2_MODEL_RUNNER=1) is a different class
         # that nnsight does not instrument; nnsight's VLLM forces V1, this keeps it honest.

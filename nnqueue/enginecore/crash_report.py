@@ -19,7 +19,12 @@ import json
 import os
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
+    from vllm.v1.worker.worker_base import WorkerBase as _Worker
+else:
+    _Worker = object
 
 CRASH_DIR_ENV = "NNQUEUE_CRASH_REPORT_DIR"
 
@@ -40,7 +45,7 @@ def write_report(request_ids: list[str], error: BaseException) -> None:
     staging.replace(path)
 
 
-class CrashReportingWorker:
+class CrashReportingWorker(_Worker):
     """Mixin for vLLM worker classes; see the module doc."""
 
     _nnqueue_step: tuple[str, ...] = ()
@@ -48,14 +53,14 @@ class CrashReportingWorker:
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         self._nnqueue_step = tuple(getattr(scheduler_output, "num_scheduled_tokens", {}) or {})
         try:
-            return super().execute_model(scheduler_output, *args, **kwargs)  # type: ignore[misc]
+            return super().execute_model(scheduler_output, *args, **kwargs)
         except Exception as error:
             write_report(list(self._nnqueue_step), error)
             raise
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+            return super().sample_tokens(*args, **kwargs)
         except Exception as error:
             write_report(list(self._nnqueue_step), error)
             raise

@@ -42,7 +42,7 @@ import pickle
 import sys
 import threading
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from greenlet import getcurrent
@@ -398,7 +398,7 @@ def guarded_import(
     name: str,
     globals: dict[str, Any] | None = None,  # noqa: A002 - __import__'s signature
     locals: dict[str, Any] | None = None,  # noqa: A002
-    fromlist: Iterable[str] | None = (),
+    fromlist: Sequence[str] | None = (),
     level: int = 0,
 ) -> types.ModuleType:
     """``__import__`` for intervention code: allowed modules only, returned protected."""
@@ -580,7 +580,7 @@ def install(extra_modules: Iterable[str] = ()) -> None:
         from nnsight.intervention.serialization import CustomCloudUnpickler
         from nnsight.tracing.util import Scope
 
-        CustomCloudUnpickler.find_class = lambda self, module, name: find_class(module, name)  # type: ignore[method-assign]
+        CustomCloudUnpickler.find_class = lambda self, module, name: find_class(module, name)
 
         scope_init = Scope.__init__
 
@@ -588,7 +588,7 @@ def install(extra_modules: Iterable[str] = ()) -> None:
             scope_init(self, own, shared, glbls)
             dict.__setitem__(self, "__builtins__", SAFE_BUILTINS)  # what exec takes builtins from
 
-        Scope.__init__ = protected_scope  # type: ignore[method-assign]
+        Scope.__init__ = protected_scope
 
         run = Mediator._run
 
@@ -596,7 +596,7 @@ def install(extra_modules: Iterable[str] = ()) -> None:
             check_code(self.code)
             run(self)
 
-        Mediator._run = checked_run  # type: ignore[method-assign]
+        Mediator._run = checked_run
         sys.addaudithook(_audit)
 
 

@@ -13,44 +13,66 @@ Mixed into both engine worker classes (``cpu_worker``, ``gpu_worker``), first in
   the process still opens afterwards, the ``file://`` rendezvous of torch.distributed's ``FileStore``
   (CPU platform), is handed to the engine user first.
 
-Settings come from the environment only (the worker exports them, see
-``Settings.engine_environment``): ``.env`` is never read here.
+Settings come from the environment only (:class:`EngineConfig`): ``.env`` is never read here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
+    from vllm.v1.worker.worker_base import WorkerBase as _Worker
+else:
+    _Worker = object
 
 from nnqueue import isolation
 from nnqueue.enginecore import protected
-from nnqueue.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def engine_settings() -> Settings:
-    """The engine's settings: environment variables only, never a ``.env`` file."""
-    return Settings(_env_file=None)
+@dataclass(frozen=True)
+class EngineConfig:
+    """The settings engine processes use, from the variables the worker exports for them
+    (``Settings.engine_environment``). Read from the environment alone: never ``.env``, and without the
+    worker's own settings, whose rules between values the engine has no part in."""
+
+    stall_timeout_s: float = 60.0
+    protected_environment: bool = True
+    allowed_modules: tuple[str, ...] = ()
+
+    @classmethod
+    def from_environment(cls) -> EngineConfig:
+        env = os.environ
+        return cls(
+            stall_timeout_s=float(env.get("NNQUEUE_ENGINE_STALL_TIMEOUT_S", cls.stall_timeout_s)),
+            protected_environment=env.get("NNQUEUE_PROTECTED_ENVIRONMENT", "true").strip().lower()
+            not in ("false", "0", "no", "off"),
+            allowed_modules=tuple(
+                name.strip() for name in env.get("NNQUEUE_ALLOWED_MODULES", "").split(",") if name.strip()
+            ),
+        )
 
 
-class SandboxedWorker:
+class SandboxedWorker(_Worker):
     """Mixin for vLLM worker classes; see the module doc."""
 
     _nnqueue_sandboxed = False
 
     def init_device(self) -> None:
-        super().init_device()  # type: ignore[misc]
-        settings = engine_settings()
-        if settings.protected_environment:
-            protected.install(settings.allowed_modules)
+        super().init_device()
+        config = EngineConfig.from_environment()
+        if config.protected_environment:
+            protected.install(config.allowed_modules)
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         if not self._nnqueue_sandboxed:
             self._nnqueue_enter_sandbox()
-        return super().execute_model(*args, **kwargs)  # type: ignore[misc]
+        return super().execute_model(*args, **kwargs)
 
     def _nnqueue_enter_sandbox(self) -> None:
         init_method = str(getattr(self, "distributed_init_method", "") or "")

@@ -28,9 +28,11 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from nnqueue.settings import Settings
-from tests.api.conftest import app_client, create_secret, register_worker
-from tests.servers import free_ports
-from tests.workers.conftest import Services
+from tests.utils.api import app_client, create_secret, register_worker
+from tests.utils.servers import free_ports
+from tests.utils.services import Services
+
+pytestmark = pytest.mark.slow  # a real API process, fuzzed for about 25 s
 
 EXAMPLES_PER_OPERATION = 40
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+import pytest
 import torch
 from nnsight.modeling.vllm import VLLM
 
 from nnqueue.db.models import JobStatus
-from nnqueue.scheduler.submission import submit_job
-from tests.conftest import two_invoke_payload
-from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess, slow_payload
+from tests.utils.payloads import PayloadBackend, slow_payload, two_invoke_payload
+from tests.utils.services import Services, WorkerProcess
+
+pytestmark = pytest.mark.slow  # a real worker process whose engine dies twice
 
 S = JobStatus
 
@@ -26,16 +28,7 @@ def engine_killing_payload(client: VLLM) -> bytes:
 
 
 def submit(services: Services, payload: bytes, owner: str) -> uuid.UUID:
-    job = submit_job(
-        services.sessions,
-        services.store,
-        services.celery,
-        owner=owner,
-        model_key=MODEL_KEY,
-        payload=payload,
-        timeout_s=300,
-    )
-    return job.id
+    return services.submit(payload, owner=owner, timeout_s=300).id
 
 
 def test_the_trace_that_kills_the_engine_fails_alone_and_the_worker_serves_again(

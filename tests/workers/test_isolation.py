@@ -24,9 +24,11 @@ import pytest
 from nnsight.modeling.vllm import VLLM
 
 from nnqueue.db.models import JobStatus
-from nnqueue.scheduler.submission import submit_job
 from nnqueue.storage.results import load_result
-from tests.workers.conftest import PayloadBackend, Services, WorkerProcess
+from tests.utils.payloads import PayloadBackend
+from tests.utils.services import Services, WorkerProcess
+
+pytestmark = pytest.mark.slow  # real worker processes, one as root and one as nobody
 
 FAKE_AWS_SECRET = f"aws-{uuid.uuid4().hex}"
 UNPROTECTED = {"NNQUEUE_PROTECTED_ENVIRONMENT": "false", "AWS_SECRET_ACCESS_KEY": FAKE_AWS_SECRET}
@@ -68,9 +70,7 @@ def run_snoop(
 ) -> dict[str, Any]:
     registered = worker.wait_registered()
     payload = snooping_payload(client, registered.pid, str(env_file))
-    job = submit_job(
-        services.sessions, services.store, services.celery, owner="mallory", model_key=model_key, payload=payload
-    )
+    job = services.submit(payload, owner="mallory", model_key=model_key)
     finished = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
     assert finished.status is JobStatus.COMPLETED, (finished.error_type, finished.error_message)
     return load_result(services.store.get_bytes(finished.result_key))["found"]

@@ -10,9 +10,11 @@ import pytest
 from nnsight.modeling.vllm import VLLM
 
 from nnqueue.db.models import JobStatus
-from nnqueue.scheduler.submission import submit_job
 from nnqueue.storage.results import load_result
-from tests.workers.conftest import MODEL_KEY, PayloadBackend, Services, WorkerProcess
+from tests.utils.payloads import PayloadBackend
+from tests.utils.services import Services, WorkerProcess
+
+pytestmark = pytest.mark.slow  # a real worker process
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +23,7 @@ def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
 
 
 def run(services: Services, payload: bytes) -> tuple[JobStatus, str, dict]:
-    job = submit_job(
-        services.sessions, services.store, services.celery, owner="eve", model_key=MODEL_KEY, payload=payload
-    )
+    job = services.submit(payload, owner="eve")
     done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
     saves = load_result(services.store.get_bytes(done.result_key)) if done.status is JobStatus.COMPLETED else {}
     return done.status, f"{done.error_type}: {done.error_message}", saves
