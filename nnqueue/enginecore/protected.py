@@ -47,6 +47,8 @@ from typing import Any
 
 from greenlet import getcurrent
 
+from nnqueue.errors import NNqueueError
+
 # Modules (with their submodules) that intervention code may import and payloads may reference.
 ALLOWED_MODULES = frozenset(
     {
@@ -289,7 +291,7 @@ INTROSPECTION_EVENTS = frozenset(
 )
 
 
-class ProtectedEnvironmentError(ImportError):
+class ProtectedEnvironmentError(NNqueueError, ImportError):
     """Intervention code asked for something the protected environment does not allow."""
 
 
