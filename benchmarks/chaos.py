@@ -302,6 +302,7 @@ def main() -> None:
     client = VLLM(str(args.model), **TINY_ENGINE_KWARGS)
     payloads = {
         "good": two_invoke_payload(client),
+        "slow": slow_payload(client, 30),  # about 3 s on the engine: long enough for a fault to catch it running
         "failing": failing_payload(client),
         "cancelled": slow_payload(client, 100),
     }
