@@ -264,7 +264,10 @@ class Chaos:
         print(f"cancelled            {by_status.get('cancelled', 0)}")
         print(f"run more than once   {sum(1 for count in starts.values() if count > 1)}")
         print(f"completed twice     {sum(1 for count in completions.values() if count > 1)}")
-        print(f"stuck (not ended)    {len(stuck)}  {stuck[:5]}")
+        stuck_statuses = collections.Counter(
+            jobs[job_id].status.value if job_id in jobs else "missing" for job_id in stuck
+        )
+        print(f"stuck (not ended)    {len(stuck)}  {dict(stuck_statuses)}  {stuck[:5]}")
         recovery = f"{recovered_after:.0f} s" if recovered_after is not None else "not within the timeout"
         print(f"time to recover      {recovery} (from the last fault to the last job ended)")
 
