@@ -65,10 +65,21 @@ def secret_patterns(extra: Iterable[str] = ()) -> list[str]:
     return [*SECRET_ENV_PATTERNS, *(pattern.strip() for pattern in extra if pattern.strip())]
 
 
+def is_secret(name: str, extra: Iterable[str] = ()) -> bool:
+    """Whether the environment variable ``name`` matches a secret pattern."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in secret_patterns(extra))
+
+
+def without_secrets(environ: dict[str, str], extra: Iterable[str] = ()) -> dict[str, str]:
+    """``environ`` without the secrets: an environment to start a child that runs users' code with."""
+    extra = list(extra)
+    return {name: value for name, value in environ.items() if not is_secret(name, extra)}
+
+
 def scrub_environment(extra: Iterable[str] = ()) -> list[str]:
     """Remove every variable matching a secret pattern from ``os.environ``; returns the names removed."""
-    patterns = secret_patterns(extra)
-    removed = [name for name in list(os.environ) if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    extra = list(extra)
+    removed = [name for name in list(os.environ) if is_secret(name, extra)]
     for name in removed:
         del os.environ[name]
     return removed

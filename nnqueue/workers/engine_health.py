@@ -125,11 +125,18 @@ class EngineHealth:
     worker_id: str
     queue: str
     crash_dir: Path
+    # Whether the engine has died (the AsyncLLM's ``errored``): a job may see the death second hand,
+    # e.g. as a failed read of the engine's outbox, rather than as ``EngineDeadError``.
+    engine_errored: Callable[[], bool] = field(default=lambda: False)
     # Called once the jobs are settled, to stop the process (default: a warm shutdown, SIGTERM).
     stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
     gate: EngineGate = field(default_factory=EngineGate)
     dead: threading.Event = field(default_factory=threading.Event)
     _healed: asyncio.Future[None] | None = None
+
+    def caused_by_death(self, error: BaseException) -> bool:
+        """Whether ``error`` ended a job because the engine died."""
+        return is_engine_death(error) or self.engine_errored()
 
     def hand_back(self, job_id: uuid.UUID) -> None:
         """A delivery this dead worker must not run: put its message back for another worker."""

@@ -34,7 +34,7 @@ from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
 from nnqueue.scheduler.claim import claim
 from nnqueue.storage.results import StoredResult
-from nnqueue.workers.engine_health import EngineHealth, is_engine_death
+from nnqueue.workers.engine_health import EngineHealth
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -125,7 +125,7 @@ class JobRunner:
         except JobFailure as failure:
             return await self._fail(job_id, failure)
         except Exception as error:  # our side failed (object store, engine): say so, don't hang
-            if self.health is not None and is_engine_death(error):
+            if self.health is not None and self.health.caused_by_death(error):
                 await self.health.engine_died()  # fails or requeues this job with the others
                 return Outcome.SKIPPED
             log.exception("job %s failed in the worker", job_id)

@@ -22,7 +22,6 @@ from typing import Any
 from nnqueue import isolation
 from nnqueue.broker import create_celery_app, queue_name
 from nnqueue.db.session import make_engine, session_factory
-from nnqueue.enginecore import protected
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
@@ -68,7 +67,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
         OutboxPoller(engine.vllm_entrypoint),
         BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes),
     )
-    health = EngineHealth(sessions, app, worker_id, queue, crash_dir)
+    health = EngineHealth(sessions, app, worker_id, queue, crash_dir, lambda: bool(engine.vllm_entrypoint.errored))
     runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s, health)
     register_run_job(app, host, runner)
     registry.register(sessions, worker_id, model_key, queue, max_concurrent_jobs)
@@ -115,8 +114,6 @@ def isolate(settings: Settings) -> None:
     isolation.make_non_dumpable()
     os.environ.update(settings.engine_environment())
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    if settings.protected_environment:  # this process still rebuilds raw payloads (trace_runner.build_trace)
-        protected.install(settings.allowed_modules)
     log.info("removed %d secret variables from the engine's environment", len(removed))
 
 
