@@ -156,10 +156,11 @@ def drop_privileges(user: EngineUser | None = None, hand_over: Iterable[Path] = 
     return True
 
 
-def engine_writable_dir(prefix: str, user: str | None = None) -> Path:
-    """A fresh private directory (mode 0700) that the engine processes can write after dropping to
-    the engine user (owned by it when this process is root) and this process can read."""
-    directory = Path(tempfile.mkdtemp(prefix=prefix))
+def engine_writable_dir(prefix: str, user: str | None = None, parent: Path | None = None) -> Path:
+    """A fresh private directory (mode 0700, in ``parent`` or the temp folder) that the engine processes
+    can write after dropping to the engine user (owned by it when this process is root) and this process
+    can read."""
+    directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     if os.geteuid() == 0:
         account = engine_user(user)
         os.chown(directory, account.uid, account.gid)

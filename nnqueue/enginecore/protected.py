@@ -112,6 +112,8 @@ BLOCKED_SUBMODULES = frozenset(
 DESERIALIZATION_MODULES = frozenset(
     {"copyreg", "collections", "cloudpickle", "_codecs", "vllm.sampling_params", "vllm.model_executor.layers"}
 )
+# Single globals a payload may name (the engine's model class: a trace's model call is its bound method).
+DESERIALIZATION_GLOBALS = frozenset({("nnqueue.engines.platform", "EngineVLLM")})
 # Attributes of allowed modules that read or write files, or reach any attribute by name.
 HIDDEN_ATTRIBUTES = {
     "operator": frozenset({"attrgetter", "methodcaller"}),
@@ -532,7 +534,10 @@ def find_class(module: str, name: str) -> Any:
         if name not in SAFE_BUILTINS:
             raise refused(f"the builtin {name!r}")
         return SAFE_BUILTINS[name]
-    if not is_allowed_module(module, deserializing=True) or any(map(is_blocked_attribute, name.split("."))):
+    allowed = (
+        is_allowed_module(module, deserializing=True) or (module, name.split(".", 1)[0]) in DESERIALIZATION_GLOBALS
+    )
+    if not allowed or any(map(is_blocked_attribute, name.split("."))):
         raise refused(f"{module}.{name}")
     if name in HIDDEN_ATTRIBUTES.get(module.split(".", 1)[0], ()):
         raise refused(f"{module}.{name}")

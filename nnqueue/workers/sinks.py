@@ -11,11 +11,11 @@ of the worker that took it over.
 from __future__ import annotations
 
 import os
-import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from nnqueue import isolation
 from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
@@ -94,5 +94,6 @@ class ResultSinks:
     def _handoff(self) -> Path:
         if self._handoff_dir is None:
             self.handoff_root.mkdir(parents=True, exist_ok=True)
-            self._handoff_dir = Path(tempfile.mkdtemp(prefix="worker-", dir=self.handoff_root))
+            # The engine writes here, as the engine user once it dropped root (nnqueue.isolation).
+            self._handoff_dir = isolation.engine_writable_dir("worker-", parent=self.handoff_root)
         return self._handoff_dir

@@ -47,6 +47,7 @@ def test_the_trace_that_kills_the_engine_fails_alone_and_the_worker_serves_again
         done = services.wait_for(job_id, {S.COMPLETED, S.FAILED, S.CANCELLED}, timeout=600)
         assert done.status is S.COMPLETED, (done.error_type, done.error_message)
 
+    worker.wait_registered(timeout=300)  # the supervisor's fresh worker (jobs need a live one to be accepted)
     after = submit(services, two_invoke_payload(client_model), "alice")
     assert services.wait_for(after, {S.COMPLETED, S.FAILED}, timeout=600).status is S.COMPLETED
     assert worker.process.poll() is None, "the supervisor keeps running"

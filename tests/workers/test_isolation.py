@@ -1,6 +1,6 @@
 """Intervention code on a worker cannot reach the service's secrets (nnqueue.isolation).
 
-The protected environment is turned off here (``NNQUEUE_PROTECTED_ENVIRONMENT=false``) so that the
+The protected environment is turned off here (the worker tests show it on) (``NNQUEUE_PROTECTED_ENVIRONMENT=false``) so that the
 traces run arbitrary code, as a sandbox escape would: what they cannot reach is what the process
 isolation alone keeps from them. A root worker's engine runs as ``nobody``; a worker run as an
 unprivileged user shares that user with its engine and relies on the scrubbed environment and on
@@ -25,7 +25,7 @@ from nnsight.modeling.vllm import VLLM
 
 from nnqueue.db.models import JobStatus
 from nnqueue.storage.results import load_result
-from tests.utils.payloads import PayloadBackend
+from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
 from tests.utils.services import Services, WorkerProcess
 
 pytestmark = pytest.mark.slow  # real worker processes, one as root and one as nobody
@@ -88,21 +88,71 @@ def assert_no_secret(found: dict[str, Any], services: Services) -> None:
     assert not leaked
 
 
-def test_a_root_workers_engine_sees_no_secret_and_runs_as_nobody(
-    services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def root_worker(
+    services: Services, start_worker: Callable[..., WorkerProcess], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[WorkerProcess, Path]:
+    """A root worker without the protected environment, and the .env in its working directory."""
     # Settings read .env in the working directory: the worker's must not be readable by its engine.
-    env_file = tmp_path / ".env"
+    workdir = tmp_path_factory.mktemp("root-worker")
+    env_file = workdir / ".env"
     env_file.write_text(f"NNQUEUE_S3__SECRET_ACCESS_KEY={services.env['NNQUEUE_S3__SECRET_ACCESS_KEY']}\n")
     env_file.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    worker = start_worker(env=UNPROTECTED, cwd=tmp_path, model_key="tiny-root")
+    worker = start_worker(env={**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1"}, cwd=workdir, model_key="tiny-root")
+    return worker, env_file
 
+
+def test_a_root_workers_engine_sees_no_secret_and_runs_as_nobody(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    worker, env_file = root_worker
     found = run_snoop(services, worker, client_model, "tiny-root", env_file)
 
     assert_no_secret(found, services)
     assert found["uid"] == pwd_uid("nobody")
     assert "PermissionError" in found["parent"] and "PermissionError" in found["env_file"]
     assert "secret variables from the engine's environment" in worker.log()
+
+
+def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        # Trace-level code: rebuilt (run) by the worker's builder process, not the engine.
+        seen = nnsight.save(
+            {
+                "environ": {name: value for name, value in os.environ.items() if name.startswith(("NNQUEUE", "AWS_"))},
+                "uid": os.getuid(),
+                "parent_readable": os.access(f"/proc/{os.getppid()}/environ", os.R_OK),
+            }
+        )
+        with tracer.invoke(PROMPTS[0]):
+            names = seen
+            logits = client_model.logits.save()
+    job = services.submit(backend.payload, owner="mallory", model_key="tiny-root")
+    done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    assert done.status is JobStatus.COMPLETED, (done.error_type, done.error_message)
+    seen = load_result(services.store.get_bytes(done.result_key))["seen"]
+
+    assert "NNQUEUE_ENGINE_STALL_TIMEOUT_S" in seen["environ"]  # the environment was read
+    assert_no_secret(seen, services)
+    assert seen["uid"] == pwd_uid("nobody") and not seen["parent_readable"]
+
+
+def test_a_builder_that_dies_fails_only_its_job_and_is_replaced(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        os._exit(3)  # trace-level code: it runs where the raw payload is rebuilt, in a builder process
+        with tracer.invoke(PROMPTS[0]):
+            logits = client_model.logits.save()
+    crashed = services.submit(backend.payload, model_key="tiny-root")
+    crashed = services.wait_for(crashed.id, {JobStatus.FAILED, JobStatus.COMPLETED})
+    assert crashed.error_type == "TraceBuilderCrashed" and "exit code 3" in crashed.error_message
+    after = services.submit(two_invoke_payload(client_model, raw=True), model_key="tiny-root")
+    assert services.wait_for(after.id, {JobStatus.FAILED, JobStatus.COMPLETED}).status is JobStatus.COMPLETED
 
 
 def runs_as(user: str) -> bool:
