@@ -93,7 +93,11 @@ class ResultSinks:
 
     def _handoff(self) -> Path:
         if self._handoff_dir is None:
-            self.handoff_root.mkdir(parents=True, exist_ok=True)
-            # The engine writes here, as the engine user once it dropped root (nnqueue.isolation).
-            self._handoff_dir = isolation.engine_writable_dir("worker-", parent=self.handoff_root)
+            # The engine writes here. A root worker's engine runs as the engine user (nnqueue.isolation),
+            # which may not reach the store's folder: its handoff directory is then in the temp folder
+            # (1777), and committing a result copies it when that is another filesystem.
+            parent = None if os.geteuid() == 0 else self.handoff_root
+            if parent is not None:
+                parent.mkdir(parents=True, exist_ok=True)
+            self._handoff_dir = isolation.engine_writable_dir("nnqueue-handoff-", parent=parent)
         return self._handoff_dir
