@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import typer
 from rich.console import Console
 from sqlalchemy.engine import make_url
 
+from nnqueue import logs
 from nnqueue.api.cli import keys_app, serve_api
 from nnqueue.client.cli import register as register_client_commands
 from nnqueue.db import migrate
@@ -102,7 +102,7 @@ def worker(
     """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments."""
     from nnqueue.workers.main import run_worker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(Settings().log_format)
     engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
     run_worker(model, model_key or model, max_concurrent_jobs, engine_kwargs)
 

@@ -13,7 +13,7 @@ fails at start with the names of the variables to fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -64,6 +64,8 @@ class Settings(BaseSettings):
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
+    # API processes that `nnqueue serve-api` starts on that port (uvicorn workers).
+    api_workers: int = Field(1, ge=1)
     # The largest serialized trace a client may submit, in bytes (larger uploads get 413).
     max_payload_bytes: int = Field(64 * 1024 * 1024, gt=0)
     # Jobs one API key may have queued or running at once (more submissions get 429).
@@ -74,6 +76,14 @@ class Settings(BaseSettings):
     # Days after a job ends that ``nnqueue gc`` deletes its payload and results (the job's row stays, and
     # its result answers 410). Unset: everything is kept; deleting users' results is the operator's choice.
     retention_days: float | None = Field(None, gt=0)
+
+    # Operations. Log lines as text, or as one JSON object per line (with ``job_id`` on every line about a job).
+    log_format: Literal["text", "json"] = "text"
+    # The port on which each worker serves Prometheus metrics (its jobs and its vLLM engine's own ``vllm:*``
+    # series); unset: none. The API serves its metrics at ``/metrics`` on its own port.
+    worker_metrics_port: int | None = Field(None, ge=0, le=65535)
+    # How long the status page's sign-in cookie lasts.
+    status_session_s: int = Field(8 * 3600, ge=1)
 
     _store_dir_defaulted: bool = PrivateAttr(default=False)
 

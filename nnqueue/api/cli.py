@@ -6,13 +6,17 @@ so there is no HTTP route that creates keys.
 
 from __future__ import annotations
 
-import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import typer
 from rich.console import Console
 from rich.table import Table
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue import logs, metrics
 from nnqueue.api import auth
 from nnqueue.db import migrate
 from nnqueue.db.session import make_engine, session_factory, transaction
@@ -25,24 +29,46 @@ console = Console()
 def serve_api(
     host: str | None = typer.Option(None, help="Interface to listen on (default NNQUEUE_API_HOST, 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Port to listen on (default NNQUEUE_API_PORT, 8000)."),
+    workers: int | None = typer.Option(
+        None, min=1, help="API processes sharing the port (default NNQUEUE_API_WORKERS, 1)."
+    ),
 ) -> None:
     """Serve the HTTP API with uvicorn. The database must be migrated first (nnqueue db upgrade)."""
     import uvicorn
 
-    # nnqueue's own start-up lines (which object store, and a warning when it is probably not shared).
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = Settings()
+    # nnqueue's own start-up lines (which object store, and a warning when it is probably not shared).
+    logs.configure(settings.log_format)
     try:
         migrate.require_head(settings.resolved_database_url)
     except migrate.SchemaOutOfDate as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(1) from None
-    uvicorn.run(
-        "nnqueue.api.app:create_app",
-        factory=True,
-        host=host or settings.api_host,
-        port=port or settings.api_port,
-    )
+    processes = workers or settings.api_workers
+    with _shared_metrics(processes):
+        uvicorn.run(
+            "nnqueue.api.app:create_app",
+            factory=True,
+            host=host or settings.api_host,
+            port=port or settings.api_port,
+            workers=processes,
+            log_config=logs.uvicorn_log_config(settings.log_format),
+        )
+
+
+@contextmanager
+def _shared_metrics(processes: int) -> Iterator[None]:
+    """With several processes, a fresh prometheus-client multiprocess folder that they all inherit, so that any
+    one of them reports all of their counts (see nnqueue.metrics); removed when the server stops."""
+    if processes == 1:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="nnqueue-api-metrics-") as folder:
+        os.environ[metrics.MULTIPROC_ENV] = folder
+        try:
+            yield
+        finally:
+            del os.environ[metrics.MULTIPROC_ENV]
 
 
 @keys_app.command("create")

@@ -20,6 +20,13 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def as_utc(moment: datetime | None) -> datetime | None:
+    """A timestamp read back in UTC: SQLite returns them without a zone, though they were written in UTC."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
+
+
 class Base(DeclarativeBase):
     # Named constraints make Alembic migrations deterministic across databases.
     metadata = MetaData(

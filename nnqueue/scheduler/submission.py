@@ -14,6 +14,7 @@ from typing import Any
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue import metrics
 from nnqueue.db.lifecycle import create_job, transition
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.db.session import transaction
@@ -44,6 +45,7 @@ def submit_job(
     job_id = uuid.uuid4()
     key = payload_key(job_id)
     size = store.put_bytes(key, payload)
+    metrics.STORE_BYTES_WRITTEN.labels("payload").inc(size)
     with transaction(sessions) as session:
         job = create_job(
             session,
@@ -61,6 +63,7 @@ def submit_job(
             ),
             detail={"payload_bytes": size},
         )
+    metrics.JOBS_SUBMITTED.labels(model_key, kind.value).inc()
     try:
         enqueue(app, job)
     except Exception as error:
@@ -73,5 +76,6 @@ def submit_job(
                 error_type=type(error).__name__,
                 error_message=f"the job could not be put on the queue: {error}",
             )
+        metrics.JOBS_FINISHED.labels(model_key, kind.value, JobStatus.FAILED.value).inc()
         raise
     return job

@@ -23,15 +23,18 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue import metrics
 from nnqueue.db.lifecycle import InvalidTransition, transition
-from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.models import Job, JobStatus, as_utc
 from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
+from nnqueue.logs import job_context
 from nnqueue.scheduler.claim import claim
 from nnqueue.storage.results import StoredResult
 
@@ -85,10 +88,17 @@ class JobRunner:
     _aborted: dict[uuid.UUID, Outcome] = field(default_factory=dict)
 
     async def run(self, job_id: uuid.UUID) -> Outcome:
+        with job_context(job_id):
+            return await self._run(job_id)
+
+    async def _run(self, job_id: uuid.UUID) -> Outcome:
         job = await asyncio.to_thread(claim, self.sessions, job_id, self.worker_id, self.stale_after_s)
         if job is None:
             log.info("job %s skipped: another delivery owns it, or it has ended", job_id)
             return Outcome.SKIPPED
+        waited = _seconds(job.queued_at, job.started_at)
+        metrics.QUEUE_WAIT.labels(job.model_key, job.kind.value).observe(waited)
+        log.info("job %s started (attempt %d) after %.3f s in the queue", job_id, job.attempts, waited)
         task = asyncio.current_task()
         assert task is not None
         self._running[job_id] = task
@@ -99,6 +109,7 @@ class JobRunner:
             fields: dict[str, Any] = {"progress_done": execution.units, "progress_total": execution.units}
             if result is not None:
                 fields.update(result_key=result.key, result_size=result.size, result_format=result.format)
+                metrics.STORE_BYTES_WRITTEN.labels("result").inc(result.size)
             if execution.failure is not None:
                 return await self._fail(job_id, execution.failure, **fields)
             detail = {"result_bytes": result.size if result else 0}
@@ -125,11 +136,15 @@ class JobRunner:
 
     async def _finish(self, job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], **fields: Any) -> Outcome:
         try:
-            await asyncio.to_thread(_transition, self.sessions, job_id, target, detail, self.worker_id, fields)
+            job = await asyncio.to_thread(_transition, self.sessions, job_id, target, detail, self.worker_id, fields)
         except InvalidTransition as lost:
             # Cancelled or taken over while finishing: the other writer's status stands.
             log.info("job %s not marked %s: %s", job_id, target.value, lost)
             return Outcome.CANCELLED if lost.current is S.CANCELLED else Outcome.SKIPPED
+        labels, ran = (job.model_key, job.kind.value, target.value), _seconds(job.started_at, job.finished_at)
+        metrics.JOBS_FINISHED.labels(*labels).inc()
+        metrics.RUN_TIME.labels(*labels).observe(ran)
+        log.info("job %s %s after %.3f s", job_id, target.value, ran)
         return Outcome(target.value)
 
     async def _fail(self, job_id: uuid.UUID, failure: JobFailure, **fields: Any) -> Outcome:
@@ -212,6 +227,13 @@ def _transition(
     detail: dict[str, Any],
     worker_id: str,
     fields: dict[str, Any],
-) -> None:
+) -> Job:
     with transaction(sessions) as session:
-        transition(session, job_id, target, detail=detail, held_by=worker_id, **fields)
+        return transition(session, job_id, target, detail=detail, held_by=worker_id, **fields)
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float:
+    """Seconds from ``start`` to ``end`` (0 when either is unknown)."""
+    start, end = as_utc(start), as_utc(end)
+    return 0.0 if start is None or end is None else max(0.0, (end - start).total_seconds())
+

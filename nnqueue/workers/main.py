@@ -11,6 +11,8 @@ import os
 import time
 from typing import Any
 
+import prometheus_client
+
 from nnqueue.broker import create_celery_app, queue_name
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
@@ -28,6 +30,7 @@ from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
 log = logging.getLogger(__name__)
+RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
 
 
 def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwargs: dict[str, Any]) -> None:
@@ -38,6 +41,11 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     app = create_celery_app(settings, prefetch=max_concurrent_jobs)
     queue = queue_name(model_key)
 
+    if settings.worker_metrics_port is not None:
+        # Before the engine loads (minutes): a taken port fails the worker at once. vLLM's AsyncLLM adds its
+        # own series (vllm:generation_tokens_total, ...) to the same default registry when it starts.
+        prometheus_client.start_http_server(settings.worker_metrics_port)
+        log.info("serving metrics on port %d", settings.worker_metrics_port)
     # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     host = EngineHost(blocking_threads=min(2 * max_concurrent_jobs + 2, 64))
@@ -56,6 +64,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s)
     register_run_job(app, host, runner)
     registry.register(sessions, worker_id, model_key, queue, max_concurrent_jobs)
+    RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
 
     def on_beat() -> None:
         runner.reap_lost()
