@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from nnqueue.storage.results import load_result
-from tests.api.test_metrics import scrape, value
+from tests.api.test_metrics import scrape
+from tests.api.test_metrics import value as sample
 from tests.utils.api import Api, api_client
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.reference import reference_saves
@@ -178,7 +179,7 @@ def test_the_workers_metrics_and_json_logs_follow_its_jobs(
     job = api.submit_ok(alice, payload, model_key=MODEL_KEY, timeout_s=120)
     assert wait_ended(api, alice, job["id"])["status"] == "completed"
     after = worker_metrics()
-    moved = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)  # noqa: E731
+    moved = lambda name, **labels: sample(after, name, **labels) - sample(before, name, **labels)  # noqa: E731
     assert moved("nnqueue_jobs_finished_total", **trace, status="completed") == 1
     assert moved("nnqueue_job_queue_wait_seconds_count", **trace) == 1
     assert moved("nnqueue_job_run_seconds_count", **trace, status="completed") == 1
@@ -186,7 +187,7 @@ def test_the_workers_metrics_and_json_logs_follow_its_jobs(
     assert moved("nnqueue_store_bytes_written_total", what="result") > 0
     generated = sum(v for (name, _), v in after.items() if name == "vllm:generation_tokens_total")
     assert generated >= 1, "the engine's vLLM token counter is not exported"
-    assert value(after, "nnqueue_worker_running_jobs", model=MODEL_KEY) == 0
+    assert sample(after, "nnqueue_worker_running_jobs", model=MODEL_KEY) == 0
 
     lines = [json.loads(line) for line in worker.log().splitlines() if line.startswith("{")]
     about_job = [line for line in lines if job["id"] in line["message"]]
