@@ -18,6 +18,7 @@ from kombu.exceptions import OperationalError
 from nnqueue.api.deps import Resources
 from nnqueue.api.limits import BodySizeLimit
 from nnqueue.api.routers import health, jobs, metrics, models
+from nnqueue.api.routers import status as status_page
 from nnqueue.broker import create_celery_app
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.settings import Settings
@@ -45,7 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.resources = resources
     app.add_middleware(BodySizeLimit, max_payload_bytes=settings.max_payload_bytes)
     app.add_exception_handler(OperationalError, _broker_unreachable)
-    for router in (jobs.router, models.router, health.router, metrics.router):
+    for router in (jobs.router, models.router, health.router, metrics.router, status_page.router):
         app.include_router(router)
     return app
 

@@ -173,7 +173,19 @@ def download_result(
     ``torch`` is ``torch.save({name: value})``; ``safetensors`` exists when every saved value is a tensor.
     A failed trace job has a result too when its other invokes saved values before the error.
     """
-    job = _owned(session, job_id, caller)
+    return result_response(_owned(session, job_id, caller), format, store, settings, inline=inline)
+
+
+def result_response(
+    job: Job,
+    format: str,  # noqa: A002 - the query parameter's name
+    store: ObjectStore,
+    settings: Settings,
+    *,
+    inline: bool = False,
+) -> StreamingResponse | RedirectResponse:
+    """A completed job's result in ``format`` (``torch`` or ``safetensors``): a redirect to a presigned URL,
+    or its bytes when ``inline`` or the store cannot presign; 409 or 410 when there is none."""
     key = _result_object(job, format)
     if not inline:
         try:
