@@ -23,6 +23,9 @@ class S3Settings(BaseModel):
     """An S3-compatible object store. Credentials may also come from boto3's usual chain when unset."""
 
     endpoint_url: str | None = None
+    # The address that clients reach the store at, when it differs from ``endpoint_url`` (the API and workers
+    # behind a Docker network, say): presigned download URLs name it. Unset: ``endpoint_url``.
+    public_endpoint_url: str | None = None
     bucket: str = "nnqueue"
     region: str = "us-east-1"
     access_key_id: str | None = None
