@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -192,3 +194,21 @@ def test_the_workers_metrics_and_json_logs_follow_its_jobs(
     lines = [json.loads(line) for line in worker.log().splitlines() if line.startswith("{")]
     about_job = [line for line in lines if job["id"] in line["message"]]
     assert about_job and all(line.get("job_id") == job["id"] for line in about_job)
+
+
+def test_the_dashboard_and_readme_queries_name_exported_series(
+    api: Api, worker: WorkerProcess, worker_metrics_port: int, completed: dict[str, Any]
+) -> None:
+    """Every series that docker/grafana-dashboard.json and the README's PromQL use is exported by the API or a worker."""
+    exported = {
+        name
+        for text in (api.http.get("/metrics").text, httpx.get(f"http://127.0.0.1:{worker_metrics_port}/metrics").text)
+        for name, _labels in scrape(text)
+    }
+    root = Path(__file__).resolve().parents[2]
+    dashboard = json.loads((root / "docker" / "grafana-dashboard.json").read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    [readme_block] = re.findall(r"```promql\n(.*?)```", (root / "README.md").read_text(), re.S)
+    queries += [line.split("#")[0] for line in readme_block.splitlines()]
+    used = {name for query in queries for name in re.findall(r"\b(?:nnqueue_|vllm:)[A-Za-z0-9_:]+", query)}
+    assert len(used) >= 10 and used <= exported, used - exported
