@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from nnqueue.api.deps import Resources
 from nnqueue.api.limits import BodySizeLimit
@@ -46,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.resources = resources
     app.add_middleware(BodySizeLimit, max_payload_bytes=settings.max_payload_bytes)
     app.add_exception_handler(OperationalError, _broker_unreachable)
+    app.add_exception_handler(PoolTimeout, _database_busy)
     for router in (jobs.router, models.router, health.router, metrics.router, status_page.router):
         app.include_router(router)
     return app
@@ -59,6 +61,14 @@ def _resources(settings: Settings) -> Resources:
         sessions=session_factory(engine),
         store=object_store_from_settings(settings),
         celery=create_celery_app(settings),
+    )
+
+
+async def _database_busy(_request: Request, _error: Exception) -> JSONResponse:
+    """Every pooled database connection stayed busy for the pool's timeout: overloaded, not broken."""
+    detail = "the server is overloaded (no database connection came free in time); try again shortly"
+    return JSONResponse(
+        {"detail": detail}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "1"}
     )
 
 

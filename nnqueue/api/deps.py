@@ -7,7 +7,7 @@ build an app on their own settings and nothing reads global state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -51,9 +51,14 @@ def get_sessions(resources: Annotated[Resources, Depends(get_resources)]) -> ses
     return resources.sessions
 
 
-def get_session(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)]) -> Iterator[Session]:
+async def get_session(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)]) -> AsyncIterator[Session]:
     """One session per request, closed (its transaction rolled back) when the route function returns:
-    before the response is sent, so a streamed download does not hold a database connection."""
+    before the response is sent, so a streamed download does not hold a database connection.
+
+    Opened and closed on the event loop, not in a worker thread: a request must never hold a connection while
+    it waits for a thread (all threads could then be waiting for connections: a deadlock). Opening does no I/O;
+    closing gives the connection back to the pool.
+    """
     with sessions() as session:
         yield session
 
@@ -90,6 +95,10 @@ def get_caller(
         key = authenticate(session, secret)
     except AuthenticationFailed as failure:
         raise _unauthorized(str(failure)) from None
+    finally:
+        # Give the connection back before the route runs, in another thread: a request holding one while it waits
+        # for a thread could starve the threads that hold none, each waiting for a connection (a deadlock).
+        session.commit()
     return Caller(owner=key.owner, key_id=key.id)
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,17 +17,14 @@ from typing import Any
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from nnqueue.api import auth
-from nnqueue.api.app import create_app
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.settings import Settings
 from nnqueue.storage.results import load_result, write_result
-from tests.utils.api import LIVE_MODEL, create_secret, register_worker
-from tests.utils.servers import free_ports
+from tests.utils.api import LIVE_MODEL, create_secret, register_worker, served
 from tests.utils.services import Services
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -53,19 +48,8 @@ SCREENSHOT = Path(os.environ.get("NNQUEUE_TEST_SCREENSHOT_DIR", "/tmp")) / "nnqu
 
 @pytest.fixture(scope="module")
 def server(services: Services) -> Iterator[str]:
-    """The API on a real port (uvicorn in a thread), as a browser reaches it."""
-    [port] = free_ports(1)
-    settings = Settings(_env_file=None, **{**services.settings.model_dump(), "worker_stale_after_s": 3600})
-    uvicorn_server = uvicorn.Server(uvicorn.Config(create_app(settings), port=port, log_level="warning"))
-    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uvicorn_server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    uvicorn_server.should_exit = True
-    thread.join(timeout=30)
+    with served(Settings(_env_file=None, **{**services.settings.model_dump(), "worker_stale_after_s": 3600})) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

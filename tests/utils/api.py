@@ -4,11 +4,14 @@ worker rows that make a model "live" without a worker process."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -19,6 +22,7 @@ from nnqueue.db.session import transaction
 from nnqueue.scheduler import registry
 from nnqueue.settings import Settings
 from tests.utils.payloads import fake_trace
+from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
 
@@ -71,3 +75,21 @@ def api_client(services: Services, **overrides: Any) -> Iterator[Api]:
 def app_client(settings: Settings) -> Iterator[Api]:
     with TestClient(create_app(settings)) as http:
         yield Api(http)
+
+
+@contextmanager
+def served(settings: Settings) -> Iterator[str]:
+    """The app on a real port (uvicorn in a thread), as browsers and concurrent clients reach it; yields its URL."""
+    [port] = free_ports(1)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -25,6 +25,7 @@ from nnqueue import trace_payload
 from nnqueue.api.deps import Caller, CallerDep, CeleryDep, SessionDep, SessionsDep, SettingsDep, StoreDep
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
+from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
@@ -32,10 +33,11 @@ from nnqueue.scheduler.admission import AdmissionPolicy, ModelNotServed, TooMany
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import submit_job
+from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
 from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ReleasingRoute)
 STREAM_CHUNK = 1024 * 1024
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such job, or another owner's."}}
 SPEC_DESCRIPTION = (

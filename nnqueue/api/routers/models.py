@@ -7,10 +7,11 @@ from collections import defaultdict
 from fastapi import APIRouter
 
 from nnqueue.api.deps import CallerDep, SessionDep, SettingsDep
+from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import ModelInfo, ModelsResponse
 from nnqueue.scheduler.registry import live_workers
 
-router = APIRouter(prefix="/v1/models", tags=["models"])
+router = APIRouter(prefix="/v1/models", tags=["models"], route_class=ReleasingRoute)
 
 
 @router.get("")

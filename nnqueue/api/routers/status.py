@@ -27,10 +27,11 @@ from sqlalchemy.orm import Session
 from nnqueue.api.auth import AuthenticationFailed, authenticate
 from nnqueue.api.deps import SessionDep, SettingsDep, StoreDep
 from nnqueue.api.routers.jobs import result_response
+from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.status_view import ADMIN_SCOPE, Viewer, status_view, visible
 from nnqueue.db.models import Job, JobStatus, as_utc
 
-router = APIRouter(prefix="/status", include_in_schema=False)
+router = APIRouter(prefix="/status", include_in_schema=False, route_class=ReleasingRoute)
 COOKIE = "nnqueue_status"
 REFRESH_S = 10
 SECURITY_HEADERS = {
