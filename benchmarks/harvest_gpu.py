@@ -289,6 +289,7 @@ class Queue:
         self.store = object_store_from_settings(self.settings)
         # As `nnqueue worker` builds it; payloads are prebuilt, so no trace builder is ever started.
         executor = VLLMTraceExecutor(
+            self.sessions,
             self.store,
             engine,
             ResultSinks(self.store, self.settings.resolved_store_dir / ".handoff"),

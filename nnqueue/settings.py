@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     api_workers: int = Field(1, ge=1)
     # The largest serialized trace a client may submit, in bytes (larger uploads get 413).
     max_payload_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # Payloads up to this many bytes are kept in the database with their job instead of the object store: one
+    # object-store round trip less per submission (0: every payload goes to the store).
+    inline_payload_max_bytes: int = Field(256 * 1024, ge=0)
+    # How long the API remembers a key it found valid (no database lookup meanwhile): a revoked key is refused
+    # within this many seconds. 0: look every key up on every request.
+    auth_cache_s: float = Field(5.0, ge=0)
     # Jobs one API key may have queued or running at once (more submissions get 429).
     max_jobs_in_flight_per_key: int = Field(64, ge=1)
     # How long the presigned result URLs that the API redirects to stay valid (SigV4 allows up to 7 days).

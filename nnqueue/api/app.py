@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from nnqueue.api.deps import Resources
+from nnqueue.api.deps import RecentCallers, Resources
 from nnqueue.api.limits import BodySizeLimit
 from nnqueue.api.routers import health, jobs, metrics, models
 from nnqueue.api.routers import status as status_page
 from nnqueue.broker import create_celery_app
 from nnqueue.db.session import make_engine, session_factory
+from nnqueue.scheduler.admission import AdmissionPolicy
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 
@@ -61,6 +62,8 @@ def _resources(settings: Settings) -> Resources:
         sessions=session_factory(engine),
         store=object_store_from_settings(settings),
         celery=create_celery_app(settings),
+        admission=AdmissionPolicy.from_settings(settings, remember_live_models=True),
+        callers=RecentCallers(settings.auth_cache_s),
     )
 
 

@@ -12,7 +12,19 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Enum, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -102,7 +114,9 @@ class Job(Base):
     timeout_s: Mapped[float] = mapped_column(default=600.0)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
 
-    payload_key: Mapped[str] = mapped_column(String(1024))
+    # The payload's object-store key; null when the payload is small enough to be kept in the database
+    # (job_payloads), which saves an object-store round trip on submission (nnqueue.scheduler.payloads).
+    payload_key: Mapped[str | None] = mapped_column(String(1024))
     payload_size: Mapped[int] = mapped_column(BigInteger)
     result_key: Mapped[str | None] = mapped_column(String(1024))
     result_size: Mapped[int | None] = mapped_column(BigInteger)
@@ -127,6 +141,15 @@ class Job(Base):
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan", passive_deletes=True
     )
+
+
+class JobPayload(Base):
+    """A small payload kept beside its job rather than in the object store (``Job.payload_key`` is then null)."""
+
+    __tablename__ = "job_payloads"
+
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class JobEvent(Base):

@@ -12,8 +12,10 @@ redelivered message finding it takes it over.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
+import time
 import uuid
 from datetime import timedelta
 
@@ -71,3 +73,31 @@ def live_workers(session: Session, stale_after_s: float) -> list[Worker]:
 
 def is_alive(session: Session, worker_id: str, stale_after_s: float) -> bool:
     return session.scalar(_live(stale_after_s).where(Worker.id == worker_id)) is not None
+
+
+class LiveModels:
+    """The keys of the models with live workers, read at most every ``max_age_s`` to answer "is it served?".
+
+    A model not in the remembered set is looked up again before the answer is no, so a worker that has just
+    registered is found at once; a model whose last worker just died may be taken for live ``max_age_s``
+    longer (its jobs then wait in the queue, as any job does whose workers die after it was accepted).
+    """
+
+    def __init__(self, stale_after_s: float, max_age_s: float = 1.0) -> None:
+        self.stale_after_s, self.max_age_s = stale_after_s, max_age_s
+        self._keys: frozenset[str] = frozenset()
+        self._read_at = -math.inf
+
+    def serves(self, session: Session, model_key: str) -> bool:
+        if model_key in self._keys and time.monotonic() - self._read_at < self.max_age_s:
+            return True
+        return model_key in self.read(session)
+
+    def read(self, session: Session) -> frozenset[str]:
+        """The live models now, remembered for the next ``max_age_s``."""
+        read_at = time.monotonic()
+        self._keys = frozenset(
+            session.scalars(_live(self.stale_after_s).with_only_columns(Worker.model_key).distinct())
+        )
+        self._read_at = read_at
+        return self._keys

@@ -55,6 +55,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
 
     worker_id = registry.new_worker_id()
     executor = VLLMTraceExecutor(
+        sessions,
         store,
         engine,
         ResultSinks(store, settings.resolved_store_dir / ".handoff"),

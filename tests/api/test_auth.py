@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 from sqlalchemy import select
@@ -12,7 +13,7 @@ from nnqueue.api import auth
 from nnqueue.cli import app
 from nnqueue.db.models import ApiKey
 from nnqueue.db.session import transaction
-from tests.utils.api import Api, create_secret
+from tests.utils.api import Api, api_client, create_secret
 from tests.utils.services import Services
 
 runner = CliRunner()
@@ -43,18 +44,33 @@ def test_both_headers_authenticate_and_anything_else_is_401(api: Api) -> None:
         assert response.status_code == 401, headers
 
 
-def test_a_revoked_key_is_rejected_and_says_so(api: Api) -> None:
-    secret = create_secret(api.resources.sessions, "alice")
-    headers = {"Authorization": f"Bearer {secret}"}
-    assert api.http.get("/v1/models", headers=headers).status_code == 200
-    with transaction(api.resources.sessions) as session:
-        auth.revoke_key(session, secret[: auth.PREFIX_LENGTH])
+def test_a_revoked_key_is_rejected_and_says_so(services: Services) -> None:
+    """Within NNQUEUE_AUTH_CACHE_S: the API remembers a valid key that long rather than look it up each time."""
+    with api_client(services, auth_cache_s=0.5) as api:
+        secret = create_secret(api.resources.sessions, "alice")
+        headers = {"Authorization": f"Bearer {secret}"}
+        assert api.http.get("/v1/models", headers=headers).status_code == 200
+        with transaction(api.resources.sessions) as session:
+            auth.revoke_key(session, secret[: auth.PREFIX_LENGTH])
+        time.sleep(0.6)  # the remembered lookup expires
 
-    for path in ("/v1/models", "/v1/jobs"):
-        response = api.http.get(path, headers=headers)
-        assert response.status_code == 401
-        assert "was revoked" in response.json()["detail"]
-    assert api.http.get("/healthz").status_code == 200  # health needs no key
+        for path in ("/v1/models", "/v1/jobs"):
+            response = api.http.get(path, headers=headers)
+            assert response.status_code == 401
+            assert "was revoked" in response.json()["detail"]
+        assert api.http.get("/healthz").status_code == 200  # health needs no key
+
+
+def test_a_valid_key_is_looked_up_once_per_cache_period(services: Services) -> None:
+    with api_client(services, auth_cache_s=60) as api:
+        secret = create_secret(api.resources.sessions, "alice")
+        headers = {"Authorization": f"Bearer {secret}"}
+        assert api.http.get("/v1/models", headers=headers).status_code == 200
+        with transaction(api.resources.sessions) as session:
+            auth.revoke_key(session, secret[: auth.PREFIX_LENGTH])
+        assert api.http.get("/v1/models", headers=headers).status_code == 200  # remembered
+    with api_client(services, auth_cache_s=0) as uncached:
+        assert uncached.http.get("/v1/models", headers=headers).status_code == 401
 
 
 def test_keys_cli_creates_lists_and_revokes(services: Services, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,6 +21,7 @@ from nnqueue.api.limits import FORM_OVERHEAD_BYTES
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
 from nnqueue.db.session import transaction
+from nnqueue.scheduler.payloads import load_payload
 from nnqueue.scheduler.retention import purge_expired
 from nnqueue.storage.results import load_result
 from tests.utils.api import LIVE_MODEL, Api, api_client, register_worker
@@ -69,8 +70,19 @@ def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> N
 
     stored = services.job(uuid.UUID(job["id"]))
     assert stored.meta == {"metadata": {"run": 7}, "client": client}  # the worker reads meta["client"]
-    assert api.resources.store.get_bytes(stored.payload_key) == fake_trace(b"serialized trace")
+    assert stored.payload_key is None  # small: kept in the database, no object-store round trip
+    assert load_payload(services.sessions, services.store, stored) == fake_trace(b"serialized trace")
     assert api.http.get(f"/v1/jobs/{job['id']}", headers=alice).json() == job
+
+
+def test_a_payload_over_the_inline_limit_goes_to_the_object_store(services: Services) -> None:
+    with api_client(services, inline_payload_max_bytes=8, worker_stale_after_s=3600) as small:
+        alice = small.new_key("alice")
+        job = services.job(uuid.UUID(small.submit_ok(alice, b"nine byte")["id"]))
+        assert job.payload_key is not None and small.resources.store.get_bytes(job.payload_key) == b"nine byte"
+        assert load_payload(services.sessions, services.store, job) == b"nine byte"
+        inline = services.job(uuid.UUID(small.submit_ok(alice, b"eight by")["id"]))
+        assert inline.payload_key is None and load_payload(services.sessions, services.store, inline) == b"eight by"
 
 
 def test_queue_position_counts_the_models_queued_jobs_in_order(api: Api, services: Services) -> None:

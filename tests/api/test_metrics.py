@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
-from tests.utils.api import LIVE_MODEL, Api, create_secret, register_worker
+from tests.utils.api import LIVE_MODEL, Api, api_client, create_secret, register_worker
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -38,6 +38,13 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
+@pytest.fixture
+def api(services: Services) -> Iterator[Api]:
+    """Payloads of over 64 bytes go to the object store (and count as bytes written to it)."""
+    with api_client(services, worker_stale_after_s=3600, inline_payload_max_bytes=64) as client:
+        yield client
+
+
 def test_metrics_follow_submissions_cancels_and_the_queue(api: Api, services: Services) -> None:
     register_worker(services.sessions, capacity=4)
     alice = api.new_key("alice")
@@ -45,6 +52,7 @@ def test_metrics_follow_submissions_cancels_and_the_queue(api: Api, services: Se
     before = scrape(api.http.get("/metrics").text)
 
     jobs = [api.submit_ok(alice, b"x" * 100) for _ in range(3)]
+    api.submit_ok(alice, b"kept in the database")
     assert api.http.post(f"/v1/jobs/{jobs[0]['id']}/cancel", headers=alice).status_code == 200
     with transaction(services.sessions) as session:  # a worker takes the second one
         transition(session, uuid.UUID(jobs[1]["id"]), JobStatus.RUNNING, worker_id="w")
@@ -54,7 +62,7 @@ def test_metrics_follow_submissions_cancels_and_the_queue(api: Api, services: Se
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     after = scrape(response.text)
     moved = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)  # noqa: E731
-    assert moved("nnqueue_jobs_submitted_total", **trace) == 3
+    assert moved("nnqueue_jobs_submitted_total", **trace) == 4
     assert moved("nnqueue_jobs_finished_total", **trace, status="cancelled") == 1
     assert moved("nnqueue_store_bytes_written_total", what="payload") == 300
     assert value(after, "nnqueue_queue_stats_up") == 1
