@@ -41,12 +41,12 @@ from pydantic import SecretStr
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nnqueue.api import auth  # noqa: E402
-from nnqueue.db import migrate  # noqa: E402
-from nnqueue.db.session import make_engine, session_factory, transaction  # noqa: E402
-from nnqueue.scheduler import registry  # noqa: E402
-from nnqueue.settings import S3Settings  # noqa: E402
-from tests import servers  # noqa: E402
+from nnqueue.api import auth
+from nnqueue.db import migrate
+from nnqueue.db.session import make_engine, session_factory, transaction
+from nnqueue.scheduler import registry
+from nnqueue.settings import S3Settings
+from tests.utils import servers
 
 MODEL_KEY = "bench-model"
 PAYLOAD = b"p" * 64

@@ -13,11 +13,12 @@ import uuid
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.models import Job, JobPayload
+from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import payload_key
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
 
 
-class PayloadMissing(LookupError):
+class PayloadMissing(NNqueueError, LookupError):
     """The job's payload is neither in the database nor in the object store."""
 
 
