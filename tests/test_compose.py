@@ -28,6 +28,7 @@ from sqlalchemy import create_engine, inspect
 
 from nnqueue.cli import app, engine_args
 from nnqueue.embedded import redis_server_binary
+from tests.utils.api import api_command
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -149,26 +150,12 @@ def test_the_api_command_serves_and_passes_its_healthcheck(config: dict[str, Any
     [port] = free_ports(1)
     line[line.index("--port") + 1] = str(port)
     assert line[:2] == ["nnqueue", "serve-api"] and "--workers" in line
-    process = subprocess.Popen(
-        [sys.executable, "-m", *line], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
-            try:
-                ready = httpx.get(f"http://127.0.0.1:{port}/readyz")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline, "the api service's command did not answer in 90 s"
-                time.sleep(0.2)
+    with api_command(line[1:], env, port) as url:
+        ready = httpx.get(f"{url}/readyz")
         assert ready.status_code == 200, ready.text
         check = [part.replace("127.0.0.1:8000", f"127.0.0.1:{port}") for part in api["healthcheck"]["test"][1:]]
         assert check[0] == "python"
         subprocess.run([sys.executable, *check[1:]], check=True, timeout=30)
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
 
 
 @needs_compose

@@ -12,7 +12,7 @@ then :func:`queue_job`): admission, row and queue position on one connection.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,38 +27,33 @@ from nnqueue.scheduler.payloads import keep_inline, store_payload
 from nnqueue.storage.object_store import ObjectStore
 
 
+class JobFields(TypedDict, total=False):
+    """What a submitter says about a new job (the keyword arguments of :func:`submit_job` and :func:`accept_job`)."""
+
+    owner: Required[str]
+    model_key: Required[str]
+    payload: Required[bytes]
+    kind: JobKind  # default: a trace
+    timeout_s: float  # default: 600
+    priority: int
+    meta: dict[str, Any]
+    api_key_id: int | None  # the submitting API key, which admission limits; None: not counted
+
+
 def submit_job(
     sessions: sessionmaker[Session],
     store: ObjectStore,
     app: Celery,
     *,
     admission: AdmissionPolicy,
-    owner: str,
-    model_key: str,
-    payload: bytes,
-    kind: JobKind = JobKind.TRACE,
-    timeout_s: float = 600.0,
-    priority: int = 0,
-    meta: dict[str, Any] | None = None,
-    api_key_id: int | None = None,
     inline_payload_max_bytes: int = 0,
+    **fields: Unpack[JobFields],
 ) -> Job:
     """Accept the job in a transaction of its own and queue it, or raise
     :class:`~nnqueue.scheduler.admission.AdmissionRefused` (nothing stored)."""
     with transaction(sessions) as session:
         job = accept_job(
-            session,
-            store,
-            admission=admission,
-            owner=owner,
-            model_key=model_key,
-            payload=payload,
-            kind=kind,
-            timeout_s=timeout_s,
-            priority=priority,
-            meta=meta,
-            api_key_id=api_key_id,
-            inline_payload_max_bytes=inline_payload_max_bytes,
+            session, store, admission=admission, inline_payload_max_bytes=inline_payload_max_bytes, **fields
         )
     queue_job(sessions, app, job)
     return job
@@ -69,18 +64,12 @@ def accept_job(
     store: ObjectStore,
     *,
     admission: AdmissionPolicy,
-    owner: str,
-    model_key: str,
-    payload: bytes,
-    kind: JobKind = JobKind.TRACE,
-    timeout_s: float = 600.0,
-    priority: int = 0,
-    meta: dict[str, Any] | None = None,
-    api_key_id: int | None = None,
     inline_payload_max_bytes: int = 0,
+    **fields: Unpack[JobFields],
 ) -> Job:
     """Admit the job, then add it QUEUED with its payload to the caller's transaction (a large payload goes to the
     object store first). The caller commits, then calls :func:`queue_job`."""
+    model_key, payload, api_key_id = fields["model_key"], fields["payload"], fields.get("api_key_id")
     admit(session, admission, model_key, api_key_id)
     job_id = uuid.uuid4()
     key = store_payload(store, job_id, payload, inline_payload_max_bytes)
@@ -90,13 +79,13 @@ def accept_job(
         session,
         Job(
             id=job_id,
-            owner=owner,
+            owner=fields["owner"],
             api_key_id=api_key_id,
             model_key=model_key,
-            kind=kind,
-            timeout_s=timeout_s,
-            priority=priority,
-            meta=meta or {},
+            kind=fields.get("kind", JobKind.TRACE),
+            timeout_s=fields.get("timeout_s", 600.0),
+            priority=fields.get("priority", 0),
+            meta=fields.get("meta", {}),
             payload_key=key,
             payload_size=len(payload),
         ),

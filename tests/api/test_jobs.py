@@ -18,15 +18,13 @@ from sqlalchemy import select, update
 
 from nnqueue import trace_payload
 from nnqueue.api.limits import FORM_OVERHEAD_BYTES
-from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.payloads import load_payload
 from nnqueue.scheduler.retention import purge_expired
 from nnqueue.storage.results import load_result
-from tests.utils.api import LIVE_MODEL, Api, api_client, register_worker
+from tests.utils.api import LIVE_MODEL, Api, api_client, complete, register_worker
 from tests.utils.payloads import fake_trace
-from tests.utils.results import store_result
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -36,24 +34,6 @@ S = JobStatus
 @pytest.fixture(scope="module", autouse=True)
 def live_worker(services: Services) -> str:
     return register_worker(services.sessions)
-
-
-def complete(services: Services, job_id: str, saves: dict[str, Any]) -> None:
-    """Run a job to COMPLETED the way a worker does: claim, store the result, finish."""
-    job_uuid = uuid.UUID(job_id)
-    with transaction(services.sessions) as session:
-        transition(session, job_uuid, S.RUNNING, worker_id="test-worker")
-    stored = store_result(services.store, job_uuid, saves)
-    with transaction(services.sessions) as session:
-        transition(
-            session,
-            job_uuid,
-            S.COMPLETED,
-            result_key=stored.key,
-            result_size=stored.size,
-            result_format=stored.format,
-            progress_done=1,
-        )
 
 
 def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> None:

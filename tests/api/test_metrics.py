@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
-from tests.utils.api import LIVE_MODEL, Api, api_client, create_secret, register_worker
+from tests.utils.api import LIVE_MODEL, Api, api_client, api_command, create_secret, register_worker
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -76,28 +73,9 @@ def test_metrics_follow_submissions_cancels_and_the_queue(api: Api, services: Se
 @pytest.fixture
 def two_process_api(services: Services) -> Iterator[str]:
     [port] = free_ports(1)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nnqueue", "serve-api", "--port", str(port), "--workers", "2"],
-        env={**os.environ, **services.env, "NNQUEUE_WORKER_STALE_AFTER_S": "3600"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
-            try:
-                httpx.get(f"{url}/healthz")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline, "serve-api --workers 2 did not answer in 90 s"
-                time.sleep(0.2)
+    env = {**os.environ, **services.env, "NNQUEUE_WORKER_STALE_AFTER_S": "3600"}
+    with api_command(["serve-api", "--port", str(port), "--workers", "2"], env, port) as url:
         yield url
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)
 
 
 def test_several_api_processes_report_the_same_totals(two_process_api: str, services: Services) -> None:

@@ -23,8 +23,8 @@ from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.settings import Settings
-from nnqueue.storage.results import load_result, write_result
-from tests.utils.api import LIVE_MODEL, create_secret, register_worker, served
+from nnqueue.storage.results import load_result
+from tests.utils.api import LIVE_MODEL, complete, create_secret, register_worker, served
 from tests.utils.services import Services
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -73,22 +73,10 @@ def jobs(server: str, services: Services) -> dict[str, Any]:
     completed, failed, running, queued = (submit(alice) for _ in range(4))
     bobs = submit(bob)
     saves = {"logits": torch.arange(6.0).reshape(2, 3)}
-    stored = write_result(services.store, completed, saves)
+    complete(services, completed, saves, progress_done=2, progress_total=2)
     with transaction(services.sessions) as session:
-        for job_id in (completed, failed):
-            transition(session, job_id, JobStatus.RUNNING, worker_id="w")
-        transition(session, running, JobStatus.RUNNING, worker_id="w", progress_done=1, progress_total=2)
-    with transaction(services.sessions) as session:
-        transition(
-            session,
-            completed,
-            JobStatus.COMPLETED,
-            result_key=stored.key,
-            result_size=stored.size,
-            result_format=stored.format,
-            progress_done=2,
-            progress_total=2,
-        )
+        for job_id in (failed, running):
+            transition(session, job_id, JobStatus.RUNNING, worker_id="w", progress_done=1, progress_total=2)
         transition(
             session,
             failed,
