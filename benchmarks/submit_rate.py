@@ -41,6 +41,7 @@ from pydantic import SecretStr
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from nnqueue import trace_payload
 from nnqueue.api import auth
 from nnqueue.db import migrate
 from nnqueue.db.session import make_engine, session_factory, transaction
@@ -49,7 +50,8 @@ from nnqueue.settings import S3Settings
 from tests.utils import servers
 
 MODEL_KEY = "bench-model"
-PAYLOAD = b"p" * 64
+# 64 bytes that start like an nnsight serialized trace (the API refuses anything else, without unpickling).
+PAYLOAD = trace_payload.PICKLE_PROTOCOL_4 + (52).to_bytes(8, "little") + b"p" * 52
 BARE_APP = textwrap.dedent(
     """
     import os, uuid

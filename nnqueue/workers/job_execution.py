@@ -236,4 +236,3 @@ def _seconds(start: datetime | None, end: datetime | None) -> float:
     """Seconds from ``start`` to ``end`` (0 when either is unknown)."""
     start, end = as_utc(start), as_utc(end)
     return 0.0 if start is None or end is None else max(0.0, (end - start).total_seconds())
-

@@ -11,6 +11,7 @@ import httpx
 
 from nnqueue.settings import Settings
 from tests.utils.api import LIVE_MODEL, create_secret, register_worker, served
+from tests.utils.payloads import fake_trace
 from tests.utils.services import Services
 
 CLIENTS = 96  # more than the API's thread pool (40) and its connection pool (15) together
@@ -30,7 +31,9 @@ def test_more_clients_than_threads_and_connections_all_get_201(services: Service
 
             async def submit() -> int:
                 spec = json.dumps({"model_key": LIVE_MODEL})
-                response = await client.post("/v1/jobs", data={"spec": spec}, files={"payload": ("t", b"p")})
+                response = await client.post(
+                    "/v1/jobs", data={"spec": spec}, files={"payload": ("t", fake_trace(b"p"))}
+                )
                 return response.status_code
 
             return await asyncio.gather(*(submit() for _ in range(CLIENTS)))

@@ -18,6 +18,7 @@ from sqlalchemy import select, update
 
 from nnqueue import trace_payload
 from nnqueue.api.limits import FORM_OVERHEAD_BYTES
+from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.payloads import load_payload
@@ -25,6 +26,7 @@ from nnqueue.scheduler.retention import purge_expired
 from nnqueue.storage.results import load_result
 from tests.utils.api import LIVE_MODEL, Api, api_client, complete, register_worker
 from tests.utils.payloads import fake_trace
+from tests.utils.results import store_result
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -56,13 +58,14 @@ def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> N
 
 
 def test_a_payload_over_the_inline_limit_goes_to_the_object_store(services: Services) -> None:
-    with api_client(services, inline_payload_max_bytes=8, worker_stale_after_s=3600) as small:
-        alice = small.new_key("alice")
-        job = services.job(uuid.UUID(small.submit_ok(alice, b"nine byte")["id"]))
-        assert job.payload_key is not None and small.resources.store.get_bytes(job.payload_key) == b"nine byte"
-        assert load_payload(services.sessions, services.store, job) == b"nine byte"
-        inline = services.job(uuid.UUID(small.submit_ok(alice, b"eight by")["id"]))
-        assert inline.payload_key is None and load_payload(services.sessions, services.store, inline) == b"eight by"
+    large, small = fake_trace(b"a larger body"), fake_trace(b"small")
+    with api_client(services, inline_payload_max_bytes=len(small), worker_stale_after_s=3600) as api:
+        alice = api.new_key("alice")
+        job = services.job(uuid.UUID(api.submit_ok(alice, large)["id"]))
+        assert job.payload_key is not None and api.resources.store.get_bytes(job.payload_key) == large
+        assert load_payload(services.sessions, services.store, job) == large
+        inline = services.job(uuid.UUID(api.submit_ok(alice, small)["id"]))
+        assert inline.payload_key is None and load_payload(services.sessions, services.store, inline) == small
 
 
 def test_queue_position_counts_the_models_queued_jobs_in_order(api: Api, services: Services) -> None:

@@ -17,6 +17,7 @@ from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
 from tests.utils.api import LIVE_MODEL, Api, api_client, api_command, create_secret, register_worker
+from tests.utils.payloads import fake_trace
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -48,8 +49,8 @@ def test_metrics_follow_submissions_cancels_and_the_queue(api: Api, services: Se
     trace = {"model": LIVE_MODEL, "kind": "trace"}
     before = scrape(api.http.get("/metrics").text)
 
-    jobs = [api.submit_ok(alice, b"x" * 100) for _ in range(3)]
-    api.submit_ok(alice, b"kept in the database")
+    jobs = [api.submit_ok(alice, fake_trace(b"x" * 100)) for _ in range(3)]
+    api.submit_ok(alice, fake_trace(b"kept in the database"))
     assert api.http.post(f"/v1/jobs/{jobs[0]['id']}/cancel", headers=alice).status_code == 200
     with transaction(services.sessions) as session:  # a worker takes the second one
         transition(session, uuid.UUID(jobs[1]["id"]), JobStatus.RUNNING, worker_id="w")
@@ -61,7 +62,7 @@ def test_metrics_follow_submissions_cancels_and_the_queue(api: Api, services: Se
     moved = lambda name, **labels: value(after, name, **labels) - value(before, name, **labels)  # noqa: E731
     assert moved("nnqueue_jobs_submitted_total", **trace) == 4
     assert moved("nnqueue_jobs_finished_total", **trace, status="cancelled") == 1
-    assert moved("nnqueue_store_bytes_written_total", what="payload") == 300
+    assert moved("nnqueue_store_bytes_written_total", what="payload") == 3 * len(fake_trace(b"x" * 100))
     assert value(after, "nnqueue_queue_stats_up") == 1
     assert value(after, "nnqueue_queue_depth", model=LIVE_MODEL) >= 1
     assert value(after, "nnqueue_jobs_running", model=LIVE_MODEL) >= 1
@@ -85,7 +86,7 @@ def test_several_api_processes_report_the_same_totals(two_process_api: str, serv
     submitted = 12
     for _ in range(submitted):  # a fresh connection each time: the processes take turns accepting them
         response = httpx.post(
-            f"{two_process_api}/v1/jobs", headers=headers, data={"spec": spec}, files={"payload": ("t", b"p")}
+            f"{two_process_api}/v1/jobs", headers=headers, data={"spec": spec}, files={"payload": ("t", fake_trace(b"p"))}
         )
         assert response.status_code == 201, response.text
     labels = {"model": "multiprocess-model", "kind": "trace"}

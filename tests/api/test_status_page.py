@@ -25,6 +25,7 @@ from nnqueue.db.session import transaction
 from nnqueue.settings import Settings
 from nnqueue.storage.results import load_result
 from tests.utils.api import LIVE_MODEL, complete, create_secret, register_worker, served
+from tests.utils.payloads import fake_trace
 from tests.utils.services import Services
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -65,7 +66,7 @@ def jobs(server: str, services: Services) -> dict[str, Any]:
             f"{server}/v1/jobs",
             headers={"Authorization": f"Bearer {secret}"},
             data={"spec": f'{{"model_key": "{LIVE_MODEL}"}}'},
-            files={"payload": ("trace", b"payload")},
+            files={"payload": ("trace", fake_trace())},
         )
         assert response.status_code == 201, response.text
         return uuid.UUID(response.json()["id"])
