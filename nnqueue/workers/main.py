@@ -17,7 +17,7 @@ from nnqueue.broker import create_celery_app, queue_name
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
-from nnqueue.engines.outbox import OutboxPoller
+from nnqueue.engines.outbox import poller
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
@@ -59,7 +59,7 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
         store,
         engine,
         ResultSinks(store, settings.resolved_store_dir / ".handoff"),
-        OutboxPoller(engine.vllm_entrypoint),
+        poller(engine.vllm_entrypoint),  # the engine's one poller, shared with harvest chunks
         BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes),
     )
     runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s)
