@@ -26,9 +26,8 @@ from sqlalchemy.engine import make_url
 
 from nnqueue.db import migrate
 from nnqueue.settings import S3Settings
-from nnqueue.workers.engine_host import EngineHost
 from tests.utils import servers
-from tests.utils.engines import InProcessEngine
+from tests.utils.engines import InProcessEngine, running_engine
 from tests.utils.services import Services, WorkerProcess
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
@@ -121,18 +120,8 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def inprocess_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
     """The tiny model on a dispatched async engine with nnqueue's worker class, shared by the session."""
-    from nnqueue.engines.platform import load_engine
-
-    async def load() -> Any:
-        return load_engine(str(tiny_model_path), **TINY_ENGINE_KWARGS)
-
-    host = EngineHost()
-    engine = InProcessEngine(host, host.call(load()))
-    yield engine
-    engine.model.vllm_entrypoint.shutdown()
-    # Drop it now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
-    engine.model.vllm_entrypoint = None
-    host.stop()
+    with running_engine(tiny_model_path, **TINY_ENGINE_KWARGS) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")

@@ -86,7 +86,10 @@ def test_several_api_processes_report_the_same_totals(two_process_api: str, serv
     submitted = 12
     for _ in range(submitted):  # a fresh connection each time: the processes take turns accepting them
         response = httpx.post(
-            f"{two_process_api}/v1/jobs", headers=headers, data={"spec": spec}, files={"payload": ("t", fake_trace(b"p"))}
+            f"{two_process_api}/v1/jobs",
+            headers=headers,
+            data={"spec": spec},
+            files={"payload": ("t", fake_trace(b"p"))},
         )
         assert response.status_code == 201, response.text
     labels = {"model": "multiprocess-model", "kind": "trace"}
