@@ -1,7 +1,7 @@
 """job payloads: small payloads kept in the database
 
 Revision ID: 0005
-Revises: 0006
+Revises: 0004
 Create Date: 2026-11-23 11:00:00.000000
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0005"
-down_revision: str | None = "0006"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
