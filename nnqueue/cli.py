@@ -96,15 +96,47 @@ def worker(
     ctx: typer.Context,
     model: str = typer.Option(..., help="Hugging Face id or local directory of the model to serve."),
     model_key: str | None = typer.Option(None, help="The name clients submit jobs for (default: --model)."),
-    tensor_parallel_size: int = typer.Option(1, help="GPUs the engine spans."),
-    max_concurrent_jobs: int = typer.Option(8, min=1, help="Jobs run at once on the engine (batched by vLLM)."),
+    engine: str = typer.Option(
+        "vllm",
+        help="vllm: nnsight VLLM traces, batched by vLLM. transformers: nnsight LanguageModel traces and sessions "
+        "(gradients included) on the Hugging Face model, one job at a time.",
+    ),
+    tensor_parallel_size: int = typer.Option(1, help="GPUs the engine spans (vllm)."),
+    max_concurrent_jobs: int | None = typer.Option(
+        None, min=1, help="Jobs run at once on the engine (vllm, batched by vLLM: default 8; transformers: 1)."
+    ),
 ) -> None:
-    """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments."""
+    """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments
+    (vllm) or to the model's from_pretrained (transformers, e.g. --dtype float32)."""
+    kind = _engine_kind(engine)
+    from nnqueue.scheduler.registry import EngineConflict
     from nnqueue.workers.main import run_worker
 
     logs.configure(Settings().log_format)
-    engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
-    run_worker(model, model_key or model, max_concurrent_jobs, engine_kwargs)
+    if kind.value == "transformers":
+        if max_concurrent_jobs not in (None, 1):
+            raise typer.BadParameter(
+                "the transformers engine runs one job at a time", param_hint="--max-concurrent-jobs"
+            )
+        concurrency, engine_kwargs = 1, engine_args(ctx.args)
+    else:
+        concurrency = max_concurrent_jobs or 8
+        engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
+    try:
+        run_worker(model, model_key or model, concurrency, engine_kwargs, kind)
+    except EngineConflict as conflict:
+        typer.echo(str(conflict), err=True)
+        raise typer.Exit(1) from None
+
+
+def _engine_kind(name: str) -> Any:
+    from nnqueue.db.models import EngineKind
+
+    try:
+        return EngineKind(name)
+    except ValueError:
+        choices = ", ".join(kind.value for kind in EngineKind)
+        raise typer.BadParameter(f"{name!r} is not an engine; choose {choices}", param_hint="--engine") from None
 
 
 def engine_args(args: list[str]) -> dict[str, Any]:

@@ -152,6 +152,7 @@ def start_worker(
     logs = tmp_path_factory.mktemp("worker-logs")
 
     def start(**kwargs: Any) -> WorkerProcess:
+        """``kwargs``: WorkerProcess's (max_concurrent_jobs, model_key, engine)."""
         worker = WorkerProcess(services, tiny_model_path, logs / f"worker-{len(started)}.log", **kwargs)
         started.append(worker)
         worker.wait_registered()

@@ -17,8 +17,9 @@ from kombu.exceptions import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from nnqueue.api.deps import RecentCallers, Resources
+from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import BodySizeLimit
-from nnqueue.api.routers import health, jobs, metrics, models
+from nnqueue.api.routers import health, jobs, metrics, models, ndif, ndif_serve
 from nnqueue.api.routers import status as status_page
 from nnqueue.broker import create_celery_app
 from nnqueue.db.session import make_engine, session_factory
@@ -34,9 +35,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     resources = _resources(settings)
     log_store(settings, log)
 
+    watcher = JobWatcher(resources.sessions, settings.worker_stale_after_s)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        watcher.start()
         yield
+        await watcher.stop()
         resources.engine.dispose()
 
     app = FastAPI(
@@ -46,10 +51,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.resources = resources
+    app.state.job_watcher = watcher
     app.add_middleware(BodySizeLimit, max_payload_bytes=settings.max_payload_bytes)
     app.add_exception_handler(OperationalError, _broker_unreachable)
     app.add_exception_handler(PoolTimeout, _database_busy)
-    for router in (jobs.router, models.router, health.router, metrics.router, status_page.router):
+    routers = (jobs.router, models.router, health.router, metrics.router, status_page.router, ndif.router)
+    for router in (*routers, ndif_serve.router):
         app.include_router(router)
     return app
 

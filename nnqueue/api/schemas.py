@@ -111,6 +111,9 @@ class ModelInfo(BaseModel):
     model_key: str
     workers: int
     capacity: int = Field(description="Jobs the live workers run at once, summed.")
+    engine: str = Field(
+        description="The engine the workers hold: 'vllm' (VLLM traces) or 'transformers' (LanguageModel)."
+    )
 
 
 class ModelsResponse(BaseModel):

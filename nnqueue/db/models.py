@@ -65,6 +65,13 @@ class JobKind(enum.StrEnum):
     HARVEST = "harvest"  # a declarative "save these activations for this dataset" spec
 
 
+class EngineKind(enum.StrEnum):
+    """The engine a worker holds, which decides the traces it runs."""
+
+    VLLM = "vllm"  # nnsight's VLLM traces, batched by vLLM
+    TRANSFORMERS = "transformers"  # nnsight's LanguageModel traces (and sessions) on a Hugging Face model
+
+
 def _enum_column(enum_cls: type[enum.Enum], name: str) -> Enum:
     return Enum(
         enum_cls,
@@ -178,6 +185,8 @@ class Worker(Base):
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int] = mapped_column(Integer)
     capacity: Mapped[int] = mapped_column(Integer)
+    # The kind of engine it holds (an EngineKind value): which traces it can run.
+    engine: Mapped[str] = mapped_column(String(32), server_default=EngineKind.VLLM.value)
     started_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(Timestamp)

@@ -22,8 +22,9 @@ from datetime import timedelta
 from sqlalchemy import Select, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.models import Worker, utcnow
+from nnqueue.db.models import EngineKind, Worker, utcnow
 from nnqueue.db.session import transaction
+from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,35 @@ def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def register(sessions: sessionmaker[Session], worker_id: str, model_key: str, queue: str, capacity: int) -> None:
+class EngineConflict(NNqueueError):
+    """Live workers of another engine kind already serve the model key (they would share its queue)."""
+
+
+def register(
+    sessions: sessionmaker[Session],
+    worker_id: str,
+    model_key: str,
+    queue: str,
+    capacity: int,
+    engine: EngineKind = EngineKind.VLLM,
+    stale_after_s: float | None = None,
+) -> None:
+    """Add the worker's row. With ``stale_after_s``, first refuse (:class:`EngineConflict`) when live workers of
+    another engine kind serve ``model_key``: the queue is per model key, so they would take each other's jobs."""
     with transaction(sessions) as session:
+        if stale_after_s is not None:
+            others = sorted(
+                {
+                    worker.engine
+                    for worker in live_workers(session, stale_after_s)
+                    if worker.model_key == model_key and worker.engine != engine
+                }
+            )
+            if others:
+                raise EngineConflict(
+                    f"live workers with a {' and a '.join(others)} engine already serve model key {model_key!r}; "
+                    f"give this {engine.value} worker another --model-key"
+                )
         session.add(
             Worker(
                 id=worker_id,
@@ -42,6 +70,7 @@ def register(sessions: sessionmaker[Session], worker_id: str, model_key: str, qu
                 host=socket.gethostname(),
                 pid=os.getpid(),
                 capacity=capacity,
+                engine=engine.value,
             )
         )
 
@@ -69,6 +98,12 @@ def live_worker_ids(stale_after_s: float) -> Select[str]:
 def live_workers(session: Session, stale_after_s: float) -> list[Worker]:
     """Workers that have not stopped and have sent a heartbeat within ``stale_after_s``."""
     return list(session.scalars(_live(stale_after_s).order_by(Worker.model_key, Worker.id)))
+
+
+def live_engines(session: Session, model_key: str, stale_after_s: float) -> set[str]:
+    """The engine kinds of ``model_key``'s live workers (empty when none is live)."""
+    query = _live(stale_after_s).where(Worker.model_key == model_key).with_only_columns(Worker.engine).distinct()
+    return set(session.scalars(query))
 
 
 def is_alive(session: Session, worker_id: str, stale_after_s: float) -> bool:

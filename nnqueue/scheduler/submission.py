@@ -38,6 +38,7 @@ class JobFields(TypedDict, total=False):
     priority: int
     meta: dict[str, Any]
     api_key_id: int | None  # the submitting API key, which admission limits; None: not counted
+    job_id: uuid.UUID | None  # the new job's id when the submitter derives it (it must not exist yet); default: uuid4
 
 
 def submit_job(
@@ -71,7 +72,7 @@ def accept_job(
     object store first). The caller commits, then calls :func:`queue_job`."""
     model_key, payload, api_key_id = fields["model_key"], fields["payload"], fields.get("api_key_id")
     admit(session, admission, model_key, api_key_id)
-    job_id = uuid.uuid4()
+    job_id = fields.get("job_id") or uuid.uuid4()
     key = store_payload(store, job_id, payload, inline_payload_max_bytes)
     if key is not None:
         metrics.STORE_BYTES_WRITTEN.labels("payload").inc(len(payload))

@@ -8,8 +8,8 @@ values before it failed). A cancel is seen by :meth:`JobRunner.reap_lost`, which
 cancels the job's task, which aborts its engine requests, as it does for a job requeued while this worker
 looked dead. A worker finishes only a job it still holds (the finishing update is guarded by the holder).
 
-Running is the executor's (:class:`Executor`): one per engine kind, e.g. the vLLM trace executor
-(:mod:`nnqueue.workers.trace_execution`). Database calls run in threads (``asyncio.to_thread``) so that
+Running is the executor's (:class:`Executor`): one per engine kind, the vLLM trace executor
+(:mod:`nnqueue.workers.trace_execution`) and the transformers one (:mod:`nnqueue.workers.transformers_execution`). Database calls run in threads (``asyncio.to_thread``) so that
 the engine loop keeps serving the other jobs; progress is written as the executor reports it, throttled,
 in the background, so it never delays a job.
 """
@@ -74,6 +74,10 @@ class Executor(Protocol):
     async def execute(self, job: Job, progress: Callable[[int, int], None]) -> Execution:
         """Run the claimed ``job``; call ``progress(done, total)`` as units finish. Raises :class:`JobFailure`
         when the job cannot run at all."""
+        ...
+
+    async def close(self) -> None:
+        """Release the engine (the worker is stopping)."""
         ...
 
 

@@ -1,4 +1,4 @@
-"""``nnqueue worker``: load one engine, register, and consume the model's queue until stopped.
+"""``nnqueue worker``: load one engine (vLLM, or transformers), register, and consume the model's queue until stopped.
 
 Each heartbeat also aborts the jobs cancelled while running here and requeues the model's jobs that
 a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`).
@@ -12,8 +12,10 @@ import time
 from typing import Any
 
 import prometheus_client
+from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.broker import create_celery_app, queue_name
+from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
@@ -22,9 +24,10 @@ from nnqueue.scheduler import registry
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
+from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
-from nnqueue.workers.job_execution import JobRunner
+from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
@@ -33,7 +36,15 @@ log = logging.getLogger(__name__)
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
 
 
-def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwargs: dict[str, Any]) -> None:
+def run_worker(
+    model: str,
+    model_key: str,
+    max_concurrent_jobs: int,
+    engine_kwargs: dict[str, Any],
+    engine_kind: EngineKind = EngineKind.VLLM,
+) -> None:
+    """``engine_kind``: a vLLM engine (``engine_kwargs`` go to vLLM's engine arguments) or the transformers
+    engine (one job at a time; ``engine_kwargs`` go to the model's ``from_pretrained``)."""
     settings = Settings()
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
@@ -50,21 +61,26 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     host = EngineHost(blocking_threads=min(2 * max_concurrent_jobs + 2, 64))
     started = time.monotonic()
-    engine = host.call(_load_engine(model, engine_kwargs))
-    log.info("engine for %s ready in %.1f s", model, time.monotonic() - started)
+    executor = host.call(_start_executor(engine_kind, model, engine_kwargs, settings, sessions, store))
+    log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
 
     worker_id = registry.new_worker_id()
-    executor = VLLMTraceExecutor(
-        sessions,
-        store,
-        engine,
-        ResultSinks(store, settings.resolved_store_dir / ".handoff"),
-        poller(engine.vllm_entrypoint),  # the engine's one poller, shared with harvest chunks
-        BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes),
-    )
     runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s)
     register_run_job(app, host, runner)
-    registry.register(sessions, worker_id, model_key, queue, max_concurrent_jobs)
+    try:
+        registry.register(
+            sessions,
+            worker_id,
+            model_key,
+            queue,
+            max_concurrent_jobs,
+            engine=engine_kind,
+            stale_after_s=settings.worker_stale_after_s,
+        )
+    except registry.EngineConflict:
+        host.call(executor.close())
+        host.stop()
+        raise
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
 
     def on_beat() -> None:
@@ -89,13 +105,36 @@ def run_worker(model: str, model_key: str, max_concurrent_jobs: int, engine_kwar
     finally:
         beat.stop()
         registry.mark_stopped(sessions, worker_id)
-        host.call(executor.builders.close())
-        engine.vllm_entrypoint.shutdown()
+        host.call(executor.close())
         host.stop()
 
 
-async def _load_engine(model: str, engine_kwargs: dict[str, Any]) -> Any:
-    # Built on the engine loop: the AsyncLLM binds to the loop it first runs on.
+async def _start_executor(
+    engine_kind: EngineKind,
+    model: str,
+    engine_kwargs: dict[str, Any],
+    settings: Settings,
+    sessions: sessionmaker[Session],
+    store: ObjectStore,
+) -> Executor:
+    """The engine, loaded, and its executor. Built on the engine loop: vLLM's AsyncLLM binds to the loop it
+    first runs on, and the transformers engine's process pipes to the loop that started it."""
+    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff")
+    if engine_kind is EngineKind.TRANSFORMERS:
+        from nnqueue.engines.transformers import TransformersEngine
+        from nnqueue.workers.transformers_execution import TransformersExecutor
+
+        engine = TransformersEngine(model, engine_kwargs, settings.engine_stall_timeout_s)
+        await engine.start()
+        return TransformersExecutor(sessions, store, engine, sinks)
     from nnqueue.engines.platform import load_engine
 
-    return load_engine(model, **engine_kwargs)
+    vllm = load_engine(model, **engine_kwargs)
+    return VLLMTraceExecutor(
+        sessions,
+        store,
+        vllm,
+        sinks,
+        poller(vllm.vllm_entrypoint),  # the engine's one poller, shared with harvest chunks
+        BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes),
+    )

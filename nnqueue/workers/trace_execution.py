@@ -76,6 +76,10 @@ class VLLMTraceExecutor:
                 await asyncio.to_thread(self.sinks.discard, sinks)
         return Execution(total, stored, failure)
 
+    async def close(self) -> None:
+        await self.builders.close()
+        self.model.vllm_entrypoint.shutdown()
+
     async def _prepare(self, job: Job, payload: bytes) -> tuple[trace_payload.PrebuiltTrace, prebuilt.TraceRequests]:
         """The payload's trace and its vLLM requests: parsed, after a builder process prebuilt a raw payload."""
         kind = trace_payload.payload_kind(payload)

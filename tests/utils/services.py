@@ -103,10 +103,17 @@ class WorkerProcess:
         log_path: Path,
         max_concurrent_jobs: int = 4,
         env: dict[str, str] | None = None,
+        *,
+        model_key: str = MODEL_KEY,
+        engine: str = "vllm",
     ) -> None:
+        """``engine``: ``vllm`` (the tiny model's engine arguments) or ``transformers`` (one job at a time)."""
         self.services, self.log_path = services, log_path
-        command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", MODEL_KEY]
-        command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
+        command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", model_key]
+        if engine == "vllm":
+            command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
+        else:
+            command += ["--engine", engine]
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command,
