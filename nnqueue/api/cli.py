@@ -1,7 +1,8 @@
 """``nnqueue serve-api`` and ``nnqueue keys create|list|revoke``, registered on the main CLI.
 
 Keys are managed directly in the database (whoever can run this has the database's credentials),
-so there is no HTTP route that creates keys.
+so there is no HTTP route that creates keys. The server's libraries (sqlalchemy, uvicorn, ...) are imported
+inside the commands: a client install, which has none of them, still lists these in ``nnqueue --help``.
 """
 
 from __future__ import annotations
@@ -10,17 +11,17 @@ import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue import logs, metrics
-from nnqueue.api import auth
-from nnqueue.db import migrate
-from nnqueue.db.session import make_engine, session_factory, transaction
+from nnqueue import logs
 from nnqueue.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
 
 keys_app = typer.Typer(help="Create, list and revoke API keys.")
 console = Console()
@@ -35,6 +36,8 @@ def serve_api(
 ) -> None:
     """Serve the HTTP API with uvicorn. The database must be migrated first (nnqueue db upgrade)."""
     import uvicorn
+
+    from nnqueue.db import migrate
 
     settings = Settings()
     # nnqueue's own start-up lines (which object store, and a warning when it is probably not shared).
@@ -63,6 +66,8 @@ def _shared_metrics(processes: int) -> Iterator[None]:
     if processes == 1:
         yield
         return
+    from nnqueue import metrics
+
     with tempfile.TemporaryDirectory(prefix="nnqueue-api-metrics-") as folder:
         os.environ[metrics.MULTIPROC_ENV] = folder
         try:
@@ -77,6 +82,9 @@ def create_key(
     scope: list[str] = typer.Option([], help="A scope recorded with the key (repeatable; not enforced yet)."),
 ) -> None:
     """Create a key and print its secret, which is shown only this once."""
+    from nnqueue.api import auth
+    from nnqueue.db.session import transaction
+
     with transaction(_sessions()) as session:
         try:
             key, secret = auth.create_key(session, owner, scope)
@@ -89,6 +97,8 @@ def create_key(
 @keys_app.command("list")
 def list_keys() -> None:
     """List the keys: id, prefix, owner, scopes, creation and revocation (never the secrets)."""
+    from nnqueue.api import auth
+
     table = Table("id", "prefix", "owner", "scopes", "created", "revoked")
     with _sessions()() as session:
         for key in auth.list_keys(session):
@@ -101,6 +111,9 @@ def list_keys() -> None:
 @keys_app.command("revoke")
 def revoke_key(prefix_or_id: str = typer.Argument(..., help="The key's id, or its secret's prefix.")) -> None:
     """Revoke a key: requests with it get 401 from now on."""
+    from nnqueue.api import auth
+    from nnqueue.db.session import transaction
+
     with transaction(_sessions()) as session:
         try:
             key = auth.revoke_key(session, prefix_or_id)
@@ -111,4 +124,6 @@ def revoke_key(prefix_or_id: str = typer.Argument(..., help="The key's id, or it
 
 
 def _sessions() -> sessionmaker[Session]:
+    from nnqueue.db.session import make_engine, session_factory
+
     return session_factory(make_engine(Settings().resolved_database_url))

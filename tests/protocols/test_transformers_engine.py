@@ -158,3 +158,39 @@ def test_vllm_traces_are_refused_for_a_transformers_model_and_engines_do_not_sha
     with pytest.raises(RemoteError, match="task 'text-classification' is not served"):
         with client_model.trace(PROMPT, backend=RemoteBackend(language_key), max_tokens=1):
             logits = client_model.logits.save()
+
+
+LIGHT_CLIENT = """
+import sys
+from nnsight import LanguageModel
+from nnsight.modeling import huggingface
+from nnqueue.client import Client
+import torch
+
+url, key, path, out = sys.argv[1:]
+huggingface._ID_CACHE[path] = path
+model = LanguageModel(path)
+with Client(url, key) as client:
+    backend = client.backend(blocking=False)
+    with model.trace("The Eiffel Tower is in", backend=backend):
+        logits = model.lm_head.output.save()
+    backend.job.wait(timeout=120, progress=False)
+    backend.job.download(out, progress=False)
+from nnqueue.cli import SERVER_MODULES
+print("server modules imported:", sorted(name for name in sys.modules if name.split(".")[0] in SERVER_MODULES))
+"""
+
+
+def test_a_client_install_writes_submits_waits_for_and_downloads_a_language_model_trace(
+    api_server: Any, secret: str, worker: WorkerProcess, models: tuple[Any, Any], tiny_model_path: Path, tmp_path: Path
+) -> None:
+    from tests.utils.light_client import run_light
+
+    meta, local = models
+    done = run_light(LIGHT_CLIENT, api_server.url, secret, str(tiny_model_path), str(tmp_path / "result.pt"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "server modules imported: []" in done.stdout
+    with local.trace(PROMPT):
+        logits = local.lm_head.output.save()
+    saved = torch.load(tmp_path / "result.pt", weights_only=False)
+    torch.testing.assert_close(saved["logits"], logits, atol=0, rtol=0)
