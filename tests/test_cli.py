@@ -60,7 +60,9 @@ def test_a_client_install_has_the_client_commands_and_names_the_extra_for_the_se
     for command in (["db", "upgrade"], ["keys", "list"], ["gc"], ["worker", "--model", "m"]):
         refused = run_light_cli(*command)
         assert refused.returncode == 1, (command, refused.stdout, refused.stderr)
-        assert "this command needs the server's libraries" in refused.stderr and "pip install 'nnqueue[" in refused.stderr
+        assert (
+            "this command needs the server's libraries" in refused.stderr and "pip install 'nnqueue[" in refused.stderr
+        )
     unreachable = run_light_cli("jobs", "--url", "http://127.0.0.1:9", "--api-key", "nnq_x")
     assert unreachable.returncode == 1 and "APIConnectionError" in unreachable.stderr
 

@@ -139,7 +139,7 @@ def tracer_class(payload: bytes) -> str:
     try:
         for index, (opcode, argument, _) in enumerate(pickletools.genops(io.BytesIO(payload))):
             if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
-                strings.append(argument)
+                strings.append(str(argument))
             elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
                 return f"{strings[-2]}.{strings[-1]}"
             elif opcode.name == "GLOBAL":

@@ -100,9 +100,8 @@ class Engine:
             saves = self.execute(payload, header.get("env") or {})
         except Exception as error:  # noqa: BLE001 - the trace's error, whatever it is, is the job's
             # As a local trace re-raises it: the user's frames, not nnsight's (Tracer.__exit__).
-            error.__intervention_tb__ = clean_traceback(
-                getattr(error, "__intervention_tb__", None) or error.__traceback__
-            )  # type: ignore[attr-defined]
+            cleaned = clean_traceback(getattr(error, "__intervention_tb__", None) or error.__traceback__)
+            setattr(error, "__intervention_tb__", cleaned)  # noqa: B010 - nnsight's attribute, not the class's
             return {"objects": {}, "error": capture_exception(error), "load_failed": not self.loaded}
         return {"objects": write_saves(snapshot(saves), header["sinks"]), "error": None, "load_failed": False}
 

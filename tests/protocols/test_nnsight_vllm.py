@@ -98,7 +98,9 @@ def test_a_two_invoke_remote_trace(ndif: Any, worker: WorkerProcess, client: Cli
     assert not torch.equal(first, second)
 
 
-def test_a_user_error_is_raised_with_its_type_and_traceback(ndif: Any, worker: WorkerProcess, client_model: Any) -> None:
+def test_a_user_error_is_raised_with_its_type_and_traceback(
+    ndif: Any, worker: WorkerProcess, client_model: Any
+) -> None:
     model = client_model
     with pytest.raises(RemoteError) as caught:
         with model.trace(PROMPT, remote=True, max_tokens=1, temperature=0.0):
@@ -130,7 +132,9 @@ def test_a_non_blocking_remote_trace_is_polled_until_its_result(
     assert client.job(backend.job_id).info["status"] == "completed"
 
 
-def test_the_async_backend_awaits_the_result(ndif: Any, worker: WorkerProcess, client: Client, client_model: Any) -> None:
+def test_the_async_backend_awaits_the_result(
+    ndif: Any, worker: WorkerProcess, client: Client, client_model: Any
+) -> None:
     model = client_model
     backend = AsyncRemoteBackend(model.to_model_key())
     with model.trace(PROMPT, backend=backend, max_tokens=2, temperature=0.0):
@@ -171,7 +175,7 @@ def test_a_bad_key_an_unserved_model_and_a_language_model_are_refused_with_reaso
 
 def test_remote_sessions_are_refused_for_vllm_models(ndif: Any, worker: WorkerProcess, client_model: Any) -> None:
     model = client_model
-    with pytest.raises(RemoteError, match="remote sessions .* are not supported for VLLM models"):
+    with pytest.raises(RemoteError, match=r"remote sessions .* are not supported for VLLM models"):
         with model.session(remote=True):
             with model.trace(PROMPT, max_tokens=1):
                 logits = model.logits.save()
@@ -256,7 +260,7 @@ def test_a_subscription_ends_when_its_models_workers_are_gone(
     # A worker row nobody keeps fresh: the model is live at submit, then its heartbeat goes stale (3 s).
     registry.register(services.sessions, registry.new_worker_id(), "ghost-model", "nobody-consumes-this", 1)
     started = time.monotonic()
-    with pytest.raises(RemoteError, match="JobCancelled: .* no live worker has served model 'ghost-model'"):
+    with pytest.raises(RemoteError, match=r"JobCancelled: .* no live worker has served model 'ghost-model'"):
         with client_model.trace(
             PROMPT, backend=RemoteBackend("nnsight.modeling.vllm.vllm.VLLM:ghost-model"), max_tokens=1
         ):

@@ -77,7 +77,9 @@ def test_language_model_traces_through_the_nnqueue_client_equal_a_local_run(
     assert backend.job is not None and backend.job.model_key == str(tiny_model_path)
     assert backend.job.info["result"]["format"] == "torch+safetensors"
     assert_equal_saves(two_invokes(meta, backend=backend), two_invokes(local))
-    assert client.models() == [{"model_key": str(tiny_model_path), "workers": 1, "capacity": 1, "engine": "transformers"}]
+    assert client.models() == [
+        {"model_key": str(tiny_model_path), "workers": 1, "capacity": 1, "engine": "transformers"}
+    ]
 
 
 def test_language_model_traces_and_sessions_through_nnsights_remote_equal_a_local_run(
@@ -112,10 +114,10 @@ def test_a_user_error_fails_the_job_with_its_type_and_the_engine_goes_on(
     assert caught.value.type_name == "ValueError" and "user code broke on (1, 6, 128)" in str(caught.value)
     assert "raise ValueError" in caught.value.traceback and "nnsight/" not in caught.value.traceback
 
-    with pytest.raises(RemoteError, match="^ZeroDivisionError: division by zero"):
+    with pytest.raises(RemoteError, match=r"^ZeroDivisionError: division by zero"):
         with meta.trace(PROMPT, remote=True):
             meta.model.layers[0].output
-            1 / 0  # noqa: B018
+            1 / 0
     assert_equal_saves(gradient_trace(meta, remote=True), gradient_trace(local))
 
 
@@ -186,7 +188,7 @@ def test_a_client_install_writes_submits_waits_for_and_downloads_a_language_mode
 ) -> None:
     from tests.utils.light_client import run_light
 
-    meta, local = models
+    _, local = models
     done = run_light(LIGHT_CLIENT, api_server.url, secret, str(tiny_model_path), str(tmp_path / "result.pt"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "server modules imported: []" in done.stdout

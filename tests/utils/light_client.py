@@ -31,7 +31,9 @@ sys.meta_path[:] = [_WithoutServer if f is importlib.machinery.PathFinder else f
 """
 
 
-def run_light(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_light(
+    code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     """Run ``code`` (with ``args`` in ``sys.argv[1:]``) in a fresh interpreter without the server's libraries."""
     environment = {name: value for name, value in os.environ.items() if not name.startswith("NNQUEUE_")}
     environment["PYTHONPATH"] = str(ROOT)

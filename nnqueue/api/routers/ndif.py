@@ -22,7 +22,7 @@ import json
 import logging
 import uuid
 from collections.abc import Iterator
-from typing import Annotated, Any
+from typing import IO, Annotated, Any, cast
 
 from fastapi import APIRouter, File, Form, Header, HTTPException, Request, UploadFile, WebSocket, status
 from fastapi.responses import StreamingResponse
@@ -164,7 +164,7 @@ def _compressed(reader: ObjectReader, size: int) -> Iterator[bytes]:
 
     with reader:
         yield from zstandard.ZstdCompressor(level=3).read_to_iter(
-            reader, size=size, read_size=STREAM_CHUNK, write_size=STREAM_CHUNK
+            cast("IO[bytes]", reader), size=size, read_size=STREAM_CHUNK, write_size=STREAM_CHUNK
         )
 
 
