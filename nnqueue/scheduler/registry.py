@@ -37,6 +37,23 @@ class EngineConflict(NNqueueError):
     """Live workers of another engine kind already serve the model key (they would share its queue)."""
 
 
+def check_engine(session: Session, model_key: str, engine: EngineKind, stale_after_s: float) -> None:
+    """Raise :class:`EngineConflict` when live workers of another engine kind serve ``model_key``: the queue is
+    per model key, so they would take each other's jobs."""
+    others = sorted(
+        {
+            worker.engine
+            for worker in live_workers(session, stale_after_s)
+            if worker.model_key == model_key and worker.engine != engine
+        }
+    )
+    if others:
+        raise EngineConflict(
+            f"live workers with a {' and a '.join(others)} engine already serve model key {model_key!r}; "
+            f"give this {engine.value} worker another --model-key"
+        )
+
+
 def register(
     sessions: sessionmaker[Session],
     worker_id: str,
@@ -46,22 +63,10 @@ def register(
     engine: EngineKind = EngineKind.VLLM,
     stale_after_s: float | None = None,
 ) -> None:
-    """Add the worker's row. With ``stale_after_s``, first refuse (:class:`EngineConflict`) when live workers of
-    another engine kind serve ``model_key``: the queue is per model key, so they would take each other's jobs."""
+    """Add the worker's row; with ``stale_after_s``, after :func:`check_engine`."""
     with transaction(sessions) as session:
         if stale_after_s is not None:
-            others = sorted(
-                {
-                    worker.engine
-                    for worker in live_workers(session, stale_after_s)
-                    if worker.model_key == model_key and worker.engine != engine
-                }
-            )
-            if others:
-                raise EngineConflict(
-                    f"live workers with a {' and a '.join(others)} engine already serve model key {model_key!r}; "
-                    f"give this {engine.value} worker another --model-key"
-                )
+            check_engine(session, model_key, engine, stale_after_s)
         session.add(
             Worker(
                 id=worker_id,

@@ -60,6 +60,8 @@ def run_worker(
     # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     host = EngineHost(blocking_threads=min(2 * max_concurrent_jobs + 2, 64))
+    with sessions() as session:  # fail before loading a model that would then not register
+        registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
     executor = host.call(_start_executor(engine_kind, model, engine_kwargs, settings, sessions, store))
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,7 +73,13 @@ def assert_same(got: Any, want: Any) -> None:
 
 @pytest.mark.parametrize("compress", [True, False])
 def test_a_blocking_remote_trace_gives_the_queued_values_in_the_callers_variables(
-    compress: bool, ndif: Any, worker: WorkerProcess, client: Client, client_model: Any, tiny_model_path: Path
+    compress: bool,
+    ndif: Any,
+    services: Services,
+    worker: WorkerProcess,
+    client: Client,
+    client_model: Any,
+    tiny_model_path: Path,
 ) -> None:
     ndif.API.COMPRESS = compress  # compressed: the signed API route; not: the store's presigned URL
     model = client_model
@@ -83,6 +91,12 @@ def test_a_blocking_remote_trace_gives_the_queued_values_in_the_callers_variable
     assert_same(logits, reference["logits"])
     remote_job = list(client.jobs())[1]  # the one before the reference's
     assert remote_job.info["status"] == "completed" and remote_job.model_key == str(tiny_model_path)
+    with services.sessions() as session:
+        row = session.get(Job, uuid.UUID(remote_job.id))
+        assert row is not None
+        # nnsight's version headers, recorded as the nnqueue client's are (named when a rebuild fails).
+        assert row.meta["client"] == {"nnsight": "0.8.1", "python": platform.python_version()}
+        assert row.meta["ndif"]["compress"] is compress
 
 
 def test_a_two_invoke_remote_trace(ndif: Any, worker: WorkerProcess, client: Client, client_model: Any) -> None:
