@@ -7,8 +7,8 @@ or ``NNQUEUE_TEST_S3_ENDPOINT`` (with ``NNQUEUE_TEST_S3_ACCESS_KEY_ID``,
 nothing is started. How the servers are started lives in ``tests/utils/servers.py``.
 
 Also here, so that every test directory finds them: the tiny model (in-process engine and client meta
-model), and per-module service namespaces (``services``) with real ``nnqueue worker`` processes
-(``start_worker``). Helpers are in ``tests/utils/``.
+model), per-module service namespaces (``services``) with real ``nnqueue worker`` processes
+(``start_worker``), and the real API under uvicorn with a key and a client (``api_server``, ``secret``, ``client``). Helpers are in ``tests/utils/``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ from pydantic import SecretStr
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from nnqueue.client import Client
 from nnqueue.db import migrate
-from nnqueue.settings import S3Settings
+from nnqueue.embedded import ApiServer
+from nnqueue.settings import S3Settings, Settings
 from tests.utils import servers
+from tests.utils.api import create_secret
 from tests.utils.engines import InProcessEngine, running_engine
 from tests.utils.services import Services, WorkerProcess
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
@@ -141,6 +144,27 @@ def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S
     redis = servers.redis_database_url(redis_url)
     s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
     return Services(database_factory(), redis, s3)
+
+
+@pytest.fixture(scope="module")
+def api_server(services: Services) -> Iterator[ApiServer]:
+    """The HTTP API under uvicorn, in a thread of the test process, on the module's services."""
+    server = ApiServer(Settings(_env_file=None, **services.settings.model_dump()))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def secret(services: Services) -> str:
+    """A key of alice's on the module's services."""
+    return create_secret(services.sessions, "alice")
+
+
+@pytest.fixture(scope="module")
+def client(api_server: ApiServer, secret: str) -> Iterator[Client]:
+    """The nnqueue client on ``api_server`` with alice's key."""
+    with Client(api_server.url, secret) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
