@@ -204,7 +204,7 @@ def test_a_payload_over_the_limit_is_refused_even_when_it_compresses_under_it(
         for compress in (False, True):
             ndif.API.COMPRESS = compress
             # Compressed, the blob is under the limit: it is its decompressed size that is refused.
-            reason = "decompresses to more than 4096 bytes" if compress else "the limit is 4096 bytes"
+            reason = "it decompresses to more than 4096 bytes" if compress else "the limit is 4096 bytes"
             with pytest.raises(RemoteError, match=f"payload too large: {reason}"):
                 with model_trace(client_model):
                     logits = client_model.logits.save()
