@@ -102,3 +102,27 @@ def test_the_serve_reply_wraps_the_stored_saves_and_the_error(tmp_path: Path) ->
     store.put_bytes("results/k/saves.pt", b"not a zip")
     with pytest.raises(UnexpectedResult):
         serve_reply(store, "results/k/saves.pt", None)
+
+
+def test_job_states_map_to_nnsights_statuses() -> None:
+    from nnqueue.db.models import Job, JobStatus
+
+    job = Job(id=uuid.uuid4(), status=JobStatus.QUEUED, progress_done=0, progress_total=None)
+    cases = [
+        ({"status": JobStatus.QUEUED}, 3, ("QUEUED", "position 3")),
+        ({"status": JobStatus.RUNNING}, None, ("DISPATCHED", "running on a worker")),
+        ({"status": JobStatus.RUNNING, "progress_done": 1, "progress_total": 2}, None, ("RUNNING", "1/2 invokes")),
+        ({"status": JobStatus.COMPLETED}, None, ("COMPLETED", "done")),
+        (
+            {"status": JobStatus.FAILED, "error_type": "KeyError", "error_message": "'x'", "error_traceback": "tb\n"},
+            None,
+            ("ERROR", "KeyError: 'x'\n\nIntervention traceback:\ntb"),
+        ),
+        ({"status": JobStatus.CANCELLED}, None, ("ERROR", f"JobCancelled: job {job.id} was cancelled")),
+    ]
+    for fields, position, wanted in cases:
+        blank = {"progress_done": 0, "progress_total": None, "error_type": None, "error_message": None}
+        for name, value in {**blank, "error_traceback": None, **fields}.items():
+            setattr(job, name, value)
+        update = protocol.response(job, position=position)
+        assert (update["status"], update["description"]) == wanted and update["id"] == str(job.id)

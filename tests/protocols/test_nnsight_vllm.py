@@ -355,3 +355,22 @@ def test_serve_refuses_a_bad_key_and_engine_wide_edits_and_reports_health(
     assert unserved.status_code == 503 and "no live vLLM worker serves 'no-such-model'" in unserved.json()["detail"]
     refused = httpx.post(f"{url}/v1/nnsight/register/edit-1", headers={"ndif-api-key": secret}, content=b"x")
     assert refused.status_code == 403 and "refused" in refused.json()["detail"]
+
+
+def test_the_subscription_streams_nnqueues_job_states(ndif: Any, worker: WorkerProcess, client_model: Any) -> None:
+    backend = AsyncRemoteBackend(client_model.to_model_key())
+    with client_model.trace(PROMPT, temperature=0.0, max_tokens=30, ignore_eos=True, backend=backend) as tracer:
+        first = client_model.logits.save()
+        for _ in tracer.iter[1:]:
+            time.sleep(0.1)  # about 3 s: long enough for the progress to be written
+            client_model.logits
+
+    async def updates() -> list[Any]:
+        return [update async for update in backend]  # nnsight's raw status stream, then the saves
+
+    *statuses, saves = asyncio.run(updates())
+    seen = [(update.status.value, update.description) for update in statuses]
+    assert seen[-1][0] == "COMPLETED" and set(saves) == {"first"}
+    assert {status for status, _ in seen} <= {"QUEUED", "DISPATCHED", "RUNNING", "COMPLETED"}
+    assert ("RUNNING", "0/1 invokes") in seen, seen
+    assert len(seen) == len(set(seen))  # an update only when something changed
