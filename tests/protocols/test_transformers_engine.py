@@ -136,6 +136,20 @@ def test_a_job_over_its_timeout_is_stopped_and_the_next_one_runs(
     assert_equal_saves(gradient_trace(meta, backend=client.backend(progress=False)), gradient_trace(local))
 
 
+def test_an_endless_loop_is_stopped_by_the_stall_watchdog_and_the_engine_goes_on(
+    client: Client, worker: WorkerProcess, models: tuple[Any, Any]
+) -> None:
+    meta, local = models
+    started = time.monotonic()
+    with pytest.raises(JobFailed) as caught:
+        with meta.trace(PROMPT, backend=client.backend(progress=False)):
+            meta.model.layers[0].output
+            while True:  # NNQUEUE_ENGINE_STALL_TIMEOUT_S is 3 s here; the job's timeout is the default 600 s
+                pass
+    assert caught.value.type_name == "InterventionStalled" and time.monotonic() - started < 60
+    assert_equal_saves(two_invokes(meta, backend=client.backend(progress=False)), two_invokes(local))
+
+
 def test_vllm_traces_are_refused_for_a_transformers_model_and_engines_do_not_share_a_key(
     ndif: Any, services: Services, worker: WorkerProcess, client_model: Any, tiny_model_path: Path
 ) -> None:

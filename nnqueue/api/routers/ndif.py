@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import IO, Annotated, Any, cast
 
 from fastapi import APIRouter, File, Form, Header, HTTPException, Request, UploadFile, WebSocket, status
