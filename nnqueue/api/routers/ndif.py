@@ -199,7 +199,11 @@ async def subscribe(websocket: WebSocket) -> None:
 
 
 async def _stream(
-    websocket: WebSocket, resources: Resources, watcher: JobWatcher, job_id: uuid.UUID, left: Any
+    websocket: WebSocket,
+    resources: Resources,
+    watcher: JobWatcher,
+    job_id: uuid.UUID,
+    left: Callable[[], Awaitable[bool]],
 ) -> None:
     settings = resources.settings
     last: tuple[str, str] | None = None
