@@ -13,12 +13,11 @@ Jobs run one at a time: nnsight's local interleaver runs one trace's invokes as 
 different users' traces in one forward would make them share it (one trace's ``tracer.stop()`` or error
 ends everyone's forward, and a ``backward()`` walks the others' graph).
 
-Each job reads its own payload's source, never an earlier job's: nnsight caches a file's source and its
-parsed ``with`` blocks per process (``SOURCES`` / ``BLOCKS``), and ``RequestModel.deserialize`` registers the
-payload's source in ``linecache`` under the client's filename, so both caches and that entry are cleared
-around every job. Intervention code that runs ``NNQUEUE_ENGINE_STALL_TIMEOUT_S`` without handing control
-back to the model is stopped by the stall watchdog (:mod:`nnqueue.enginecore.stall_watchdog`), failing the
-job; a job the worker gives up on (timeout, cancel) is ended by killing this process.
+Each job reads its own payload's source, never an earlier job's, in a trace scope of its own
+(:mod:`nnqueue.enginecore.payload_scope`). Intervention code that runs ``NNQUEUE_ENGINE_STALL_TIMEOUT_S``
+without handing control back to the model is stopped by the stall watchdog
+(:mod:`nnqueue.enginecore.stall_watchdog`), failing the job; a job the worker gives up on (timeout, cancel)
+is ended by killing this process.
 
 This process runs users' code: the worker starts it with the secrets removed from its environment, and it
 imports nothing that holds credentials. Run as ``python -m nnqueue.enginecore.transformers_engine --model M``;
@@ -33,11 +32,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import linecache
 import os
 import sys
 import traceback
 from typing import Any, BinaryIO
+
+from nnqueue.enginecore.payload_scope import payload_scope
 
 FRAME_HEADER = 8
 READY, JOB, DONE = 2, 3, 4
@@ -107,38 +107,19 @@ class Engine:
 
     def execute(self, payload: bytes, env: dict[str, Any]) -> dict[str, Any]:
         """Rebuild and run the trace; its saved values by name (what a local run pushes into the caller's frame)."""
-        from nnsight.intervention.util import clear_shared_locals
         from nnsight.schema.request import RequestModel
-        from nnsight.tracing.tracer import _saves, dec, inc
+        from nnsight.tracing.tracer import _saves
 
         self.model._remoteable_set_env({"attn_implementation": self.default_attention, **env})
-        filename = None
-        _forget_sources()
-        # The trace scope nnsight's Tracer.__exit__ opens around its backend: saves are filtered by it.
-        inc()
-        try:
+        with payload_scope(self.model) as registered:
             tracer = RequestModel.deserialize(payload, self.persistent)
             self.loaded = True
-            filename = tracer.info.frame.f_code.co_filename
+            registered(tracer.info.frame.f_code.co_filename)
             frame = tracer.info.frame
             tracer.execute(tracer.info.code)
             # The frame's locals are the captured variables plus what the trace pushed: its saved values.
             saved = _saves()
             return {name: value for name, value in frame.f_locals.items() if id(value) in saved}
-        finally:
-            self.model.interleaver.cancel()
-            clear_shared_locals()
-            dec()
-            _forget_sources()
-            if filename is not None:
-                linecache.cache.pop(filename, None)
-
-
-def _forget_sources() -> None:
-    from nnsight.tracing.globals import BLOCKS, SOURCES
-
-    SOURCES.clear()
-    BLOCKS.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
