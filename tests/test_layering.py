@@ -21,6 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nnqueue"
 LAYERS = {
     "settings": 0,
     "errors": 0,
+    "logs": 0,
+    "metrics": 0,
     "isolation": 1,
     "trace_payload": 1,
     "db": 1,

@@ -14,13 +14,17 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, status
 from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from nnqueue.api import errors
-from nnqueue.api.deps import Resources
+from nnqueue.api.deps import RecentCallers, Resources
+from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import BodySizeLimit
-from nnqueue.api.routers import health, jobs, models
+from nnqueue.api.routers import health, jobs, metrics, models, ndif, ndif_serve
+from nnqueue.api.routers import status as status_page
 from nnqueue.broker import create_celery_app
 from nnqueue.db.session import make_engine, session_factory
+from nnqueue.scheduler.admission import AdmissionPolicy
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 
@@ -32,9 +36,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     resources = _resources(settings)
     log_store(settings, log)
 
+    watcher = JobWatcher(resources.sessions, settings.worker_stale_after_s)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        watcher.start()
         yield
+        await watcher.stop()
         resources.engine.dispose()
 
     app = FastAPI(
@@ -44,10 +52,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.resources = resources
+    app.state.job_watcher = watcher
     app.add_middleware(BodySizeLimit, max_payload_bytes=settings.max_payload_bytes)
     app.add_exception_handler(OperationalError, _broker_unreachable)
+    app.add_exception_handler(PoolTimeout, _database_busy)
     errors.install(app)
-    for router in (jobs.router, models.router, health.router):
+    routers = (jobs.router, models.router, health.router, metrics.router, status_page.router, ndif.router)
+    for router in (*routers, ndif_serve.router):
         app.include_router(router)
     return app
 
@@ -60,6 +71,16 @@ def _resources(settings: Settings) -> Resources:
         sessions=session_factory(engine),
         store=object_store_from_settings(settings),
         celery=create_celery_app(settings),
+        admission=AdmissionPolicy.from_settings(settings, remember_live_models=True),
+        callers=RecentCallers(settings.auth_cache_s),
+    )
+
+
+async def _database_busy(_request: Request, _error: Exception) -> JSONResponse:
+    """Every pooled database connection stayed busy for the pool's timeout: overloaded, not broken."""
+    detail = "the server is overloaded (no database connection came free in time); try again shortly"
+    return JSONResponse(
+        {"detail": detail}, status_code=status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": "1"}
     )
 
 

@@ -1,22 +1,27 @@
 """``nnqueue serve-api`` and ``nnqueue keys create|list|revoke``, registered on the main CLI.
 
 Keys are managed directly in the database (whoever can run this has the database's credentials),
-so there is no HTTP route that creates keys.
+so there is no HTTP route that creates keys. The server's libraries (sqlalchemy, uvicorn, ...) are imported
+inside the commands: a client install, which has none of them, still lists these in ``nnqueue --help``.
 """
 
 from __future__ import annotations
 
-import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
-from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.api import auth
-from nnqueue.db import migrate
-from nnqueue.db.session import make_engine, session_factory, transaction
+from nnqueue import logs
 from nnqueue.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session, sessionmaker
 
 keys_app = typer.Typer(help="Create, list and revoke API keys.")
 console = Console()
@@ -25,24 +30,50 @@ console = Console()
 def serve_api(
     host: str | None = typer.Option(None, help="Interface to listen on (default NNQUEUE_API_HOST, 127.0.0.1)."),
     port: int | None = typer.Option(None, help="Port to listen on (default NNQUEUE_API_PORT, 8000)."),
+    workers: int | None = typer.Option(
+        None, min=1, help="API processes sharing the port (default NNQUEUE_API_WORKERS, 1)."
+    ),
 ) -> None:
     """Serve the HTTP API with uvicorn. The database must be migrated first (nnqueue db upgrade)."""
     import uvicorn
 
-    # nnqueue's own start-up lines (which object store, and a warning when it is probably not shared).
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from nnqueue.db import migrate
+
     settings = Settings()
+    # nnqueue's own start-up lines (which object store, and a warning when it is probably not shared).
+    logs.configure(settings.log_format)
     try:
         migrate.require_head(settings.resolved_database_url)
     except migrate.SchemaOutOfDate as error:
         console.print(f"[red]{error}[/red]")
         raise typer.Exit(1) from None
-    uvicorn.run(
-        "nnqueue.api.app:create_app",
-        factory=True,
-        host=host or settings.api_host,
-        port=port or settings.api_port,
-    )
+    processes = workers or settings.api_workers
+    with _shared_metrics(processes):
+        uvicorn.run(
+            "nnqueue.api.app:create_app",
+            factory=True,
+            host=host or settings.api_host,
+            port=port or settings.api_port,
+            workers=processes,
+            log_config=logs.uvicorn_log_config(settings.log_format),
+        )
+
+
+@contextmanager
+def _shared_metrics(processes: int) -> Iterator[None]:
+    """With several processes, a fresh prometheus-client multiprocess folder that they all inherit, so that any
+    one of them reports all of their counts (see nnqueue.metrics); removed when the server stops."""
+    if processes == 1:
+        yield
+        return
+    from nnqueue import metrics
+
+    with tempfile.TemporaryDirectory(prefix="nnqueue-api-metrics-") as folder:
+        os.environ[metrics.MULTIPROC_ENV] = folder
+        try:
+            yield
+        finally:
+            del os.environ[metrics.MULTIPROC_ENV]
 
 
 SCOPE_HELP = (
@@ -54,9 +85,12 @@ SCOPE_HELP = (
 @keys_app.command("create")
 def create_key(
     owner: str = typer.Option(..., help="Who the key belongs to: the owner of the jobs it submits."),
-    scope: list[str] = typer.Option(list(auth.DEFAULT_SCOPES), help=SCOPE_HELP),
+    scope: list[str] = typer.Option(["harvest"], help=SCOPE_HELP),  # auth.DEFAULT_SCOPES
 ) -> None:
     """Create a key and print its secret, which is shown only this once."""
+    from nnqueue.api import auth
+    from nnqueue.db.session import transaction
+
     with transaction(_sessions()) as session:
         try:
             key, secret = auth.create_key(session, owner, scope)
@@ -72,6 +106,8 @@ def create_key(
 @keys_app.command("list")
 def list_keys() -> None:
     """List the keys: id, prefix, owner, scopes, creation and revocation (never the secrets)."""
+    from nnqueue.api import auth
+
     table = Table("id", "prefix", "owner", "scopes", "created", "revoked")
     with _sessions()() as session:
         for key in auth.list_keys(session):
@@ -84,6 +120,9 @@ def list_keys() -> None:
 @keys_app.command("revoke")
 def revoke_key(prefix_or_id: str = typer.Argument(..., help="The key's id, or its secret's prefix.")) -> None:
     """Revoke a key: requests with it get 401 from now on."""
+    from nnqueue.api import auth
+    from nnqueue.db.session import transaction
+
     with transaction(_sessions()) as session:
         try:
             key = auth.revoke_key(session, prefix_or_id)
@@ -99,6 +138,9 @@ def set_scopes(
     scope: list[str] = typer.Option(..., help="The key's scopes from now on (repeatable): trace, harvest, admin."),
 ) -> None:
     """Replace a key's scopes (e.g. grant trace to a key created before scopes were enforced)."""
+    from nnqueue.api import auth
+    from nnqueue.db.session import transaction
+
     with transaction(_sessions()) as session:
         try:
             key = auth.set_scopes(session, prefix_or_id, scope)
@@ -111,4 +153,6 @@ def set_scopes(
 
 
 def _sessions() -> sessionmaker[Session]:
+    from nnqueue.db.session import make_engine, session_factory
+
     return session_factory(make_engine(Settings().resolved_database_url))

@@ -2,22 +2,26 @@
 
 :func:`nnqueue.api.app.create_app` builds the resources once and keeps them on ``app.state``
 (:class:`Resources`); routes receive them through the ``Annotated`` aliases below, so tests can
-build an app on their own settings and nothing reads global state.
+build an app on their own settings and nothing reads global state. Dependencies that do no I/O are
+``async``: FastAPI would otherwise run each in a worker thread, a hop per dependency per request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated
 
 from celery import Celery
 from fastapi import Depends, HTTPException, Request, Security, status
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.api.auth import AuthenticationFailed, authenticate
+from nnqueue.api.auth import AuthenticationFailed, authenticate, hash_secret
+from nnqueue.scheduler.admission import AdmissionPolicy
 from nnqueue.settings import Settings
 from nnqueue.storage.object_store import ObjectStore
 
@@ -29,6 +33,8 @@ class Resources:
     sessions: sessionmaker[Session]
     store: ObjectStore
     celery: Celery
+    admission: AdmissionPolicy
+    callers: RecentCallers
 
 
 @dataclass(frozen=True)
@@ -44,33 +50,39 @@ class Caller:
         return "admin" in self.scopes
 
 
-def get_resources(request: Request) -> Resources:
+async def get_resources(request: Request) -> Resources:
     return request.app.state.resources
 
 
-def get_settings(resources: Annotated[Resources, Depends(get_resources)]) -> Settings:
+async def get_settings(resources: Annotated[Resources, Depends(get_resources)]) -> Settings:
     return resources.settings
 
 
-def get_sessions(resources: Annotated[Resources, Depends(get_resources)]) -> sessionmaker[Session]:
+async def get_sessions(resources: Annotated[Resources, Depends(get_resources)]) -> sessionmaker[Session]:
     return resources.sessions
 
 
-def get_session(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)]) -> Iterator[Session]:
+async def get_session(sessions: Annotated[sessionmaker[Session], Depends(get_sessions)]) -> AsyncIterator[Session]:
     """One session per request, closed (its transaction rolled back) when the route function returns:
-    before the response is sent, so a streamed download does not hold a database connection."""
+    before the response is sent, so a streamed download does not hold a database connection.
+
+    Opened and closed on the event loop, not in a worker thread: a request must never hold a connection while
+    it waits for a thread (all threads could then be waiting for connections: a deadlock). Opening does no I/O;
+    closing gives the connection back to the pool.
+    """
     with sessions() as session:
         yield session
 
 
-def get_store(resources: Annotated[Resources, Depends(get_resources)]) -> ObjectStore:
+async def get_store(resources: Annotated[Resources, Depends(get_resources)]) -> ObjectStore:
     return resources.store
 
 
-def get_celery(resources: Annotated[Resources, Depends(get_resources)]) -> Celery:
+async def get_celery(resources: Annotated[Resources, Depends(get_resources)]) -> Celery:
     return resources.celery
 
 
+ResourcesDep = Annotated[Resources, Depends(get_resources)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]
@@ -83,19 +95,51 @@ _bearer = HTTPBearer(auto_error=False, description="`Authorization: Bearer <key>
 _ndif_header = APIKeyHeader(name="ndif-api-key", auto_error=False, description="`ndif-api-key: <key>`")
 
 
-def get_caller(
-    session: SessionDep,
+async def get_caller(
+    resources: Annotated[Resources, Depends(get_resources)],
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
     ndif_key: Annotated[str | None, Security(_ndif_header)],
 ) -> Caller:
+    """The key's owner. A key found valid is remembered for NNQUEUE_AUTH_CACHE_S (no database round trip, no
+    worker thread); a revoked key is therefore refused within that time."""
     secret = bearer.credentials if bearer is not None else ndif_key
     if not secret:
         raise _unauthorized("missing API key: send 'Authorization: Bearer <key>' or 'ndif-api-key: <key>'")
-    try:
+    caller = resources.callers.get(secret)
+    if caller is None:
+        try:
+            caller = await run_in_threadpool(_look_up, resources.sessions, secret)
+        except AuthenticationFailed as failure:
+            raise _unauthorized(str(failure)) from None
+        resources.callers.put(secret, caller)
+    return caller
+
+
+def _look_up(sessions: sessionmaker[Session], secret: str) -> Caller:
+    with sessions() as session:
         key = authenticate(session, secret)
-    except AuthenticationFailed as failure:
-        raise _unauthorized(str(failure)) from None
-    return Caller(owner=key.owner, key_id=key.id, scopes=frozenset(key.scopes))
+        return Caller(owner=key.owner, key_id=key.id, scopes=frozenset(key.scopes))
+
+
+class RecentCallers:
+    """Keys found valid in the last ``ttl_s`` seconds, by their secret's hash (at most ``limit`` of them)."""
+
+    def __init__(self, ttl_s: float, limit: int = 10_000) -> None:
+        self.ttl_s, self.limit = ttl_s, limit
+        self._entries: dict[str, tuple[float, Caller]] = {}
+
+    def get(self, secret: str) -> Caller | None:
+        entry = self._entries.get(hash_secret(secret))
+        if entry is None or entry[0] < time.monotonic():
+            return None
+        return entry[1]
+
+    def put(self, secret: str, caller: Caller) -> None:
+        if self.ttl_s <= 0:
+            return
+        if len(self._entries) >= self.limit:
+            self._entries.clear()
+        self._entries[hash_secret(secret)] = (time.monotonic() + self.ttl_s, caller)
 
 
 def _unauthorized(detail: str) -> HTTPException:
@@ -130,3 +174,7 @@ def require_scope(scope: str) -> Callable[[Caller], Caller]:
         return caller
 
     return caller_with_scope
+
+
+# The caller of a route that queues code (a trace): 403 unless its key has the ``trace`` scope.
+TraceCallerDep = Annotated[Caller, Depends(require_scope("trace"))]

@@ -8,12 +8,12 @@ explain a trace that this server's nnsight cannot rebuild.
 from __future__ import annotations
 
 import uuid
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from nnqueue.db.models import Job, JobKind, JobStatus
+from nnqueue.db.models import Job, JobKind, JobStatus, as_utc
 
 MAX_TIMEOUT_S = 86400.0
 INT32 = 2**31 - 1
@@ -92,11 +92,11 @@ class JobResponse(BaseModel):
             timeout_s=job.timeout_s,
             metadata=job.meta.get("metadata", {}),
             attempts=job.attempts,
-            created_at=_utc(job.created_at),
-            queued_at=_utc(job.queued_at),
-            started_at=_utc(job.started_at),
-            finished_at=_utc(job.finished_at),
-            purged_at=_utc(job.purged_at),
+            created_at=as_utc(job.created_at),
+            queued_at=as_utc(job.queued_at),
+            started_at=as_utc(job.started_at),
+            finished_at=as_utc(job.finished_at),
+            purged_at=as_utc(job.purged_at),
             queue_position=queue_position,
             progress=Progress(done=job.progress_done, total=job.progress_total),
             error=_error(job),
@@ -113,6 +113,9 @@ class ModelInfo(BaseModel):
     model_key: str
     workers: int
     capacity: int = Field(description="Jobs the live workers run at once, summed.")
+    engine: str = Field(
+        description="The engine the workers hold: 'vllm' (VLLM traces) or 'transformers' (LanguageModel)."
+    )
 
 
 class ModelsResponse(BaseModel):
@@ -139,10 +142,3 @@ def _result(job: Job) -> JobResult | None:
     if job.result_key is None or job.result_size is None or job.result_format is None:
         return None
     return JobResult(size=job.result_size, format=job.result_format)
-
-
-def _utc(moment: datetime | None) -> datetime | None:
-    """Timestamps in UTC; SQLite hands them back without a zone, though they were written in UTC."""
-    if moment is None or moment.tzinfo is not None:
-        return moment
-    return moment.replace(tzinfo=UTC)

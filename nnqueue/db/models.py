@@ -12,12 +12,31 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Enum, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+def as_utc(moment: datetime | None) -> datetime | None:
+    """A timestamp read back in UTC: SQLite returns them without a zone, though they were written in UTC."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
 
 
 class Base(DeclarativeBase):
@@ -44,6 +63,13 @@ class JobStatus(enum.StrEnum):
 class JobKind(enum.StrEnum):
     TRACE = "trace"  # a serialized nnsight trace
     HARVEST = "harvest"  # a declarative "save these activations for this dataset" spec
+
+
+class EngineKind(enum.StrEnum):
+    """The engine a worker holds, which decides the traces it runs."""
+
+    VLLM = "vllm"  # nnsight's VLLM traces, batched by vLLM
+    TRANSFORMERS = "transformers"  # nnsight's LanguageModel traces (and sessions) on a Hugging Face model
 
 
 def _enum_column(enum_cls: type[enum.Enum], name: str) -> Enum:
@@ -95,7 +121,9 @@ class Job(Base):
     timeout_s: Mapped[float] = mapped_column(default=600.0)
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSON, default=dict)
 
-    payload_key: Mapped[str] = mapped_column(String(1024))
+    # The payload's object-store key; null when the payload is small enough to be kept in the database
+    # (job_payloads), which saves an object-store round trip on submission (nnqueue.scheduler.payloads).
+    payload_key: Mapped[str | None] = mapped_column(String(1024))
     payload_size: Mapped[int] = mapped_column(BigInteger)
     result_key: Mapped[str | None] = mapped_column(String(1024))
     result_size: Mapped[int | None] = mapped_column(BigInteger)
@@ -120,6 +148,15 @@ class Job(Base):
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan", passive_deletes=True
     )
+
+
+class JobPayload(Base):
+    """A small payload kept beside its job rather than in the object store (``Job.payload_key`` is then null)."""
+
+    __tablename__ = "job_payloads"
+
+    job_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class JobEvent(Base):
@@ -148,6 +185,8 @@ class Worker(Base):
     host: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int] = mapped_column(Integer)
     capacity: Mapped[int] = mapped_column(Integer)
+    # The kind of engine it holds (an EngineKind value): which traces it can run.
+    engine: Mapped[str] = mapped_column(String(32), server_default=EngineKind.VLLM.value)
     started_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(Timestamp)

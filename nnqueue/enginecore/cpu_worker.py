@@ -17,12 +17,13 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.crash_report import CrashReportingWorker
+from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
 
 
-class NNsightCPUModelRunner(NNsightGPUModelRunner, CPUModelRunner):
-    """nnsight's hooks (``load_model``, ``execute_model``, ...) over vLLM's CPU runner.
+class NNsightCPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner, CPUModelRunner):
+    """nnqueue's harvest capture and nnsight's hooks (``load_model``, ``execute_model``, ...) over vLLM's CPU runner.
 
     Adds no constructor state (nnsight's runner builds its own in ``load_model``), so an
     already-built ``CPUModelRunner`` can be re-classed to it.

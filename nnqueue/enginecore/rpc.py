@@ -9,6 +9,10 @@ writes, and the others return None, as nnsight's ``collect_nnsight`` does under 
   result writer thread; returns at once. The outcome arrives through the outbox.
 * ``nnqueue_discard_trace``: frees the state of requests that were aborted, cancelled or timed out.
 * ``nnqueue_outbox``: the queued completions (:mod:`nnqueue.enginecore.outbox`).
+* ``nnqueue_harvest_begin`` / ``nnqueue_harvest_abort``: start or drop a harvest chunk
+  (:mod:`nnqueue.enginecore.harvest_capture`); ``nnqueue_harvest_stats``: what the capture path holds;
+  ``nnqueue_capture_points``: the model's capturable points (:mod:`nnqueue.enginecore.capture_points`).
+  A refusal comes back as ``{"error": reason}``, not as an exception in the engine.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def reporting_rank() -> bool:
 
 
 class NNqueueRPC:
-    """RPC methods for a vLLM worker whose ``model_runner`` is nnsight's runner."""
+    """RPC methods for a vLLM worker whose ``model_runner`` is nnsight's runner with `HarvestRunnerMixin`."""
 
     model_runner: Any
 
@@ -72,6 +76,33 @@ class NNqueueRPC:
 
     def nnqueue_outbox(self) -> list[dict[str, Any]] | None:
         return outbox.drain() if reporting_rank() else None
+
+    def nnqueue_harvest_begin(self, spec: dict[str, Any]) -> dict[str, Any] | None:
+        """Begin a harvest chunk (`HarvestCapture.begin`): ``{"chunk": key}`` or ``{"error": reason}``."""
+        if not reporting_rank():
+            return None
+        try:
+            return self.model_runner.nnqueue_harvest().begin(spec)
+        except (ValueError, KeyError, TypeError) as error:
+            return {"error": str(error)}
+
+    def nnqueue_harvest_abort(self, chunk: str) -> bool | None:
+        """Drop a chunk's requests, buffers and pending write; whether there was anything to drop."""
+        capture = self.model_runner.nnqueue_capture
+        return capture.abort(chunk) if reporting_rank() and capture is not None else None
+
+    def nnqueue_harvest_stats(self) -> dict[str, int] | None:
+        """What the capture path holds now (chunks, requests, buffered bytes, writes): a leak gauge."""
+        return self.model_runner.nnqueue_harvest().stats() if reporting_rank() else None
+
+    def nnqueue_capture_points(self) -> list[dict[str, Any]] | None:
+        """The model's capturable points, for validating harvest specs (empty where harvests can't run)."""
+        if not reporting_rank():
+            return None
+        try:
+            return self.model_runner.nnqueue_harvest().points
+        except ValueError:
+            return []
 
 
 def _result_writer() -> trace_results.ResultWriter:

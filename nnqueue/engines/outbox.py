@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from typing import Any
 
 from nnqueue.errors import NNqueueError
@@ -95,3 +96,16 @@ class OutboxPoller:
             log.info("dropped outbox entry %s (%s): nobody waits for it", entry["id"], entry["kind"])
             return
         future.set_result(entry)
+
+
+_pollers: weakref.WeakKeyDictionary[Any, OutboxPoller] = weakref.WeakKeyDictionary()
+
+
+def poller(engine: Any) -> OutboxPoller:
+    """The one poller of ``engine`` (an ``AsyncLLM``), made on first use: every user of an engine's
+    outbox (trace results, harvest shards) shares one poll. It holds the engine weakly, so that it does
+    not keep a shut-down engine alive."""
+    found = _pollers.get(engine)
+    if found is None:
+        found = _pollers[engine] = OutboxPoller(weakref.proxy(engine))
+    return found

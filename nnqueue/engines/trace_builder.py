@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 
 from nnqueue import isolation, trace_payload
 from nnqueue.enginecore import protected
+from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import EngineConfig
 
 FRAME_HEADER = 8
@@ -42,40 +43,20 @@ OK, FAILED, READY = 0, 1, 2
 
 def build_prebuilt(model: Any, payload: bytes) -> bytes:
     """The prebuilt payload for the raw nnsight payload ``payload``, built against meta model ``model``."""
-    from nnsight.intervention.util import clear_shared_locals
     from nnsight.schema.request import RequestModel
-    from nnsight.tracing.tracer import dec, inc
 
-    filename = None
-    _forget_sources()
-    # A trace's body runs inside a trace scope (nnsight's Tracer.__exit__ opens it before the backend),
-    # which is what lets trace-level code call nnsight.save(...).
-    inc()
-    try:
+    with payload_scope(model) as registered:
         tracer = RequestModel.deserialize(
             payload, model._remoteable_persistent_objects(), compress=payload.startswith(trace_payload.ZSTD_MAGIC)
         )
         filename = tracer.info.frame.f_code.co_filename
+        registered(filename)
         # Deserialize drops the AST node, which `_attach_mediators` needs to serialize a direct-input
         # trace's mediator; parse it back from the source deserialize just registered.
         tracer.node = ast.parse("".join(linecache.getlines(filename)))
         _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
         model._attach_mediators(params, **forward_kwargs)
         return trace_payload.encode(trace_payload.from_vllm_requests(prompts, params, lora_requests))
-    finally:
-        model.interleaver.cancel()
-        clear_shared_locals()
-        dec()
-        _forget_sources()
-        if filename is not None:
-            linecache.cache.pop(filename, None)
-
-
-def _forget_sources() -> None:
-    from nnsight.tracing.globals import BLOCKS, SOURCES
-
-    SOURCES.clear()
-    BLOCKS.clear()
 
 
 def load_meta_model(model: str, engine_kwargs: dict[str, Any]) -> Any:

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.errors import NNqueueError
-from nnqueue.scheduler.registry import live_workers
+from nnqueue.scheduler.registry import LiveModels
 from nnqueue.settings import Settings
 
 IN_FLIGHT = (JobStatus.QUEUED, JobStatus.RUNNING)
@@ -40,17 +40,20 @@ class AdmissionPolicy:
     stale_after_s: float
     # Jobs one API key may have queued or running at once (jobs submitted without a key are not counted).
     max_jobs_in_flight_per_key: int
+    # The live models, remembered between submissions (the API keeps one); None: read for every job.
+    live_models: LiveModels | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> AdmissionPolicy:
-        return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key)
+    def from_settings(cls, settings: Settings, *, remember_live_models: bool = False) -> AdmissionPolicy:
+        live = LiveModels(settings.worker_stale_after_s) if remember_live_models else None
+        return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key, live)
 
 
 def admit(session: Session, policy: AdmissionPolicy, model_key: str, api_key_id: int | None) -> None:
     """Return if a job for ``model_key`` from ``api_key_id`` may be accepted, else raise :class:`AdmissionRefused`."""
-    live = sorted({worker.model_key for worker in live_workers(session, policy.stale_after_s)})
-    if model_key not in live:
-        served = ", ".join(repr(key) for key in live) or "none"
+    live = policy.live_models or LiveModels(policy.stale_after_s, max_age_s=0)
+    if not live.serves(session, model_key):
+        served = ", ".join(repr(key) for key in sorted(live.read(session))) or "none"
         raise ModelNotServed(f"no live worker serves model {model_key!r}; live models: {served}")
     if api_key_id is None:
         return

@@ -11,6 +11,7 @@ import uuid
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue import metrics
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
@@ -19,4 +20,6 @@ from nnqueue.db.session import transaction
 def cancel_job(sessions: sessionmaker[Session], job_id: uuid.UUID, *, by: str) -> Job:
     """Mark the job CANCELLED; raises ``InvalidTransition`` if it has already ended."""
     with transaction(sessions) as session:
-        return transition(session, job_id, JobStatus.CANCELLED, detail={"by": by})
+        job = transition(session, job_id, JobStatus.CANCELLED, detail={"by": by})
+    metrics.JOBS_FINISHED.labels(job.model_key, job.kind.value, JobStatus.CANCELLED.value).inc()
+    return job

@@ -50,7 +50,11 @@ def requeue_orphans(
         try:
             enqueue(app, job)
         except Exception:  # the job's unacknowledged original message still comes back later
-            log.exception("requeued job %s, but could not send its message; the broker will redeliver it", job_id)
+            log.exception(
+                "requeued job %s, but could not send its message; the broker will redeliver it",
+                job_id,
+                extra={"job_id": job_id},
+            )
     return requeued
 
 

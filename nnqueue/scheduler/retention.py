@@ -1,8 +1,8 @@
 """Retention: the payloads and results of jobs that ended long ago are deleted; their rows stay.
 
 With ``NNQUEUE_RETENTION_DAYS`` set, :func:`purge_expired` (``nnqueue gc``, or a periodic task) deletes the
-objects of every job that ended (completed, failed or cancelled) more than that long ago and marks the row
-``purged_at``, so the API answers 410 for its result and the history (status, times, errors, sizes) remains.
+objects (and a payload kept in the database) of every job that ended (completed, failed or cancelled) more
+than that long ago and marks the row ``purged_at``, so the API answers 410 for its result and the history (status, times, errors, sizes) remains.
 Unset, nothing is ever deleted: results are the users' data, and deleting them is the operator's choice.
 
 Objects are deleted before the row is marked, so an interrupted run leaves rows that the next run
@@ -15,10 +15,10 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.models import Job, JobStatus, utcnow
+from nnqueue.db.models import Job, JobPayload, JobStatus, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import ObjectStore
@@ -58,15 +58,18 @@ def purge_expired(
         if not batch:
             break
         for job_id, payload_key, attempts in batch:
-            store.delete(payload_key)
+            if payload_key is not None:  # None: the payload is in the database
+                store.delete(payload_key)
             # Each attempt's result (a lost attempt may have left one), and the per-job keys of older versions.
             for attempt in [None, *range(1, attempts + 1)]:
                 for name in (TORCH_FILE, SAFETENSORS_FILE):
                     store.delete(result_key(job_id, name, attempt))
+        ids = [job_id for job_id, _, _ in batch]
         with transaction(sessions) as session:
+            session.execute(delete(JobPayload).where(JobPayload.job_id.in_(ids)))
             session.execute(
                 update(Job)
-                .where(Job.id.in_([job_id for job_id, _, _ in batch]), Job.purged_at.is_(None))
+                .where(Job.id.in_(ids), Job.purged_at.is_(None))
                 .values(purged_at=utcnow())
                 .execution_options(synchronize_session=False)
             )

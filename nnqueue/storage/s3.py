@@ -38,20 +38,10 @@ class S3ObjectStore(ObjectStore):
 
     def __init__(self, settings: S3Settings) -> None:
         self.bucket = settings.bucket
-        secret = settings.secret_access_key
-        self._client: Any = boto3.client(
-            "s3",
-            endpoint_url=settings.endpoint_url,
-            region_name=settings.region,
-            aws_access_key_id=settings.access_key_id,
-            aws_secret_access_key=secret.get_secret_value() if secret else None,
-            config=Config(
-                signature_version="s3v4",
-                # Custom endpoints rarely resolve <bucket>.<host>; AWS itself prefers virtual hosts.
-                s3={"addressing_style": "path" if settings.endpoint_url else "auto"},
-                retries={"mode": "standard", "max_attempts": 5},
-            ),
-        )
+        self._client: Any = _client(settings, settings.endpoint_url)
+        # Presigning is local (no request); a URL for clients must name the address they reach the store at.
+        public = settings.public_endpoint_url
+        self._presigner: Any = _client(settings, public) if public and public != settings.endpoint_url else self._client
         self._bucket_ready = False
         self._bucket_lock = threading.Lock()
 
@@ -100,14 +90,16 @@ class S3ObjectStore(ObjectStore):
         self._call("delete_object", key)  # S3 deletes are idempotent
 
     def presigned_get_url(self, key: str, expires_in: int) -> str:
-        return self._presigned("get_object", key, expires_in)
+        # For clients: signed for the public endpoint when one is configured.
+        return self._presigned(self._presigner, "get_object", key, expires_in)
 
     def presigned_put_url(self, key: str, expires_in: int) -> str:
-        return self._presigned("put_object", key, expires_in)
+        # For the worker's own engine processes, which reach the store at its internal endpoint.
+        return self._presigned(self._client, "put_object", key, expires_in)
 
-    def _presigned(self, operation: str, key: str, expires_in: int) -> str:
+    def _presigned(self, client: Any, operation: str, key: str, expires_in: int) -> str:
         self._ensure_bucket()
-        return self._client.generate_presigned_url(
+        return client.generate_presigned_url(
             operation,
             Params={"Bucket": self.bucket, "Key": validate_key(key)},
             ExpiresIn=validate_expiry(expires_in),
@@ -151,6 +143,23 @@ class S3ObjectStore(ObjectStore):
         except ClientError as exc:
             if exc.response["Error"]["Code"] != "BucketAlreadyOwnedByYou":
                 raise
+
+
+def _client(settings: S3Settings, endpoint_url: str | None) -> Any:
+    secret = settings.secret_access_key
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        region_name=settings.region,
+        aws_access_key_id=settings.access_key_id,
+        aws_secret_access_key=secret.get_secret_value() if secret else None,
+        config=Config(
+            signature_version="s3v4",
+            # Custom endpoints rarely resolve <bucket>.<host>; AWS itself prefers virtual hosts.
+            s3={"addressing_style": "path" if endpoint_url else "auto"},
+            retries={"mode": "standard", "max_attempts": 5},
+        ),
+    )
 
 
 def _transfer_config(size_hint: int | None) -> TransferConfig:

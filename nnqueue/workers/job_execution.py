@@ -8,8 +8,8 @@ values before it failed). A cancel is seen by :meth:`JobRunner.reap_lost`, which
 cancels the job's task, which aborts its engine requests, as it does for a job requeued while this worker
 looked dead. A worker finishes only a job it still holds (the finishing update is guarded by the holder).
 
-Running is the executor's (:class:`Executor`): one per engine kind, e.g. the vLLM trace executor
-(:mod:`nnqueue.workers.trace_execution`). Database calls run in threads (``asyncio.to_thread``) so that
+Running is the executor's (:class:`Executor`): one per engine kind, the vLLM trace executor
+(:mod:`nnqueue.workers.trace_execution`) and the transformers one (:mod:`nnqueue.workers.transformers_execution`). Database calls run in threads (``asyncio.to_thread``) so that
 the engine loop keeps serving the other jobs; progress is written as the executor reports it, throttled,
 in the background, so it never delays a job.
 """
@@ -23,15 +23,18 @@ import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue import metrics
 from nnqueue.db.lifecycle import InvalidTransition, transition
-from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.models import Job, JobStatus, as_utc
 from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
+from nnqueue.logs import job_context
 from nnqueue.scheduler.claim import claim
 from nnqueue.storage.results import StoredResult
 from nnqueue.workers.engine_health import EngineHealth
@@ -74,6 +77,10 @@ class Executor(Protocol):
         when the job cannot run at all."""
         ...
 
+    async def close(self) -> None:
+        """Release the engine (the worker is stopping)."""
+        ...
+
 
 @dataclass
 class JobRunner:
@@ -88,6 +95,10 @@ class JobRunner:
     _aborted: dict[uuid.UUID, Outcome] = field(default_factory=dict)
 
     async def run(self, job_id: uuid.UUID) -> Outcome:
+        with job_context(job_id):
+            return await self._run(job_id)
+
+    async def _run(self, job_id: uuid.UUID) -> Outcome:
         if self.health is not None and self.health.dead.is_set():
             await asyncio.to_thread(self.health.hand_back, job_id)  # the engine is gone: another worker runs it
             return Outcome.SKIPPED
@@ -95,6 +106,9 @@ class JobRunner:
         if job is None:
             log.info("job %s skipped: another delivery owns it, or it has ended", job_id)
             return Outcome.SKIPPED
+        waited = _seconds(job.queued_at, job.started_at)
+        metrics.QUEUE_WAIT.labels(job.model_key, job.kind.value).observe(waited)
+        log.info("job %s started (attempt %d) after %.3f s in the queue", job_id, job.attempts, waited)
         task = asyncio.current_task()
         assert task is not None
         self._running[job_id] = task
@@ -108,6 +122,7 @@ class JobRunner:
             fields: dict[str, Any] = {"progress_done": execution.units, "progress_total": execution.units}
             if result is not None:
                 fields.update(result_key=result.key, result_size=result.size, result_format=result.format)
+                metrics.STORE_BYTES_WRITTEN.labels("result").inc(result.size)
             if execution.failure is not None:
                 return await self._fail(job_id, execution.failure, **fields)
             detail = {"result_bytes": result.size if result else 0}
@@ -137,11 +152,15 @@ class JobRunner:
 
     async def _finish(self, job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], **fields: Any) -> Outcome:
         try:
-            await asyncio.to_thread(_transition, self.sessions, job_id, target, detail, self.worker_id, fields)
+            job = await asyncio.to_thread(_transition, self.sessions, job_id, target, detail, self.worker_id, fields)
         except InvalidTransition as lost:
             # Cancelled or taken over while finishing: the other writer's status stands.
             log.info("job %s not marked %s: %s", job_id, target.value, lost)
             return Outcome.CANCELLED if lost.current is S.CANCELLED else Outcome.SKIPPED
+        labels, ran = (job.model_key, job.kind.value, target.value), _seconds(job.started_at, job.finished_at)
+        metrics.JOBS_FINISHED.labels(*labels).inc()
+        metrics.RUN_TIME.labels(*labels).observe(ran)
+        log.info("job %s %s after %.3f s", job_id, target.value, ran)
         return Outcome(target.value)
 
     async def _fail(self, job_id: uuid.UUID, failure: JobFailure, **fields: Any) -> Outcome:
@@ -224,6 +243,12 @@ def _transition(
     detail: dict[str, Any],
     worker_id: str,
     fields: dict[str, Any],
-) -> None:
+) -> Job:
     with transaction(sessions) as session:
-        transition(session, job_id, target, detail=detail, held_by=worker_id, **fields)
+        return transition(session, job_id, target, detail=detail, held_by=worker_id, **fields)
+
+
+def _seconds(start: datetime | None, end: datetime | None) -> float:
+    """Seconds from ``start`` to ``end`` (0 when either is unknown)."""
+    start, end = as_utc(start), as_utc(end)
+    return 0.0 if start is None or end is None else max(0.0, (end - start).total_seconds())

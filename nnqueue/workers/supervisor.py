@@ -6,7 +6,8 @@ that holds no engine: it runs the worker (``nnqueue worker --no-supervise ...``)
 own, waits for it, kills whatever the worker left behind in that session (engine processes), and starts
 it again after a backoff (1 s, doubling up to a minute; back to 1 s once a worker has run for five
 minutes). SIGTERM and SIGINT are passed to the worker, which shuts down warmly; the supervisor then
-exits with the worker's status. A worker that exits 0 was stopped on purpose and is not restarted.
+exits with the worker's status. A worker that exits 0 was stopped on purpose, one that exits 2 was
+misconfigured: neither is restarted.
 
 If the supervisor itself is killed, the kernel kills the worker (``PR_SET_PDEATHSIG``, set by the
 worker at start), and the worker's engine processes follow it (:mod:`nnqueue.enginecore.lifetime`).
@@ -29,6 +30,7 @@ SUPERVISOR_PID_ENV = "NNQUEUE_SUPERVISOR_PID"
 FIRST_BACKOFF_S = 1.0
 MAX_BACKOFF_S = 60.0
 HEALTHY_AFTER_S = 300.0
+CONFIGURATION_ERROR = 2  # a bad option or a conflicting engine: starting again would not help
 
 
 class Supervisor:
@@ -51,7 +53,7 @@ class Supervisor:
         while True:
             started = time.monotonic()
             code = self._run_once()
-            if self.stopping.is_set() or code == 0:
+            if self.stopping.is_set() or code in (0, CONFIGURATION_ERROR):
                 return code
             if time.monotonic() - started > HEALTHY_AFTER_S:
                 backoff = FIRST_BACKOFF_S

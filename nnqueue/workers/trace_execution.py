@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import nnsight
+from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import trace_payload
 from nnqueue.db.models import Job
 from nnqueue.engines import prebuilt, trace_runner
 from nnqueue.engines.builders import BuilderPool, BuildFailed
 from nnqueue.engines.outbox import OutboxPoller
+from nnqueue.scheduler.payloads import PayloadMissing, load_payload
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
@@ -32,6 +34,7 @@ from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
 
 @dataclass
 class VLLMTraceExecutor:
+    sessions: sessionmaker[Session]  # small payloads are kept in the database (nnqueue.scheduler.payloads)
     store: ObjectStore
     model: Any  # a dispatched async nnsight VLLM
     sinks: ResultSinks
@@ -40,11 +43,9 @@ class VLLMTraceExecutor:
 
     async def execute(self, job: Job, progress: Callable[[int, int], None]) -> Execution:
         try:
-            payload = await asyncio.to_thread(self.store.get_bytes, job.payload_key)
-        except ObjectNotFound:
-            raise JobFailure(
-                "PayloadMissing", f"the job's payload {job.payload_key} is not in the object store"
-            ) from None
+            payload = await asyncio.to_thread(load_payload, self.sessions, self.store, job)
+        except PayloadMissing as missing:
+            raise JobFailure("PayloadMissing", str(missing)) from None
         trace, requests = await self._prepare(job, payload)
         total = len(requests.request_ids)
         progress(0, total)
@@ -74,6 +75,10 @@ class VLLMTraceExecutor:
             if not committed:
                 await asyncio.to_thread(self.sinks.discard, sinks)
         return Execution(total, stored, failure)
+
+    async def close(self) -> None:
+        await self.builders.close()
+        self.model.vllm_entrypoint.shutdown()
 
     async def _prepare(self, job: Job, payload: bytes) -> tuple[trace_payload.PrebuiltTrace, prebuilt.TraceRequests]:
         """The payload's trace and its vLLM requests: parsed, after a builder process prebuilt a raw payload."""

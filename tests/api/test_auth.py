@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 from sqlalchemy import select
@@ -12,7 +13,7 @@ from nnqueue.api import auth
 from nnqueue.cli import app
 from nnqueue.db.models import ApiKey
 from nnqueue.db.session import transaction
-from tests.utils.api import Api, create_secret
+from tests.utils.api import Api, api_client, create_secret
 from tests.utils.services import Services
 
 runner = CliRunner()
@@ -43,18 +44,24 @@ def test_both_headers_authenticate_and_anything_else_is_401(api: Api) -> None:
         assert response.status_code == 401, headers
 
 
-def test_a_revoked_key_is_rejected_and_says_so(api: Api) -> None:
-    secret = create_secret(api.resources.sessions, "alice")
-    headers = {"Authorization": f"Bearer {secret}"}
-    assert api.http.get("/v1/models", headers=headers).status_code == 200
-    with transaction(api.resources.sessions) as session:
-        auth.revoke_key(session, secret[: auth.PREFIX_LENGTH])
+def test_a_revoked_key_is_rejected_and_says_so_within_the_cache_period(services: Services) -> None:
+    """The API remembers a valid key for NNQUEUE_AUTH_CACHE_S rather than look it up on every request."""
+    with api_client(services, auth_cache_s=2) as api:
+        secret = create_secret(api.resources.sessions, "alice")
+        headers = {"Authorization": f"Bearer {secret}"}
+        assert api.http.get("/v1/models", headers=headers).status_code == 200
+        with transaction(api.resources.sessions) as session:
+            auth.revoke_key(session, secret[: auth.PREFIX_LENGTH])
+        assert api.http.get("/v1/models", headers=headers).status_code == 200  # remembered
+        time.sleep(2.1)  # the remembered lookup expires
 
-    for path in ("/v1/models", "/v1/jobs"):
-        response = api.http.get(path, headers=headers)
-        assert response.status_code == 401
-        assert "was revoked" in response.json()["detail"]
-    assert api.http.get("/healthz").status_code == 200  # health needs no key
+        for path in ("/v1/models", "/v1/jobs"):
+            response = api.http.get(path, headers=headers)
+            assert response.status_code == 401
+            assert "was revoked" in response.json()["detail"]
+        assert api.http.get("/healthz").status_code == 200  # health needs no key
+    with api_client(services, auth_cache_s=0) as uncached:
+        assert uncached.http.get("/v1/models", headers=headers).status_code == 401
 
 
 def test_keys_cli_creates_lists_and_revokes(services: Services, monkeypatch: pytest.MonkeyPatch) -> None:

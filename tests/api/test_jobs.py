@@ -21,9 +21,10 @@ from nnqueue.api.limits import FORM_OVERHEAD_BYTES
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
 from nnqueue.db.session import transaction
+from nnqueue.scheduler.payloads import load_payload
 from nnqueue.scheduler.retention import purge_expired
 from nnqueue.storage.results import load_result
-from tests.utils.api import LIVE_MODEL, Api, api_client, register_worker
+from tests.utils.api import LIVE_MODEL, Api, api_client, complete, register_worker
 from tests.utils.payloads import fake_trace
 from tests.utils.results import store_result
 from tests.utils.servers import free_ports
@@ -35,24 +36,6 @@ S = JobStatus
 @pytest.fixture(scope="module", autouse=True)
 def live_worker(services: Services) -> str:
     return register_worker(services.sessions)
-
-
-def complete(services: Services, job_id: str, saves: dict[str, Any]) -> None:
-    """Run a job to COMPLETED the way a worker does: claim, store the result, finish."""
-    job_uuid = uuid.UUID(job_id)
-    with transaction(services.sessions) as session:
-        transition(session, job_uuid, S.RUNNING, worker_id="test-worker")
-    stored = store_result(services.store, job_uuid, saves)
-    with transaction(services.sessions) as session:
-        transition(
-            session,
-            job_uuid,
-            S.COMPLETED,
-            result_key=stored.key,
-            result_size=stored.size,
-            result_format=stored.format,
-            progress_done=1,
-        )
 
 
 def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> None:
@@ -69,8 +52,20 @@ def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> N
 
     stored = services.job(uuid.UUID(job["id"]))
     assert stored.meta == {"metadata": {"run": 7}, "client": client}  # the worker reads meta["client"]
-    assert api.resources.store.get_bytes(stored.payload_key) == fake_trace(b"serialized trace")
+    assert stored.payload_key is None  # small: kept in the database, no object-store round trip
+    assert load_payload(services.sessions, services.store, stored) == fake_trace(b"serialized trace")
     assert api.http.get(f"/v1/jobs/{job['id']}", headers=alice).json() == job
+
+
+def test_a_payload_over_the_inline_limit_goes_to_the_object_store(services: Services) -> None:
+    large, small = fake_trace(b"a larger body"), fake_trace(b"small")
+    with api_client(services, inline_payload_max_bytes=len(small), worker_stale_after_s=3600) as api:
+        alice = api.new_key("alice")
+        job = services.job(uuid.UUID(api.submit_ok(alice, large)["id"]))
+        assert job.payload_key is not None and api.resources.store.get_bytes(job.payload_key) == large
+        assert load_payload(services.sessions, services.store, job) == large
+        inline = services.job(uuid.UUID(api.submit_ok(alice, small)["id"]))
+        assert inline.payload_key is None and load_payload(services.sessions, services.store, inline) == small
 
 
 def test_queue_position_counts_the_models_queued_jobs_in_order(api: Api, services: Services) -> None:

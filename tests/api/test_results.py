@@ -6,9 +6,12 @@ which checks signatures and expiry), so downloads go through presigned URLs by d
 
 from __future__ import annotations
 
+import json
 import platform
+import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,9 +21,12 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from nnqueue.storage.results import load_result
+from tests.api.test_metrics import scrape
+from tests.api.test_metrics import value as sample
 from tests.utils.api import Api, api_client
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.reference import reference_saves
+from tests.utils.servers import free_ports
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
 pytestmark = pytest.mark.slow  # end to end: a real worker process
@@ -30,8 +36,14 @@ CLIENT = {"nnsight": nnsight.__version__, "python": platform.python_version()}
 
 
 @pytest.fixture(scope="module")
-def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
-    return start_worker(max_concurrent_jobs=4)
+def worker_metrics_port() -> int:
+    return free_ports(1)[0]
+
+
+@pytest.fixture(scope="module")
+def worker(start_worker: Callable[..., WorkerProcess], worker_metrics_port: int) -> WorkerProcess:
+    env = {"NNQUEUE_WORKER_METRICS_PORT": str(worker_metrics_port), "NNQUEUE_LOG_FORMAT": "json"}
+    return start_worker(max_concurrent_jobs=4, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +85,7 @@ def wait_ended(api: Api, headers: dict[str, str], job_id: str, timeout: float = 
 
 def test_models_shows_the_running_worker(api: Api, worker: WorkerProcess, alice: dict[str, str]) -> None:
     models = api.http.get("/v1/models", headers=alice).json()["models"]
-    assert models == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4}]
+    assert models == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4, "engine": "vllm"}]
 
 
 def test_the_presigned_download_equals_an_in_process_run(
@@ -153,3 +165,50 @@ def test_an_error_in_user_code_is_reported_on_the_job(
     assert "raise ValueError" in failed["error"]["traceback"]
     refused = api.http.get(f"/v1/jobs/{job['id']}/result", headers=alice)  # it saved nothing: no result
     assert refused.status_code == 409 and "is failed" in refused.json()["detail"]
+
+
+def test_the_workers_metrics_and_json_logs_follow_its_jobs(
+    api: Api, worker: WorkerProcess, worker_metrics_port: int, alice: dict[str, str], payload: bytes
+) -> None:
+    """The worker's own series (jobs, queue wait, run time, result bytes) and its engine's vLLM token counter
+    move with a job; its JSON log lines about that job carry the job's id."""
+
+    def worker_metrics() -> dict[Any, float]:
+        return scrape(httpx.get(f"http://127.0.0.1:{worker_metrics_port}/metrics").text)
+
+    trace = {"model": MODEL_KEY, "kind": "trace"}
+    before = worker_metrics()
+    job = api.submit_ok(alice, payload, model_key=MODEL_KEY, timeout_s=120)
+    assert wait_ended(api, alice, job["id"])["status"] == "completed"
+    after = worker_metrics()
+    moved = lambda name, **labels: sample(after, name, **labels) - sample(before, name, **labels)  # noqa: E731
+    assert moved("nnqueue_jobs_finished_total", **trace, status="completed") == 1
+    assert moved("nnqueue_job_queue_wait_seconds_count", **trace) == 1
+    assert moved("nnqueue_job_run_seconds_count", **trace, status="completed") == 1
+    assert moved("nnqueue_job_run_seconds_sum", **trace, status="completed") > 0
+    assert moved("nnqueue_store_bytes_written_total", what="result") > 0
+    generated = sum(v for (name, _), v in after.items() if name == "vllm:generation_tokens_total")
+    assert generated >= 1, "the engine's vLLM token counter is not exported"
+    assert sample(after, "nnqueue_worker_running_jobs", model=MODEL_KEY) == 0
+
+    lines = [json.loads(line) for line in worker.log().splitlines() if line.startswith("{")]
+    about_job = [line for line in lines if job["id"] in line["message"]]
+    assert about_job and all(line.get("job_id") == job["id"] for line in about_job)
+
+
+def test_the_dashboard_and_readme_queries_name_exported_series(
+    api: Api, worker: WorkerProcess, worker_metrics_port: int, completed: dict[str, Any]
+) -> None:
+    """Every series that docker/grafana-dashboard.json and the README's PromQL use is exported by the API or a worker."""
+    exported = {
+        name
+        for text in (api.http.get("/metrics").text, httpx.get(f"http://127.0.0.1:{worker_metrics_port}/metrics").text)
+        for name, _labels in scrape(text)
+    }
+    root = Path(__file__).resolve().parents[2]
+    dashboard = json.loads((root / "docker" / "grafana-dashboard.json").read_text())
+    queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    [readme_block] = re.findall(r"```promql\n(.*?)```", (root / "README.md").read_text(), re.S)
+    queries += [line.split("#")[0] for line in readme_block.splitlines()]
+    used = {name for query in queries for name in re.findall(r"\b(?:nnqueue_|vllm:)[A-Za-z0-9_:]+", query)}
+    assert len(used) >= 10 and used <= exported, used - exported

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 
 import httpx
@@ -14,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
+from tests.utils.api import api_command
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -29,29 +26,9 @@ def test_serve_api_refuses_an_unmigrated_database(
 
 def test_serve_api_serves_the_app(services: Services) -> None:
     [port] = free_ports(1)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "nnqueue", "serve-api", "--port", str(port)],
-        env={**os.environ, **services.env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
-            try:
-                health = httpx.get(f"{url}/healthz")
-                break
-            except httpx.ConnectError:
-                assert time.monotonic() < deadline, "serve-api did not answer in 60 s"
-                time.sleep(0.2)
-        assert health.json() == {"status": "ok"}
+    with api_command(["serve-api", "--port", str(port)], {**os.environ, **services.env}, port) as url:
+        assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
         assert httpx.get(f"{url}/readyz").status_code == 200
         schema = httpx.get(f"{url}/openapi.json").json()
         assert {"/v1/jobs", "/v1/jobs/{job_id}/result", "/v1/models", "/readyz"} <= set(schema["paths"])
         assert httpx.get(f"{url}/v1/jobs").status_code == 401
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=30)

@@ -148,7 +148,7 @@ def test_listing_fetching_cancelling_and_http_errors(
     assert next(j.id for j in client.jobs(status="completed", model_key=MODEL_KEY)) == job.id
     assert all(j.info["status"] == "failed" for j in client.jobs(status="failed"))
     assert client.job(job.id).info["status"] == "completed"
-    assert client.models() == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4}]
+    assert client.models() == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4, "engine": "vllm"}]
 
     with pytest.raises(ConflictError) as conflict:
         job.cancel()

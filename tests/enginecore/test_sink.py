@@ -1,4 +1,5 @@
-"""Sinks: the engine writes an object to a presigned S3 URL (no credentials) or a handoff file, with its digest."""
+"""Sinks: the engine writes an object to a presigned S3 URL (no credentials) or a handoff file, with its digest;
+streamed objects (harvest shards) also as a presigned multipart upload."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from nnqueue.enginecore import sink
 from nnqueue.settings import S3Settings
 from nnqueue.storage.s3 import S3ObjectStore
+
+MiB = 1 << 20
 
 
 def staged(target: dict[str, str], data: bytes) -> str:
@@ -52,3 +55,67 @@ def test_a_presigned_put_uploads_without_credentials(s3_settings: S3Settings) ->
 def test_only_sink_descriptions_are_written_to(description: object) -> None:
     with pytest.raises(sink.SinkError, match="not a sink description"):
         sink.check(description)
+
+
+def pieces(data: bytes, size: int) -> list[memoryview]:
+    view = memoryview(data)
+    return [view[start : start + size] for start in range(0, len(data), size)]
+
+
+@pytest.fixture(scope="module")
+def data() -> bytes:
+    return os.urandom(11 * MiB + 123)
+
+
+@pytest.fixture
+def store(s3_settings: S3Settings) -> S3ObjectStore:
+    return S3ObjectStore(s3_settings.model_copy(update={"bucket": f"sink-{uuid.uuid4().hex[:8]}"}))
+
+
+def test_a_stream_to_a_handoff_file_is_hashed_and_renamed_whole(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "shard.safetensors"
+    written = sink.write_stream({"kind": "handoff", "path": str(path)}, len(data), pieces(data, 3 * MiB + 1))
+    assert (written.size, written.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert path.read_bytes() == data
+
+    def failing():  # a failed write leaves neither the file nor its staging file behind
+        yield b"abc"
+        raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError):
+        sink.write_stream({"kind": "handoff", "path": str(tmp_path / "failed")}, 3, failing())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.safetensors"]
+
+
+def test_a_stream_to_a_presigned_put(store: S3ObjectStore, data: bytes) -> None:
+    key = "harvests/h/shard-00000.safetensors"
+    target = {"kind": "presigned_put", "url": store.presigned_put_url(key, 60)}
+    written = sink.write_stream(target, len(data), pieces(data, MiB))
+    assert written.sha256 == hashlib.sha256(data).hexdigest() and store.get_bytes(key) == data
+
+
+def test_a_stream_to_a_presigned_multipart_upload(store: S3ObjectStore, data: bytes) -> None:
+    key, client = "harvests/h/shard-00001.safetensors", store._client
+    store.put_bytes("bucket-ready", b"")
+    upload = client.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
+    urls = [
+        client.generate_presigned_url(
+            "upload_part",
+            Params={"Bucket": store.bucket, "Key": key, "UploadId": upload, "PartNumber": number},
+            ExpiresIn=60,
+        )
+        for number in range(1, 6)  # more URLs than parts: the frontend presigns an upper bound
+    ]
+    description = {"kind": "multipart", "part_size": 5 * MiB, "urls": urls}
+    written = sink.write_stream(description, len(data), pieces(data, 2 * MiB + 7))
+    assert [part["part_number"] for part in written.parts] == [1, 2, 3]
+    client.complete_multipart_upload(
+        Bucket=store.bucket,
+        Key=key,
+        UploadId=upload,
+        MultipartUpload={"Parts": [{"PartNumber": p["part_number"], "ETag": p["etag"]} for p in written.parts]},
+    )
+    assert store.get_bytes(key) == data
+
+    with pytest.raises(sink.SinkError, match="need 3 parts"):
+        sink.write_stream({**description, "urls": urls[:2]}, len(data), pieces(data, MiB))

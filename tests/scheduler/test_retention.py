@@ -17,8 +17,9 @@ from typer.testing import CliRunner
 from nnqueue.cli import app
 from nnqueue.db import migrate
 from nnqueue.db.lifecycle import create_job, transition
-from nnqueue.db.models import Job, JobKind, JobStatus, utcnow
+from nnqueue.db.models import Job, JobKind, JobPayload, JobStatus, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
+from nnqueue.scheduler.payloads import keep_inline
 from nnqueue.scheduler.retention import purge_expired
 from nnqueue.storage.keys import SAFETENSORS_FILE, payload_key, result_key
 from nnqueue.storage.local import LocalObjectStore
@@ -87,6 +88,21 @@ def test_ended_jobs_older_than_the_retention_lose_their_objects_and_keep_their_r
     assert rows[recent].purged_at is None and rows[queued].purged_at is None
     assert rows[old[S.COMPLETED]].status is S.COMPLETED and rows[old[S.COMPLETED]].result_size  # history stays
     assert purge_expired(sessions, store, timedelta(days=7)).jobs == 0  # nothing twice
+
+
+def test_a_payload_kept_in_the_database_is_deleted_with_the_objects(database_url: str, tmp_path: Path) -> None:
+    sessions = session_factory(make_engine(database_url))
+    store = LocalObjectStore(tmp_path / "objects")
+    old, recent = (add_job(sessions, store, S.FAILED, days_ago=days) for days in (10, 1))
+    with transaction(sessions) as session:  # as the API keeps a small payload: in job_payloads, no key
+        for job_id in (old, recent):
+            session.execute(update(Job).where(Job.id == job_id).values(payload_key=None))
+            keep_inline(session, job_id, b"trace")
+
+    assert purge_expired(sessions, store, timedelta(days=7)).jobs == 1
+    with sessions() as session:
+        assert session.get(JobPayload, old) is None and session.get(Job, old).purged_at is not None
+        assert session.get(JobPayload, recent) is not None
 
 
 def test_gc_runs_retention_from_the_settings(

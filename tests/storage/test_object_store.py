@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -251,6 +252,22 @@ def test_presigned_url_serves_object(s3_store: S3ObjectStore, key: str) -> None:
     response = httpx.get(s3_store.presigned_get_url(key, expires_in=60))
     assert response.status_code == 200
     assert response.content == b"presigned body"
+
+
+def test_presigned_url_names_the_public_endpoint(s3_settings: S3Settings, key: str) -> None:
+    """Behind a Docker network the store is http://minio:9000 to the API but localhost:9000 to its clients."""
+    endpoint = s3_settings.endpoint_url or ""
+    host = urlsplit(endpoint).hostname or ""
+    other = {"127.0.0.1": "localhost", "localhost": "127.0.0.1"}.get(host)
+    if other is None:
+        pytest.skip(f"needs the S3 endpoint on this machine by 127.0.0.1 or localhost, not {endpoint!r}")
+    public = endpoint.replace(host, other, 1)
+    store = S3ObjectStore(s3_settings.model_copy(update={"public_endpoint_url": public}))
+    store.put_bytes(key, b"for a client outside")
+    url = store.presigned_get_url(key, expires_in=60)
+    assert url.startswith(f"{public}/")
+    response = httpx.get(url)
+    assert response.status_code == 200 and response.content == b"for a client outside"
 
 
 def test_presigned_url_expires(s3_store: S3ObjectStore, key: str) -> None:

@@ -4,21 +4,33 @@ worker rows that make a model "live" without a worker process."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
+import uvicorn
 from fastapi.testclient import TestClient
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.api import auth
 from nnqueue.api.app import create_app
 from nnqueue.api.deps import Resources
+from nnqueue.db.lifecycle import transition
+from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler import registry
 from nnqueue.settings import Settings
 from tests.utils.payloads import fake_trace
+from tests.utils.results import store_result
+from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
 
@@ -71,3 +83,67 @@ def api_client(services: Services, **overrides: Any) -> Iterator[Api]:
 def app_client(settings: Settings) -> Iterator[Api]:
     with TestClient(create_app(settings)) as http:
         yield Api(http)
+
+
+@contextmanager
+def served(settings: Settings) -> Iterator[str]:
+    """The app on a real port (uvicorn in a thread), as browsers and concurrent clients reach it; yields its URL."""
+    [port] = free_ports(1)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
+def api_command(argv: list[str], env: dict[str, str], port: int, timeout: float = 90) -> Iterator[str]:
+    """``python -m nnqueue <argv>`` (an API serving on ``port``) in a process group of its own, until it answers
+    ``/healthz``; yields its URL and stops the group afterwards."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nnqueue", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+            try:
+                httpx.get(f"{url}/healthz")
+                break
+            except httpx.ConnectError:
+                assert time.monotonic() < deadline, f"nnqueue {' '.join(argv)} did not answer in {timeout:g} s"
+                time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+
+
+def complete(services: Services, job_id: uuid.UUID | str, saves: dict[str, Any], **fields: Any) -> None:
+    """Run a job to COMPLETED the way a worker does: claim, store the result, finish (with ``fields``)."""
+    job_uuid = uuid.UUID(str(job_id))
+    with transaction(services.sessions) as session:
+        transition(session, job_uuid, JobStatus.RUNNING, worker_id="test-worker")
+    stored = store_result(services.store, job_uuid, saves)
+    with transaction(services.sessions) as session:
+        transition(
+            session,
+            job_uuid,
+            JobStatus.COMPLETED,
+            result_key=stored.key,
+            result_size=stored.size,
+            result_format=stored.format,
+            **{"progress_done": 1, **fields},
+        )

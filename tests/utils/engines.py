@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from nnqueue.workers.engine_host import EngineHost
@@ -20,3 +22,22 @@ class InProcessEngine:
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self.host.call(coroutine)
+
+
+@contextmanager
+def running_engine(model_path: Path, **engine_kwargs: Any) -> Iterator[InProcessEngine]:
+    """``model_path`` on a dispatched async engine with nnqueue's worker class, shut down on exit."""
+    from nnqueue.engines.platform import load_engine
+
+    async def load() -> Any:
+        return load_engine(str(model_path), **engine_kwargs)
+
+    host = EngineHost()
+    engine = InProcessEngine(host, host.call(load()))
+    try:
+        yield engine
+    finally:
+        engine.model.vllm_entrypoint.shutdown()
+        # Drop it now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
+        engine.model.vllm_entrypoint = None
+        host.stop()

@@ -99,7 +99,10 @@ class PostgresServer:
 
 
 def postgres_bin_dir() -> Path:
-    """The newest machine PostgreSQL (Debian's /usr/lib/postgresql/<major>/bin)."""
+    """``NNQUEUE_TEST_POSTGRES_BIN`` if set (e.g. the pgserver wheel's binaries where no Debian package can be
+    installed), else the newest machine PostgreSQL (Debian's /usr/lib/postgresql/<major>/bin)."""
+    if override := os.environ.get("NNQUEUE_TEST_POSTGRES_BIN"):
+        return Path(override)
     candidates = [Path(p) for p in glob.glob("/usr/lib/postgresql/*/bin") if Path(p, "initdb").exists()]
     if not candidates:
         raise ServerStartError(
@@ -199,8 +202,10 @@ class RedisServer:
 
 # Redis database numbers handed out this session (0 stays the server's default). One counter for the whole
 # suite: pytest may import a conftest under two module names, so a counter there could repeat numbers.
+# The suite's Redis has REDIS_DATABASES of them (an external one, NNQUEUE_TEST_REDIS_URL, needs as many:
+# `databases 64` in its configuration), more than the modules that take one.
 _redis_databases = itertools.count(1)
-REDIS_DATABASES = 16
+REDIS_DATABASES = 64
 
 
 def redis_database_url(redis_url: str) -> str:
@@ -229,6 +234,8 @@ def start_redis(timeout: float = 30) -> RedisServer:
             "",
             "--appendonly",
             "no",
+            "--databases",
+            str(REDIS_DATABASES),
         ],
         workdir,
     )

@@ -102,15 +102,21 @@ class WorkerProcess:
         model_path: Path,
         log_path: Path,
         max_concurrent_jobs: int = 4,
-        model_key: str = MODEL_KEY,
         env: dict[str, str] | None = None,
+        *,
+        model_key: str = MODEL_KEY,
+        engine: str = "vllm",
         cwd: Path | None = None,
         user: str | None = None,
     ) -> None:
-        """``env`` adds to the module's service settings; ``user`` runs the worker as that account."""
+        """``engine``: ``vllm`` (the tiny model's engine arguments) or ``transformers`` (one job at a time);
+        ``env`` adds to the module's service settings; ``user`` runs the worker as that account."""
         self.services, self.log_path = services, log_path
         command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", model_key]
-        command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
+        if engine == "vllm":
+            command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
+        else:
+            command += ["--engine", engine]
         with open(log_path, "ab") as log:
             self.process = subprocess.Popen(
                 command,

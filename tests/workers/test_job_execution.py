@@ -47,6 +47,7 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
         create_job(session, job)
     model = inprocess_engine.model
     executor = VLLMTraceExecutor(
+        sessions,
         store,
         model,
         ResultSinks(store, tmp_path / ".handoff"),

@@ -4,8 +4,8 @@ Every route sees only the caller's own jobs: another owner's job answers 404, ex
 that does not exist, so ids cannot be probed. A key with the ``admin`` scope sees, cancels and
 downloads every owner's jobs; submitting a trace needs the ``trace`` scope (403 otherwise). Submission checks its limits before anything is
 stored: the spec (422), the payload size (413) and its format (422: a prebuilt trace whose header is
-valid, or something that starts like an nnsight serialized trace; read, never unpickled) here, then
-``submit_job``'s admission: a live worker for the model (400) and the key's jobs in flight (429; see
+valid, or something that starts like an nnsight serialized trace; read, never unpickled) here, then the
+admission of ``accept_job``: a live worker for the model (400) and the key's jobs in flight (429; see
 :mod:`nnqueue.scheduler.admission`).
 """
 
@@ -18,7 +18,7 @@ from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile, status
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import RedirectResponse, StreamingResponse
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -27,7 +27,7 @@ from nnqueue import trace_payload
 from nnqueue.api.deps import (
     Caller,
     CallerDep,
-    CeleryDep,
+    ResourcesDep,
     SessionDep,
     SessionsDep,
     SettingsDep,
@@ -36,17 +36,19 @@ from nnqueue.api.deps import (
 )
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
+from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
-from nnqueue.scheduler.admission import AdmissionPolicy, ModelNotServed, TooManyJobsInFlight
+from nnqueue.scheduler.admission import ModelNotServed, TooManyJobsInFlight
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
-from nnqueue.scheduler.submission import submit_job
+from nnqueue.scheduler.submission import accept_job, queue_job
+from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
 from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ReleasingRoute)
 STREAM_CHUNK = 1024 * 1024
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such job, or another owner's."}}
 SPEC_DESCRIPTION = (
@@ -63,14 +65,11 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, responses=SUBMIT_ERRORS)
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobResponse, responses=SUBMIT_ERRORS)
 def submit(
     caller: CallerDep,
-    settings: SettingsDep,
+    resources: ResourcesDep,
     session: SessionDep,
-    sessions: SessionsDep,
-    store: StoreDep,
-    celery: CeleryDep,
     spec: Annotated[str, Form(description=SPEC_DESCRIPTION)],
     payload: Annotated[
         UploadFile,
@@ -79,22 +78,24 @@ def submit(
             "serialized trace (RequestModel.serialize, optionally zstd-compressed)."
         ),
     ],
-) -> JobResponse:
-    """Store the payload, create the job and put it on its model's queue."""
+) -> Response:
+    """Store the payload, create the job and put it on its model's queue.
+
+    One transaction on one connection: admission, the job's row (and a small payload), its queue position.
+    """
+    settings = resources.settings
     job_spec = _parse_spec(spec)
     check_scope(caller, job_spec.kind)
     data = _read_payload(payload.file, settings.max_payload_bytes)
     _require_trace(data)
-    session.commit()  # end this read transaction (on SQLite, a snapshot) so the new job is visible below
     meta: dict[str, Any] = {"metadata": job_spec.metadata}
     if job_spec.client is not None:
         meta["client"] = job_spec.client.model_dump()
     try:
-        job = submit_job(
-            sessions,
-            store,
-            celery,
-            admission=AdmissionPolicy.from_settings(settings),
+        job = accept_job(
+            session,
+            resources.store,
+            admission=resources.admission,
             owner=caller.owner,
             api_key_id=caller.key_id,
             model_key=job_spec.model_key,
@@ -103,12 +104,18 @@ def submit(
             timeout_s=settings.default_job_timeout_s if job_spec.timeout_s is None else job_spec.timeout_s,
             priority=job_spec.priority,
             meta=meta,
+            inline_payload_max_bytes=settings.inline_payload_max_bytes,
         )
     except ModelNotServed as refused:
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(refused)) from None
     except TooManyJobsInFlight as refused:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(refused)) from None
-    return _view(session, _owned(session, job.id, caller))
+    position = queue_positions(session, [job]).get(job.id)
+    session.commit()
+    queue_job(resources.sessions, resources.celery, job)
+    # Serialized here, in this thread: FastAPI would validate the model again in another thread hop.
+    body = JobResponse.of(job, position).model_dump_json()
+    return Response(body, status_code=status.HTTP_201_CREATED, media_type="application/json")
 
 
 @router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
@@ -193,7 +200,19 @@ def download_result(
     ``torch`` is ``torch.save({name: value})``; ``safetensors`` exists when every saved value is a tensor.
     A failed trace job has a result too when its other invokes saved values before the error.
     """
-    job = _owned(session, job_id, caller)
+    return result_response(_owned(session, job_id, caller), format, store, settings, inline=inline)
+
+
+def result_response(
+    job: Job,
+    format: str,  # noqa: A002 - the query parameter's name
+    store: ObjectStore,
+    settings: Settings,
+    *,
+    inline: bool = False,
+) -> StreamingResponse | RedirectResponse:
+    """A completed job's result in ``format`` (``torch`` or ``safetensors``): a redirect to a presigned URL,
+    or its bytes when ``inline`` or the store cannot presign; 409 or 410 when there is none."""
     key = _result_object(job, format)
     if not inline:
         try:

@@ -1,6 +1,6 @@
 """jobs purged at
 
-Revision ID: 0006
+Revision ID: 0004
 Revises: 0003
 Create Date: 2026-11-22 12:00:00.000000
 """
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0006"
+revision: str = "0004"
 down_revision: str | None = "0003"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None

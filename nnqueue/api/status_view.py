@@ -1,0 +1,114 @@
+"""What the status page shows, read from the database in a few queries: models, workers and jobs.
+
+A viewer sees their own jobs; an ``admin`` key sees everyone's (with an owner column). Each section is a
+list of plain rows that the template renders on its own, so a new kind of work (harvests) is one more
+query here and one more block in ``templates/status.html``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from nnqueue.db.models import Job, JobStatus, Worker, as_utc, utcnow
+from nnqueue.scheduler.overview import ModelLoad, model_loads
+from nnqueue.scheduler.positions import queue_positions
+from nnqueue.scheduler.registry import live_workers
+
+ADMIN_SCOPE = "admin"
+JOBS_SHOWN = 50
+
+
+@dataclass(frozen=True)
+class Viewer:
+    owner: str
+    key_prefix: str
+    is_admin: bool
+
+
+@dataclass(frozen=True)
+class WorkerRow:
+    worker: Worker
+    running: int
+    heartbeat_age_s: float
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job: Job
+    queue_position: int | None
+
+    @property
+    def progress_percent(self) -> int:
+        done, total = self.job.progress_done, self.job.progress_total
+        if self.job.status is JobStatus.COMPLETED:
+            return 100
+        return 0 if not total else min(100, round(100 * done / total))
+
+    @property
+    def has_safetensors(self) -> bool:
+        return "safetensors" in (self.job.result_format or "").split("+")
+
+
+@dataclass
+class StatusView:
+    viewer: Viewer
+    now: datetime
+    models: list[ModelLoad]
+    workers: list[WorkerRow]
+    jobs: list[JobRow]
+    status_filter: JobStatus | None
+    job_counts: dict[str, int] = field(default_factory=dict)
+
+
+def status_view(
+    session: Session, viewer: Viewer, stale_after_s: float, status_filter: JobStatus | None = None
+) -> StatusView:
+    now = utcnow()
+    return StatusView(
+        viewer=viewer,
+        now=now,
+        models=model_loads(session, stale_after_s),
+        workers=_workers(session, stale_after_s, now),
+        jobs=_jobs(session, viewer, status_filter),
+        status_filter=status_filter,
+        job_counts=_job_counts(session, viewer),
+    )
+
+
+def visible(job: Job, viewer: Viewer) -> bool:
+    return viewer.is_admin or job.owner == viewer.owner
+
+
+def _workers(session: Session, stale_after_s: float, now: datetime) -> list[WorkerRow]:
+    running = dict(
+        session.execute(
+            select(Job.worker_id, func.count()).where(Job.status == JobStatus.RUNNING).group_by(Job.worker_id)
+        ).all()
+    )
+    return [
+        WorkerRow(worker, running.get(worker.id, 0), (now - (as_utc(worker.heartbeat_at) or now)).total_seconds())
+        for worker in live_workers(session, stale_after_s)
+    ]
+
+
+def _jobs(session: Session, viewer: Viewer, status_filter: JobStatus | None) -> list[JobRow]:
+    query = select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(JOBS_SHOWN)
+    if not viewer.is_admin:
+        query = query.where(Job.owner == viewer.owner)
+    if status_filter is not None:
+        query = query.where(Job.status == status_filter)
+    jobs = list(session.scalars(query))
+    positions: dict[uuid.UUID, int] = queue_positions(session, jobs)
+    return [JobRow(job, positions.get(job.id)) for job in jobs]
+
+
+def _job_counts(session: Session, viewer: Viewer) -> dict[str, int]:
+    query = select(Job.status, func.count()).group_by(Job.status)
+    if not viewer.is_admin:
+        query = query.where(Job.owner == viewer.owner)
+    return {status.value: count for status, count in session.execute(query)}

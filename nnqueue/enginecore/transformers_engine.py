@@ -1,0 +1,166 @@
+"""The transformers engine's process: one Hugging Face model, nnsight ``LanguageModel`` traces run on it one at a time.
+
+What NDIF runs: a trace written against a meta ``LanguageModel`` (or a ``model.session``), serialized by the
+client (``RequestModel.serialize``), rebuilt here against the loaded model (``RequestModel.deserialize``) and
+executed the way nnsight executes it locally (``tracer.execute`` inside a trace scope), so everything nnsight
+does on transformers works, gradients and ``backward()`` included. The saves are the values the trace
+marked (``push_result``'s filter), copied to the CPU and written here (``torch.save``, and safetensors when all
+are tensors: :func:`nnqueue.enginecore.trace_results.write_saves`) to the sinks the worker handed over
+(:mod:`nnqueue.enginecore.sink`: presigned upload URLs, or files it moves into its store); the worker never
+loads them.
+
+Jobs run one at a time: nnsight's local interleaver runs one trace's invokes as one batch, and putting
+different users' traces in one forward would make them share it (one trace's ``tracer.stop()`` or error
+ends everyone's forward, and a ``backward()`` walks the others' graph).
+
+Each job reads its own payload's source, never an earlier job's, in a trace scope of its own
+(:mod:`nnqueue.enginecore.payload_scope`). Intervention code that runs ``NNQUEUE_ENGINE_STALL_TIMEOUT_S``
+without handing control back to the model is stopped by the stall watchdog
+(:mod:`nnqueue.enginecore.stall_watchdog`), failing the job; a job the worker gives up on (timeout, cancel)
+is ended by killing this process.
+
+This process runs users' code: the worker starts it with the secrets removed from its environment, and it
+imports nothing that holds credentials. Run as ``python -m nnqueue.enginecore.transformers_engine --model M``;
+it loads the model, writes a ready frame, then answers one job per request frame on stdin/stdout (what user
+code prints goes to stderr, the worker's log). Frames: 8-byte big-endian length, a type byte, the body.
+A job's body is a 4-byte header length, the JSON header ``{"job", "env", "sinks": {"torch", "safetensors"}}``
+and the payload; its answer is JSON ``{"objects": {name: {"size", "sha256"}}, "error": DeferredError | None,
+"invokes": int}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Any, BinaryIO
+
+from nnqueue.enginecore.payload_scope import payload_scope
+
+FRAME_HEADER = 8
+READY, JOB, DONE = 2, 3, 4
+JSON_HEADER = 4
+
+
+def write_frame(out: BinaryIO, kind: int, body: bytes) -> None:
+    out.write((len(body) + 1).to_bytes(FRAME_HEADER, "big") + bytes([kind]) + body)
+    out.flush()
+
+
+def read_frame(source: BinaryIO) -> tuple[int, bytes] | None:
+    """One frame's type and body from ``source``, or None at end of input."""
+    header = source.read(FRAME_HEADER)
+    if len(header) < FRAME_HEADER:
+        return None
+    size = int.from_bytes(header, "big")
+    body = source.read(size)
+    if len(body) != size or size < 1:
+        return None
+    return body[0], body[1:]
+
+
+def job_frame(header: dict[str, Any], payload: bytes) -> bytes:
+    encoded = json.dumps(header).encode()
+    return len(encoded).to_bytes(JSON_HEADER, "big") + encoded + payload
+
+
+def split_job(body: bytes) -> tuple[dict[str, Any], bytes]:
+    size = int.from_bytes(body[:JSON_HEADER], "big")
+    return json.loads(body[JSON_HEADER : JSON_HEADER + size]), body[JSON_HEADER + size :]
+
+
+def load_model(path: str, model_kwargs: dict[str, Any]) -> Any:
+    """The model, dispatched (weights loaded) and ready to trace: what a client's ``LanguageModel`` names
+    (its remote key is ``TransformersModel``'s with the text-generation task)."""
+    from nnsight.modeling.transformers import TransformersModel
+
+    return TransformersModel(path, task="text-generation", dispatch=True, **model_kwargs)
+
+
+class Engine:
+    """The loaded model and what running one job on it takes."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.persistent = model._remoteable_persistent_objects()
+        self.default_attention = model.attn_implementation
+        self.loaded = False  # whether the current job's payload was rebuilt (else its error is a rebuild error)
+
+    def run(self, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        """Run one job's payload; write its saves to ``header["sinks"]``; the answer for the worker."""
+        from nnsight.intervention.errors import capture_exception
+        from nnsight.tracing.util import clean_traceback
+
+        from nnqueue.enginecore.trace_results import snapshot, write_saves
+
+        self.loaded = False
+        try:
+            saves = self.execute(payload, header.get("env") or {})
+        except Exception as error:  # noqa: BLE001 - the trace's error, whatever it is, is the job's
+            # As a local trace re-raises it: the user's frames, not nnsight's (Tracer.__exit__).
+            cleaned = clean_traceback(getattr(error, "__intervention_tb__", None) or error.__traceback__)
+            setattr(error, "__intervention_tb__", cleaned)  # noqa: B010 - nnsight's attribute, not the class's
+            return {"objects": {}, "error": capture_exception(error), "load_failed": not self.loaded}
+        return {"objects": write_saves(snapshot(saves), header["sinks"]), "error": None, "load_failed": False}
+
+    def execute(self, payload: bytes, env: dict[str, Any]) -> dict[str, Any]:
+        """Rebuild and run the trace; its saved values by name (what a local run pushes into the caller's frame)."""
+        from nnsight.schema.request import RequestModel
+        from nnsight.tracing.tracer import _saves
+
+        self.model._remoteable_set_env({"attn_implementation": self.default_attention, **env})
+        with payload_scope(self.model) as registered:
+            tracer = RequestModel.deserialize(payload, self.persistent)
+            self.loaded = True
+            registered(tracer.info.frame.f_code.co_filename)
+            frame = tracer.info.frame
+            tracer.execute(tracer.info.code)
+            # The frame's locals are the captured variables plus what the trace pushed: its saved values.
+            saved = _saves()
+            return {name: value for name, value in frame.f_locals.items() if id(value) in saved}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="nnqueue's transformers engine process (started by a worker)")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--model-kwargs", default="{}")
+    parser.add_argument("--stall-timeout-s", type=float, default=60.0)
+    args = parser.parse_args(argv)
+
+    # The protocol owns the original stdout; anything else printed (user code) goes to stderr.
+    protocol = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    from nnqueue.enginecore import lifetime, stall_watchdog
+
+    lifetime.exit_with_worker()
+    engine = Engine(load_model(args.model, json.loads(args.model_kwargs)))
+    stall_watchdog.install(args.stall_timeout_s)
+    import nnsight
+
+    ready = {"nnsight": nnsight.__version__, "device": str(engine.model.device)}
+    write_frame(protocol, READY, json.dumps(ready).encode())
+    requests = sys.stdin.buffer
+    while (frame := read_frame(requests)) is not None:
+        kind, body = frame
+        if kind != JOB:
+            break
+        header, payload = split_job(body)
+        try:
+            answer = engine.run(header, payload)
+        except Exception as error:  # noqa: BLE001 - writing the result failed: the job fails with it
+            answer = {
+                "objects": {},
+                "error": {
+                    "type_name": "ResultWriteFailed",
+                    "message": f"{type(error).__name__}: {error}",
+                    "traceback": traceback.format_exc(),
+                    "is_control_flow": False,
+                },
+            }
+        write_frame(protocol, DONE, json.dumps(answer).encode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Run one harvest chunk on an engine: begin it, prefill its prompts, await the shard written by the engine.
+
+Runs on the worker's engine loop. The chunk's prompts arrive tokenized and truncated (the scheduler's
+harvest planning does that); each becomes a ``TokensPrompt`` with ``max_tokens=1`` (a prefill) tagged
+for the engine's capture path (`nnqueue.enginecore.harvest_capture`). The engine captures, writes the
+shard to the sink and posts its size, checksum and per-prompt row ranges to the outbox; nothing but
+those numbers comes back here.
+
+Cancelling `run_chunk` (or any failure) aborts the chunk's requests and drops the chunk on the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Any
+
+from nnqueue.enginecore.harvest_capture import TAG
+from nnqueue.enginecore.harvest_spec import Capture, Selection, check_captures, check_dtype
+from nnqueue.enginecore.shard_writer import SHARD_ENTRY
+from nnqueue.engines.outbox import poller
+from nnqueue.errors import NNqueueError
+
+__all__ = ["Capture", "ChunkResult", "ChunkWork", "HarvestError", "PromptRows", "Selection", "run_chunk"]
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class HarvestError(NNqueueError, RuntimeError):
+    """The engine refused the chunk, or could not capture or write it; the message says why."""
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """One chunk of a harvest, ready to run on an engine.
+
+    Attributes:
+        chunk_id: the chunk's stable name (the same on every attempt); written into the shard's metadata.
+        prompt_indices: each prompt's index in the harvest's dataset (unique).
+        token_ids: each prompt's token ids, tokenized and truncated, in the same order (none empty).
+        captures: what to capture (`Capture`), at least one; tensor names `Capture.key` must differ.
+        selection: which tokens of each prompt become rows (`Selection`).
+        dtype: the stored dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
+        sink: where the engine writes the shard (`nnqueue.enginecore.sink`): a presigned PUT, presigned
+            multipart part URLs, or a handoff file path.
+        metadata: extra string pairs for the shard's safetensors metadata (e.g. the harvest id).
+    """
+
+    chunk_id: str
+    prompt_indices: Sequence[int]
+    token_ids: Sequence[Sequence[int]]
+    captures: Sequence[Capture]
+    selection: Selection
+    dtype: str
+    sink: Mapping[str, Any]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_indices or len(self.prompt_indices) != len(self.token_ids):
+            raise ValueError("a chunk needs one token-id list per prompt index, and at least one prompt")
+        if len(set(self.prompt_indices)) != len(self.prompt_indices):
+            raise ValueError("a chunk's prompt indices must be unique")
+        if not all(self.token_ids):
+            raise ValueError("a prompt has no tokens")
+        check_captures(list(self.captures))
+        check_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """Where one prompt's rows are in the shard: rows ``first_row .. first_row + rows - 1``."""
+
+    prompt_index: int
+    first_row: int
+    rows: int
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """What the engine reports for a written shard (validated here: the engine process is untrusted).
+
+    Attributes:
+        chunk_id: the `ChunkWork.chunk_id`.
+        rows: rows of every capture tensor in the shard.
+        bytes: the shard's size; ``sha256`` its checksum (hex).
+        prompts: every prompt of the chunk, in prompt-index order, with its rows.
+        tokens: prompt tokens run through the model.
+        parts: for a multipart sink, ``{"part_number", "etag"}`` of each part, to complete the upload.
+        steps: engine steps that captured rows of the chunk (how its prompts were batched).
+        seconds: wall time of the chunk on the engine, from begin to the shard written.
+    """
+
+    chunk_id: str
+    rows: int
+    bytes: int
+    sha256: str
+    prompts: tuple[PromptRows, ...]
+    tokens: int
+    parts: tuple[dict[str, Any], ...]
+    steps: int
+    seconds: float
+
+
+async def run_chunk(llm: Any, work: ChunkWork) -> ChunkResult:
+    """Run ``work`` on the engine ``llm`` (an ``AsyncLLM`` whose workers mix in ``NNqueueRPC``).
+
+    Raises `HarvestError` when the engine refuses the chunk or reports it failed (then at once, without
+    waiting for its remaining prompts); on any failure or cancellation the chunk's requests are aborted
+    and the chunk is dropped on the engine.
+    """
+    started = time.perf_counter()
+    key = f"{work.chunk_id}/{secrets.token_hex(4)}"  # this attempt's name on the engine
+    report = poller(llm).expect(key)  # before the engine can post it
+    request_ids = [f"nnqh-{uuid.uuid4().hex[:12]}-{index}" for index in work.prompt_indices]
+    prefills: asyncio.Future[Any] | None = None
+    try:
+        answer = (await llm.collective_rpc("nnqueue_harvest_begin", args=(_engine_spec(work, key),)))[0]
+        if not isinstance(answer, dict) or answer.get("chunk") != key:
+            raise HarvestError(f"the engine refused chunk {work.chunk_id}: {_reason(answer)}")
+        prefills = asyncio.gather(
+            *(
+                _prefill(llm, request_id, ids, {"chunk": key, "prompt": index})
+                for request_id, index, ids in zip(request_ids, work.prompt_indices, work.token_ids, strict=True)
+            )
+        )
+        pending: set[asyncio.Future[Any]] = {prefills, report}
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if not report.done() or report.result().get("error") is None:  # a failure ends the chunk early
+            await prefills
+        entry = await report
+        if entry.get("kind") != SHARD_ENTRY or entry.get("error") is not None:
+            raise HarvestError(f"chunk {work.chunk_id} failed on the engine: {str(entry.get('error'))[:4000]}")
+    except BaseException:
+        if prefills is not None:
+            prefills.cancel()
+        report.cancel()
+        await asyncio.shield(_drop(llm, key, request_ids))
+        raise
+    return _result(work, entry, time.perf_counter() - started)
+
+
+async def capture_points(llm: Any) -> list[dict[str, Any]]:
+    """The engine's capturable points (``{"module", "io", "parts"}``), for validating harvest specs."""
+    points = (await llm.collective_rpc("nnqueue_capture_points"))[0]
+    return list(points or [])
+
+
+def _engine_spec(work: ChunkWork, key: str) -> dict[str, Any]:
+    return {
+        "chunk": key,
+        "captures": [capture.to_json() for capture in work.captures],
+        "selection": work.selection.to_json(),
+        "dtype": work.dtype,
+        "prompts": list(work.prompt_indices),
+        "sink": dict(work.sink),
+        "metadata": {**work.metadata, "chunk": work.chunk_id},
+    }
+
+
+async def _prefill(llm: Any, request_id: str, token_ids: Sequence[int], tag: dict[str, Any]) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        detokenize=False,
+        skip_reading_prefix_cache=True,  # every token must run through the model to be captured
+        extra_args={TAG: tag},
+    )
+    final = None
+    async for output in llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, request_id):
+        final = output
+    reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
+    if reason == "abort":
+        raise HarvestError(f"prompt {tag['prompt']} was aborted by the engine")
+
+
+async def _drop(llm: Any, key: str, request_ids: list[str]) -> None:
+    await llm.abort(request_ids)
+    await llm.collective_rpc("nnqueue_harvest_abort", args=(key,))
+
+
+def _reason(answer: Any) -> str:
+    if isinstance(answer, dict) and "error" in answer:
+        return str(answer["error"])[:2000]
+    return f"unexpected answer {answer!r:.200}"
+
+
+def _result(work: ChunkWork, entry: dict[str, Any], seconds: float) -> ChunkResult:
+    def integer(value: Any, name: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise HarvestError(f"the engine reported an invalid {name} for chunk {work.chunk_id}: {value!r:.100}")
+        return value
+
+    rows = integer(entry.get("rows"), "row count")
+    sha256 = entry.get("sha256")
+    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+        raise HarvestError(f"the engine reported an invalid sha256 for chunk {work.chunk_id}")
+    reported = entry.get("prompts")
+    if not isinstance(reported, list) or any(not isinstance(p, list) or len(p) != 3 for p in reported):
+        raise HarvestError(f"the engine reported invalid prompt rows for chunk {work.chunk_id}")
+    prompts = tuple(PromptRows(*(integer(v, "prompt row") for v in p)) for p in reported)
+    firsts = list(accumulate((p.rows for p in prompts), initial=0))[:-1]
+    if [p.prompt_index for p in prompts] != sorted(work.prompt_indices) or [p.first_row for p in prompts] != firsts:
+        raise HarvestError(f"the engine's prompt rows for chunk {work.chunk_id} do not match its prompts")
+    if sum(p.rows for p in prompts) != rows:
+        raise HarvestError(f"the engine's prompt rows for chunk {work.chunk_id} do not add up to its rows")
+    parts = entry.get("parts") or []
+    if not isinstance(parts, list) or any(
+        not isinstance(p, dict) or not isinstance(p.get("etag"), str) or not isinstance(p.get("part_number"), int)
+        for p in parts
+    ):
+        raise HarvestError(f"the engine reported invalid upload parts for chunk {work.chunk_id}")
+    return ChunkResult(
+        chunk_id=work.chunk_id,
+        rows=rows,
+        bytes=integer(entry.get("bytes"), "size"),
+        sha256=sha256,
+        prompts=prompts,
+        tokens=integer(entry.get("tokens"), "token count"),
+        parts=tuple({"part_number": p["part_number"], "etag": p["etag"]} for p in parts),
+        steps=integer(entry.get("steps"), "step count"),
+        seconds=seconds,
+    )

@@ -1,0 +1,51 @@
+"""Where a job's payload is kept: beside its row in the database when small, otherwise in the object store.
+
+A payload of at most ``NNQUEUE_INLINE_PAYLOAD_MAX_BYTES`` is inserted into ``job_payloads`` in the same
+transaction as its job (an object-store PUT costs a round trip and a request signature, several times the
+insert); a larger one goes to the store first, under a key derived from the job's id, and the job names the key.
+Either way the payload is durable before the job is committed, and deleting the job removes a kept payload.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.models import Job, JobPayload
+from nnqueue.errors import NNqueueError
+from nnqueue.storage.keys import payload_key
+from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
+
+
+class PayloadMissing(NNqueueError, LookupError):
+    """The job's payload is neither in the database nor in the object store."""
+
+
+def store_payload(store: ObjectStore, job_id: uuid.UUID, data: bytes, inline_max_bytes: int) -> str | None:
+    """Put a payload too large to keep inline into the object store and return its key; None for a small one,
+    which :func:`keep_inline` adds to the job's transaction."""
+    if len(data) <= inline_max_bytes:
+        return None
+    key = payload_key(job_id)
+    store.put_bytes(key, data)
+    return key
+
+
+def keep_inline(session: Session, job_id: uuid.UUID, data: bytes) -> None:
+    """Add a small payload to the session, beside its (already added) job. The caller commits."""
+    session.add(JobPayload(job_id=job_id, data=data))
+
+
+def load_payload(sessions: sessionmaker[Session], store: ObjectStore, job: Job) -> bytes:
+    """The job's payload, from wherever it is kept; raises :class:`PayloadMissing`."""
+    if job.payload_key is None:
+        with sessions() as session:
+            kept = session.get(JobPayload, job.id)
+        if kept is None:
+            raise PayloadMissing(f"the job's payload is not in the database (job_payloads, job {job.id})")
+        return kept.data
+    try:
+        return store.get_bytes(job.payload_key)
+    except ObjectNotFound:
+        raise PayloadMissing(f"the job's payload {job.payload_key} is not in the object store") from None

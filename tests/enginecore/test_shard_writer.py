@@ -1,0 +1,85 @@
+"""The shard writer: rows ordered by prompt then position whatever the steps' order, the same bytes for
+the same rows, partial means combined, columns that address each prompt's rows, safetensors-loadable."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nnqueue.enginecore.shard_writer import Block, Cancelled, ShardJob, write_shard
+
+
+def block(prompt: list[int], position: list[int], width: int = 3, counts: list[int] | None = None) -> Block:
+    """Rows whose values encode (prompt, position), so any misplacement shows."""
+    values = torch.tensor(
+        [[p * 100.0 + q + 0.5 * k for k in range(width)] for p, q in zip(prompt, position, strict=True)]
+    )
+    return Block(
+        np.array(prompt),
+        np.array(position),
+        np.array([1000 + p * 10 + q for p, q in zip(prompt, position, strict=True)]),
+        counts=None if counts is None else np.array(counts),
+        values={"a": values, "b": -values[:, :2].contiguous()},
+    )
+
+
+def job(tmp_path: Path, blocks: list[Block], name: str, mean: bool = False, dtype=torch.float32) -> ShardJob:
+    return ShardJob(
+        chunk=name,
+        keys=["b", "a"],
+        dtype=dtype,
+        mean=mean,
+        prompts=[1, 3, 5, 9],  # 9 has no rows (e.g. a position selection it is too short for)
+        tokens=42,
+        blocks=blocks,
+        sink={"kind": "handoff", "path": str(tmp_path / f"{name}.safetensors")},
+        metadata={"harvest": "h1"},
+        cancelled=threading.Event(),
+    )
+
+
+def test_rows_grouped_by_prompt_whatever_the_step_order(tmp_path: Path) -> None:
+    steps = [block([5, 1, 1], [0, 2, 3]), block([3, 3], [0, 1]), block([1, 1], [0, 1])]  # prompt 1 over two steps
+    entry = write_shard(job(tmp_path, steps, "one"))
+    path = tmp_path / "one.safetensors"
+    shard = load_file(path)
+    assert shard["prompt_index"].tolist() == [1, 1, 1, 1, 3, 3, 5]
+    assert shard["token_position"].tolist() == [0, 1, 2, 3, 0, 1, 0]
+    assert shard["token_id"].tolist() == [1010, 1011, 1012, 1013, 1030, 1031, 1050]
+    assert shard["a"][:, 0].tolist() == [100.0, 101.0, 102.0, 103.0, 300.0, 301.0, 500.0]
+    torch.testing.assert_close(shard["b"], -shard["a"][:, :2])
+    assert entry["prompts"] == [[1, 0, 4], [3, 4, 2], [5, 6, 1], [9, 7, 0]]
+    assert (entry["rows"], entry["tokens"], entry["steps"], entry["error"]) == (7, 42, 3, None)
+    assert entry["bytes"] == path.stat().st_size and entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+    again = write_shard(job(tmp_path, list(reversed(steps)), "two"))
+    assert again["sha256"] == entry["sha256"]
+
+
+def test_partial_means_are_combined(tmp_path: Path) -> None:
+    # mean rows: float32 sums over `counts` tokens; prompt 1 was prefilled over two steps.
+    first = Block(np.array([1, 3]), np.array([-1, -1]), np.array([-1, -1]), np.array([2, 4]))
+    first.values = {"a": torch.tensor([[2.0, 4.0], [8.0, 8.0]]), "b": torch.tensor([[1.0], [1.0]])}
+    second = Block(np.array([1]), np.array([-1]), np.array([-1]), np.array([2]))
+    second.values = {"a": torch.tensor([[6.0, 0.0]]), "b": torch.tensor([[3.0]])}
+    entry = write_shard(job(tmp_path, [first, second], "mean", mean=True, dtype=torch.bfloat16))
+    shard = load_file(tmp_path / "mean.safetensors")
+    assert shard["a"].dtype == torch.bfloat16
+    assert shard["a"].float().tolist() == [[2.0, 1.0], [2.0, 2.0]]
+    assert shard["b"].float().tolist() == [[1.0], [0.25]]
+    assert shard["token_position"].tolist() == [-1, -1]
+    assert entry["prompts"] == [[1, 0, 1], [3, 1, 1], [5, 2, 0], [9, 2, 0]]
+
+
+def test_cancelled_write_leaves_nothing(tmp_path: Path) -> None:
+    cancelled = job(tmp_path, [block([1], [0])], "cancelled")
+    cancelled.cancelled.set()
+    with pytest.raises(Cancelled):
+        write_shard(cancelled)
+    assert list(tmp_path.iterdir()) == []
