@@ -116,9 +116,12 @@ class EngineUser:
     gid: int
 
 
-def engine_user(name: str | None = None) -> EngineUser:
-    """The account engine processes drop to (``name``, else ``$NNQUEUE_ENGINE_USER``, else ``nobody``)."""
-    name = name or os.environ.get(ENGINE_USER_ENV) or DEFAULT_ENGINE_USER
+def engine_user(name: str | None = None) -> EngineUser | None:
+    """The account engine processes drop to (``name``, else ``$NNQUEUE_ENGINE_USER``, else ``nobody``);
+    None when it is set empty: the engine processes then keep the worker's user (not recommended)."""
+    name = os.environ.get(ENGINE_USER_ENV, DEFAULT_ENGINE_USER) if name is None else name
+    if not name:
+        return None
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
@@ -137,9 +140,9 @@ def drop_privileges(user: EngineUser | None = None, hand_over: Iterable[Path] = 
     so torch's, triton's and vLLM's caches written after the drop land somewhere writable.
     ``hand_over``: files the process keeps using afterwards, given to the engine user first.
     """
-    if os.geteuid() != 0:
-        return False
     user = user or engine_user()
+    if os.geteuid() != 0 or user is None:
+        return False
     for path in hand_over:
         os.chown(path, user.uid, user.gid)
     home = Path(tempfile.mkdtemp(prefix=f"nnqueue-{user.name}-"))
@@ -161,8 +164,8 @@ def engine_writable_dir(prefix: str, user: str | None = None, parent: Path | Non
     can write after dropping to the engine user (owned by it when this process is root) and this process
     can read."""
     directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    if os.geteuid() == 0:
-        account = engine_user(user)
+    account = engine_user(user) if os.geteuid() == 0 else None
+    if account is not None:
         os.chown(directory, account.uid, account.gid)
     return directory
 
@@ -187,14 +190,14 @@ def env_file_warnings(env_file: Path, user: str | None = None) -> list[str]:
     """
     if not env_file.is_file():
         return []
-    if os.geteuid() != 0:
+    account = engine_user(user) if os.geteuid() == 0 else None
+    if account is None:
         return [
             f"{env_file.resolve()} holds settings and the engine processes run as this same user, so users'"
             " intervention code can read it; give the worker its secrets through the environment instead"
             " (they are removed before the engine starts), or run it as root with NNQUEUE_ENGINE_USER"
         ]
     mode = env_file.stat().st_mode
-    account = engine_user(user)
     owned_by_engine_user = env_file.stat().st_uid == account.uid
     if mode & stat.S_IROTH or owned_by_engine_user:
         return [

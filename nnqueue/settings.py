@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     trace_builders: int = Field(2, ge=0)
 
     # Isolation of users' code (see nnqueue.isolation). When the worker runs as root, its engine
-    # processes switch to this user once they are up, before any user code runs.
+    # processes switch to this user once they are up, before any user code runs. Empty: they stay root
+    # (not recommended: only for an engine in a test process, whose files are root's).
     engine_user: str = "nobody"
     # More environment variables (fnmatch patterns, comma-separated) to remove before the engine
     # starts, beside the built-in NNQUEUE_DATABASE_URL, NNQUEUE_BROKER_URL, NNQUEUE_S3__* and AWS_*.

@@ -10,7 +10,7 @@ output handler to the loop it first runs in.
 from __future__ import annotations
 
 import asyncio
-import shutil
+import tempfile
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -21,7 +21,7 @@ import pytest
 import torch
 from nnsight.modeling.vllm import VLLM
 
-from nnqueue import isolation, trace_payload
+from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.platform import EngineVLLM
 from nnqueue.engines.prebuilt import to_requests
@@ -96,14 +96,11 @@ def direct_trace(loop: InProcessEngine, model: EngineVLLM, prompt: str) -> dict[
 async def run_prebuilt(engine: EngineVLLM, outbox: OutboxPoller, payload: bytes, trace_id: str) -> dict[str, Any]:
     """Run a prebuilt payload as a worker does; the engine writes the result to handoff files. Returns
     the report and the saves read back from the written ``saves.pt``."""
-    directory = isolation.engine_writable_dir("handoff-")  # the engine writes as the engine user
-    try:
+    with tempfile.TemporaryDirectory() as directory:
         sinks = {name: {"kind": "handoff", "path": f"{directory}/{name}"} for name in ("torch", "safetensors")}
         requests = to_requests(trace_payload.decode(payload), trace_id)
         report = await run_trace(engine, requests, trace_id=trace_id, sinks=sinks, outbox=outbox)
         return {"report": report, "saves": load_result(Path(sinks["torch"]["path"]).read_bytes())}
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
