@@ -31,6 +31,14 @@ def test_a_key_without_the_trace_scope_cannot_submit_code(api: Api) -> None:
     assert api.submit(api.new_key("alice", ("trace",))).status_code == 201
 
 
+def test_nnsights_own_protocols_need_the_trace_scope_too(api: Api) -> None:
+    harvest_only = api.new_key("mallory", ("harvest",))
+    remote = api.http.post("/ndif/request", headers=harvest_only, data={"data": "{}"}, files={"blob": ("t", b"x")})
+    served = api.http.post("/ndif/serve/api-test-model/v1/nnsight/generate", headers=harvest_only, content=b"x")
+    for response in (remote, served):
+        assert response.status_code == 403 and "lacks the 'trace' scope" in response.json()["detail"]
+
+
 def test_keys_get_harvest_only_unless_trace_is_granted(services: Services) -> None:
     with transaction(services.sessions) as session:
         key, _ = auth.create_key(session, "bob")
