@@ -18,6 +18,9 @@ both report the size and sha256 the frontend records.
 
 from __future__ import annotations
 
+# urllib encodes host names with the idna codec, imported on first use: too late in an engine process that
+# has dropped to the engine user, which may not read the standard library (a Python in root's home).
+import encodings.idna  # noqa: F401
 import hashlib
 import http.client
 import os
