@@ -180,6 +180,41 @@ def enter_sandbox(extra_secret_patterns: Iterable[str] | None = None, hand_over:
     drop_privileges(hand_over=hand_over)
 
 
+def unreadable_by(account: EngineUser, paths: Iterable[Path]) -> list[Path]:
+    """The folders of ``paths`` that ``account`` cannot list and read, or cannot reach (a folder above lacks
+    its search permission), judged by owners and mode bits."""
+    return [path for path in paths if not _readable(path, account)]
+
+
+def _readable(folder: Path, account: EngineUser) -> bool:
+    for part, required in [(folder, 0o5), *((parent, 0o1) for parent in folder.parents)]:
+        info = part.stat()
+        if info.st_uid == account.uid:
+            bits = info.st_mode >> 6
+        elif info.st_gid == account.gid:
+            bits = info.st_mode >> 3
+        else:
+            bits = info.st_mode
+        if bits & required != required:
+            return False
+    return True
+
+
+def python_warnings(user: str | None = None) -> list[str]:
+    """Why the engine processes may fail to import modules once they run as the engine user: they keep this
+    interpreter's paths, and modules that users' code imports after the drop load from there."""
+    account = engine_user(user) if os.geteuid() == 0 else None
+    if account is None:
+        return []
+    folders = [Path(os.__file__).parent, Path(__file__).parent.parent]  # the standard library, site-packages
+    return [
+        f"the engine user {account.name!r} cannot read {folder} (a Python installed in root's home?): modules"
+        " that intervention code imports will fail to load in the engine; install Python where that user can"
+        " read it (as the Docker images do) or set NNQUEUE_ENGINE_USER to a user that can"
+        for folder in unreadable_by(account, folders)
+    ]
+
+
 def env_file_warnings(env_file: Path, user: str | None = None) -> list[str]:
     """Why the settings file ``env_file`` may be readable by the processes that run users' code.
 

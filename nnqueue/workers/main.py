@@ -135,7 +135,10 @@ def isolate(settings: Settings) -> None:
     Also: the engine reads its settings from the environment (never ``.env``), and its processes are
     spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
     """
-    for warning in isolation.env_file_warnings(Path(str(Settings.model_config.get("env_file"))), settings.engine_user):
+    env_file = Path(str(Settings.model_config.get("env_file")))
+    for warning in isolation.env_file_warnings(env_file, settings.engine_user) + isolation.python_warnings(
+        settings.engine_user
+    ):
         log.warning("%s", warning)
     removed = isolation.scrub_environment(settings.secret_env_patterns)
     isolation.make_non_dumpable()

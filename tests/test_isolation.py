@@ -1,0 +1,45 @@
+"""nnqueue.isolation's checks of what the engine user can read (the processes themselves: tests/workers/test_isolation.py)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nnqueue.isolation import EngineUser, unreadable_by
+
+STRANGER = EngineUser("stranger", 54321, 54321)  # owns nothing here, in no group of these files
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    """A folder that anyone can reach (pytest's own temporary folders are private to their user)."""
+    folder = Path(tempfile.mkdtemp())
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_a_folder_is_unreadable_when_a_folder_above_it_cannot_be_searched(base: Path) -> None:
+    private, public = base / "home", base / "opt"
+    (private / "lib").mkdir(parents=True)
+    (public / "lib").mkdir(parents=True)
+    for folder in (base, private / "lib", public, public / "lib"):
+        folder.chmod(0o755)
+    private.chmod(0o700)  # root's home
+
+    assert unreadable_by(STRANGER, [private / "lib", public / "lib"]) == [private / "lib"]
+
+
+def test_a_folder_its_owner_or_group_may_read_is_readable(base: Path) -> None:
+    folder = base / "lib"
+    folder.mkdir()
+    info = folder.stat()
+    folder.chmod(0o750)
+    assert unreadable_by(STRANGER, [folder]) == [folder]
+    assert unreadable_by(EngineUser("group", 54321, info.st_gid), [folder]) == []
+    folder.chmod(0o700)
+    assert unreadable_by(EngineUser("owner", info.st_uid, 54321), [folder]) == []
