@@ -192,6 +192,8 @@ class Chaos:
         if children:
             log(f"SIGKILL worker process {children[0].pid}")
             children[0].kill()
+        else:
+            log("no worker process to kill: its supervisor is restarting it")
 
     def faults(self) -> None:
         events = [("kill", i) for i in range(self.args.kills)] + [("redis", 0), ("postgres", 0), ("s3", 0)]
