@@ -1,7 +1,8 @@
 """``nnqueue worker``: load one engine (vLLM, or transformers), register, and consume the model's queue until stopped.
 
-Each heartbeat also aborts the jobs cancelled while running here and requeues the model's jobs that
-a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`).
+Each heartbeat also aborts the jobs cancelled while running here, requeues the model's jobs that a dead
+worker left RUNNING (:mod:`nnqueue.scheduler.recovery`) and, every ``NNQUEUE_RECONCILE_INTERVAL_S``, re-sends
+the tokens the broker lost (:mod:`nnqueue.scheduler.reconciler`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import poller
 from nnqueue.scheduler import registry
+from nnqueue.scheduler.reconciler import reconcile
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
@@ -67,7 +69,7 @@ def run_worker(
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
 
     worker_id = registry.new_worker_id()
-    runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s)
+    runner = JobRunner(sessions, executor, model_key, worker_id)
     register_run_job(app, host, runner)
     try:
         registry.register(
@@ -85,9 +87,15 @@ def run_worker(
         raise
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
 
+    next_reconcile = 0.0
+
     def on_beat() -> None:
+        nonlocal next_reconcile
         runner.reap_lost()
         requeue_orphans(sessions, app, model_key, settings.worker_stale_after_s)
+        if time.monotonic() >= next_reconcile:
+            reconcile(sessions, app, model_key)  # a failure (broker down) is retried at the next beat
+            next_reconcile = time.monotonic() + settings.reconcile_interval_s
 
     beat = HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)
     beat.start()
