@@ -142,3 +142,12 @@ def _unauthorized(detail: str) -> HTTPException:
 
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
+
+
+async def get_harvest_caller(caller: CallerDep) -> Caller:
+    """The caller of the harvest and schedule routes: where the key's ``harvest`` scope is checked once keys
+    carry enforced scopes (until then any live key may harvest)."""
+    return caller
+
+
+HarvestCallerDep = Annotated[Caller, Depends(get_harvest_caller)]

@@ -24,7 +24,16 @@ from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.settings import Settings
 from nnqueue.storage.results import load_result
-from tests.utils.api import LIVE_MODEL, complete, create_secret, register_worker, served
+from tests.utils.api import (
+    CAPTURE_POINTS,
+    HARVEST_MODEL,
+    LIVE_MODEL,
+    complete,
+    create_secret,
+    register_worker,
+    served,
+    submit_harvest,
+)
 from tests.utils.payloads import fake_trace
 from tests.utils.services import Services
 
@@ -156,6 +165,39 @@ def test_a_user_sees_their_jobs_with_progress_errors_and_downloads(
 
     page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and SCREENSHOT.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def harvests(server: str, services: Services, jobs: dict[str, Any]) -> dict[str, str]:
+    """A queued harvest of alice's (three chunks) and one of bob's."""
+    register_worker(services.sessions, HARVEST_MODEL, capture_points=CAPTURE_POINTS)
+    spec = {
+        "model_key": HARVEST_MODEL,
+        "dataset": {"prompts": ["a", "b", "c", "d", "e"]},
+        "captures": [{"module": "model.layers.0"}],
+        "prompts_per_chunk": 2,
+    }
+    ids = {}
+    with httpx.Client(base_url=server) as http:
+        for owner in ("alice", "bob"):
+            response = submit_harvest(http, {"Authorization": f"Bearer {jobs[owner]}"}, spec)
+            assert response.status_code == 201, response.text
+            ids[owner] = response.json()["id"]
+    return ids
+
+
+def test_a_user_sees_their_harvests_with_their_progress(
+    browser: Any, server: str, jobs: dict[str, Any], harvests: dict[str, str]
+) -> None:
+    page = sign_in(browser, server, jobs["alice"])
+    rows = page.query_selector_all("tr.harvest")
+    assert [row.get_attribute("id") for row in rows] == [f"harvest-{harvests['alice']}"]  # not bob's
+    assert rows[0].get_attribute("data-status") == "queued"
+    assert rows[0].query_selector(".chunks").inner_text() == "0/3" and "0/5" in rows[0].inner_text()
+    admin = sign_in(browser, server, jobs["admin"])
+    assert {row.get_attribute("id") for row in admin.query_selector_all("tr.harvest")} == {
+        f"harvest-{harvest_id}" for harvest_id in harvests.values()
+    }
 
 
 def test_an_admin_sees_everyones_jobs(browser: Any, server: str, jobs: dict[str, Any]) -> None:

@@ -11,22 +11,21 @@ admission of ``accept_job``: a live worker for the model (400) and the key's job
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nnqueue import trace_payload
 from nnqueue.api.deps import Caller, CallerDep, ResourcesDep, SessionDep, SessionsDep, SettingsDep, StoreDep
+from nnqueue.api.downloads import stream_object
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
 from nnqueue.api.routing import ReleasingRoute
-from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec
+from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec, parse_spec_field
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.scheduler.admission import ModelNotServed, TooManyJobsInFlight
@@ -35,10 +34,9 @@ from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import accept_job, queue_job
 from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
-from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
+from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ReleasingRoute)
-STREAM_CHUNK = 1024 * 1024
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such job, or another owner's."}}
 SPEC_DESCRIPTION = (
     'A JSON object: {"model_key": str, "kind": "trace", "priority": int = 0, "timeout_s": float | null '
@@ -72,7 +70,7 @@ def submit(
     One transaction on one connection: admission, the job's row (and a small payload), its queue position.
     """
     settings = resources.settings
-    job_spec = _parse_spec(spec)
+    job_spec = parse_spec_field(spec, JobSpec)
     data = _read_payload(payload.file, settings.max_payload_bytes)
     _require_trace(data)
     meta: dict[str, Any] = {"metadata": job_spec.metadata}
@@ -200,15 +198,7 @@ def result_response(
             return RedirectResponse(url, status_code=status.HTTP_302_FOUND)
         except PresignUnsupported:
             pass  # a local store: stream it ourselves
-    return _stream(store, key, filename=f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}")
-
-
-def _parse_spec(spec: str) -> JobSpec:
-    try:
-        return JobSpec.model_validate_json(spec)
-    except ValidationError as error:
-        errors = [{**e, "loc": ("body", "spec", *e["loc"])} for e in error.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
+    return stream_object(store, key, filename=f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}")
 
 
 def _read_payload(file: BinaryIO, limit: int) -> bytes:
@@ -269,25 +259,6 @@ def _result_object(job: Job, fmt: str) -> str:
             f"job {job.id} has no safetensors result (format {job.result_format}): not every saved value is a tensor",
         )
     return sibling_key(job.result_key, SAFETENSORS_FILE)
-
-
-def _stream(store: ObjectStore, key: str, filename: str) -> StreamingResponse:
-    try:
-        size = store.size(key)
-        reader = store.open_stream(key)
-    except ObjectNotFound:
-        raise HTTPException(status.HTTP_410_GONE, "the result is no longer in the object store") from None
-    return StreamingResponse(
-        _chunks(reader),
-        media_type="application/octet-stream",
-        headers={"Content-Length": str(size), "Content-Disposition": f'attachment; filename="{filename}"'},
-    )
-
-
-def _chunks(reader: ObjectReader) -> Iterator[bytes]:
-    with reader:
-        while chunk := reader.read(STREAM_CHUNK):
-            yield chunk
 
 
 def _invalid(loc: tuple[str, ...], message: str, value: Any) -> RequestValidationError:
