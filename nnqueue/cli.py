@@ -140,6 +140,9 @@ def worker(
     bulk_slots: int | None = typer.Option(
         None, min=1, help="Harvest chunks run at once beside the jobs (vllm; default NNQUEUE_WORKER_BULK_SLOTS, 1)."
     ),
+    supervise: bool = typer.Option(
+        True, help="Run the worker under a supervisor that starts it again when it fails (its engine died)."
+    ),
 ) -> None:
     """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments
     (vllm) or to the model's from_pretrained (transformers, e.g. --dtype float32)."""
@@ -148,6 +151,19 @@ def worker(
     from nnqueue.workers.main import run_worker
 
     logs.configure(Settings().log_format)
+    if supervise:
+        from nnqueue.workers.supervisor import Supervisor
+
+        command = [sys.executable, "-m", "nnqueue", "worker", "--no-supervise", "--model", model, "--engine", engine]
+        command += ["--model-key", model_key or model, "--tensor-parallel-size", str(tensor_parallel_size)]
+        if max_concurrent_jobs is not None:
+            command += ["--max-concurrent-jobs", str(max_concurrent_jobs)]
+        if bulk_slots is not None:
+            command += ["--bulk-slots", str(bulk_slots)]
+        raise typer.Exit(Supervisor([*command, *ctx.args]).run())
+    from nnqueue.workers.supervisor import exit_with_supervisor
+
+    exit_with_supervisor()
     if kind.value == "transformers":
         if max_concurrent_jobs not in (None, 1):
             raise typer.BadParameter(
@@ -161,7 +177,7 @@ def worker(
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
     except EngineConflict as conflict:
         typer.echo(str(conflict), err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None  # a configuration error: the supervisor does not restart it
 
 
 @app.command()

@@ -172,7 +172,7 @@ class EmbeddedStack:
         engine = make_engine(self.database_url)
         try:
             with transaction(session_factory(engine)) as session:
-                _, self.api_key = auth.create_key(session, "demo")
+                _, self.api_key = auth.create_key(session, "demo", ["trace"])
         finally:
             engine.dispose()
 

@@ -13,10 +13,10 @@ fails at start with the names of the variables to fix.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Self
+from typing import Annotated, Literal, Self
 
-from pydantic import BaseModel, Field, PrivateAttr, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class S3Settings(BaseModel):
@@ -78,6 +78,19 @@ class Settings(BaseSettings):
     # How often ``nnqueue beat`` looks for schedules that are due.
     beat_interval_s: float = Field(5.0, gt=0)
 
+    # Isolation of users' code (see nnqueue.isolation). When the worker runs as root, its engine
+    # processes switch to this user once they are up, before any user code runs. Empty: they stay root
+    # (not recommended: only for an engine in a test process, whose files are root's).
+    engine_user: str = "nobody"
+    # More environment variables (fnmatch patterns, comma-separated) to remove before the engine
+    # starts, beside the built-in NNQUEUE_DATABASE_URL, NNQUEUE_BROKER_URL, NNQUEUE_S3__* and AWS_*.
+    secret_env_patterns: Annotated[list[str], NoDecode] = []
+    # The protected environment: intervention code may import only allow-listed modules and call only
+    # allow-listed builtins (nnqueue.enginecore.protected). Off only for trusted deployments.
+    protected_environment: bool = True
+    # Modules (and their submodules) allowed beside the built-in list, comma-separated.
+    allowed_modules: Annotated[list[str], NoDecode] = []
+
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
@@ -110,6 +123,13 @@ class Settings(BaseSettings):
 
     _store_dir_defaulted: bool = PrivateAttr(default=False)
 
+    @field_validator("secret_env_patterns", "allowed_modules", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
     @model_validator(mode="after")
     def _check_and_fill_in(self) -> Self:
         if self.worker_stale_after_s <= self.worker_heartbeat_s:
@@ -129,6 +149,20 @@ class Settings(BaseSettings):
         self._store_dir_defaulted = self.store_dir is None
         self.store_dir = (self.store_dir or self.data_dir / "objects").resolve()
         return self
+
+    def engine_environment(self) -> dict[str, str]:
+        """The settings engine processes read, as environment variables for them to inherit.
+
+        Engine processes run users' code: they read these from the environment alone (see
+        ``nnqueue.enginecore.sandbox.EngineConfig``), never from ``.env``, which may hold the secrets.
+        """
+        return {
+            "NNQUEUE_ENGINE_STALL_TIMEOUT_S": str(self.engine_stall_timeout_s),
+            "NNQUEUE_ENGINE_USER": self.engine_user,
+            "NNQUEUE_SECRET_ENV_PATTERNS": ",".join(self.secret_env_patterns),
+            "NNQUEUE_PROTECTED_ENVIRONMENT": "true" if self.protected_environment else "false",
+            "NNQUEUE_ALLOWED_MODULES": ",".join(self.allowed_modules),
+        }
 
     @property
     def resolved_database_url(self) -> str:

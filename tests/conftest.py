@@ -175,9 +175,9 @@ def start_worker(
     started: list[WorkerProcess] = []
     logs = tmp_path_factory.mktemp("worker-logs")
 
-    def start(**kwargs: Any) -> WorkerProcess:
-        """``kwargs``: WorkerProcess's (max_concurrent_jobs, model_key, engine)."""
-        worker = WorkerProcess(services, tiny_model_path, logs / f"worker-{len(started)}.log", **kwargs)
+    def start(model_path: Path = tiny_model_path, **kwargs: Any) -> WorkerProcess:
+        """``kwargs``: WorkerProcess's (max_concurrent_jobs, model_key, engine, env, cwd, user)."""
+        worker = WorkerProcess(services, model_path, logs / f"worker-{len(started)}.log", **kwargs)
         started.append(worker)
         worker.wait_registered()
         return worker

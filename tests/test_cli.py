@@ -24,7 +24,7 @@ CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models", "
 COMMANDS = {
     (): SERVER_COMMANDS | CLIENT_COMMANDS,
     ("db",): {"upgrade", "downgrade"},
-    ("keys",): {"create", "list", "revoke"},
+    ("keys",): {"create", "list", "revoke", "scopes"},
     ("harvest",): {"submit", "status", "list", "cancel", "manifest", "download"},
     ("schedules",): {"create", "list", "pause", "resume", "delete"},
 }

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from nnqueue.api import errors
 from nnqueue.api.deps import RecentCallers, Resources
 from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import BodySizeLimit
@@ -55,6 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_payload_bytes=settings.max_payload_bytes)
     app.add_exception_handler(OperationalError, _broker_unreachable)
     app.add_exception_handler(PoolTimeout, _database_busy)
+    errors.install(app)
     routers = (jobs.router, harvests.router, schedules.router, models.router, health.router, metrics.router)
     for router in (*routers, status_page.router, ndif.router, ndif_serve.router):
         app.include_router(router)

@@ -76,10 +76,16 @@ def _shared_metrics(processes: int) -> Iterator[None]:
             del os.environ[metrics.MULTIPROC_ENV]
 
 
+SCOPE_HELP = (
+    "What the key may do (repeatable): trace (run nnsight code on the workers: trusted users only),"
+    " harvest (declarative harvests, no code), admin (every owner's jobs). Default: harvest."
+)
+
+
 @keys_app.command("create")
 def create_key(
     owner: str = typer.Option(..., help="Who the key belongs to: the owner of the jobs it submits."),
-    scope: list[str] = typer.Option([], help="A scope recorded with the key (repeatable; not enforced yet)."),
+    scope: list[str] = typer.Option(["harvest"], help=SCOPE_HELP),  # auth.DEFAULT_SCOPES
 ) -> None:
     """Create a key and print its secret, which is shown only this once."""
     from nnqueue.api import auth
@@ -89,8 +95,11 @@ def create_key(
         try:
             key, secret = auth.create_key(session, owner, scope)
         except ValueError as error:
-            raise typer.BadParameter(str(error), param_hint="--owner") from None
-    console.print(f"created key {key.id} ({key.key_prefix}...) for {owner}; its secret, shown only once:")
+            raise typer.BadParameter(str(error)) from None
+    scopes = ", ".join(key.scopes)
+    console.print(
+        f"created key {key.id} ({key.key_prefix}...) for {owner}, scopes {scopes}; its secret, shown only once:"
+    )
     typer.echo(secret)
 
 
@@ -121,6 +130,26 @@ def revoke_key(prefix_or_id: str = typer.Argument(..., help="The key's id, or it
             console.print(f"[red]{error}[/red]")
             raise typer.Exit(1) from None
     console.print(f"revoked key {key.id} ({key.key_prefix}...) of {key.owner}")
+
+
+@keys_app.command("scopes")
+def set_scopes(
+    prefix_or_id: str = typer.Argument(..., help="The key's id, or its secret's prefix."),
+    scope: list[str] = typer.Option(..., help="The key's scopes from now on (repeatable): trace, harvest, admin."),
+) -> None:
+    """Replace a key's scopes (e.g. grant trace to a key created before scopes were enforced)."""
+    from nnqueue.api import auth
+    from nnqueue.db.session import transaction
+
+    with transaction(_sessions()) as session:
+        try:
+            key = auth.set_scopes(session, prefix_or_id, scope)
+        except auth.KeyNotFound as error:
+            console.print(f"[red]{error}[/red]")
+            raise typer.Exit(1) from None
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--scope") from None
+    console.print(f"key {key.id} ({key.key_prefix}...) of {key.owner} now has scopes {', '.join(key.scopes)}")
 
 
 def _sessions() -> sessionmaker[Session]:

@@ -9,7 +9,7 @@ build an app on their own settings and nothing reads global state. Dependencies 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -39,10 +39,26 @@ class Resources:
 
 @dataclass(frozen=True)
 class Caller:
-    """Who is calling: the owner whose jobs they may see, and the key they used."""
+    """Who is calling: the owner whose jobs they may see, the key they used and its scopes."""
 
     owner: str
     key_id: int
+    scopes: frozenset[str] = frozenset()
+
+    @property
+    def is_admin(self) -> bool:
+        return "admin" in self.scopes
+
+    def may_see(self, owner: str) -> bool:
+        """Whether this caller may see and act on what ``owner`` owns: their own, or anyone's for an admin."""
+        return owner == self.owner or self.is_admin
+
+    def listed_owner(self, owner: str | None) -> str | None:
+        """The owner a listing filters on (None: every owner, an admin's default); 403 unless the caller may
+        list ``owner``'s (only an admin may name another owner)."""
+        if owner is not None and owner != self.owner:
+            check_scope(self, "admin")
+        return owner if owner is not None or self.is_admin else self.owner
 
 
 async def get_resources(request: Request) -> Resources:
@@ -113,7 +129,7 @@ async def get_caller(
 def _look_up(sessions: sessionmaker[Session], secret: str) -> Caller:
     with sessions() as session:
         key = authenticate(session, secret)
-        return Caller(owner=key.owner, key_id=key.id)
+        return Caller(owner=key.owner, key_id=key.id, scopes=frozenset(key.scopes))
 
 
 class RecentCallers:
@@ -143,11 +159,35 @@ def _unauthorized(detail: str) -> HTTPException:
 
 CallerDep = Annotated[Caller, Depends(get_caller)]
 
+SCOPE_PURPOSE = {
+    "trace": "submit traces (they run arbitrary code on the workers)",
+    "harvest": "submit harvests and keep their schedules",
+    "admin": "act on other owners' jobs, harvests and schedules",
+}
 
-async def get_harvest_caller(caller: CallerDep) -> Caller:
-    """The caller of the harvest and schedule routes: where the key's ``harvest`` scope is checked once keys
-    carry enforced scopes (until then any live key may harvest)."""
-    return caller
+
+def check_scope(caller: Caller, scope: str) -> None:
+    """403, with the reason, unless the caller's key has ``scope``."""
+    if scope not in caller.scopes:
+        held = ", ".join(sorted(caller.scopes)) or "none"
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            f"this API key lacks the {scope!r} scope, needed to {SCOPE_PURPOSE[scope]} (its scopes: {held});"
+            f" an operator grants it with: nnqueue keys scopes <key id> --scope {scope}",
+        )
 
 
-HarvestCallerDep = Annotated[Caller, Depends(get_harvest_caller)]
+def require_scope(scope: str) -> Callable[[Caller], Caller]:
+    """A dependency giving the caller, or 403 if its key lacks ``scope``: ``Depends(require_scope("harvest"))``."""
+
+    def caller_with_scope(caller: CallerDep) -> Caller:
+        check_scope(caller, scope)
+        return caller
+
+    return caller_with_scope
+
+
+# The caller of a route that queues code (a trace): 403 unless its key has the ``trace`` scope.
+TraceCallerDep = Annotated[Caller, Depends(require_scope("trace"))]
+# The caller of the harvest and schedule routes (declarative specs, no code): 403 unless its key has ``harvest``.
+HarvestCallerDep = Annotated[Caller, Depends(require_scope("harvest"))]

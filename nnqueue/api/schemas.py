@@ -30,6 +30,10 @@ def parse_spec_field(text: str, model: type[M]) -> M:
     ``body.spec``) otherwise. Strict JSON: NaN and Infinity are refused (a database's JSON column refuses them)."""
     try:
         data = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", "spec"), "msg": "nested too deeply", "input": text[:200]}]
+        ) from None
     except ValueError as error:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body", "spec"), "msg": f"not JSON: {error}", "input": text[:200]}]
@@ -57,7 +61,9 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_key: str = Field(min_length=1, max_length=500, description="A model some live worker serves.")
+    model_key: str = Field(
+        min_length=1, max_length=500, pattern=r"^[^\x00]+$", description="A model some live worker serves."
+    )
     # Only traces: declarative harvests are submitted to POST /v1/harvests.
     kind: Literal["trace"] = "trace"
     priority: int = Field(

@@ -16,9 +16,10 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
+from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
-from nnqueue.settings import Settings
+from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
 
 
 class NNsightCPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner, CPUModelRunner):
@@ -29,12 +30,12 @@ class NNsightCPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner, CPUModelR
     """
 
 
-class NNsightCPUWorker(NNqueueRPC, CPUWorker):
-    """vLLM's CPU worker, with nnsight's model runner and RPC methods, and nnqueue's."""
+class NNsightCPUWorker(SandboxedWorker, CrashReportingWorker, NNqueueRPC, CPUWorker):
+    """vLLM's CPU worker, with nnsight's model runner and RPC methods and nnqueue's, sandboxed (see enginecore.sandbox)."""
 
     def init_device(self) -> None:
         super().init_device()
-        stall_watchdog.install(Settings().engine_stall_timeout_s)
+        stall_watchdog.install(EngineConfig.from_environment().stall_timeout_s)
         lifetime.exit_with_worker()
         # Exact type: the V2 CPU runner (VLLM_USE_V2_MODEL_RUNNER=1) is a different class
         # that nnsight does not instrument; nnsight's VLLM forces V1, this keeps it honest.

@@ -1,5 +1,6 @@
-"""nnsight's CUDA worker, plus nnqueue's stall watchdog (see :mod:`nnqueue.enginecore.stall_watchdog`),
-harvest capture (:mod:`nnqueue.enginecore.harvest_capture`) and RPC methods (:mod:`nnqueue.enginecore.rpc`)."""
+"""nnsight's CUDA worker, sandboxed (:mod:`nnqueue.enginecore.sandbox`), with nnqueue's stall watchdog
+(:mod:`nnqueue.enginecore.stall_watchdog`), crash reports, harvest capture (:mod:`nnqueue.enginecore.harvest_capture`)
+and RPC methods (:mod:`nnqueue.enginecore.rpc`)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,19 @@ from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRu
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
+from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
-from nnqueue.settings import Settings
+from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
 
 
 class NNqueueGPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner):
     """nnqueue's harvest capture over nnsight's runner; adds no constructor state (re-classed in place)."""
 
 
-class NNqueueGPUWorker(NNqueueRPC, NNsightGPUWorker):
+class NNqueueGPUWorker(SandboxedWorker, CrashReportingWorker, NNqueueRPC, NNsightGPUWorker):
     def init_device(self) -> None:
         super().init_device()  # checks the runner is vLLM's V1 GPUModelRunner, re-classes it to nnsight's
         self.model_runner.__class__ = NNqueueGPUModelRunner
-        stall_watchdog.install(Settings().engine_stall_timeout_s)
+        stall_watchdog.install(EngineConfig.from_environment().stall_timeout_s)
         lifetime.exit_with_worker()

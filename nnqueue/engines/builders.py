@@ -22,24 +22,19 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from nnqueue import isolation
 from nnqueue.engines import trace_builder
 from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 900.0
-# Removed from a builder's environment: the worker's credentials. (The engine's own isolation, with a
-# privilege drop, is nnqueue.isolation's; this is the minimal scrub the builders need.)
-SECRET_NAMES = ("NNQUEUE_DATABASE_URL", "NNQUEUE_BROKER_URL")
-SECRET_PREFIXES = ("NNQUEUE_S3__", "AWS_")
 
 
 def scrubbed_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The builder's environment: the worker's, without its credentials (``nnqueue.isolation``'s patterns,
+    ``NNQUEUE_SECRET_ENV_PATTERNS`` included). The builder itself then drops to the engine user."""
     environ = dict(os.environ if environ is None else environ)
-    return {
-        name: value
-        for name, value in environ.items()
-        if name not in SECRET_NAMES and not name.startswith(SECRET_PREFIXES)
-    }
+    return isolation.without_secrets(environ, environ.get(isolation.EXTRA_SECRETS_ENV, "").split(","))
 
 
 @dataclass

@@ -13,7 +13,9 @@ shard; only sizes, checksums and row offsets travel back from the engine.
 A failure goes back to QUEUED until the chunk has run ``NNQUEUE_HARVEST_CHUNK_ATTEMPTS`` times, then fails
 the harvest naming the chunk and the cause (:mod:`nnqueue.scheduler.chunks`). A cancel (or a chunk taken
 over while this worker looked dead) is seen by :meth:`ChunkRunner.reap_lost` at the heartbeat, which cancels
-the chunk's task: ``run_chunk`` aborts its requests, freeing the engine, and the sink is discarded.
+the chunk's task: ``run_chunk`` aborts its requests, freeing the engine, and the sink is discarded. If the
+engine dies (:mod:`nnqueue.workers.engine_health`), a chunk is not charged with it: the worker deregisters
+and a live worker requeues the chunk.
 """
 
 from __future__ import annotations
@@ -44,11 +46,13 @@ from nnqueue.scheduler.chunks import (
     retry_or_fail_chunk,
 )
 from nnqueue.scheduler.claim import claim_next_chunk
+from nnqueue.scheduler.enqueue import send_chunk_tokens
 from nnqueue.scheduler.harvest_dataset import Example, read_slice
 from nnqueue.scheduler.harvest_manifest import build_manifest, dumps
 from nnqueue.scheduler.harvest_spec import HarvestSpec
 from nnqueue.storage.keys import MANIFEST_FILE, harvest_key
 from nnqueue.storage.object_store import ObjectStore
+from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.job_execution import Outcome
 from nnqueue.workers.sinks import ResultSinks, ShardSink
 
@@ -72,11 +76,16 @@ class ChunkRunner:
     worker_id: str
     max_attempts: int
     engine_info: dict[str, Any]  # model, revision and library versions, for the manifest
+    # The worker's engine health (shared with its JobRunner); None in tests.
+    health: EngineHealth | None = None
     _running: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
     _aborted: set[int] = field(default_factory=set)
 
     async def run_next(self) -> Outcome:
         """Claim the model's fairest QUEUED chunk and run it (what a bulk token asks for)."""
+        if self.health is not None and self.health.dead.is_set():
+            await asyncio.to_thread(send_chunk_tokens, self.app, self.model_key)  # for another worker
+            return Outcome.SKIPPED
         chunk = await asyncio.to_thread(claim_next_chunk, self.sessions, self.model_key, self.worker_id)
         if chunk is None:
             log.info("a bulk token for %s found no queued chunk; dropped", self.model_key)
@@ -93,6 +102,11 @@ class ChunkRunner:
             log.info("chunk %s of harvest %s aborted: cancelled or taken over", chunk.index, chunk.harvest_id)
             outcome = Outcome.CANCELLED
         except Exception as error:
+            if self.health is not None and self.health.caused_by_death(error):
+                # Not the chunk's fault: it stays RUNNING here until this worker has deregistered, then a
+                # live worker's heartbeat requeues it (as for a killed worker's chunk).
+                await self.health.engine_died()
+                return Outcome.SKIPPED
             log.exception("chunk %s of harvest %s failed", chunk.index, chunk.harvest_id)
             cause = f"{type(error).__name__}: {error}"
             status = await asyncio.to_thread(

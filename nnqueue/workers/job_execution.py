@@ -37,6 +37,7 @@ from nnqueue.errors import NNqueueError
 from nnqueue.logs import job_context
 from nnqueue.scheduler.claim import claim_next_job
 from nnqueue.storage.results import StoredResult
+from nnqueue.workers.engine_health import EngineHealth
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -88,12 +89,17 @@ class JobRunner:
     executor: Executor
     model_key: str
     worker_id: str
+    # Settles the worker's jobs if the engine dies (and runs `run_alone` jobs alone); None in tests.
+    health: EngineHealth | None = None
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
     # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
     _aborted: dict[uuid.UUID, Outcome] = field(default_factory=dict)
 
     async def run_next(self) -> Outcome:
         """Claim the model's best QUEUED job and run it (what a token asks for)."""
+        if self.health is not None and self.health.dead.is_set():
+            await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
+            return Outcome.SKIPPED
         job = await asyncio.to_thread(claim_next_job, self.sessions, self.model_key, self.worker_id)
         if job is None:
             log.info("a token for %s found no queued job; dropped", self.model_key)
@@ -111,7 +117,10 @@ class JobRunner:
         self._running[job_id] = task
         progress = _ProgressWriter(self.sessions, job_id, self.worker_id)
         try:
-            execution = await asyncio.wait_for(self.executor.execute(job, progress.report), timeout=job.timeout_s)
+            running = self.executor.execute(job, progress.report)
+            if self.health is not None:  # a job that was in a step that crashed an engine runs alone
+                running = self.health.gate.run(job.meta, running)
+            execution = await asyncio.wait_for(running, timeout=job.timeout_s)
             result = execution.result
             fields: dict[str, Any] = {"progress_done": execution.units, "progress_total": execution.units}
             if result is not None:
@@ -134,6 +143,9 @@ class JobRunner:
         except JobFailure as failure:
             return await self._fail(job_id, failure)
         except Exception as error:  # our side failed (object store, engine): say so, don't hang
+            if self.health is not None and self.health.caused_by_death(error):
+                await self.health.engine_died()  # fails or requeues this job with the others
+                return Outcome.SKIPPED
             log.exception("job %s failed in the worker", job_id)
             return await self._fail(job_id, JobFailure(type(error).__name__, str(error), traceback.format_exc()))
         finally:

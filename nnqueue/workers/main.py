@@ -5,22 +5,33 @@ Interactive tokens come through Celery's pool (``--max-concurrent-jobs`` slots);
 so a trace never waits for a slot behind long chunks. Each heartbeat also aborts the work cancelled while
 running here, requeues the model's work that a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`,
 :func:`nnqueue.scheduler.chunks.requeue_orphan_chunks`) and, every ``NNQUEUE_RECONCILE_INTERVAL_S``, re-sends
-the tokens the broker lost (:mod:`nnqueue.scheduler.reconciler`).
+the tokens the broker lost (:mod:`nnqueue.scheduler.reconciler`). If the engine dies, the worker settles its
+jobs and exits with EXIT_ENGINE_DIED (:mod:`nnqueue.workers.engine_health`); ``nnqueue worker`` runs this
+under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`).
+
+The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
+the engine's processes run users' code (traces) and capture harvests, and must find no secret in their
+environment or their parent; they write results and shards through presigned URLs or handoff files.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue import isolation
 from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
+from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.harvest_runner import capture_points
@@ -34,6 +45,7 @@ from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.bulk import BulkConsumer
 from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
+from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
@@ -61,6 +73,7 @@ def run_worker(
     a time; ``engine_kwargs`` go to the model's ``from_pretrained``)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
+    isolate(settings)
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
@@ -74,6 +87,8 @@ def run_worker(
         log.info("serving metrics on port %d", settings.worker_metrics_port)
     # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
     os.environ[WORKER_PID_ENV] = str(os.getpid())
+    crash_dir = isolation.engine_writable_dir("nnqueue-crash-", settings.engine_user)
+    os.environ[CRASH_DIR_ENV] = str(crash_dir)
     host = EngineHost(blocking_threads=min(2 * (max_concurrent_jobs + bulk_slots) + 2, 64))
     with sessions() as session:  # fail before loading a model that would then not register
         registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
@@ -82,7 +97,8 @@ def run_worker(
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
 
     worker_id = registry.new_worker_id()
-    runner = JobRunner(sessions, executor, model_key, worker_id)
+    health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
+    runner = JobRunner(sessions, executor, model_key, worker_id, health)
     register_run_job(app, host, runner)
     chunks, points = None, None
     if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
@@ -96,6 +112,7 @@ def run_worker(
             worker_id,
             settings.harvest_chunk_attempts,
             engine_info(model, executor.model.vllm_entrypoint),
+            health,
         )
         points = host.call(capture_points(executor.model.vllm_entrypoint))
     try:
@@ -157,6 +174,30 @@ def run_worker(
         registry.mark_stopped(sessions, worker_id)
         host.call(executor.close())
         host.stop()
+        shutil.rmtree(crash_dir, ignore_errors=True)
+    if health.dead.is_set():
+        sys.exit(EXIT_ENGINE_DIED)  # the supervisor starts a fresh worker
+
+
+def isolate(settings: Settings) -> None:
+    """Remove the secrets from the environment the engine will inherit, and keep the engine out of ours.
+
+    Also: the engine reads its settings from the environment (never ``.env``), and its processes are
+    spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
+    """
+    for warning in isolation.env_file_warnings(Path(str(Settings.model_config.get("env_file"))), settings.engine_user):
+        log.warning("%s", warning)
+    removed = isolation.scrub_environment(settings.secret_env_patterns)
+    isolation.make_non_dumpable()
+    os.environ.update(settings.engine_environment())
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    log.info("removed %d secret variables from the engine's environment", len(removed))
+
+
+def _engine_errored(executor: Executor) -> bool:
+    """Whether the executor's vLLM engine has died (its AsyncLLM's ``errored``)."""
+    model = getattr(executor, "model", None)
+    return bool(getattr(getattr(model, "vllm_entrypoint", None), "errored", False))
 
 
 async def _start_executor(

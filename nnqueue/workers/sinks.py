@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nnqueue import isolation
 from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import MultipartUpload, ObjectStore, PresignUnsupported
@@ -146,6 +146,11 @@ class ResultSinks:
 
     def _handoff(self) -> Path:
         if self._handoff_dir is None:
-            self.handoff_root.mkdir(parents=True, exist_ok=True)
-            self._handoff_dir = Path(tempfile.mkdtemp(prefix="worker-", dir=self.handoff_root))
+            # The engine writes here. A root worker's engine runs as the engine user (nnqueue.isolation),
+            # which may not reach the store's folder: its handoff directory is then in the temp folder
+            # (1777), and committing a result copies it when that is another filesystem.
+            parent = None if os.geteuid() == 0 else self.handoff_root
+            if parent is not None:
+                parent.mkdir(parents=True, exist_ok=True)
+            self._handoff_dir = isolation.engine_writable_dir("nnqueue-handoff-", parent=parent)
         return self._handoff_dir

@@ -21,14 +21,14 @@ runner = CliRunner()
 
 def test_a_key_is_stored_as_its_sha256_and_never_as_the_secret(services: Services) -> None:
     with transaction(services.sessions) as session:
-        key, secret = auth.create_key(session, "alice", ["jobs"])
+        key, secret = auth.create_key(session, "alice", ["harvest"])
     assert secret.startswith("nnq_") and len(secret) > 40
     with services.sessions() as session:
         row = session.execute(select(ApiKey.__table__).where(ApiKey.id == key.id)).one()
     assert row.key_hash == hashlib.sha256(secret.encode()).hexdigest()
     assert secret not in [str(value) for value in row]  # no column holds the secret
     assert secret.startswith(row.key_prefix) and len(row.key_prefix) < len(secret) // 3
-    assert (row.owner, row.scopes) == ("alice", ["jobs"])
+    assert (row.owner, row.scopes) == ("alice", ["harvest"])
 
 
 def test_both_headers_authenticate_and_anything_else_is_401(api: Api) -> None:
@@ -68,12 +68,12 @@ def test_keys_cli_creates_lists_and_revokes(services: Services, monkeypatch: pyt
     monkeypatch.setenv("NNQUEUE_DATABASE_URL", services.settings.resolved_database_url)
     keys = []
     for owner in ("carol", "dave"):
-        created = runner.invoke(app, ["keys", "create", "--owner", owner, "--scope", "jobs", "--scope", "read"])
+        created = runner.invoke(app, ["keys", "create", "--owner", owner, "--scope", "trace", "--scope", "harvest"])
         assert created.exit_code == 0, created.output
         secret = created.output.strip().splitlines()[-1]
         with services.sessions() as session:
             keys.append(session.scalar(select(ApiKey).where(ApiKey.key_hash == auth.hash_secret(secret))))
-        assert keys[-1] is not None and keys[-1].owner == owner and keys[-1].scopes == ["jobs", "read"]
+        assert keys[-1] is not None and keys[-1].owner == owner and keys[-1].scopes == ["trace", "harvest"]
     carol, dave = keys
 
     listed = runner.invoke(app, ["keys", "list"], env={"COLUMNS": "200"})

@@ -1,6 +1,7 @@
 """The harvest and schedule API on real Postgres, Redis and S3, with worker rows that published capture points
 (no engine runs here: tests/workers/test_harvest.py runs harvests end to end). Bad specs get 4xx with
-reasons; a good one freezes its dataset and queues one chunk token per chunk; owners see only their own."""
+reasons; a good one freezes its dataset and queues one chunk token per chunk; owners see only their own, an
+admin key everyone's; every route needs the harvest scope."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from nnqueue.scheduler.harvest_dataset import Limits, read_slice
 from nnqueue.scheduler.schedules import fire_due
 from tests.utils.api import CAPTURE_POINTS, HARVEST_MODEL, Api, api_client, register_worker, submit_harvest
 from tests.utils.services import Services
+
+HARVEST = ("harvest",)  # what a default key has
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,7 +52,7 @@ def put_user_file(services: Services, owner: str, name: str, data: bytes) -> str
 
 
 def test_a_harvest_is_frozen_split_and_queued(api: Api, services: Services) -> None:
-    alice = api.new_key("alice")
+    alice = api.new_key("alice", HARVEST)
     tokens_before = ready_messages(services.celery, bulk_queue_name(HARVEST_MODEL))
     response = submit_harvest(api.http, alice, spec())
     assert response.status_code == 201, response.text
@@ -76,7 +79,7 @@ def test_a_harvest_is_frozen_split_and_queued(api: Api, services: Services) -> N
         "four",
     ]
 
-    bob = api.new_key("bob")
+    bob = api.new_key("bob", HARVEST)
     assert api.http.get(f"/v1/harvests/{harvest['id']}", headers=bob).status_code == 404
     assert [h["id"] for h in api.http.get("/v1/harvests", headers=alice).json()["harvests"]] == [harvest["id"]]
     assert api.http.get(f"/v1/harvests/{harvest['id']}/manifest", headers=alice).status_code == 409
@@ -90,7 +93,7 @@ def test_a_harvest_is_frozen_split_and_queued(api: Api, services: Services) -> N
 
 
 def test_files_from_the_store_jsonl_parquet_text_and_uploads(api: Api, services: Services) -> None:
-    carol = api.new_key("carol")
+    carol = api.new_key("carol", HARVEST)
     jsonl = put_user_file(services, "carol", "a.jsonl", b'{"text": "x"}\n{"text": "y", "n": 2}\n\n{"text": "z"}\n')
     buffer = io.BytesIO()
     pq.write_table(pa.table({"body": ["p", "q", "r", "s"], "id": [1, 2, 3, 4]}), buffer)
@@ -152,13 +155,13 @@ def test_bad_specs_are_refused_with_reasons(services: Services, body: dict[str, 
     put_user_file(services, "dave", "big.txt", b"line\n" * 400)
     put_user_file(services, "erin", "secret.txt", b"erin's data\n")
     with api_client(services, worker_stale_after_s=3600, harvest_max_prompts=10, harvest_max_dataset_bytes=1000) as api:
-        response = submit_harvest(api.http, api.new_key("dave"), body)
+        response = submit_harvest(api.http, api.new_key("dave", HARVEST), body)
     assert response.status_code == status, response.text
     assert reason in json.dumps(response.json()["detail"])
 
 
 def test_schedules_fire_runs_until_paused(api: Api, services: Services) -> None:
-    frank = api.new_key("frank")
+    frank = api.new_key("frank", HARVEST)
     put_user_file(services, "frank", "daily/1.txt", b"a\nb\n")
     put_user_file(services, "frank", "daily/2.txt", b"c\n")
     body = {"name": "daily", "cron": "* * * * * */1", "spec": spec(dataset={"prefix": "users/frank/daily/"})}
@@ -166,7 +169,7 @@ def test_schedules_fire_runs_until_paused(api: Api, services: Services) -> None:
     created = api.http.post("/v1/schedules", headers=frank, json=body)
     assert created.status_code == 201, created.text
     schedule_id = created.json()["id"]
-    assert api.http.get(f"/v1/schedules/{schedule_id}", headers=api.new_key("grace")).status_code == 404
+    assert api.http.get(f"/v1/schedules/{schedule_id}", headers=api.new_key("grace", HARVEST)).status_code == 404
 
     def make_due() -> None:  # as a second passing would
         with transaction(services.sessions) as session:
@@ -197,7 +200,7 @@ def test_schedules_fire_runs_until_paused(api: Api, services: Services) -> None:
 
 
 def test_the_beat_process_fires_a_short_interval_schedule_and_stops_when_paused(api: Api, services: Services) -> None:
-    heidi = api.new_key("heidi")
+    heidi = api.new_key("heidi", HARVEST)
     body = {"name": "every second", "cron": "* * * * * */1", "spec": spec()}
     schedule_id = api.http.post("/v1/schedules", headers=heidi, json=body).json()["id"]
     stop = threading.Event()
@@ -217,3 +220,27 @@ def test_the_beat_process_fires_a_short_interval_schedule_and_stops_when_paused(
     finally:
         stop.set()
         beat.join(timeout=10)
+
+
+def test_harvest_routes_need_the_harvest_scope_and_other_owners_need_admin(api: Api) -> None:
+    ivan, admin = api.new_key("ivan", HARVEST), api.new_key("root", ("harvest", "admin"))
+    trace_only = api.new_key("judy", ("trace",))
+    for method, path in (("POST", "/v1/harvests"), ("GET", "/v1/harvests"), ("GET", "/v1/schedules")):
+        refused = api.http.request(method, path, headers=trace_only)
+        assert refused.status_code == 403 and "lacks the 'harvest' scope" in refused.json()["detail"], refused.text
+    harvest = submit_harvest(api.http, ivan, spec()).json()
+    body = {"name": "ivan's", "cron": "0 3 * * *", "spec": spec()}
+    schedule = api.http.post("/v1/schedules", headers=ivan, json=body).json()
+
+    for path in ("/v1/harvests?owner=root", "/v1/schedules?owner=root"):
+        refused = api.http.get(path, headers=ivan)
+        assert refused.status_code == 403 and "lacks the 'admin' scope" in refused.json()["detail"]
+    everyone = api.http.get("/v1/harvests", headers=admin).json()["harvests"]
+    assert harvest["id"] in {h["id"] for h in everyone}
+    only_ivan = api.http.get("/v1/harvests?owner=ivan", headers=admin).json()["harvests"]
+    assert {h["owner"] for h in only_ivan} == {"ivan"}
+    assert api.http.get(f"/v1/harvests/{harvest['id']}", headers=admin).status_code == 200
+    schedules = api.http.get("/v1/schedules?owner=ivan", headers=admin).json()["schedules"]
+    assert [s["id"] for s in schedules] == [schedule["id"]]
+    assert api.http.post(f"/v1/schedules/{schedule['id']}/pause", headers=admin).json()["paused"] is True
+    assert api.http.post(f"/v1/harvests/{harvest['id']}/cancel", headers=admin).json()["status"] == "cancelled"

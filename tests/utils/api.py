@@ -41,9 +41,9 @@ class Api:
         self.http = http
         self.resources: Resources = http.app.state.resources
 
-    def new_key(self, owner: str) -> dict[str, str]:
-        """Headers that authenticate as a fresh key of ``owner``."""
-        return {"Authorization": f"Bearer {create_secret(self.resources.sessions, owner)}"}
+    def new_key(self, owner: str, scopes: tuple[str, ...] = ("trace",)) -> dict[str, str]:
+        """Headers that authenticate as a fresh key of ``owner`` (a trace key unless ``scopes`` say otherwise)."""
+        return {"Authorization": f"Bearer {create_secret(self.resources.sessions, owner, scopes)}"}
 
     def submit(self, headers: dict[str, str], payload: bytes | None = None, **spec: Any) -> httpx.Response:
         body = {"model_key": spec.pop("model_key", LIVE_MODEL), **spec}
@@ -66,9 +66,9 @@ CAPTURE_POINTS = [
 ]
 
 
-def create_secret(sessions: sessionmaker[Session], owner: str) -> str:
+def create_secret(sessions: sessionmaker[Session], owner: str, scopes: tuple[str, ...] = ("trace",)) -> str:
     with transaction(sessions) as session:
-        _, secret = auth.create_key(session, owner)
+        _, secret = auth.create_key(session, owner, scopes)
     return secret
 
 

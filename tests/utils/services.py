@@ -106,8 +106,11 @@ class WorkerProcess:
         *,
         model_key: str = MODEL_KEY,
         engine: str = "vllm",
+        cwd: Path | None = None,
+        user: str | None = None,
     ) -> None:
-        """``engine``: ``vllm`` (the tiny model's engine arguments) or ``transformers`` (one job at a time)."""
+        """``engine``: ``vllm`` (the tiny model's engine arguments) or ``transformers`` (one job at a time);
+        ``env`` adds to the module's service settings; ``user`` runs the worker as that account."""
         self.services, self.log_path = services, log_path
         command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", model_key]
         if engine == "vllm":
@@ -118,6 +121,8 @@ class WorkerProcess:
             self.process = subprocess.Popen(
                 command,
                 env={**os.environ, **services.env, **(env or {})},
+                cwd=cwd,
+                user=user,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -131,8 +136,14 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"worker exited with {self.process.returncode}:\n{self.log()[-5000:]}")
+            # `nnqueue worker` supervises the worker process: the registered pid is a child's.
+            pids = [self.process.pid, *(child.pid for child in self.children())]
             with self.services.sessions() as session:
-                worker = session.scalar(select(Worker).where(Worker.pid == self.process.pid))
+                worker = session.scalar(
+                    select(Worker)
+                    .where(Worker.pid.in_(pids), Worker.stopped_at.is_(None))
+                    .order_by(Worker.started_at.desc())
+                )
             if worker is not None:
                 return worker
             time.sleep(0.5)
@@ -146,7 +157,8 @@ class WorkerProcess:
             time.sleep(0.2)
 
     def kill(self) -> None:
-        """SIGKILL the worker process alone, as the OOM killer would; its engine process is not told."""
+        """SIGKILL the worker (its supervisor, whose death the kernel passes on to the worker process
+        as a SIGKILL), as the OOM killer would; its engine process is not told."""
         self.process.kill()
         self.process.wait(timeout=60)
 

@@ -1,6 +1,7 @@
 """``/v1/harvests``: submit a declarative harvest, follow it, cancel it, read its manifest, fetch its shards.
 
-Like jobs, every route sees only the caller's own harvests (another owner's answers 404). A submission is
+Like jobs, every route sees only the caller's own harvests (another owner's answers 404) unless the key has
+the ``admin`` scope; every route needs the ``harvest`` scope (a default key's). A submission is
 a multipart form: ``spec`` (the JSON :class:`~nnqueue.scheduler.harvest_spec.HarvestSpec`) and optionally
 ``dataset``, a file stored under the caller's prefix and harvested. Every refusal is a 4xx with its reason:
 422 (bad spec, unknown module with the valid ones, empty dataset, missing column), 400 (no live worker),
@@ -77,15 +78,18 @@ def submit(
     return view
 
 
-@router.get("")
+@router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
 def list_harvests(
     caller: HarvestCallerDep,
     session: SessionDep,
     status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
+    owner: Annotated[
+        str | None, Query(description="Only this owner's harvests (admins; others may name only themselves).")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
 ) -> HarvestListResponse:
-    """The caller's harvests, newest first."""
-    harvests = recent_harvests(session, caller.owner, status_filter, limit)
+    """The caller's harvests (an admin's: every owner's), newest first."""
+    harvests = recent_harvests(session, caller.listed_owner(owner), status_filter, limit)
     done = progress(session, harvests)
     return HarvestListResponse(harvests=[HarvestResponse.of(harvest, done[harvest.id]) for harvest in harvests])
 
@@ -183,7 +187,7 @@ def shard(
 
 def _owned(session: Session, harvest_id: uuid.UUID, caller: Caller) -> Harvest:
     harvest = session.get(Harvest, harvest_id, populate_existing=True)
-    if harvest is None or harvest.owner != caller.owner:
+    if harvest is None or not caller.may_see(harvest.owner):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no harvest {harvest_id}")
     return harvest
 

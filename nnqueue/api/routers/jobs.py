@@ -1,7 +1,8 @@
 """``/v1/jobs``: submit, inspect, list, cancel, and download results.
 
 Every route sees only the caller's own jobs: another owner's job answers 404, exactly as a job
-that does not exist, so ids cannot be probed. Submission checks its limits before anything is
+that does not exist, so ids cannot be probed. A key with the ``admin`` scope sees, cancels and
+downloads every owner's jobs; submitting a trace needs the ``trace`` scope (403 otherwise). Submission checks its limits before anything is
 stored: the spec (422), the payload size (413) and its format (422: a prebuilt trace whose header is
 valid, or something that starts like an nnsight serialized trace; read, never unpickled) here, then the
 admission of ``accept_job``: a live worker for the model (400) and the key's jobs in flight (429; see
@@ -20,7 +21,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nnqueue import trace_payload
-from nnqueue.api.deps import Caller, CallerDep, ResourcesDep, SessionDep, SessionsDep, SettingsDep, StoreDep
+from nnqueue.api.deps import (
+    Caller,
+    CallerDep,
+    ResourcesDep,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    StoreDep,
+    check_scope,
+)
 from nnqueue.api.downloads import stream_object
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
@@ -45,6 +55,7 @@ SPEC_DESCRIPTION = (
 )
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "No live worker serves the model; the detail names the live models."},
+    403: {"description": "The key lacks the scope of the job's kind (`trace`)."},
     413: {"description": "The payload is over NNQUEUE_MAX_PAYLOAD_BYTES."},
     429: {"description": "The key has NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY jobs queued or running."},
     503: {"description": "The broker is unreachable; the job was not queued."},
@@ -71,6 +82,7 @@ def submit(
     """
     settings = resources.settings
     job_spec = parse_spec_field(spec, JobSpec)
+    check_scope(caller, job_spec.kind)
     data = _read_payload(payload.file, settings.max_payload_bytes)
     _require_trace(data)
     meta: dict[str, Any] = {"metadata": job_spec.metadata}
@@ -103,17 +115,22 @@ def submit(
     return Response(body, status_code=status.HTTP_201_CREATED, media_type="application/json")
 
 
-@router.get("")
+@router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
 def list_jobs(
     caller: CallerDep,
     session: SessionDep,
     status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
     model_key: str | None = None,
+    owner: Annotated[
+        str | None, Query(description="Only this owner's jobs (admins; others may name only themselves).")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: str | None = None,
 ) -> JobListResponse:
-    """The caller's jobs, newest first, a page at a time."""
-    query = select(Job).where(Job.owner == caller.owner)
+    """The caller's jobs (an admin's: every owner's), newest first, a page at a time."""
+    query = select(Job)
+    if (listed := caller.listed_owner(owner)) is not None:
+        query = query.where(Job.owner == listed)
     if status_filter is not None:
         query = query.where(Job.status == status_filter)
     if model_key is not None:
@@ -226,9 +243,9 @@ def _require_trace(data: bytes) -> None:
 
 
 def _owned(session: Session, job_id: uuid.UUID, caller: Caller) -> Job:
-    """The caller's job, freshly read; 404 for a job that is missing or another owner's."""
+    """The caller's job, freshly read; 404 for a job that is missing or another owner's (unless an admin asks)."""
     job = session.get(Job, job_id, populate_existing=True)
-    if job is None or job.owner != caller.owner:
+    if job is None or not caller.may_see(job.owner):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
     return job
 

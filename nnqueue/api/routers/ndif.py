@@ -29,7 +29,16 @@ from fastapi.responses import StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
 from nnqueue.api import nnsight_protocol as protocol
-from nnqueue.api.deps import CallerDep, Resources, ResourcesDep, SessionDep, SessionsDep, SettingsDep, StoreDep
+from nnqueue.api.deps import (
+    CallerDep,
+    Resources,
+    ResourcesDep,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    StoreDep,
+    TraceCallerDep,
+)
 from nnqueue.api.downloads import STREAM_CHUNK, read_chunks
 from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import payload_too_large
@@ -48,7 +57,7 @@ ARRIVAL_TIMEOUT_S = 600.0
 
 @router.post("/request")
 def submit_request(
-    caller: CallerDep,
+    caller: TraceCallerDep,
     resources: ResourcesDep,
     data: Annotated[str, Form(description="nnsight's RequestModel as JSON: model_key, session_id, compress, env.")],
     blob: Annotated[UploadFile, File(description="RequestModel.serialize(tracer): the trace, maybe zstd.")],

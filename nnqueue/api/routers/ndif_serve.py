@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from nnqueue.api import nnsight_protocol as protocol
-from nnqueue.api.deps import CallerDep, ResourcesDep, SessionDep, SettingsDep
+from nnqueue.api.deps import ResourcesDep, SessionDep, SettingsDep, TraceCallerDep
 from nnqueue.api.downloads import read_chunks
 from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import payload_too_large
@@ -55,7 +55,7 @@ def health(model_key: str, session: SessionDep, settings: SettingsDep) -> dict[s
 async def generate(
     model_key: str,
     request: Request,
-    caller: CallerDep,
+    caller: TraceCallerDep,
     resources: ResourcesDep,
     compress: Annotated[str, Header(alias="nnsight-compress")] = "False",
     nnsight_version: Annotated[str | None, Header(alias="nnsight-version")] = None,

@@ -1,15 +1,16 @@
 """``/v1/schedules``: recurring harvests (a cron expression and a harvest spec), fired by ``nnqueue beat``.
 
-Create, list, show, pause, resume and delete; each caller sees only their own schedules (404 otherwise).
+Create, list, show, pause, resume and delete; each caller sees only their own schedules (404 otherwise)
+unless the key has the ``admin`` scope; every route needs the ``harvest`` scope (a default key's).
 The spec is checked as a harvest's would be when it fires, not now (its files may not exist yet); a bad
 cron expression is a 422 at once. Each change is one transaction on the request's session.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, status
+from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -37,11 +38,19 @@ def create(body: ScheduleCreate, caller: HarvestCallerDep, session: SessionDep) 
     return response
 
 
-@router.get("")
-def list_schedules(caller: HarvestCallerDep, session: SessionDep) -> ScheduleListResponse:
-    schedules = session.scalars(
-        select(HarvestSchedule).where(HarvestSchedule.owner == caller.owner).order_by(HarvestSchedule.id)
-    )
+@router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
+def list_schedules(
+    caller: HarvestCallerDep,
+    session: SessionDep,
+    owner: Annotated[
+        str | None, Query(description="Only this owner's schedules (admins; others may name only themselves).")
+    ] = None,
+) -> ScheduleListResponse:
+    """The caller's schedules (an admin's: every owner's)."""
+    query = select(HarvestSchedule).order_by(HarvestSchedule.id)
+    if (listed := caller.listed_owner(owner)) is not None:
+        query = query.where(HarvestSchedule.owner == listed)
+    schedules = session.scalars(query)
     return ScheduleListResponse(schedules=[ScheduleResponse.of(schedule) for schedule in schedules])
 
 
@@ -77,6 +86,6 @@ def _set_paused(session: Session, schedule_id: int, caller: Caller, paused: bool
 
 def _owned(session: Session, schedule_id: int, caller: Caller, for_update: bool = False) -> HarvestSchedule:
     schedule = session.get(HarvestSchedule, schedule_id, populate_existing=True, with_for_update=for_update)
-    if schedule is None or schedule.owner != caller.owner:
+    if schedule is None or not caller.may_see(schedule.owner):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no schedule {schedule_id}")
     return schedule

@@ -1,0 +1,83 @@
+"""The engine processes' side of isolation: the protected environment, and the drop to the engine user.
+
+Mixed into both engine worker classes (``cpu_worker``, ``gpu_worker``), first in their bases:
+
+* ``init_device``: the protected environment (:mod:`nnqueue.enginecore.protected`) is installed before
+  any payload can arrive;
+* the first ``execute_model``: a root engine switches to the engine user
+  (:func:`nnqueue.isolation.drop_privileges`). Users' code arrives only with requests (nnsight's runner
+  unpickles a request's mediator inside ``execute_model``), and by then the engine is entirely up: model
+  loaded, KV cache allocated, graphs compiled and captured, and the ZMQ sockets to the frontend connected.
+  Earlier is too early: vLLM's engine core connects its input and output sockets (``ipc://`` files the
+  root frontend created) only after ``compile_or_warm_up_model`` returns (vLLM 0.32 and 0.24). The one file
+  the process still opens afterwards, the ``file://`` rendezvous of torch.distributed's ``FileStore``
+  (CPU platform), is handed to the engine user first.
+
+Settings come from the environment only (:class:`EngineConfig`): ``.env`` is never read here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
+    from vllm.v1.worker.worker_base import WorkerBase as _Worker
+else:
+    _Worker = object
+
+from nnqueue import isolation
+from nnqueue.enginecore import protected
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The settings engine processes use, from the variables the worker exports for them
+    (``Settings.engine_environment``). Read from the environment alone: never ``.env``, and without the
+    worker's own settings, whose rules between values the engine has no part in."""
+
+    stall_timeout_s: float = 60.0
+    protected_environment: bool = True
+    allowed_modules: tuple[str, ...] = ()
+
+    @classmethod
+    def from_environment(cls) -> EngineConfig:
+        env = os.environ
+        return cls(
+            stall_timeout_s=float(env.get("NNQUEUE_ENGINE_STALL_TIMEOUT_S", cls.stall_timeout_s)),
+            protected_environment=env.get("NNQUEUE_PROTECTED_ENVIRONMENT", "true").strip().lower()
+            not in ("false", "0", "no", "off"),
+            allowed_modules=tuple(
+                name.strip() for name in env.get("NNQUEUE_ALLOWED_MODULES", "").split(",") if name.strip()
+            ),
+        )
+
+
+class SandboxedWorker(_Worker):
+    """Mixin for vLLM worker classes; see the module doc."""
+
+    _nnqueue_sandboxed = False
+
+    def init_device(self) -> None:
+        super().init_device()
+        config = EngineConfig.from_environment()
+        if config.protected_environment:
+            protected.install(config.allowed_modules)
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._nnqueue_sandboxed:
+            self._nnqueue_enter_sandbox()
+        return super().execute_model(*args, **kwargs)
+
+    def _nnqueue_enter_sandbox(self) -> None:
+        init_method = str(getattr(self, "distributed_init_method", "") or "")
+        rendezvous = Path(init_method.removeprefix("file://"))
+        hand_over = [rendezvous] if init_method.startswith("file://") and rendezvous.exists() else []
+        isolation.enter_sandbox(hand_over=hand_over)
+        self._nnqueue_sandboxed = True
+        log.info("engine process %d runs users' code as uid %d", os.getpid(), os.getuid())

@@ -1,0 +1,211 @@
+"""A dead engine heals: the job that killed it fails, the others run again, the worker restarts.
+
+When vLLM's engine core dies (an exception in a forward that no request could absorb, the process
+killed), every request on it ends with ``EngineDeadError`` and the engine never serves again. The
+first job to see that calls :meth:`EngineHealth.engine_died`, which, once for the whole worker:
+
+1. stops this worker taking work: later tokens are sent again, unclaimed, for another worker;
+2. reads the engine's crash report (:mod:`nnqueue.enginecore.crash_report`): the jobs in the fatal step;
+3. settles the jobs this worker holds. A job alone in the fatal step crashed the engine: it fails with
+   the engine's error. Jobs in a fatal step with others cannot be told apart: each is requeued marked
+   ``run_alone`` with its crash count in ``job.meta["engine_crashes"]``, so that next time it runs with
+   no other job on its engine (:class:`EngineGate`) and, if it is the culprit, is the only job in the
+   step it kills. A job that has crashed an engine :data:`MAX_ENGINE_CRASHES` times fails whatever the
+   report says (an engine killed without a report, by the OOM killer say, names no step). Jobs that
+   were not in the fatal step are requeued as they were;
+4. deregisters the worker and stops the process (a warm Celery shutdown), which then exits with
+   :data:`EXIT_ENGINE_DIED`: the supervisor (:mod:`nnqueue.workers.supervisor`) starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from celery import Celery
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
+from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.session import transaction
+from nnqueue.scheduler import registry
+from nnqueue.scheduler.enqueue import send_job_tokens
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+EXIT_ENGINE_DIED = 75  # EX_TEMPFAIL: try again (the supervisor restarts the worker)
+MAX_ENGINE_CRASHES = 2
+REPORT_WAIT_S = 5.0
+
+
+def is_engine_death(error: BaseException) -> bool:
+    """Whether ``error`` says the engine core is gone (vLLM's ``EngineDeadError``)."""
+    return type(error).__name__ == "EngineDeadError"
+
+
+def job_ids_in(request_ids: list[str]) -> set[uuid.UUID]:
+    """The job ids in vLLM request ids (``<job id>-<attempt>-<invoke>[-<vLLM suffix>]``); others ignored."""
+    jobs = set()
+    for request_id in request_ids:
+        try:
+            jobs.add(uuid.UUID(str(request_id)[:36]))
+        except ValueError:
+            continue
+    return jobs
+
+
+@dataclass(frozen=True)
+class CrashReport:
+    jobs: set[uuid.UUID]
+    error: str
+
+
+def read_crash_report(directory: Path, wait_s: float = REPORT_WAIT_S) -> CrashReport | None:
+    """The engine's crash report, waiting a little for it; None when the engine wrote none."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for path in sorted(directory.glob("crash-*.json")):
+            try:
+                report = json.loads(path.read_text())
+                request_ids = [str(each) for each in report.get("request_ids", [])][:10_000]
+                return CrashReport(job_ids_in(request_ids), str(report.get("error", ""))[:2000])
+            except (OSError, ValueError, AttributeError, TypeError):
+                log.warning("unreadable crash report %s", path)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+
+
+class EngineGate:
+    """Jobs marked ``run_alone`` run with no other job on the engine; the others share it."""
+
+    def __init__(self) -> None:
+        self._idle = asyncio.Condition()
+        self._running = 0
+        self._alone = False
+
+    @asynccontextmanager
+    async def _hold(self, alone: bool) -> Any:
+        async with self._idle:
+            await self._idle.wait_for(lambda: not self._alone and (not alone or self._running == 0))
+            self._running += 1
+            self._alone = alone
+        try:
+            yield
+        finally:
+            async with self._idle:
+                self._running -= 1
+                self._alone = False
+                self._idle.notify_all()
+
+    async def run(self, meta: dict[str, Any], coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` (a job's execution) when its turn comes."""
+        async with self._hold(bool(isinstance(meta, dict) and meta.get("run_alone"))):
+            return await coroutine
+
+
+@dataclass
+class EngineHealth:
+    sessions: sessionmaker[Session]
+    app: Celery
+    worker_id: str
+    model_key: str
+    crash_dir: Path
+    # Whether the engine has died (the AsyncLLM's ``errored``): a job may see the death second hand,
+    # e.g. as a failed read of the engine's outbox, rather than as ``EngineDeadError``.
+    engine_errored: Callable[[], bool] = field(default=lambda: False)
+    # Called once the jobs are settled, to stop the process (default: a warm shutdown, SIGTERM).
+    stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    gate: EngineGate = field(default_factory=EngineGate)
+    dead: threading.Event = field(default_factory=threading.Event)
+    _healed: asyncio.Future[None] | None = None
+
+    def caused_by_death(self, error: BaseException) -> bool:
+        """Whether ``error`` ended a job because the engine died."""
+        return is_engine_death(error) or self.engine_errored()
+
+    def hand_back(self) -> None:
+        """A token this dead worker must not act on: send it again for another worker."""
+        send_job_tokens(self.app, self.model_key)
+
+    async def engine_died(self) -> None:
+        """Settle every job this worker holds, once (all its jobs' runs call this); see the module doc."""
+        if self._healed is None:
+            self.dead.set()
+            self._healed = asyncio.ensure_future(asyncio.to_thread(self._heal))
+        await asyncio.shield(self._healed)
+
+    def _heal(self) -> None:
+        report = read_crash_report(self.crash_dir)
+        log.error("the engine died (%s); settling this worker's jobs", report.error if report else "no crash report")
+        with self.sessions() as session:
+            held = session.execute(
+                select(Job.id, Job.meta).where(Job.status == JobStatus.RUNNING, Job.worker_id == self.worker_id)
+            ).all()
+        in_step = {job_id for job_id, _ in held if report is None or job_id in report.jobs}
+        for job_id, meta in held:
+            try:
+                self._settle(job_id, dict(meta or {}), in_step, report)
+            except (InvalidTransition, JobNotFound):
+                continue  # cancelled or taken over meanwhile
+            except Exception:  # one job's bookkeeping must not keep the others from being settled
+                log.exception("could not settle job %s after the engine died", job_id)
+        registry.mark_stopped(self.sessions, self.worker_id)
+        self.stop()
+
+    def _settle(
+        self, job_id: uuid.UUID, meta: dict[str, Any], in_step: set[uuid.UUID], report: CrashReport | None
+    ) -> None:
+        error = report.error if report else "the engine process died without a report (killed?)"
+        if job_id not in in_step:
+            self._requeue(job_id, meta, "the engine died during another job's step")
+            return
+        crashes = int(meta.get("engine_crashes", 0)) + 1
+        if len(in_step) == 1 and report is not None:
+            why = f"this job's trace crashed the engine, alone in the step that failed: {error}"
+        elif crashes >= MAX_ENGINE_CRASHES:
+            why = f"this job was running each of the {crashes} times an engine crashed, the last time: {error}"
+        else:
+            self._requeue(
+                job_id, {**meta, "engine_crashes": crashes, "run_alone": True}, "in a step that crashed the engine"
+            )
+            return
+        with transaction(self.sessions) as session:
+            transition(
+                session,
+                job_id,
+                JobStatus.FAILED,
+                detail={"error": "EngineCrash"},
+                held_by=self.worker_id,
+                error_type="EngineCrash",
+                error_message=why,
+                error_traceback=report.error if report else "",
+                meta={**meta, "engine_crashes": crashes},
+            )
+        log.error("job %s failed: %s", job_id, why)
+
+    def _requeue(self, job_id: uuid.UUID, meta: dict[str, Any], reason: str) -> None:
+        with transaction(self.sessions) as session:
+            job = transition(
+                session,
+                job_id,
+                JobStatus.QUEUED,
+                detail={"reason": f"engine of worker {self.worker_id} died: {reason}"},
+                held_by=self.worker_id,
+                meta=meta,
+            )
+        send_job_tokens(self.app, job.model_key)
+        log.info("job %s requeued (%s)", job_id, reason)

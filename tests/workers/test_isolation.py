@@ -1,0 +1,208 @@
+"""Intervention code on a worker cannot reach the service's secrets (nnqueue.isolation).
+
+The protected environment is turned off here (the worker tests show it on) (``NNQUEUE_PROTECTED_ENVIRONMENT=false``) so that the
+traces run arbitrary code, as a sandbox escape would: what they cannot reach is what the process
+isolation alone keeps from them. A root worker's engine runs as ``nobody``; a worker run as an
+unprivileged user shares that user with its engine and relies on the scrubbed environment and on
+being non-dumpable.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nnsight
+import pytest
+from nnsight.modeling.vllm import VLLM
+
+from nnqueue.db.models import JobStatus
+from nnqueue.storage.results import load_result
+from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
+from tests.utils.services import Services, WorkerProcess
+
+pytestmark = pytest.mark.slow  # real worker processes, one as root and one as nobody
+
+FAKE_AWS_SECRET = f"aws-{uuid.uuid4().hex}"
+UNPROTECTED = {"NNQUEUE_PROTECTED_ENVIRONMENT": "false", "AWS_SECRET_ACCESS_KEY": FAKE_AWS_SECRET}
+
+
+def snooping_payload(client: VLLM, worker_pid: int, env_file: str) -> bytes:
+    """A trace that collects the environment, its parent's and the worker's /proc environ, and .env."""
+    backend = PayloadBackend()
+    with client.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        import os
+
+        def read(path: str) -> str:
+            try:
+                with open(path, "rb") as file:
+                    return file.read().decode(errors="replace")
+            except OSError as error:
+                return f"{type(error).__name__}: {error}"
+
+        found = nnsight.save(
+            {
+                "environ": {key: value for key, value in os.environ.items() if "NNQUEUE" in key or "AWS" in key},
+                "parent": read(f"/proc/{os.getppid()}/environ"),
+                "worker": read(f"/proc/{worker_pid}/environ"),
+                "env_file": read(env_file),
+                "uid": os.getuid(),
+            }
+        )
+        client.logits
+    return backend.payload
+
+
+def secrets_of(services: Services) -> list[str]:
+    names = ("NNQUEUE_DATABASE_URL", "NNQUEUE_BROKER_URL", "NNQUEUE_S3__ACCESS_KEY_ID", "NNQUEUE_S3__SECRET_ACCESS_KEY")
+    return [services.env[name] for name in names] + [FAKE_AWS_SECRET]
+
+
+def run_snoop(
+    services: Services, worker: WorkerProcess, client: VLLM, model_key: str, env_file: Path
+) -> dict[str, Any]:
+    registered = worker.wait_registered()
+    payload = snooping_payload(client, registered.pid, str(env_file))
+    job = services.submit(payload, owner="mallory", model_key=model_key)
+    finished = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    assert finished.status is JobStatus.COMPLETED, (finished.error_type, finished.error_message)
+    return load_result(services.store.get_bytes(finished.result_key))["found"]
+
+
+def assert_no_secret(found: dict[str, Any], services: Services) -> None:
+    text = repr(found)
+    for secret in secrets_of(services):
+        assert secret not in text, f"a secret reached intervention code: {text[:2000]}"
+    leaked = [
+        key
+        for key in found["environ"]
+        if key in ("NNQUEUE_DATABASE_URL", "NNQUEUE_BROKER_URL") or key.startswith(("NNQUEUE_S3__", "AWS_"))
+    ]
+    assert not leaked
+
+
+@pytest.fixture(scope="module")
+def root_worker(
+    services: Services, start_worker: Callable[..., WorkerProcess], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[WorkerProcess, Path]:
+    """A root worker without the protected environment, and the .env in its working directory."""
+    # Settings read .env in the working directory: the worker's must not be readable by its engine.
+    workdir = tmp_path_factory.mktemp("root-worker")
+    env_file = workdir / ".env"
+    env_file.write_text(f"NNQUEUE_S3__SECRET_ACCESS_KEY={services.env['NNQUEUE_S3__SECRET_ACCESS_KEY']}\n")
+    env_file.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    worker = start_worker(env={**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1"}, cwd=workdir, model_key="tiny-root")
+    return worker, env_file
+
+
+def test_a_root_workers_engine_sees_no_secret_and_runs_as_nobody(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    worker, env_file = root_worker
+    found = run_snoop(services, worker, client_model, "tiny-root", env_file)
+
+    assert_no_secret(found, services)
+    assert found["uid"] == pwd_uid("nobody")
+    assert "PermissionError" in found["parent"] and "PermissionError" in found["env_file"]
+    assert "secret variables from the engine's environment" in worker.log()
+
+
+def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        # Trace-level code: rebuilt (run) by the worker's builder process, not the engine.
+        seen = nnsight.save(
+            {
+                "environ": {name: value for name, value in os.environ.items() if name.startswith(("NNQUEUE", "AWS_"))},
+                "uid": os.getuid(),
+                "parent_readable": os.access(f"/proc/{os.getppid()}/environ", os.R_OK),
+            }
+        )
+        with tracer.invoke(PROMPTS[0]):
+            names = seen
+            logits = client_model.logits.save()
+    job = services.submit(backend.payload, owner="mallory", model_key="tiny-root")
+    done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    assert done.status is JobStatus.COMPLETED, (done.error_type, done.error_message)
+    seen = load_result(services.store.get_bytes(done.result_key))["seen"]
+
+    assert "NNQUEUE_ENGINE_STALL_TIMEOUT_S" in seen["environ"]  # the environment was read
+    assert_no_secret(seen, services)
+    assert seen["uid"] == pwd_uid("nobody") and not seen["parent_readable"]
+
+
+def test_a_builder_that_dies_fails_only_its_job_and_is_replaced(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        os._exit(3)  # trace-level code: it runs where the raw payload is rebuilt, in a builder process
+        with tracer.invoke(PROMPTS[0]):
+            logits = client_model.logits.save()
+    crashed = services.submit(backend.payload, model_key="tiny-root")
+    crashed = services.wait_for(crashed.id, {JobStatus.FAILED, JobStatus.COMPLETED})
+    # The exit code it reports is 255 here, not the 3 the code asked for (under investigation; see the report).
+    assert crashed.error_type == "TraceBuilderCrashed" and "died while rebuilding this trace" in crashed.error_message
+    after = services.submit(two_invoke_payload(client_model, raw=True), model_key="tiny-root")
+    assert services.wait_for(after.id, {JobStatus.FAILED, JobStatus.COMPLETED}).status is JobStatus.COMPLETED
+
+
+def runs_as(user: str) -> bool:
+    """Whether ``user`` can run this interpreter (not when it lives in root's home, mode 0700)."""
+    try:
+        return subprocess.run([sys.executable, "-c", "pass"], user=user, check=False).returncode == 0
+    except PermissionError:
+        return False
+
+
+@pytest.mark.skipif(not runs_as("nobody"), reason="nobody cannot run this Python (it lives in a private directory)")
+def test_an_unprivileged_workers_engine_sees_no_secret(
+    services: Services,
+    start_worker: Callable[..., WorkerProcess],
+    client_model: VLLM,
+    tiny_model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # The worker runs as nobody, so everything it reads must be readable by nobody.
+    home = tmp_path_factory.mktemp("nobody-home")
+    shutil.copytree(tiny_model_path, home / "model")
+    env_file = home / ".env"
+    env_file.write_text("NNQUEUE_WORKER_HEARTBEAT_S=0.5\n")
+    uid = pwd_uid("nobody")
+    for path in [home, *home.rglob("*")]:
+        os.chown(path, uid, uid)
+    home.chmod(0o755)
+    for parent in home.parents:
+        if parent.stat().st_mode & stat.S_IXOTH == 0:
+            parent.chmod(parent.stat().st_mode | stat.S_IXOTH)
+    worker = start_worker(
+        env={**UNPROTECTED, "HOME": str(home)},
+        cwd=home,
+        user="nobody",
+        model_key="tiny-nobody",
+        model_path=home / "model",
+    )
+
+    found = run_snoop(services, worker, client_model, "tiny-nobody", env_file)
+
+    assert_no_secret(found, services)
+    assert found["uid"] == uid
+    # Same user, but the worker is non-dumpable: its /proc environ is the kernel's to refuse.
+    assert "PermissionError" in found["parent"] and "PermissionError" in found["worker"]
+    # A .env the engine's user can read is only warned about: it shares the worker's user.
+    assert "can read it" in worker.log()
+
+
+def pwd_uid(name: str) -> int:
+    import pwd
+
+    return pwd.getpwnam(name).pw_uid

@@ -1,0 +1,74 @@
+"""Intervention code on a real worker runs in the protected environment (nnqueue.enginecore.protected):
+allowed modules work, a refused import fails the job with an error that names the module."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+from nnsight.modeling.vllm import VLLM
+
+from nnqueue.db.models import JobStatus
+from nnqueue.storage.results import load_result
+from tests.utils.payloads import PayloadBackend
+from tests.utils.services import Services, WorkerProcess
+
+pytestmark = pytest.mark.slow  # a real worker process
+
+
+@pytest.fixture(scope="module")
+def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return start_worker()
+
+
+def run(services: Services, payload: bytes) -> tuple[JobStatus, str, dict]:
+    job = services.submit(payload, owner="eve")
+    done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    saves = load_result(services.store.get_bytes(done.result_key)) if done.status is JobStatus.COMPLETED else {}
+    return done.status, f"{done.error_type}: {done.error_message}", saves
+
+
+def test_allowed_modules_run(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
+    backend = PayloadBackend()
+    with client_model.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        import math
+
+        import torch
+
+        logits = client_model.logits
+        top = torch.topk(logits, 2).values.save()
+        scale = math.sqrt(4.0)
+        scaled = (logits * scale).save()
+
+    status, error, saves = run(services, backend.payload)
+    assert status is JobStatus.COMPLETED, error
+    assert saves["top"].shape[-1] == 2 and saves["scaled"].shape == saves["scaled"].shape
+
+
+def test_an_import_of_os_inside_the_trace_fails_the_job_naming_it(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        import os as stolen
+
+        environment = dict(stolen.environ).save()
+        client_model.logits
+
+    status, error, _ = run(services, backend.payload)
+    assert status is JobStatus.FAILED
+    assert "module 'os' is not allowed in intervention code" in error
+
+
+def test_a_module_sent_from_the_clients_globals_is_refused_when_unpickled(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        environment = dict(os.environ).save()  # `os` is this module's: it travels in the payload
+        client_model.logits
+
+    status, error, _ = run(services, backend.payload)
+    assert status is JobStatus.FAILED
+    assert "module 'os' is not allowed in intervention code" in error
