@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from nnqueue.api.routing import strict_loads
 from nnqueue.db.models import Harvest, HarvestSchedule, Job, JobKind, JobStatus, as_utc
 from nnqueue.scheduler.harvest_spec import HarvestSpec
 from nnqueue.scheduler.harvests import HarvestProgress
@@ -29,12 +30,12 @@ def parse_spec_field(text: str, model: type[M]) -> M:
     """A multipart form's ``spec`` field, a JSON object, as ``model``; a 422 naming what is wrong (under
     ``body.spec``) otherwise. Strict JSON: NaN and Infinity are refused (a database's JSON column refuses them)."""
     try:
-        data = json.loads(text, parse_constant=_no_constant)
+        data = strict_loads(text)
     except RecursionError:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body", "spec"), "msg": "nested too deeply", "input": text[:200]}]
         ) from None
-    except ValueError as error:
+    except json.JSONDecodeError as error:
         raise RequestValidationError(
             [{"type": "json_invalid", "loc": ("body", "spec"), "msg": f"not JSON: {error}", "input": text[:200]}]
         ) from None
@@ -45,10 +46,6 @@ def parse_spec_field(text: str, model: type[M]) -> M:
             {**e, "loc": ("body", "spec", *e["loc"])} for e in error.errors(include_url=False, include_input=False)
         ]
         raise RequestValidationError(errors) from None
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
 
 
 class ClientVersions(BaseModel):
