@@ -190,7 +190,8 @@ def progress(session: Session, harvests: list[Harvest]) -> dict[uuid.UUID, Harve
         .where(HarvestChunk.harvest_id.in_([h.id for h in harvests]), HarvestChunk.status == S.COMPLETED)
         .group_by(HarvestChunk.harvest_id)
     ).all()
-    done = {harvest_id: (c, p or 0, t or 0, b or 0) for harvest_id, c, p, t, b in rows}
+    # int(): Postgres sums bigints as numeric (Decimal), which float arithmetic refuses.
+    done = {harvest_id: (int(c), int(p or 0), int(t or 0), int(b or 0)) for harvest_id, c, p, t, b in rows}
     return {harvest.id: _progress(harvest, *done.get(harvest.id, (0, 0, 0, 0))) for harvest in harvests}
 
 
