@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import asdict
 from datetime import datetime
 from typing import Any, Literal, TypeVar
 
@@ -175,17 +174,6 @@ def _result(job: Job) -> JobResult | None:
     return JobResult(size=job.result_size, format=job.result_format)
 
 
-class HarvestProgressBody(BaseModel):
-    chunks_done: int
-    chunks_total: int
-    prompts_done: int
-    prompts_total: int
-    tokens: int
-    bytes: int
-    tokens_per_s: float | None = Field(description="Tokens harvested per second since the first chunk started.")
-    eta_s: float | None = Field(description="Seconds left at that rate; null until a chunk has completed.")
-
-
 class HarvestError(BaseModel):
     type: str
     message: str
@@ -203,7 +191,7 @@ class HarvestResponse(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
-    progress: HarvestProgressBody
+    progress: HarvestProgress
     error: HarvestError | None
     manifest_key: str | None = Field(description="harvests/<id>/manifest.json once completed.")
 
@@ -224,7 +212,7 @@ class HarvestResponse(BaseModel):
             created_at=as_utc(harvest.created_at),
             started_at=as_utc(harvest.started_at),
             finished_at=as_utc(harvest.finished_at),
-            progress=HarvestProgressBody(**asdict(progress)),
+            progress=progress,
             error=error,
             manifest_key=harvest.manifest_key,
         )

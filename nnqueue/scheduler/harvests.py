@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Annotated
 
 from celery import Celery
+from pydantic import Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -165,14 +167,18 @@ def recent_harvests(session: Session, owner: str | None, status: JobStatus | Non
 
 @dataclass(frozen=True)
 class HarvestProgress:
+    """A harvest's progress from its completed chunks (also the API's ``progress`` body)."""
+
     chunks_done: int
     chunks_total: int
     prompts_done: int
     prompts_total: int
     tokens: int
     bytes: int
-    tokens_per_s: float | None
-    eta_s: float | None
+    tokens_per_s: Annotated[
+        float | None, Field(description="Tokens harvested per second since the first chunk started.")
+    ]
+    eta_s: Annotated[float | None, Field(description="Seconds left at that rate; null until a chunk has completed.")]
 
 
 def progress(session: Session, harvests: list[Harvest]) -> dict[uuid.UUID, HarvestProgress]:
