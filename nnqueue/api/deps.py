@@ -189,5 +189,17 @@ def require_scope(scope: str) -> Callable[[Caller], Caller]:
 
 # The caller of a route that queues code (a trace): 403 unless its key has the ``trace`` scope.
 TraceCallerDep = Annotated[Caller, Depends(require_scope("trace"))]
-# The caller of the harvest and schedule routes (declarative specs, no code): 403 unless its key has ``harvest``.
+# The caller of the routes that submit harvests or create schedules (declarative specs, no code): 403 unless
+# its key has ``harvest``.
 HarvestCallerDep = Annotated[Caller, Depends(require_scope("harvest"))]
+
+
+async def harvest_reader(caller: CallerDep) -> Caller:
+    """The caller of the harvest and schedule routes that read, cancel, pause or delete: a ``harvest`` key, or an
+    ``admin``'s (which acts on every owner's)."""
+    if not caller.is_admin:
+        check_scope(caller, "harvest")
+    return caller
+
+
+HarvestReaderDep = Annotated[Caller, Depends(harvest_reader)]

@@ -223,7 +223,7 @@ def test_the_beat_process_fires_a_short_interval_schedule_and_stops_when_paused(
 
 
 def test_harvest_routes_need_the_harvest_scope_and_other_owners_need_admin(api: Api) -> None:
-    ivan, admin = api.new_key("ivan", HARVEST), api.new_key("root", ("harvest", "admin"))
+    ivan, admin = api.new_key("ivan", HARVEST), api.new_key("root", ("admin",))  # admin alone: no submitting
     trace_only = api.new_key("judy", ("trace",))
     for method, path in (("POST", "/v1/harvests"), ("GET", "/v1/harvests"), ("GET", "/v1/schedules")):
         refused = api.http.request(method, path, headers=trace_only)
@@ -244,3 +244,4 @@ def test_harvest_routes_need_the_harvest_scope_and_other_owners_need_admin(api: 
     assert [s["id"] for s in schedules] == [schedule["id"]]
     assert api.http.post(f"/v1/schedules/{schedule['id']}/pause", headers=admin).json()["paused"] is True
     assert api.http.post(f"/v1/harvests/{harvest['id']}/cancel", headers=admin).json()["status"] == "cancelled"
+    assert submit_harvest(api.http, admin, spec()).status_code == 403

@@ -1,7 +1,7 @@
 """``/v1/harvests``: submit a declarative harvest, follow it, cancel it, read its manifest, fetch its shards.
 
 Like jobs, every route sees only the caller's own harvests (another owner's answers 404) unless the key has
-the ``admin`` scope; every route needs the ``harvest`` scope (a default key's). A submission is
+the ``admin`` scope; submitting needs the ``harvest`` scope (a default key's), the other routes ``harvest`` or ``admin``. A submission is
 a multipart form: ``spec`` (the JSON :class:`~nnqueue.scheduler.harvest_spec.HarvestSpec`) and optionally
 ``dataset``, a file stored under the caller's prefix and harvested. Every refusal is a 4xx with its reason:
 422 (bad spec, unknown module with the valid ones, empty dataset, missing column), 400 (no live worker),
@@ -20,7 +20,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nnqueue import metrics
-from nnqueue.api.deps import Caller, HarvestCallerDep, ResourcesDep, SessionDep, SessionsDep, SettingsDep, StoreDep
+from nnqueue.api.deps import (
+    Caller,
+    HarvestCallerDep,
+    HarvestReaderDep,
+    ResourcesDep,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    StoreDep,
+)
 from nnqueue.api.downloads import stream_object
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import HarvestListResponse, HarvestResponse, ShardFile, ShardList, parse_spec_field
@@ -80,7 +89,7 @@ def submit(
 
 @router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
 def list_harvests(
-    caller: HarvestCallerDep,
+    caller: HarvestReaderDep,
     session: SessionDep,
     status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
     owner: Annotated[
@@ -95,13 +104,13 @@ def list_harvests(
 
 
 @router.get("/{harvest_id}", responses=NOT_YOURS)
-def get_harvest(harvest_id: uuid.UUID, caller: HarvestCallerDep, session: SessionDep) -> HarvestResponse:
+def get_harvest(harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep) -> HarvestResponse:
     return _view(session, _owned(session, harvest_id, caller))
 
 
 @router.post("/{harvest_id}/cancel", responses={**NOT_YOURS, 409: {"description": "The harvest has ended."}})
 def cancel(
-    harvest_id: uuid.UUID, caller: HarvestCallerDep, session: SessionDep, sessions: SessionsDep
+    harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, sessions: SessionsDep
 ) -> HarvestResponse:
     """Cancel the harvest: queued chunks never run, running ones are aborted by their workers within a heartbeat."""
     harvest = _owned(session, harvest_id, caller)
@@ -114,7 +123,7 @@ def cancel(
 
 
 @router.get("/{harvest_id}/manifest", responses={**NOT_YOURS, **NOT_COMPLETED})
-def manifest(harvest_id: uuid.UUID, caller: HarvestCallerDep, session: SessionDep, store: StoreDep) -> Response:
+def manifest(harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, store: StoreDep) -> Response:
     """``manifest.json``: the spec, model, versions, dataset digest, and every shard's rows, bytes, sha256 and
     per-prompt row offsets."""
     harvest = _completed(session, harvest_id, caller)
@@ -124,7 +133,7 @@ def manifest(harvest_id: uuid.UUID, caller: HarvestCallerDep, session: SessionDe
 
 @router.get("/{harvest_id}/shards", responses={**NOT_YOURS, **NOT_COMPLETED})
 def shards(
-    harvest_id: uuid.UUID, caller: HarvestCallerDep, session: SessionDep, settings: SettingsDep, store: StoreDep
+    harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, settings: SettingsDep, store: StoreDep
 ) -> ShardList:
     """Every shard with its size and sha256, and a URL to GET it: presigned (S3), else this API's own route."""
     harvest = _completed(session, harvest_id, caller)
@@ -164,7 +173,7 @@ def shards(
 def shard(
     harvest_id: uuid.UUID,
     index: Annotated[int, Path(ge=0)],
-    caller: HarvestCallerDep,
+    caller: HarvestReaderDep,
     session: SessionDep,
     settings: SettingsDep,
     store: StoreDep,

@@ -1,7 +1,7 @@
 """``/v1/schedules``: recurring harvests (a cron expression and a harvest spec), fired by ``nnqueue beat``.
 
 Create, list, show, pause, resume and delete; each caller sees only their own schedules (404 otherwise)
-unless the key has the ``admin`` scope; every route needs the ``harvest`` scope (a default key's).
+unless the key has the ``admin`` scope; creating one needs the ``harvest`` scope (a default key's), the other routes ``harvest`` or ``admin``.
 The spec is checked as a harvest's would be when it fires, not now (its files may not exist yet); a bad
 cron expression is a 422 at once. Each change is one transaction on the request's session.
 """
@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nnqueue.api.deps import Caller, HarvestCallerDep, SessionDep
+from nnqueue.api.deps import Caller, HarvestCallerDep, HarvestReaderDep, SessionDep
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import ScheduleCreate, ScheduleListResponse, ScheduleResponse
 from nnqueue.db.models import HarvestSchedule
@@ -40,7 +40,7 @@ def create(body: ScheduleCreate, caller: HarvestCallerDep, session: SessionDep) 
 
 @router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
 def list_schedules(
-    caller: HarvestCallerDep,
+    caller: HarvestReaderDep,
     session: SessionDep,
     owner: Annotated[
         str | None, Query(description="Only this owner's schedules (admins; others may name only themselves).")
@@ -55,22 +55,22 @@ def list_schedules(
 
 
 @router.get("/{schedule_id}", responses=NOT_YOURS)
-def get_schedule(schedule_id: int, caller: HarvestCallerDep, session: SessionDep) -> ScheduleResponse:
+def get_schedule(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> ScheduleResponse:
     return ScheduleResponse.of(_owned(session, schedule_id, caller))
 
 
 @router.post("/{schedule_id}/pause", responses=NOT_YOURS)
-def pause(schedule_id: int, caller: HarvestCallerDep, session: SessionDep) -> ScheduleResponse:
+def pause(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> ScheduleResponse:
     return _set_paused(session, schedule_id, caller, True)
 
 
 @router.post("/{schedule_id}/resume", responses=NOT_YOURS)
-def resume(schedule_id: int, caller: HarvestCallerDep, session: SessionDep) -> ScheduleResponse:
+def resume(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> ScheduleResponse:
     return _set_paused(session, schedule_id, caller, False)
 
 
 @router.delete("/{schedule_id}", status_code=status.HTTP_204_NO_CONTENT, responses=NOT_YOURS)
-def delete(schedule_id: int, caller: HarvestCallerDep, session: SessionDep) -> None:
+def delete(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> None:
     """Delete the schedule; harvests it already started go on."""
     session.delete(_owned(session, schedule_id, caller, for_update=True))
     session.commit()
