@@ -25,6 +25,8 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from sqlalchemy.orm import Session
 
+from nnqueue.errors import NNqueueError
+
 
 def strict_loads(text: str | bytes) -> Any:
     """``json.loads`` that refuses ``NaN``, ``Infinity`` and ``-Infinity`` with a ``JSONDecodeError`` naming it."""
@@ -35,8 +37,8 @@ def strict_loads(text: str | bytes) -> Any:
         raise json.JSONDecodeError(str(error), document, 0) from None
 
 
-class _NotJSON(ValueError):
-    pass
+class _NotJSON(NNqueueError, ValueError):
+    """A JSON text names a constant JSON does not have; turned into a ``JSONDecodeError`` by ``strict_loads``."""
 
 
 def _refuse_constant(name: str) -> Any:
