@@ -9,7 +9,7 @@ Modes (one engine per process; each mode is one process, so one device call can 
   ONE dispatched nnsight engine (nnqueue's ``load_engine``) owned by nnqueue's ``EngineHost`` loop:
   (a) raw ``AsyncLLM.generate`` without interventions, (b) the same prompts as nnqueue jobs that save
   one decoder layer's output (every token, then last token only) through the real worker path
-  (``JobRunner.run`` with the vLLM trace executor: claim in SQLite -> payload from the local object store ->
+  (``JobRunner.run_next`` with the vLLM trace executor: claim in SQLite -> payload from the local object store ->
   parse the prebuilt payload the client built -> run -> the engine writes the result to a handoff file ->
   commit -> COMPLETED; one prompt per job, K Celery-like threads calling ``host.call``),
   (c) nnsight's own async path with the same trace (P concurrent traces). (a) runs first and last.
@@ -323,7 +323,7 @@ class Queue:
             poller(engine.vllm_entrypoint),  # the engine's one poller, shared with harvest chunks (as the worker)
             BuilderPool("", {}, 0, 0),
         )
-        self.runner = JobRunner(self.sessions, executor, f"bench:{os.getpid()}", self.settings.worker_stale_after_s)
+        self.runner = JobRunner(self.sessions, executor, "bench", f"bench:{os.getpid()}")
 
     def submit(self, payloads: list[bytes]) -> list[uuid.UUID]:
         """What ``submit_job`` does, minus the broker: payload to the store, QUEUED row to the DB."""
@@ -355,9 +355,9 @@ class Queue:
         return ids
 
     def run(self, host: Any, job_ids: list[uuid.UUID], concurrency: int) -> list[str]:
-        """K threads each handing jobs to the engine loop, as the Celery thread pool does."""
+        """K threads each handing a token per job to the engine loop, as the Celery thread pool does."""
         with ThreadPoolExecutor(concurrency) as pool:
-            return [o.value for o in pool.map(lambda job_id: host.call(self.runner.run(job_id)), job_ids)]
+            return [o.value for o in pool.map(lambda _: host.call(self.runner.run_next()), job_ids)]
 
     def results(self, job_ids: list[uuid.UUID]) -> tuple[int, int]:
         """(bytes of saves.pt by the DB, bytes under results/ in the store incl. safetensors)."""
@@ -713,7 +713,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     profile.wrap(prebuilt, "to_requests", "loop: prebuilt.to_requests (SamplingParams)")
     profile.wrap(trace_runner, "run_trace", "await run_trace (submit .. result written)")
     profile.wrap(engine.vllm_entrypoint, "collective_rpc", "await collective_rpc (finish, outbox polls)")
-    profile.wrap(job_execution, "claim", "thread: claim (DB)")
+    profile.wrap(job_execution, "claim_next_job", "thread: claim (DB)")
     profile.wrap(job_execution, "_transition", "thread: finish (DB)")
     profile.wrap(job_execution._ProgressWriter, "_write", "thread: progress (DB)")
     profile.wrap(ResultSinks, "open", "thread: sinks open")

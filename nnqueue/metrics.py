@@ -1,7 +1,8 @@
 """Prometheus metrics that nnqueue's processes record where things happen (prometheus-client).
 
-The API counts submissions, cancellations and the payload bytes it stores; workers count the jobs they
-finish, observe queue waits and run times, and count the result bytes they store. Each process exports its
+The API counts submissions (jobs and harvests), cancellations and the payload bytes it stores; workers count the
+jobs and harvest chunks they finish, observe queue waits and run times, and count the result and shard bytes
+they store and the tokens harvested. Each process exports its
 own numbers (the API at ``/metrics``, a worker on ``NNQUEUE_WORKER_METRICS_PORT``), and PromQL sums them.
 What is a property of the whole queue rather than of one process (queue depth, the oldest queued job's age,
 live workers) is read from the database at scrape time by :mod:`nnqueue.api.metrics`.
@@ -43,7 +44,24 @@ RUN_TIME = Histogram(
     buckets=DURATION_BUCKETS,
 )
 STORE_BYTES_WRITTEN = Counter(
-    "nnqueue_store_bytes_written", "Bytes written to the object store, by what: payload or result.", ["what"]
+    "nnqueue_store_bytes_written",
+    "Bytes written to the object store, by what: payload, result or shard (a harvest's).",
+    ["what"],
+)
+HARVESTS_SUBMITTED = Counter("nnqueue_harvests_submitted", "Harvests accepted by the API.", ["model"])
+HARVEST_CHUNKS_FINISHED = Counter(
+    "nnqueue_harvest_chunks_finished",
+    "Harvest chunks a worker ran to an end, by how: completed, failed (retried or not) or cancelled.",
+    ["model", "status"],
+)
+HARVEST_CHUNK_TIME = Histogram(
+    "nnqueue_harvest_chunk_seconds",
+    "From a worker claiming a harvest chunk to its shard recorded.",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+)
+HARVEST_TOKENS = Counter(
+    "nnqueue_harvest_tokens", "Prompt tokens run through the model by completed chunks.", ["model"]
 )
 
 

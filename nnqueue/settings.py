@@ -57,12 +57,26 @@ class Settings(BaseSettings):
     # A worker silent for this long is taken for dead: its RUNNING jobs may be taken over.
     worker_stale_after_s: float = Field(30.0, gt=0)
     default_job_timeout_s: float = Field(600.0, gt=0)
+    # How often each worker compares the broker's tokens with the database's queued work and re-sends the
+    # missing ones (after Redis restarted empty, say). Its first heartbeat always does.
+    reconcile_interval_s: float = Field(30.0, gt=0)
     # Intervention code that runs this long without handing control back to the model (a user's
     # endless loop) is stopped inside the engine, so that the jobs batched with it go on.
     engine_stall_timeout_s: float = Field(60.0, gt=0)
     # Sandboxed processes per worker that rebuild raw nnsight payloads (nnsight's own clients, old nnqueue
     # clients) into prebuilt ones; started on first use. 0: the worker runs only client-prebuilt payloads.
     trace_builders: int = Field(2, ge=0)
+
+    # Harvests. A chunk that fails (or whose worker dies) is tried again until it has run this many times;
+    # then its harvest fails, naming it.
+    harvest_chunk_attempts: int = Field(3, ge=1)
+    # Harvest chunks one vLLM worker runs at once, beside its interactive jobs (``nnqueue worker --bulk-slots``).
+    worker_bulk_slots: int = Field(1, ge=1)
+    # The largest dataset (its source files together, or an upload) and the most prompts one harvest may have.
+    harvest_max_dataset_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    harvest_max_prompts: int = Field(1_000_000, gt=0)
+    # How often ``nnqueue beat`` looks for schedules that are due.
+    beat_interval_s: float = Field(5.0, gt=0)
 
     # Isolation of users' code (see nnqueue.isolation). When the worker runs as root, its engine
     # processes switch to this user once they are up, before any user code runs. Empty: they stay root

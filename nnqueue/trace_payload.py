@@ -47,6 +47,8 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_EDITS = 1024
 MAX_NAME_LENGTH = 1024
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+# Keys of a request's extra_args that only nnqueue itself sets (harvest capture tags), never a user's trace.
+RESERVED_PREFIX = "nnqueue_"
 
 
 class PayloadError(NNqueueError, ValueError):
@@ -184,6 +186,7 @@ def from_vllm_requests(prompts: list[Any], params: list[Any], lora_requests: lis
         if not isinstance(mediator, bytes):
             raise UnsupportedTrace(f"invoke {index} carries no nnsight mediator")
         if extra:
+            _refuse_reserved(extra, f"invoke {index}", UnsupportedTrace)
             raise UnsupportedTrace(f"invoke {index} sets extra_args {sorted(extra)}, which nnqueue does not carry")
         param.extra_args = None  # the mediator rides as a blob, not base64 in the JSON
         try:
@@ -239,8 +242,22 @@ def _sampling(raw: Any, where: str) -> dict[str, Any]:
     if not isinstance(raw, dict) or not all(isinstance(name, str) and not name.startswith("_") for name in raw):
         raise PayloadError(f"{where}: sampling must be an object of public SamplingParams fields")
     if "extra_args" in raw:
+        _refuse_reserved(raw["extra_args"], where, PayloadError)
         raise PayloadError(f"{where}: sampling must not carry extra_args")
     return raw
+
+
+def _refuse_reserved(extra_args: Any, where: str, error: type[Exception]) -> None:
+    """Raise ``error`` naming the ``nnqueue_*`` keys of a user's ``extra_args``: that prefix tags nnqueue's own
+    requests inside the engine (a harvest's capture tag, ``nnqueue_harvest``), which a trace must never set."""
+    if not isinstance(extra_args, dict):
+        return
+    reserved = sorted(key for key in extra_args if isinstance(key, str) and key.startswith(RESERVED_PREFIX))
+    if reserved:
+        raise error(
+            f"{where}: extra_args {reserved} use the {RESERVED_PREFIX!r} prefix, reserved for nnqueue's own"
+            " requests (harvest capture); a trace cannot set them"
+        )
 
 
 def _edits(raw: Any, where: str) -> list[str] | None:

@@ -19,12 +19,14 @@ from tests.utils.light_client import run_light, run_light_cli
 runner = CliRunner()
 
 
-SERVER_COMMANDS = {"version", "db", "gc", "keys", "serve-api", "worker", "demo"}
-CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models"}
+SERVER_COMMANDS = {"version", "db", "gc", "keys", "serve-api", "worker", "beat", "demo"}
+CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models", "harvest", "schedules"}
 COMMANDS = {
     (): SERVER_COMMANDS | CLIENT_COMMANDS,
     ("db",): {"upgrade", "downgrade"},
     ("keys",): {"create", "list", "revoke", "scopes"},
+    ("harvest",): {"submit", "status", "list", "cancel", "manifest", "download"},
+    ("schedules",): {"create", "list", "pause", "resume", "delete"},
 }
 
 
@@ -57,7 +59,7 @@ def test_a_client_install_has_the_client_commands_and_names_the_extra_for_the_se
     listed = run_light_cli("--help", env={"COLUMNS": "200"})
     assert listed.returncode == 0, listed.stderr
     assert listed_commands(listed.stdout) == COMMANDS[()]
-    for command in (["db", "upgrade"], ["keys", "list"], ["gc"], ["worker", "--model", "m"]):
+    for command in (["db", "upgrade"], ["keys", "list"], ["gc"], ["worker", "--model", "m"], ["beat"]):
         refused = run_light_cli(*command)
         assert refused.returncode == 1, (command, refused.stdout, refused.stderr)
         assert (

@@ -176,17 +176,26 @@ def test_the_worker_commands_parse(config: dict[str, Any], name: str) -> None:
 
 
 @needs_compose
-def test_the_beat_command_starts(config: dict[str, Any], env: dict[str, str]) -> None:
+def test_the_beat_command_starts(config: dict[str, Any], env: dict[str, str], tmp_path: Path) -> None:
     line = command(config["services"]["beat"])
     assert line == ["nnqueue", "beat"]
-    if "beat" not in typer.main.get_command(app).commands:  # type: ignore[attr-defined]
-        pytest.xfail("`nnqueue beat` comes with engineer h3b's schedules branch, which has not landed here")
-    process = subprocess.Popen(
-        [sys.executable, "-m", *line], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    log_path = tmp_path / "beat.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", *line],
+            env={**env, "NNQUEUE_BEAT_INTERVAL_S": "0.2"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        time.sleep(5)
-        assert process.poll() is None, process.stdout.read().decode() if process.stdout else ""
+        deadline = time.monotonic() + 60
+        while "firing due harvest schedules" not in log_path.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # a few of its ticks, each a query of the schedules table
+        assert process.poll() is None, log_path.read_text()[-3000:]
+        assert "firing schedules failed" not in log_path.read_text()
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)

@@ -1,6 +1,6 @@
 """``nnqueue demo``, the README's main job: the real SmolLM2-135M converted from the wheel's GGUF, the whole
-embedded stack, and one trace job through the API. Its values are checked against the model itself, not
-against numbers written down here."""
+embedded stack, one trace job through the API and (``--harvest``) a harvest of one layer over the packaged
+text set. Its values are checked against the model itself, not against numbers written down here."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
-from nnqueue.demo import MARKER, MODEL_KEY, ensure_model, gguf_path, run_demo
+from nnqueue.demo import HARVEST_LAYER, MARKER, MODEL_KEY, TEXTS, ensure_model, gguf_path, run_demo
 
 pytestmark = pytest.mark.slow  # the demo: converts SmolLM2-135M and runs the whole embedded stack
 
 
-def test_the_demo_runs_a_real_trace_job_and_prints_the_summary(tmp_path: Path) -> None:
+def test_the_demo_runs_a_real_trace_job_and_a_harvest_and_prints_the_summary(tmp_path: Path) -> None:
     console = Console(record=True, width=160)
-    saves = run_demo(tmp_path / "data", console)
+    saves = run_demo(tmp_path / "data", console, harvest=True)
     output = console.export_text()
 
     # The logit lens reads the model's own answer off its last layer: the first generated token.
@@ -32,6 +32,12 @@ def test_the_demo_runs_a_real_trace_job_and_prints_the_summary(tmp_path: Path) -
         assert heading in output
     [result] = (tmp_path / "data" / "results").glob("*.pt")
     assert re.search(rf"{result.stem}: .*{result.name} \(", output.replace("\n", ""))
+    # The harvest: every line of the packaged texts, one row per token, read back from the downloaded shards.
+    harvest = saves["harvest"]
+    lines = [line for line in TEXTS.read_text().splitlines() if line.strip()]
+    assert harvest["prompts"] == len(lines) and harvest["rows"] > 5 * len(lines) and harvest["width"] == 576
+    assert harvest["mean_norm"] > 0 and (harvest["directory"] / "manifest.json").is_file()
+    assert f"layer {HARVEST_LAYER}'s residual stream 576 wide" in output
     # The converted model stays for the next run, marked complete.
     assert (tmp_path / "data" / "models" / MODEL_KEY / MARKER).is_file()
 
@@ -49,3 +55,4 @@ def test_the_demo_reuses_a_converted_model_and_finds_the_wheels_gguf(tmp_path: P
 def test_demo_help_describes_the_embedded_run() -> None:
     result = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "--data-dir" in result.output and "embedded" in result.output
+    assert "--harvest" in result.output

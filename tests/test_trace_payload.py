@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from nnqueue import trace_payload
 from nnqueue.engines.prebuilt import to_requests
@@ -104,6 +104,7 @@ def one_invoke(**fields: Any) -> bytes:
         (one_invoke(prompt={"multi_modal_data": {}}), "prompt must be"),
         (one_invoke(sampling={"_eos_token_id": 2}), "public SamplingParams fields"),
         (one_invoke(sampling={"extra_args": {}}), "must not carry extra_args"),
+        (one_invoke(sampling={"extra_args": {"nnqueue_harvest": {"chunk": "c", "prompt": 0}}}), "reserved for nnqueue"),
         (one_invoke(edits="probe"), "edits must be null or a list"),
         (one_invoke(surprise=1), "must be an object with prompt, sampling, mediator and edits"),
         (trace_payload.MAGIC + (2).to_bytes(8, "big") + b"[]", "header must be a JSON object"),
@@ -142,3 +143,9 @@ def test_what_the_format_cannot_carry_is_refused_on_the_client(client_model: Any
     with pytest.raises(UnsupportedTrace, match="multimodal prompts are not supported"):
         with client_model.trace({"prompt": "x", "multi_modal_data": {}}, backend=PrebuiltBackend()):
             client_model.logits.save()
+
+
+def test_a_trace_cannot_set_nnqueues_own_extra_args() -> None:
+    params = SamplingParams(extra_args={"nnsight_mediator": b"m", "nnqueue_harvest": {"chunk": "c", "prompt": 0}})
+    with pytest.raises(UnsupportedTrace, match=r"invoke 0: extra_args \['nnqueue_harvest'\] use the 'nnqueue_' prefix"):
+        trace_payload.from_vllm_requests(["x"], [params], [None])

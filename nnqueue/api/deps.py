@@ -49,6 +49,17 @@ class Caller:
     def is_admin(self) -> bool:
         return "admin" in self.scopes
 
+    def may_see(self, owner: str) -> bool:
+        """Whether this caller may see and act on what ``owner`` owns: their own, or anyone's for an admin."""
+        return owner == self.owner or self.is_admin
+
+    def listed_owner(self, owner: str | None) -> str | None:
+        """The owner a listing filters on (None: every owner, an admin's default); 403 unless the caller may
+        list ``owner``'s (only an admin may name another owner)."""
+        if owner is not None and owner != self.owner:
+            check_scope(self, "admin")
+        return owner if owner is not None or self.is_admin else self.owner
+
 
 async def get_resources(request: Request) -> Resources:
     return request.app.state.resources
@@ -150,8 +161,8 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 
 SCOPE_PURPOSE = {
     "trace": "submit traces (they run arbitrary code on the workers)",
-    "harvest": "submit harvests",
-    "admin": "act on other owners' jobs",
+    "harvest": "submit harvests and keep their schedules",
+    "admin": "act on other owners' jobs, harvests and schedules",
 }
 
 
@@ -178,3 +189,17 @@ def require_scope(scope: str) -> Callable[[Caller], Caller]:
 
 # The caller of a route that queues code (a trace): 403 unless its key has the ``trace`` scope.
 TraceCallerDep = Annotated[Caller, Depends(require_scope("trace"))]
+# The caller of the routes that submit harvests or create schedules (declarative specs, no code): 403 unless
+# its key has ``harvest``.
+HarvestCallerDep = Annotated[Caller, Depends(require_scope("harvest"))]
+
+
+async def harvest_reader(caller: CallerDep) -> Caller:
+    """The caller of the harvest and schedule routes that read, cancel, pause or delete: a ``harvest`` key, or an
+    ``admin``'s (which acts on every owner's)."""
+    if not caller.is_admin:
+        check_scope(caller, "harvest")
+    return caller
+
+
+HarvestReaderDep = Annotated[Caller, Depends(harvest_reader)]

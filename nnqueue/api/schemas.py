@@ -7,16 +7,44 @@ explain a trace that this server's nnsight cannot rebuild.
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nnqueue.db.models import Job, JobKind, JobStatus, as_utc
+from nnqueue.api.routing import strict_loads
+from nnqueue.db.models import Harvest, HarvestSchedule, Job, JobKind, JobStatus, as_utc
+from nnqueue.scheduler.harvest_spec import HarvestSpec
+from nnqueue.scheduler.harvests import HarvestProgress
 
 MAX_TIMEOUT_S = 86400.0
 INT32 = 2**31 - 1
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_spec_field(text: str, model: type[M]) -> M:
+    """A multipart form's ``spec`` field, a JSON object, as ``model``; a 422 naming what is wrong (under
+    ``body.spec``) otherwise. Strict JSON: NaN and Infinity are refused (a database's JSON column refuses them)."""
+    try:
+        data = strict_loads(text)
+    except RecursionError:
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", "spec"), "msg": "nested too deeply", "input": text[:200]}]
+        ) from None
+    except json.JSONDecodeError as error:
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", "spec"), "msg": f"not JSON: {error}", "input": text[:200]}]
+        ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        errors = [
+            {**e, "loc": ("body", "spec", *e["loc"])} for e in error.errors(include_url=False, include_input=False)
+        ]
+        raise RequestValidationError(errors) from None
 
 
 class ClientVersions(BaseModel):
@@ -32,9 +60,11 @@ class JobSpec(BaseModel):
     model_key: str = Field(
         min_length=1, max_length=500, pattern=r"^[^\x00]+$", description="A model some live worker serves."
     )
-    # Only traces for now: workers cannot run declarative harvest specs yet.
+    # Only traces: declarative harvests are submitted to POST /v1/harvests.
     kind: Literal["trace"] = "trace"
-    priority: int = Field(0, ge=-INT32 - 1, le=INT32)
+    priority: int = Field(
+        0, ge=-INT32 - 1, le=INT32, description="Higher runs earlier: a model's queued jobs run by priority, then age."
+    )
     timeout_s: float | None = Field(
         None, gt=0, le=MAX_TIMEOUT_S, description="Seconds the job may run; null for the server's default."
     )
@@ -142,3 +172,110 @@ def _result(job: Job) -> JobResult | None:
     if job.result_key is None or job.result_size is None or job.result_format is None:
         return None
     return JobResult(size=job.result_size, format=job.result_format)
+
+
+class HarvestError(BaseModel):
+    type: str
+    message: str
+
+
+class HarvestResponse(BaseModel):
+    id: uuid.UUID
+    owner: str
+    model_key: str
+    status: JobStatus
+    priority: int
+    spec: dict[str, Any]
+    dataset_digest: str = Field(description="sha256 of the frozen dataset (harvests/<id>/dataset.jsonl).")
+    schedule_id: int | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    progress: HarvestProgress
+    error: HarvestError | None
+    manifest_key: str | None = Field(description="harvests/<id>/manifest.json once completed.")
+
+    @classmethod
+    def of(cls, harvest: Harvest, progress: HarvestProgress) -> HarvestResponse:
+        error = None
+        if harvest.error_type is not None:
+            error = HarvestError(type=harvest.error_type, message=harvest.error_message or "")
+        return cls(
+            id=harvest.id,
+            owner=harvest.owner,
+            model_key=harvest.model_key,
+            status=harvest.status,
+            priority=harvest.priority,
+            spec=harvest.spec,
+            dataset_digest=harvest.dataset_digest,
+            schedule_id=harvest.schedule_id,
+            created_at=as_utc(harvest.created_at),
+            started_at=as_utc(harvest.started_at),
+            finished_at=as_utc(harvest.finished_at),
+            progress=progress,
+            error=error,
+            manifest_key=harvest.manifest_key,
+        )
+
+
+class HarvestListResponse(BaseModel):
+    harvests: list[HarvestResponse]
+
+
+class ShardFile(BaseModel):
+    name: str
+    index: int
+    rows: int
+    bytes: int
+    sha256: str
+    url: str = Field(description="A presigned object-store URL, or this API's own download route.")
+
+
+class ShardList(BaseModel):
+    shards: list[ShardFile]
+
+
+class ScheduleCreate(BaseModel):
+    """A recurring harvest: ``spec`` runs at each time ``cron`` names (five fields, or six with seconds last)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    cron: str = Field(min_length=1, max_length=200, description="e.g. '0 3 * * *' (03:00 UTC daily).")
+    spec: HarvestSpec
+
+
+class ScheduleResponse(BaseModel):
+    id: int
+    owner: str
+    name: str
+    cron: str
+    spec: dict[str, Any]
+    paused: bool
+    next_run_at: datetime
+    last_run_at: datetime | None
+    last_harvest_id: uuid.UUID | None
+    last_error: str | None
+    runs: int
+    created_at: datetime
+
+    @classmethod
+    def of(cls, schedule: HarvestSchedule) -> ScheduleResponse:
+        return cls(
+            id=schedule.id,
+            owner=schedule.owner,
+            name=schedule.name,
+            cron=schedule.cron,
+            spec=schedule.spec,
+            paused=schedule.paused,
+            next_run_at=as_utc(schedule.next_run_at),
+            last_run_at=as_utc(schedule.last_run_at),
+            last_harvest_id=schedule.last_harvest_id,
+            last_error=schedule.last_error,
+            runs=schedule.runs,
+            created_at=as_utc(schedule.created_at),
+        )
+
+
+class ScheduleListResponse(BaseModel):
+    schedules: list[ScheduleResponse]

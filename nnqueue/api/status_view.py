@@ -1,8 +1,8 @@
-"""What the status page shows, read from the database in a few queries: models, workers and jobs.
+"""What the status page shows, read from the database in a few queries: models, workers, jobs and harvests.
 
-A viewer sees their own jobs; an ``admin`` key sees everyone's (with an owner column). Each section is a
-list of plain rows that the template renders on its own, so a new kind of work (harvests) is one more
-query here and one more block in ``templates/status.html``.
+A viewer sees their own jobs and harvests; an ``admin`` key sees everyone's (with an owner column). Each section
+is a list of plain rows that the template renders on its own: a new kind of work is one more query here and one
+more block in ``templates/status.html``.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import Job, JobStatus, Worker, as_utc, utcnow
+from nnqueue.db.models import Harvest, Job, JobStatus, Worker, as_utc, utcnow
+from nnqueue.scheduler.harvests import HarvestProgress, progress, recent_harvests
 from nnqueue.scheduler.overview import ModelLoad, model_loads
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.registry import live_workers
 
 ADMIN_SCOPE = "admin"
 JOBS_SHOWN = 50
+HARVESTS_SHOWN = 20
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,19 @@ class JobRow:
         return "safetensors" in (self.job.result_format or "").split("+")
 
 
+@dataclass(frozen=True)
+class HarvestRow:
+    harvest: Harvest
+    progress: HarvestProgress
+
+    @property
+    def progress_percent(self) -> int:
+        if self.harvest.status is JobStatus.COMPLETED:
+            return 100
+        total = self.progress.chunks_total
+        return 0 if not total else min(100, round(100 * self.progress.chunks_done / total))
+
+
 @dataclass
 class StatusView:
     viewer: Viewer
@@ -63,6 +78,7 @@ class StatusView:
     jobs: list[JobRow]
     status_filter: JobStatus | None
     job_counts: dict[str, int] = field(default_factory=dict)
+    harvests: list[HarvestRow] = field(default_factory=list)
 
 
 def status_view(
@@ -77,6 +93,7 @@ def status_view(
         jobs=_jobs(session, viewer, status_filter),
         status_filter=status_filter,
         job_counts=_job_counts(session, viewer),
+        harvests=_harvests(session, viewer),
     )
 
 
@@ -112,3 +129,9 @@ def _job_counts(session: Session, viewer: Viewer) -> dict[str, int]:
     if not viewer.is_admin:
         query = query.where(Job.owner == viewer.owner)
     return {status.value: count for status, count in session.execute(query)}
+
+
+def _harvests(session: Session, viewer: Viewer) -> list[HarvestRow]:
+    harvests = recent_harvests(session, None if viewer.is_admin else viewer.owner, None, HARVESTS_SHOWN)
+    done = progress(session, harvests)
+    return [HarvestRow(harvest, done[harvest.id]) for harvest in harvests]

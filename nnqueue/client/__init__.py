@@ -1,4 +1,4 @@
-"""The nnqueue Python client: submit traces, follow jobs, fetch results; and an nnsight backend.
+"""The nnqueue Python client: submit traces, follow jobs, fetch results; and an nnsight backend; harvests.
 
     from nnqueue.client import Client
     client = Client("http://127.0.0.1:8000", api_key)        # or Client.from_env(): NNQUEUE_URL, NNQUEUE_API_KEY
@@ -18,6 +18,7 @@ from nnqueue.client.errors import (
     APIError,
     AuthenticationError,
     ConflictError,
+    HarvestFailed,
     JobCancelled,
     JobFailed,
     NNqueueError,
@@ -27,6 +28,7 @@ from nnqueue.client.errors import (
     UnknownModelError,
     WaitTimeout,
 )
+from nnqueue.client.harvest import Harvest
 from nnqueue.client.job import Job
 from nnqueue.client.settings import ClientSettings
 
@@ -39,6 +41,8 @@ __all__ = [
     "Client",
     "ClientSettings",
     "ConflictError",
+    "Harvest",
+    "HarvestFailed",
     "Job",
     "JobCancelled",
     "JobFailed",

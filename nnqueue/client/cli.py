@@ -1,4 +1,5 @@
-"""Client commands of ``nnqueue``: submit, status, jobs, cancel, download, models.
+"""Client commands of ``nnqueue``: submit, status, jobs, cancel, download, models (and, from
+:mod:`nnqueue.client.harvest_cli`, the ``harvest`` and ``schedules`` groups).
 
 Every command talks to the API at ``--url`` / ``NNQUEUE_URL`` with ``--api-key`` / ``NNQUEUE_API_KEY``
 (either may also come from a ``.env`` file).
@@ -46,7 +47,7 @@ STATUS_STYLE = {"queued": "yellow", "running": "cyan", "completed": "green", "fa
 
 
 @contextmanager
-def _connected(url: str | None, api_key: str | None) -> Iterator[Client]:
+def connected(url: str | None, api_key: str | None) -> Iterator[Client]:
     """The API's client; an nnqueue error in the block (HTTP, connection, job) exits 1 with its message."""
     try:
         with Client.from_env(url=url, api_key=api_key) as client:
@@ -127,7 +128,7 @@ def status(
     api_key: str | None = KeyOption,
 ) -> None:
     """Show a job: status, queue position, progress, times, error."""
-    with _connected(url, api_key) as client:
+    with connected(url, api_key) as client:
         job = client.job(job_id)
         if wait and not job.done:
             try:
@@ -154,7 +155,7 @@ def jobs(
 ) -> None:
     """List your jobs, newest first."""
     shown: list[Job] = []
-    with _connected(url, api_key) as client:
+    with connected(url, api_key) as client:
         for job in client.jobs(status=status_filter, model_key=model_key, page_size=min(limit + 1, 200)):
             if len(shown) == limit:
                 break
@@ -171,9 +172,9 @@ def cancel(
     api_key: str | None = KeyOption,
 ) -> None:
     """Cancel a queued or running job."""
-    with _connected(url, api_key) as client:
+    with connected(url, api_key) as client:
         job = client.job(job_id).cancel()
-    console.print(f"job {job.id} is {_status(job.info)}")
+    console.print(f"job {job.id} is {status_text(job.info)}")
 
 
 def download(
@@ -185,7 +186,7 @@ def download(
     api_key: str | None = KeyOption,
 ) -> None:
     """Download a job's result (torch.save of its saves dict), with progress bars."""
-    with _connected(url, api_key) as client:
+    with connected(url, api_key) as client:
         written = client.job(job_id).download(path, wait=wait, inline=inline)
     console.print(
         f"wrote {written} ({written.stat().st_size:,} bytes); load it with torch.load(path, weights_only=False)"
@@ -194,7 +195,7 @@ def download(
 
 def models(url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
     """List the models that live workers serve."""
-    with _connected(url, api_key) as client:
+    with connected(url, api_key) as client:
         served = client.models()
     table = Table("model key", "workers", "capacity")
     for model in served:
@@ -213,21 +214,25 @@ COMMANDS: dict[str, Callable[..., None]] = {
 
 
 def register(app: typer.Typer) -> None:
-    """Add the client commands to the ``nnqueue`` app."""
+    """Add the client commands to the ``nnqueue`` app (the harvest and schedule groups too)."""
+    from nnqueue.client.harvest_cli import harvest_app, schedules_app
+
     for name, command in COMMANDS.items():
         app.command(name)(command)
+    app.add_typer(harvest_app, name="harvest")
+    app.add_typer(schedules_app, name="schedules")
 
 
 # -- rendering ------------------------------------------------------------------------------------
 
 
-def _status(info: dict[str, Any]) -> str:
+def status_text(info: dict[str, Any]) -> str:
     value = str(info.get("status"))
     style = STATUS_STYLE.get(value, "")
     return f"[{style}]{value}[/{style}]" if style else value
 
 
-def _when(value: str | None) -> str:
+def local_time(value: str | None) -> str:
     if not value:
         return ""
     try:
@@ -257,7 +262,12 @@ def _jobs_table(jobs: list[Job], title: str | None = None) -> Table:
     for job in jobs:
         info = job.info
         table.add_row(
-            job.id, _status(info), escape(job.model_key), _when(info.get("created_at")), _progress(info), _detail(info)
+            job.id,
+            status_text(info),
+            escape(job.model_key),
+            local_time(info.get("created_at")),
+            _progress(info),
+            _detail(info),
         )
     return table
 
@@ -268,7 +278,7 @@ def _job_table(job: Job) -> Table:
     table.add_column(style="bold")
     table.add_column()
     rows = [
-        ("status", _status(info)),
+        ("status", status_text(info)),
         ("model", escape(job.model_key)),
         ("owner", str(info.get("owner", ""))),
         ("priority", str(info.get("priority", ""))),
@@ -276,9 +286,9 @@ def _job_table(job: Job) -> Table:
         ("queue position", str(info["queue_position"]) if info.get("queue_position") is not None else ""),
         ("progress", _progress(info)),
         ("attempts", str(info.get("attempts", ""))),
-        ("created", _when(info.get("created_at"))),
-        ("started", _when(info.get("started_at"))),
-        ("finished", _when(info.get("finished_at"))),
+        ("created", local_time(info.get("created_at"))),
+        ("started", local_time(info.get("started_at"))),
+        ("finished", local_time(info.get("finished_at"))),
     ]
     if result := info.get("result"):
         rows.append(("result", f"{result.get('size', 0):,} bytes ({result.get('format')})"))

@@ -11,13 +11,16 @@ puts the saved values in the trace's variables (see :mod:`nnqueue.client.backend
 from __future__ import annotations
 
 import json
+import os
 import platform
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from rich.console import Console
 
+from nnqueue.client.harvest import Harvest
 from nnqueue.client.job import Job
 from nnqueue.client.settings import ClientSettings
 from nnqueue.client.transport import Transport
@@ -151,6 +154,47 @@ class Client:
         """Models with live workers: ``[{"model_key", "workers", "capacity"}]``."""
         return list(self.transport.get_json("/v1/models").get("models", []))
 
+    # -- harvests and schedules -----------------------------------------------------------------
+
+    def harvest(
+        self, spec: dict[str, Any] | str | os.PathLike[str], dataset: str | os.PathLike[str] | None = None
+    ) -> Harvest:
+        """Submit a harvest: ``spec`` a dict, or a YAML/JSON file's path; ``dataset`` a local JSONL, Parquet or
+        text file to upload with it (kept under your prefix ``users/<you>/uploads/``)."""
+        files = None
+        if dataset is not None:
+            path = Path(dataset)
+            files = {"dataset": (path.name, path.read_bytes(), "application/octet-stream")}
+        response = self.transport.request(
+            "POST", "/v1/harvests", data={"spec": json.dumps(load_spec(spec), allow_nan=False)}, files=files
+        )
+        return self._harvest(response.json())
+
+    def get_harvest(self, harvest_id: str) -> Harvest:
+        return self._harvest(self.transport.get_json(f"/v1/harvests/{harvest_id}"))
+
+    def harvests(self, status: str | None = None, limit: int = 50) -> list[Harvest]:
+        """Your harvests, newest first."""
+        params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {})}
+        return [self._harvest(info) for info in self.transport.get_json("/v1/harvests", params=params)["harvests"]]
+
+    def create_schedule(self, name: str, cron: str, spec: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+        """A recurring harvest: ``spec`` runs at each time ``cron`` names (e.g. ``"0 3 * * *"``, UTC)."""
+        body = {"name": name, "cron": cron, "spec": load_spec(spec)}
+        return self.transport.request("POST", "/v1/schedules", json=body).json()
+
+    def schedules(self) -> list[dict[str, Any]]:
+        return list(self.transport.get_json("/v1/schedules")["schedules"])
+
+    def pause_schedule(self, schedule_id: int) -> dict[str, Any]:
+        return self.transport.request("POST", f"/v1/schedules/{schedule_id}/pause").json()
+
+    def resume_schedule(self, schedule_id: int) -> dict[str, Any]:
+        return self.transport.request("POST", f"/v1/schedules/{schedule_id}/resume").json()
+
+    def delete_schedule(self, schedule_id: int) -> None:
+        self.transport.request("DELETE", f"/v1/schedules/{schedule_id}")
+
     def health(self) -> dict[str, Any]:
         return self.transport.get_json("/healthz")
 
@@ -186,3 +230,18 @@ class Client:
 
     def _job(self, info: dict[str, Any]) -> Job:
         return Job(self.transport, info, self.console)
+
+    def _harvest(self, info: dict[str, Any]) -> Harvest:
+        return Harvest(self.transport, info, self.console)
+
+
+def load_spec(spec: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
+    """A harvest spec from a dict, or from a YAML or JSON file (YAML is a superset of JSON)."""
+    if isinstance(spec, dict):
+        return spec
+    import yaml
+
+    loaded = yaml.safe_load(Path(spec).read_text())
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{spec} does not hold a harvest spec (a mapping), but {type(loaded).__name__}")
+    return loaded

@@ -16,6 +16,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from nnqueue.client.harvest import Harvest
     from nnqueue.client.job import Job
 
 
@@ -148,8 +149,18 @@ class JobCancelled(NNqueueError):
 
 
 class WaitTimeout(NNqueueError, TimeoutError):
-    """``Job.wait(timeout=...)`` gave up; the job itself goes on (cancel it to stop it)."""
+    """``Job.wait(timeout=...)`` (or ``Harvest.wait``) gave up; the job itself goes on (cancel it to stop it)."""
 
-    def __init__(self, job: Job, timeout: float) -> None:
+    def __init__(self, job: Job | Harvest, timeout: float) -> None:
         self.job = job
         super().__init__(f"job {job.id} still {job.info.get('status')} after waiting {timeout:g} s")
+
+
+class HarvestFailed(NNqueueError):
+    """The harvest FAILED (the message names the chunk and the cause) or was CANCELLED; ``info`` is its state."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+        error = info.get("error") or {}
+        why = f": {error.get('type')}: {error.get('message')}" if error else ""
+        super().__init__(f"harvest {info.get('id')} {info.get('status')}{why}")

@@ -88,6 +88,19 @@ class Transport:
         except httpx.TransportError as error:
             raise APIConnectionError(f"cannot download the result from {target.host}: {error}") from error
 
+    @contextmanager
+    def download(self, url: str) -> Iterator[httpx.Response]:
+        """GET a file as a streaming response: an API path (``/v1/...``, streamed through the API with this key)
+        or a presigned URL (without the key)."""
+        api = url.startswith("/")
+        http = self._http if api else self._plain_http()
+        try:
+            with http.stream("GET", url, params={"inline": 1} if api else None) as response:
+                _check(response)
+                yield response
+        except httpx.TransportError as error:
+            raise APIConnectionError(f"cannot download {url.split('?')[0]}: {error}") from error
+
     def _plain_http(self) -> httpx.Client:
         if self._plain is None:
             self._plain = httpx.Client(timeout=httpx.Timeout(self.timeout, connect=10.0), follow_redirects=True)

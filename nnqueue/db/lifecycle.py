@@ -9,15 +9,13 @@ appends a :class:`~nnqueue.db.models.JobEvent` in the same transaction.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-if TYPE_CHECKING:
-    from sqlalchemy.engine import CursorResult
-
 from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
+from nnqueue.db.session import updated
 from nnqueue.errors import NNqueueError
 
 S = JobStatus
@@ -88,16 +86,7 @@ def transition(
     guards = [Job.id == job_id, Job.status == current]
     if held_by is not None:
         guards.append(Job.worker_id == held_by)
-    changed = cast(  # an UPDATE's result is a CursorResult, which has the row count
-        "CursorResult[Any]",
-        session.execute(
-            update(Job)
-            .where(*guards)
-            .values(status=target, **_timestamps(target), **fields)
-            .execution_options(synchronize_session=False)
-        ),
-    )
-    if changed.rowcount != 1:
+    if updated(session, update(Job).where(*guards).values(status=target, **_timestamps(target), **fields)) != 1:
         now = session.scalar(select(Job.status).where(Job.id == job_id))
         raise InvalidTransition(job_id, now or current, target)
     session.add(JobEvent(job_id=job_id, from_status=current, to_status=target, detail=detail or {}))

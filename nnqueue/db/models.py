@@ -1,4 +1,4 @@
-"""The job-state schema: API keys, jobs and their append-only status history.
+"""The job-state schema: API keys, jobs and their append-only status history; harvests, their chunks and schedules.
 
 Postgres in production, SQLite for the embedded default: only portable column types are used
 (enums are stored as checked strings, not native Postgres enums, so migrations stay symmetric).
@@ -187,6 +187,99 @@ class Worker(Base):
     capacity: Mapped[int] = mapped_column(Integer)
     # The kind of engine it holds (an EngineKind value): which traces it can run.
     engine: Mapped[str] = mapped_column(String(32), server_default=EngineKind.VLLM.value)
+    # What its engine can capture for harvests ({"module", "io", "parts"} each), checked at submit; null for
+    # engines that run no harvests.
+    capture_points: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     started_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(Timestamp)
+
+
+class Harvest(Base):
+    """A declarative activation harvest: a dataset through a model, chosen modules' activations out as shards.
+
+    Its work is split into :class:`HarvestChunk` rows, each claimed and run by one worker of the model.
+    The status uses the job statuses: QUEUED until a chunk starts, RUNNING, then COMPLETED (every chunk
+    done and the manifest written), FAILED (a chunk ran out of attempts; the error names it) or CANCELLED.
+    """
+
+    __tablename__ = "harvests"
+    __table_args__ = (Index("ix_harvests_owner_created_at", "owner", "created_at"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
+    owner: Mapped[str] = mapped_column(String(200))
+    api_key_id: Mapped[int | None] = mapped_column(Integer)
+    model_key: Mapped[str] = mapped_column(String(500), index=True)
+    status: Mapped[JobStatus] = mapped_column(_enum_column(JobStatus, "harvest_status"), index=True)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    # The validated spec (nnqueue.scheduler.harvest_spec.HarvestSpec) as JSON.
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    # The dataset as the chunks read it: one JSON line per example, after offset and limit.
+    dataset_key: Mapped[str] = mapped_column(String(1024))
+    dataset_digest: Mapped[str] = mapped_column(String(64))
+    prompts: Mapped[int] = mapped_column(Integer)
+    chunks_total: Mapped[int] = mapped_column(Integer)
+    schedule_id: Mapped[int | None] = mapped_column(Integer, index=True)
+    manifest_key: Mapped[str | None] = mapped_column(String(1024))
+    error_type: Mapped[str | None] = mapped_column(String(200))
+    error_message: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    finished_at: Mapped[datetime | None] = mapped_column(Timestamp)
+
+
+class HarvestChunk(Base):
+    """A slice of a harvest's prompts that one worker runs into one shard (``harvests/<id>/shard-NNNNN``)."""
+
+    __tablename__ = "harvest_chunks"
+    __table_args__ = (
+        Index("ix_harvest_chunks_model_key_status", "model_key", "status"),
+        Index("ix_harvest_chunks_harvest_id_index", "harvest_id", "index", unique=True),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    harvest_id: Mapped[uuid.UUID] = mapped_column(ForeignKey("harvests.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    # Copied from the harvest, so that claiming (fairness across owners, priority) reads one table.
+    model_key: Mapped[str] = mapped_column(String(500))
+    owner: Mapped[str] = mapped_column(String(200))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[JobStatus] = mapped_column(_enum_column(JobStatus, "harvest_chunk_status"))
+    # Global indices [first_prompt, first_prompt + prompts) of the dataset, at these bytes of its object.
+    first_prompt: Mapped[int] = mapped_column(Integer)
+    prompts: Mapped[int] = mapped_column(Integer)
+    dataset_start: Mapped[int] = mapped_column(BigInteger)
+    dataset_end: Mapped[int] = mapped_column(BigInteger)
+    shard_key: Mapped[str] = mapped_column(String(1024))
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    worker_id: Mapped[str | None] = mapped_column(String(200))
+    rows: Mapped[int | None] = mapped_column(BigInteger)
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    # Row offset of each of its prompts in the shard, plus the end: prompt i's rows are [o[i], o[i+1]).
+    offsets: Mapped[list[int] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    queued_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    started_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    finished_at: Mapped[datetime | None] = mapped_column(Timestamp)
+
+
+class HarvestSchedule(Base):
+    """A recurring harvest: ``nnqueue beat`` creates a run from ``spec`` at each time ``cron`` names."""
+
+    __tablename__ = "harvest_schedules"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    owner: Mapped[str] = mapped_column(String(200), index=True)
+    api_key_id: Mapped[int | None] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(200))
+    cron: Mapped[str] = mapped_column(String(200))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    paused: Mapped[bool] = mapped_column(default=False)
+    next_run_at: Mapped[datetime] = mapped_column(Timestamp, index=True)
+    last_run_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    last_harvest_id: Mapped[uuid.UUID | None] = mapped_column()
+    last_error: Mapped[str | None] = mapped_column(Text)
+    runs: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)

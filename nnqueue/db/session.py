@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Update, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import CursorResult
 
 
 def make_engine(url: str) -> Engine:
@@ -41,3 +44,10 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
     """A session whose work is committed on success and rolled back on any exception."""
     with factory() as session, session.begin():
         yield session
+
+
+def updated(session: Session, statement: Update) -> int:
+    """Run an UPDATE (without synchronising the session's objects) and return how many rows it changed: the
+    result of a compare-and-set, whose guards are in its WHERE clause."""
+    result = session.execute(statement.execution_options(synchronize_session=False))
+    return cast("CursorResult[Any]", result).rowcount

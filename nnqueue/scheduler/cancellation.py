@@ -1,7 +1,7 @@
 """Cancelling a job: the database is the signal.
 
-A QUEUED job's message may still be in the queue; when it is delivered the worker's claim fails
-and the job never runs. A RUNNING job is noticed by its worker's heartbeat, which aborts the job's
+A QUEUED job's token stays in the queue, but claims take only QUEUED jobs: the token finds the model's
+other work, or none, and the cancelled job never runs. A RUNNING job is noticed by its worker's heartbeat, which aborts the job's
 vLLM requests (see :meth:`nnqueue.workers.job_execution.JobRunner.reap_lost`).
 """
 

@@ -1,45 +1,97 @@
-"""Claiming a delivered job: the database decides which delivery of a task message runs the job.
+"""Claiming work: a worker that received a token takes the best QUEUED unit of its model from the database.
 
-A message can arrive twice (a worker died, or Redis's visibility timeout passed); only the delivery
-that moves the job to RUNNING runs it. Claims are compare-and-set, so racing deliveries and cancels
-cannot both win.
+Messages name no job (see :mod:`nnqueue.broker`), so the database decides what runs next:
+
+* interactive jobs: the highest ``priority`` first, then the oldest (``queued_at``, then id);
+* harvest chunks: fairly across owners: the owner with the fewest RUNNING chunks on the model first,
+  then the highest priority, then the oldest. Two owners' harvests on one model thus alternate rather
+  than the first one's thousands of chunks running before any of the second's.
+
+On Postgres the candidate row is locked with ``FOR UPDATE SKIP LOCKED``, so concurrent claims take
+different rows without waiting on each other. SQLite has no row locks (and SQLAlchemy renders no
+``FOR UPDATE`` there); its claim is the compare-and-set of the status change, and a claim that loses
+the race tries the next candidate. A token that finds nothing to claim is simply dropped.
 """
 
 from __future__ import annotations
 
-import logging
-import uuid
-
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.lifecycle import InvalidTransition, transition
-from nnqueue.db.models import Job, JobStatus
-from nnqueue.db.session import transaction
-from nnqueue.scheduler import registry
-from nnqueue.scheduler.recovery import requeue_lost
+from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus, utcnow
+from nnqueue.db.session import transaction, updated
 
-log = logging.getLogger(__name__)
 S = JobStatus
+# Claims that lose a race (SQLite) try again this many times before giving the token up.
+MAX_TRIES = 8
+# The order in which a model's QUEUED jobs run, and in which queue positions are counted.
+JOB_ORDER = (Job.priority.desc(), Job.queued_at, Job.id)
 
 
-def claim(sessions: sessionmaker[Session], job_id: uuid.UUID, worker_id: str, stale_after_s: float) -> Job | None:
-    """Move the job to RUNNING for this worker, or return None if this delivery must not run it.
-
-    A job RUNNING under a worker whose heartbeat went stale was orphaned by a dead process: it is
-    put back to QUEUED (recorded in its history) and claimed again.
-    """
-    try:
-        with transaction(sessions) as session:
-            job = session.get(Job, job_id)
-            if job is None:
-                log.warning("task for unknown job %s dropped", job_id)
-                return None
-            if job.status is S.RUNNING:
-                if job.worker_id == worker_id or registry.is_alive(session, job.worker_id or "", stale_after_s):
+def claim_next_job(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> Job | None:
+    """Move the best QUEUED job of ``model_key`` to RUNNING under ``worker_id``; None if there is none."""
+    candidate = (
+        select(Job.id)
+        .where(Job.model_key == model_key, Job.status == S.QUEUED)
+        .order_by(*JOB_ORDER)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+    )
+    for _ in range(MAX_TRIES):
+        try:
+            with transaction(sessions) as session:
+                job_id = session.scalar(candidate)
+                if job_id is None:
                     return None
-                requeue_lost(session, job_id, job.worker_id or "")
-            elif job.status is not S.QUEUED:
+                return transition(session, job_id, S.RUNNING, detail={"worker": worker_id}, worker_id=worker_id)
+        except InvalidTransition:
+            continue  # another worker (or a cancel) took it between our read and our write: try the next
+    return None
+
+
+def claim_next_chunk(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> HarvestChunk | None:
+    """Move the fairest QUEUED chunk of ``model_key`` to RUNNING under ``worker_id``; None if there is none.
+
+    The chunk's harvest becomes RUNNING with its first chunk.
+    """
+    running = (
+        select(HarvestChunk.owner, func.count().label("running"))
+        .where(HarvestChunk.model_key == model_key, HarvestChunk.status == S.RUNNING)
+        .group_by(HarvestChunk.owner)
+        .subquery()
+    )
+    candidate = (
+        select(HarvestChunk.id)
+        .outerjoin(running, running.c.owner == HarvestChunk.owner)
+        .where(HarvestChunk.model_key == model_key, HarvestChunk.status == S.QUEUED)
+        .order_by(
+            func.coalesce(running.c.running, 0), HarvestChunk.priority.desc(), HarvestChunk.queued_at, HarvestChunk.id
+        )
+        .limit(1)
+        .with_for_update(skip_locked=True, of=HarvestChunk)
+    )
+    for _ in range(MAX_TRIES):
+        with transaction(sessions) as session:
+            chunk_id = session.scalar(candidate)
+            if chunk_id is None:
                 return None
-            return transition(session, job_id, S.RUNNING, detail={"worker": worker_id}, worker_id=worker_id)
-    except InvalidTransition:
-        return None  # another delivery or a cancel won the race
+            now = utcnow()
+            claimed = updated(
+                session,
+                update(HarvestChunk)
+                .where(HarvestChunk.id == chunk_id, HarvestChunk.status == S.QUEUED)
+                .values(status=S.RUNNING, worker_id=worker_id, started_at=now, attempts=HarvestChunk.attempts + 1),
+            )
+            if claimed != 1:
+                continue  # lost the race (SQLite): try the next candidate
+            chunk = session.get(HarvestChunk, chunk_id, populate_existing=True)
+            assert chunk is not None
+            updated(
+                session,
+                update(Harvest)
+                .where(Harvest.id == chunk.harvest_id, Harvest.status == S.QUEUED)
+                .values(status=S.RUNNING, started_at=now),
+            )
+            return chunk
+    return None

@@ -1,7 +1,7 @@
-"""Where queued jobs stand: a job's 1-based place among its model's queued jobs, oldest first.
+"""Where queued jobs stand: a job's 1-based place among its model's queued jobs.
 
-Workers take a model's jobs from its queue in the order they were queued, so the place is the
-number of that model's QUEUED jobs queued before it, plus one (ties broken by id).
+Workers claim a model's jobs highest priority first, then oldest first (:data:`nnqueue.scheduler.claim.JOB_ORDER`),
+so the place is the job's rank in that same order among the model's QUEUED jobs.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from nnqueue.db.models import Job, JobStatus
+from nnqueue.scheduler.claim import JOB_ORDER
 
 
 def queue_positions(session: Session, jobs: Sequence[Job]) -> dict[uuid.UUID, int]:
@@ -20,7 +21,7 @@ def queue_positions(session: Session, jobs: Sequence[Job]) -> dict[uuid.UUID, in
     queued = [job for job in jobs if job.status is JobStatus.QUEUED]
     if not queued:
         return {}
-    place = func.row_number().over(partition_by=Job.model_key, order_by=(Job.queued_at, Job.id))
+    place = func.row_number().over(partition_by=Job.model_key, order_by=JOB_ORDER)
     ranked = (
         select(Job.id, place.label("place"))
         .where(Job.status == JobStatus.QUEUED, Job.model_key.in_({job.model_key for job in queued}))

@@ -1,12 +1,13 @@
 """Jobs orphaned by a dead worker go back on their queue without waiting for the broker.
 
-A worker that dies mid-job (SIGKILL, the OOM killer, a lost node) leaves its job RUNNING and the
-job's task message unacknowledged. Redis hands that message to another worker only after the
-visibility timeout, which must outlast the longest job (two hours by default). Live workers look
-sooner: on each heartbeat a worker puts its model's RUNNING jobs whose worker stopped or went
-silent back to QUEUED and sends a fresh message. The unacknowledged original stays the backstop
-(if this send fails, or no worker of the model is alive); whichever delivery claims the job first
-runs it, and the later one finds it taken and is dropped (claims are compare-and-set).
+A worker that dies mid-job (SIGKILL, the OOM killer, a lost node) leaves its job RUNNING and the token
+it was running unacknowledged. Redis hands that token to another worker only after the visibility
+timeout, and a token names no job anyway (see :mod:`nnqueue.broker`): the job must be QUEUED again for
+any token to claim it. Live workers do that on each heartbeat: they put their model's RUNNING jobs whose
+worker stopped or went silent back to QUEUED and send a fresh token for each (harvest chunks likewise,
+:func:`nnqueue.scheduler.chunks.requeue_orphan_chunks`). Duplicate tokens (the dead worker's redelivered
+one, say) find no work, or other work, and are harmless; a token whose send failed is re-sent by the
+reconciler.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
-from nnqueue.scheduler.enqueue import enqueue
+from nnqueue.scheduler.enqueue import send_job_tokens
 from nnqueue.scheduler.registry import live_worker_ids
 
 log = logging.getLogger(__name__)
@@ -43,18 +44,12 @@ def requeue_orphans(
     for job_id, dead_worker in orphans:
         if dead_worker is None:
             continue  # not a RUNNING job's (its worker is set when claimed), and NULL is in no NOT IN list
-        job = _requeue(sessions, job_id, dead_worker)
-        if job is None:
-            continue
-        requeued.append(job_id)
-        try:
-            enqueue(app, job)
-        except Exception:  # the job's unacknowledged original message still comes back later
-            log.exception(
-                "requeued job %s, but could not send its message; the broker will redeliver it",
-                job_id,
-                extra={"job_id": job_id},
-            )
+        if _requeue(sessions, job_id, dead_worker) is not None:
+            requeued.append(job_id)
+    try:
+        send_job_tokens(app, model_key, len(requeued))
+    except Exception:  # the reconciler sends them at a later heartbeat
+        log.exception("requeued jobs %s, but could not send their tokens; the reconciler will", requeued)
     return requeued
 
 

@@ -18,6 +18,7 @@ import socket
 import time
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import Select, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -62,8 +63,10 @@ def register(
     capacity: int,
     engine: EngineKind = EngineKind.VLLM,
     stale_after_s: float | None = None,
+    capture_points: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Add the worker's row; with ``stale_after_s``, after :func:`check_engine`."""
+    """Add the worker's row; with ``stale_after_s``, after :func:`check_engine`. ``capture_points``: what its
+    engine can capture for harvests (None: it runs none)."""
     with transaction(sessions) as session:
         if stale_after_s is not None:
             check_engine(session, model_key, engine, stale_after_s)
@@ -76,6 +79,7 @@ def register(
                 pid=os.getpid(),
                 capacity=capacity,
                 engine=engine.value,
+                capture_points=capture_points,
             )
         )
 
@@ -109,6 +113,16 @@ def live_engines(session: Session, model_key: str, stale_after_s: float) -> set[
     """The engine kinds of ``model_key``'s live workers (empty when none is live)."""
     query = _live(stale_after_s).where(Worker.model_key == model_key).with_only_columns(Worker.engine).distinct()
     return set(session.scalars(query))
+
+
+def live_capture_points(session: Session, model_key: str, stale_after_s: float) -> list[dict[str, Any]] | None:
+    """The capture points that ``model_key``'s live workers published (the first that published any; empty when
+    none did, as workers that run no harvests), or None when no live worker serves the model."""
+    query = _live(stale_after_s).where(Worker.model_key == model_key).with_only_columns(Worker.capture_points)
+    published = list(session.scalars(query))
+    if not published:
+        return None
+    return next((points for points in published if points), [])
 
 
 def is_alive(session: Session, worker_id: str, stale_after_s: float) -> bool:

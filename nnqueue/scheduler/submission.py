@@ -1,10 +1,11 @@
-"""Accepting a job: admission, payload stored, row to the database, message to the model's queue.
+"""Accepting a job: admission, payload stored, row to the database, a token to the model's queue.
 
 Admission comes first (:mod:`nnqueue.scheduler.admission`: a live worker serves the model, the key has room),
 so a refused job leaves nothing behind. The order of the rest makes an accepted job durable before anyone can
 run it: the payload is stored first (a small one in the job's own transaction, a large one in the object store
 under a key derived from a fresh job id; see :mod:`nnqueue.scheduler.payloads`), then the QUEUED row is
-committed, then the task is sent. If the broker refuses the message the job is marked FAILED with that cause
+committed, then the token is sent (:mod:`nnqueue.broker`: it names the model, not the job; a worker claims the
+model's best queued job). If the broker refuses the token the job is marked FAILED with that cause
 rather than left queued forever. The API accepts a job in the transaction of its request (:func:`accept_job`,
 then :func:`queue_job`): admission, row and queue position on one connection.
 """
@@ -22,7 +23,7 @@ from nnqueue.db.lifecycle import create_job, transition
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.admission import AdmissionPolicy, admit
-from nnqueue.scheduler.enqueue import enqueue
+from nnqueue.scheduler.enqueue import send_job_tokens
 from nnqueue.scheduler.payloads import keep_inline, store_payload
 from nnqueue.storage.object_store import ObjectStore
 
@@ -98,10 +99,10 @@ def accept_job(
 
 
 def queue_job(sessions: sessionmaker[Session], app: Celery, job: Job) -> None:
-    """Send a committed job's message; if the broker refuses it, mark the job FAILED and re-raise."""
+    """Send a committed job's token; if the broker refuses it, mark the job FAILED and re-raise."""
     metrics.JOBS_SUBMITTED.labels(job.model_key, job.kind.value).inc()
     try:
-        enqueue(app, job)
+        send_job_tokens(app, job.model_key)
     except Exception as error:
         with transaction(sessions) as session:
             transition(

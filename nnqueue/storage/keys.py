@@ -1,4 +1,4 @@
-"""Object keys: where a job's payload and its named results live in the object store."""
+"""Object keys: where a job's payload and its named results, and a harvest's files, live in the object store."""
 
 from __future__ import annotations
 
@@ -28,6 +28,20 @@ def result_key(job_id: str | int | UUID, name: str, attempt: int | None = None) 
 def sibling_key(key: str, name: str) -> str:
     """The key of the object ``name`` beside ``key`` (the safetensors copy of a ``saves.pt``)."""
     return f"{key.rsplit('/', 1)[0]}/{_segment(name, 'result name')}"
+
+
+def harvest_key(harvest_id: str | UUID, name: str) -> str:
+    """``harvests/<id>/<name>``: a harvest's shards, its frozen dataset and its manifest."""
+    return f"harvests/{_segment(str(harvest_id), 'harvest id')}/{_segment(name, 'file name')}"
+
+
+def shard_name(index: int) -> str:
+    """``shard-NNNNN.safetensors``: the one shard chunk ``index`` writes (deterministic, so a re-run overwrites it)."""
+    return f"shard-{index:05d}.safetensors"
+
+
+MANIFEST_FILE = "manifest.json"
+DATASET_FILE = "dataset.jsonl"
 
 
 def _segment(value: str, what: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from nnqueue.storage.object_store import (
+    MultipartUpload,
     ObjectNotFound,
     ObjectReader,
     ObjectStore,
@@ -93,6 +94,14 @@ class LocalObjectStore(ObjectStore):
         except _MISSING:
             pass
 
+    def list_keys(self, prefix: str) -> list[str]:
+        # Walk only the deepest folder the prefix names; skip writes in progress (".<name>.<random>.tmp").
+        folder = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
+        if not folder.is_dir() or not folder.resolve().is_relative_to(self.root):
+            return []
+        keys = (path.relative_to(self.root).as_posix() for path in folder.rglob("*") if path.is_file())
+        return sorted(key for key in keys if key.startswith(prefix) and not _in_progress(key))
+
     def presigned_get_url(self, key: str, expires_in: int) -> str:
         raise PresignUnsupported(
             f"the local object store ({self.root}) cannot presign URLs; stream the object through "
@@ -101,6 +110,15 @@ class LocalObjectStore(ObjectStore):
 
     def presigned_put_url(self, key: str, expires_in: int) -> str:
         raise PresignUnsupported(f"the local object store ({self.root}) cannot presign URLs")
+
+    def presigned_multipart(self, key: str, parts: int, expires_in: int) -> MultipartUpload:
+        raise PresignUnsupported(f"the local object store ({self.root}) cannot presign URLs")
+
+    def complete_multipart(self, upload: MultipartUpload, etags: list[str]) -> int:
+        raise PresignUnsupported(f"the local object store ({self.root}) has no multipart uploads")
+
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        raise PresignUnsupported(f"the local object store ({self.root}) has no multipart uploads")
 
     def _path(self, key: str) -> Path:
         # validate_key rejects empty, '.' and '..' segments, a leading '/' and backslashes, so the
@@ -112,6 +130,11 @@ class LocalObjectStore(ObjectStore):
             return open(self._path(key), "rb")
         except _MISSING as exc:
             raise ObjectNotFound(key) from exc
+
+
+def _in_progress(key: str) -> bool:
+    name = key.rsplit("/", 1)[-1]
+    return name.startswith(".") and name.endswith(".tmp")
 
 
 def _copy(src: BinaryIO, dst: BinaryIO) -> int:

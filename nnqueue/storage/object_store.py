@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import types
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import BinaryIO, Protocol, Self
 
 from nnqueue.errors import NNqueueError
@@ -109,6 +110,10 @@ class ObjectStore(ABC):
         """Remove the object; removing a missing object is not an error."""
 
     @abstractmethod
+    def list_keys(self, prefix: str) -> list[str]:
+        """The keys that start with ``prefix`` (a plain string prefix, as S3's), in sorted order."""
+
+    @abstractmethod
     def presigned_get_url(self, key: str, expires_in: int) -> str:
         """A URL that lets anyone holding it GET the object for ``expires_in`` seconds.
 
@@ -119,6 +124,30 @@ class ObjectStore(ABC):
         """A URL that lets anyone holding it PUT (create or replace) the object for ``expires_in`` seconds.
 
         Raises :class:`PresignUnsupported` where the backend has no URLs of its own."""
+
+    @abstractmethod
+    def presigned_multipart(self, key: str, parts: int, expires_in: int) -> MultipartUpload:
+        """Start a multipart upload of ``key`` and presign PUT URLs for its first ``parts`` parts: whoever holds
+        them uploads the parts, then :meth:`complete_multipart` (or :meth:`abort_multipart`) ends the upload.
+
+        Raises :class:`PresignUnsupported` where the backend has no URLs of its own."""
+
+    @abstractmethod
+    def complete_multipart(self, upload: MultipartUpload, etags: list[str]) -> int:
+        """Assemble the upload from its parts 1..len(``etags``) (their ETags, in order); returns the size."""
+
+    @abstractmethod
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        """Drop the upload and the parts uploaded so far; aborting a finished or unknown upload is not an error."""
+
+
+@dataclass(frozen=True)
+class MultipartUpload:
+    """A multipart upload in progress: ``urls[i]`` takes part ``i + 1``."""
+
+    key: str
+    upload_id: str
+    urls: list[str]
 
 
 def validate_key(key: str) -> str:

@@ -13,6 +13,7 @@ from botocore.exceptions import ClientError
 
 from nnqueue.settings import S3Settings
 from nnqueue.storage.object_store import (
+    MultipartUpload,
     ObjectNotFound,
     ObjectReader,
     ObjectStore,
@@ -27,6 +28,7 @@ MiB = 1024 * 1024
 MULTIPART_THRESHOLD = 16 * MiB
 MIN_PART_SIZE = 8 * MiB
 MAX_PARTS = 9_000
+S3_MAX_PARTS = 10_000
 # s3transfer buffers up to ~10 parts of a non-seekable stream, so memory use is bounded by
 # about 10 x part size, never the whole object.
 MAX_CONCURRENCY = 4
@@ -89,6 +91,11 @@ class S3ObjectStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._call("delete_object", key)  # S3 deletes are idempotent
 
+    def list_keys(self, prefix: str) -> list[str]:
+        self._ensure_bucket()
+        pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
     def presigned_get_url(self, key: str, expires_in: int) -> str:
         # For clients: signed for the public endpoint when one is configured.
         return self._presigned(self._presigner, "get_object", key, expires_in)
@@ -97,11 +104,34 @@ class S3ObjectStore(ObjectStore):
         # For the worker's own engine processes, which reach the store at its internal endpoint.
         return self._presigned(self._client, "put_object", key, expires_in)
 
-    def _presigned(self, client: Any, operation: str, key: str, expires_in: int) -> str:
+    def presigned_multipart(self, key: str, parts: int, expires_in: int) -> MultipartUpload:
+        # Like presigned_put_url: for the engine processes, at the internal endpoint.
+        if not 1 <= parts <= S3_MAX_PARTS:
+            raise ValueError(f"a multipart upload has 1 to {S3_MAX_PARTS} parts, not {parts}")
+        upload_id = self._call("create_multipart_upload", key)["UploadId"]
+        urls = [
+            self._presigned(self._client, "upload_part", key, expires_in, UploadId=upload_id, PartNumber=number)
+            for number in range(1, parts + 1)
+        ]
+        return MultipartUpload(key, upload_id, urls)
+
+    def complete_multipart(self, upload: MultipartUpload, etags: list[str]) -> int:
+        parts = [{"PartNumber": number, "ETag": etag} for number, etag in enumerate(etags, 1)]
+        self._call("complete_multipart_upload", upload.key, UploadId=upload.upload_id, MultipartUpload={"Parts": parts})
+        return self.size(upload.key)
+
+    def abort_multipart(self, upload: MultipartUpload) -> None:
+        try:
+            self._call("abort_multipart_upload", upload.key, UploadId=upload.upload_id)
+        except ClientError as error:
+            if error.response["Error"]["Code"] != "NoSuchUpload":  # already completed or aborted
+                raise
+
+    def _presigned(self, client: Any, operation: str, key: str, expires_in: int, **params: Any) -> str:
         self._ensure_bucket()
         return client.generate_presigned_url(
             operation,
-            Params={"Bucket": self.bucket, "Key": validate_key(key)},
+            Params={"Bucket": self.bucket, "Key": validate_key(key), **params},
             ExpiresIn=validate_expiry(expires_in),
         )
 

@@ -4,7 +4,7 @@ When vLLM's engine core dies (an exception in a forward that no request could ab
 killed), every request on it ends with ``EngineDeadError`` and the engine never serves again. The
 first job to see that calls :meth:`EngineHealth.engine_died`, which, once for the whole worker:
 
-1. stops this worker taking work: later deliveries are handed back to the queue unclaimed;
+1. stops this worker taking work: later tokens are sent again, unclaimed, for another worker;
 2. reads the engine's crash report (:mod:`nnqueue.enginecore.crash_report`): the jobs in the fatal step;
 3. settles the jobs this worker holds. A job alone in the fatal step crashed the engine: it fails with
    the engine's error. Jobs in a fatal step with others cannot be told apart: each is requeued marked
@@ -37,12 +37,11 @@ from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.broker import RUN_JOB_TASK
 from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler import registry
-from nnqueue.scheduler.enqueue import enqueue
+from nnqueue.scheduler.enqueue import send_job_tokens
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -123,7 +122,7 @@ class EngineHealth:
     sessions: sessionmaker[Session]
     app: Celery
     worker_id: str
-    queue: str
+    model_key: str
     crash_dir: Path
     # Whether the engine has died (the AsyncLLM's ``errored``): a job may see the death second hand,
     # e.g. as a failed read of the engine's outbox, rather than as ``EngineDeadError``.
@@ -138,9 +137,9 @@ class EngineHealth:
         """Whether ``error`` ended a job because the engine died."""
         return is_engine_death(error) or self.engine_errored()
 
-    def hand_back(self, job_id: uuid.UUID) -> None:
-        """A delivery this dead worker must not run: put its message back for another worker."""
-        self.app.send_task(RUN_JOB_TASK, args=[str(job_id)], queue=self.queue)
+    def hand_back(self) -> None:
+        """A token this dead worker must not act on: send it again for another worker."""
+        send_job_tokens(self.app, self.model_key)
 
     async def engine_died(self) -> None:
         """Settle every job this worker holds, once (all its jobs' runs call this); see the module doc."""
@@ -208,5 +207,5 @@ class EngineHealth:
                 held_by=self.worker_id,
                 meta=meta,
             )
-        enqueue(self.app, job)
+        send_job_tokens(self.app, job.model_key)
         log.info("job %s requeued (%s)", job_id, reason)

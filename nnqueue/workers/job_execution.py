@@ -1,8 +1,8 @@
 """Running one job on the worker: claim it, hand it to the engine's executor, record how it ended.
 
-The database decides whether a delivered task may run (:func:`claim`): a message can arrive twice
-(a worker died, or Redis's visibility timeout passed), and only the delivery that moves the job to
-RUNNING runs it. Every outcome is a status change with its cause: COMPLETED with the result's key,
+A delivered token names no job: the runner claims the best QUEUED job of its model (:func:`claim_next_job`:
+highest priority, then oldest), and a token that finds none is dropped. Claims are compare-and-set, so a job
+runs under one worker at a time. Every outcome is a status change with its cause: COMPLETED with the result's key,
 or FAILED with the error's type, message and the user's traceback (and the result, when the trace saved
 values before it failed). A cancel is seen by :meth:`JobRunner.reap_lost`, which the heartbeat calls; it
 cancels the job's task, which aborts its engine requests, as it does for a job requeued while this worker
@@ -35,7 +35,7 @@ from nnqueue.db.models import Job, JobStatus, as_utc
 from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
 from nnqueue.logs import job_context
-from nnqueue.scheduler.claim import claim
+from nnqueue.scheduler.claim import claim_next_job
 from nnqueue.storage.results import StoredResult
 from nnqueue.workers.engine_health import EngineHealth
 
@@ -51,7 +51,8 @@ class Outcome(enum.StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    SKIPPED = "skipped"  # another delivery owns the job, or it had already ended
+    SKIPPED = "skipped"  # taken over by another worker while it ran
+    NO_WORK = "no_work"  # the token found no queued work
 
 
 @dataclass
@@ -86,26 +87,28 @@ class Executor(Protocol):
 class JobRunner:
     sessions: sessionmaker[Session]
     executor: Executor
+    model_key: str
     worker_id: str
-    stale_after_s: float
     # Settles the worker's jobs if the engine dies (and runs `run_alone` jobs alone); None in tests.
     health: EngineHealth | None = None
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
     # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
     _aborted: dict[uuid.UUID, Outcome] = field(default_factory=dict)
 
-    async def run(self, job_id: uuid.UUID) -> Outcome:
-        with job_context(job_id):
-            return await self._run(job_id)
-
-    async def _run(self, job_id: uuid.UUID) -> Outcome:
+    async def run_next(self) -> Outcome:
+        """Claim the model's best QUEUED job and run it (what a token asks for)."""
         if self.health is not None and self.health.dead.is_set():
-            await asyncio.to_thread(self.health.hand_back, job_id)  # the engine is gone: another worker runs it
+            await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
             return Outcome.SKIPPED
-        job = await asyncio.to_thread(claim, self.sessions, job_id, self.worker_id, self.stale_after_s)
+        job = await asyncio.to_thread(claim_next_job, self.sessions, self.model_key, self.worker_id)
         if job is None:
-            log.info("job %s skipped: another delivery owns it, or it has ended", job_id)
-            return Outcome.SKIPPED
+            log.info("a token for %s found no queued job; dropped", self.model_key)
+            return Outcome.NO_WORK
+        with job_context(job.id):
+            return await self._run(job)
+
+    async def _run(self, job: Job) -> Outcome:
+        job_id = job.id
         waited = _seconds(job.queued_at, job.started_at)
         metrics.QUEUE_WAIT.labels(job.model_key, job.kind.value).observe(waited)
         log.info("job %s started (attempt %d) after %.3f s in the queue", job_id, job.attempts, waited)

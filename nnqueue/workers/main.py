@@ -1,12 +1,17 @@
-"""``nnqueue worker``: load one engine (vLLM, or transformers), register, and consume the model's queue until stopped.
+"""``nnqueue worker``: load one engine (vLLM, or transformers), register, and consume the model's queues until stopped.
 
-Each heartbeat also aborts the jobs cancelled while running here and requeues the model's jobs that
-a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`). If the engine dies, the worker settles
-its jobs and exits with EXIT_ENGINE_DIED (:mod:`nnqueue.workers.engine_health`); ``nnqueue worker``
-runs this under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`).
+Interactive tokens come through Celery's pool (``--max-concurrent-jobs`` slots); on a vLLM worker, bulk tokens
+(harvest chunks) come through the worker's own consumer with ``--bulk-slots`` slots (:mod:`nnqueue.workers.bulk`),
+so a trace never waits for a slot behind long chunks. Each heartbeat also aborts the work cancelled while
+running here, requeues the model's work that a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`,
+:func:`nnqueue.scheduler.chunks.requeue_orphan_chunks`) and, every ``NNQUEUE_RECONCILE_INTERVAL_S``, re-sends
+the tokens the broker lost (:mod:`nnqueue.scheduler.reconciler`). If the engine dies, the worker settles its
+jobs and exits with EXIT_ENGINE_DIED (:mod:`nnqueue.workers.engine_health`); ``nnqueue worker`` runs this
+under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`).
 
 The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
-the engine's processes run users' code and must find no secret in their environment or their parent.
+the engine's processes run users' code (traces) and capture harvests, and must find no secret in their
+environment or their parent; they write results and shards through presigned URLs or handoff files.
 """
 
 from __future__ import annotations
@@ -23,18 +28,23 @@ import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import isolation
-from nnqueue.broker import create_celery_app, queue_name
+from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
+from nnqueue.engines.harvest_runner import capture_points
 from nnqueue.engines.outbox import poller
 from nnqueue.scheduler import registry
+from nnqueue.scheduler.chunks import requeue_orphan_chunks
+from nnqueue.scheduler.reconciler import reconcile
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
+from nnqueue.workers.bulk import BulkConsumer
+from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
 from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
@@ -45,6 +55,9 @@ from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
 log = logging.getLogger(__name__)
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
+RUNNING_CHUNKS = prometheus_client.Gauge(
+    "nnqueue_worker_running_chunks", "Harvest chunks this worker is running now.", ["model"]
+)
 
 
 def run_worker(
@@ -53,10 +66,13 @@ def run_worker(
     max_concurrent_jobs: int,
     engine_kwargs: dict[str, Any],
     engine_kind: EngineKind = EngineKind.VLLM,
+    bulk_slots: int | None = None,
 ) -> None:
-    """``engine_kind``: a vLLM engine (``engine_kwargs`` go to vLLM's engine arguments) or the transformers
-    engine (one job at a time; ``engine_kwargs`` go to the model's ``from_pretrained``)."""
+    """``engine_kind``: a vLLM engine (``engine_kwargs`` go to vLLM's engine arguments; it also runs harvest
+    chunks, ``bulk_slots`` at once, default ``NNQUEUE_WORKER_BULK_SLOTS``) or the transformers engine (one job at
+    a time; ``engine_kwargs`` go to the model's ``from_pretrained``)."""
     settings = Settings()
+    bulk_slots = bulk_slots or settings.worker_bulk_slots
     isolate(settings)
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
@@ -73,7 +89,7 @@ def run_worker(
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     crash_dir = isolation.engine_writable_dir("nnqueue-crash-", settings.engine_user)
     os.environ[CRASH_DIR_ENV] = str(crash_dir)
-    host = EngineHost(blocking_threads=min(2 * max_concurrent_jobs + 2, 64))
+    host = EngineHost(blocking_threads=min(2 * (max_concurrent_jobs + bulk_slots) + 2, 64))
     with sessions() as session:  # fail before loading a model that would then not register
         registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
@@ -81,9 +97,24 @@ def run_worker(
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
 
     worker_id = registry.new_worker_id()
-    health = EngineHealth(sessions, app, worker_id, queue, crash_dir, lambda: _engine_errored(executor))
-    runner = JobRunner(sessions, executor, worker_id, settings.worker_stale_after_s, health)
+    health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
+    runner = JobRunner(sessions, executor, model_key, worker_id, health)
     register_run_job(app, host, runner)
+    chunks, points = None, None
+    if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
+        chunks = ChunkRunner(
+            sessions,
+            store,
+            app,
+            executor.model,
+            executor.sinks,
+            model_key,
+            worker_id,
+            settings.harvest_chunk_attempts,
+            engine_info(model, executor.model.vllm_entrypoint),
+            health,
+        )
+        points = host.call(capture_points(executor.model.vllm_entrypoint))
     try:
         registry.register(
             sessions,
@@ -93,16 +124,33 @@ def run_worker(
             max_concurrent_jobs,
             engine=engine_kind,
             stale_after_s=settings.worker_stale_after_s,
+            capture_points=points,
         )
     except registry.EngineConflict:
         host.call(executor.close())
         host.stop()
         raise
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
+    bulk = None
+    if chunks is not None:
+        RUNNING_CHUNKS.labels(model_key).set_function(lambda: len(chunks.running_chunks()))
+        bulk = BulkConsumer(app, bulk_queue_name(model_key), bulk_slots, host.loop, chunks.run_next)
+        bulk.start()
+
+    next_reconcile = 0.0
 
     def on_beat() -> None:
+        nonlocal next_reconcile
         runner.reap_lost()
         requeue_orphans(sessions, app, model_key, settings.worker_stale_after_s)
+        if chunks is not None:
+            chunks.reap_lost()
+            requeue_orphan_chunks(
+                sessions, app, model_key, settings.worker_stale_after_s, settings.harvest_chunk_attempts
+            )
+        if time.monotonic() >= next_reconcile:
+            reconcile(sessions, app, model_key)  # a failure (broker down) is retried at the next beat
+            next_reconcile = time.monotonic() + settings.reconcile_interval_s
 
     beat = HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)
     beat.start()
@@ -120,6 +168,8 @@ def run_worker(
             ]
         )
     finally:
+        if bulk is not None:
+            bulk.stop()
         beat.stop()
         registry.mark_stopped(sessions, worker_id)
         host.call(executor.close())

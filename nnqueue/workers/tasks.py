@@ -1,8 +1,6 @@
-"""The Celery task that runs a job: a thin hand-off from a Celery pool thread to the engine loop."""
+"""The Celery task behind an interactive token: a thin hand-off from a Celery pool thread to the engine loop."""
 
 from __future__ import annotations
-
-import uuid
 
 from celery import Celery
 
@@ -12,9 +10,11 @@ from nnqueue.workers.job_execution import JobRunner, Outcome
 
 
 def register_run_job(app: Celery, host: EngineHost, runner: JobRunner) -> None:
-    """Bind the ``run_job`` task to this process's engine. The message carries only the job id."""
+    """Bind the ``run_job`` task to this process's engine: each token claims and runs the model's best queued job.
+    The message carries the model key (for the log); the runner serves its own model whatever it says (a message
+    of an older nnqueue, which named a job, is a token too)."""
 
     @app.task(name=RUN_JOB_TASK)
-    def run_job(job_id: str) -> str:
-        outcome: Outcome = host.call(runner.run(uuid.UUID(job_id)))
+    def run_job(model_key: str) -> str:
+        outcome: Outcome = host.call(runner.run_next())
         return outcome.value

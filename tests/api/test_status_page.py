@@ -22,9 +22,20 @@ from nnqueue.api import auth
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
+from nnqueue.scheduler.chunks import ChunkOutput, finish_chunk
+from nnqueue.scheduler.claim import claim_next_chunk
 from nnqueue.settings import Settings
 from nnqueue.storage.results import load_result
-from tests.utils.api import LIVE_MODEL, complete, create_secret, register_worker, served
+from tests.utils.api import (
+    CAPTURE_POINTS,
+    HARVEST_MODEL,
+    LIVE_MODEL,
+    complete,
+    create_secret,
+    register_worker,
+    served,
+    submit_harvest,
+)
 from tests.utils.payloads import fake_trace
 from tests.utils.services import Services
 
@@ -57,7 +68,7 @@ def server(services: Services) -> Iterator[str]:
 def jobs(server: str, services: Services) -> dict[str, Any]:
     """Alice's jobs in every state, bob's one queued job, and their keys."""
     register_worker(services.sessions, capacity=4)
-    alice, bob = create_secret(services.sessions, "alice"), create_secret(services.sessions, "bob")
+    alice, bob = (create_secret(services.sessions, owner, ("trace", "harvest")) for owner in ("alice", "bob"))
     with transaction(services.sessions) as session:
         _, admin = auth.create_key(session, "root", ["admin"])
 
@@ -156,6 +167,55 @@ def test_a_user_sees_their_jobs_with_progress_errors_and_downloads(
 
     page.screenshot(path=str(SCREENSHOT), full_page=True)
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and SCREENSHOT.stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def harvests(server: str, services: Services, jobs: dict[str, Any]) -> dict[str, str]:
+    """A queued harvest of alice's (three chunks) and one of bob's, and the harvest worker's id."""
+    ids = {"worker": register_worker(services.sessions, HARVEST_MODEL, capture_points=CAPTURE_POINTS)}
+    spec = {
+        "model_key": HARVEST_MODEL,
+        "dataset": {"prompts": ["a", "b", "c", "d", "e"]},
+        "captures": [{"module": "model.layers.0"}],
+        "prompts_per_chunk": 2,
+    }
+    with httpx.Client(base_url=server) as http:
+        for owner in ("alice", "bob"):
+            response = submit_harvest(http, {"Authorization": f"Bearer {jobs[owner]}"}, spec)
+            assert response.status_code == 201, response.text
+            ids[owner] = response.json()["id"]
+    return ids
+
+
+def test_a_user_sees_their_harvests_with_their_progress(
+    browser: Any, server: str, jobs: dict[str, Any], harvests: dict[str, str]
+) -> None:
+    page = sign_in(browser, server, jobs["alice"])
+    rows = page.query_selector_all("tr.harvest")
+    assert [row.get_attribute("id") for row in rows] == [f"harvest-{harvests['alice']}"]  # not bob's
+    assert rows[0].get_attribute("data-status") == "queued"
+    assert rows[0].query_selector(".chunks").inner_text() == "0/3" and "0/5" in rows[0].inner_text()
+    admin = sign_in(browser, server, jobs["admin"])
+    assert {row.get_attribute("id") for row in admin.query_selector_all("tr.harvest")} == {
+        f"harvest-{harvests[owner]}" for owner in ("alice", "bob")
+    }
+
+
+def test_a_harvests_progress_follows_its_chunks(
+    browser: Any, server: str, services: Services, jobs: dict[str, Any], harvests: dict[str, str]
+) -> None:
+    # The harvest worker runs one chunk of alice's to the end (as chunk execution records it) and holds another.
+    claimed = [claim_next_chunk(services.sessions, HARVEST_MODEL, harvests["worker"]) for _ in range(3)]
+    alices = [chunk for chunk in claimed if chunk is not None and str(chunk.harvest_id) == harvests["alice"]]
+    assert len(alices) == 2, "fair claims alternate between alice's and bob's harvests"
+    output = ChunkOutput(rows=7, bytes=4096, sha256="0" * 64, tokens=7, offsets=[0, 3, 7])
+    assert finish_chunk(services.sessions, alices[0].id, harvests["worker"], output)
+    row = sign_in(browser, server, jobs["alice"]).query_selector(f"#harvest-{harvests['alice']}")
+    assert row is not None and row.get_attribute("data-status") == "running"
+    assert row.query_selector(".chunks").inner_text() == "1/3" and "2/5" in row.inner_text()
+    assert row.query_selector("progress").get_attribute("value") == "33"
+    tokens_per_s, eta = (cell.inner_text() for cell in row.query_selector_all("td.num")[1:3])
+    assert tokens_per_s.replace(",", "").isdigit() and eta != ""  # from the completed chunk's tokens and time
 
 
 def test_an_admin_sees_everyones_jobs(browser: Any, server: str, jobs: dict[str, Any]) -> None:

@@ -13,7 +13,17 @@ from nnqueue.db import migrate
 from nnqueue.db.models import Base
 from nnqueue.db.session import make_engine
 
-TABLES = {"api_keys", "jobs", "job_events", "job_payloads", "workers", "alembic_version"}
+TABLES = {
+    "api_keys",
+    "jobs",
+    "job_events",
+    "job_payloads",
+    "workers",
+    "harvests",
+    "harvest_chunks",
+    "harvest_schedules",
+    "alembic_version",
+}
 
 
 def _drift(url: str) -> list:

@@ -120,26 +120,13 @@ def test_a_stream_to_a_presigned_put(store: S3ObjectStore, data: bytes) -> None:
 
 
 def test_a_stream_to_a_presigned_multipart_upload(store: S3ObjectStore, data: bytes) -> None:
-    key, client = "harvests/h/shard-00001.safetensors", store._client
-    store.put_bytes("bucket-ready", b"")
-    upload = client.create_multipart_upload(Bucket=store.bucket, Key=key)["UploadId"]
-    urls = [
-        client.generate_presigned_url(
-            "upload_part",
-            Params={"Bucket": store.bucket, "Key": key, "UploadId": upload, "PartNumber": number},
-            ExpiresIn=60,
-        )
-        for number in range(1, 6)  # more URLs than parts: the frontend presigns an upper bound
-    ]
+    key = "harvests/h/shard-00001.safetensors"
+    upload = store.presigned_multipart(key, 5, 60)  # more URLs than parts: the frontend presigns an upper bound
+    urls = upload.urls
     description = {"kind": "multipart", "part_size": 5 * MiB, "urls": urls}
     written = sink.write_stream(description, len(data), pieces(data, 2 * MiB + 7))
     assert [part["part_number"] for part in written.parts] == [1, 2, 3]
-    client.complete_multipart_upload(
-        Bucket=store.bucket,
-        Key=key,
-        UploadId=upload,
-        MultipartUpload={"Parts": [{"PartNumber": p["part_number"], "ETag": p["etag"]} for p in written.parts]},
-    )
+    store.complete_multipart(upload, [part["etag"] for part in written.parts])
     assert store.get_bytes(key) == data
 
     with pytest.raises(sink.SinkError, match="need 3 parts"):

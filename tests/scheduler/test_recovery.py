@@ -1,6 +1,6 @@
 """A dead worker's RUNNING jobs go back on their queue at a live worker's heartbeat, on real Postgres and
-Redis: the job row, its history and the new message are read back; live workers' and other models' jobs
-stay as they are; of the two deliveries a requeued job then has, only one runs it. (The whole path with
+Redis: the job row, its history and the new token are read back; live workers' and other models' jobs
+stay as they are; of the two tokens a requeued job then has, only one runs it. (The whole path with
 worker processes: tests/workers/test_redelivery.py.)"""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from nnqueue.db.models import JobEvent, JobStatus, Worker, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.admission import AdmissionPolicy
-from nnqueue.scheduler.claim import claim
+from nnqueue.scheduler.claim import claim_next_job
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import Settings
@@ -37,16 +37,16 @@ ADMISSION = AdmissionPolicy(stale_after_s=10 * STALE_AFTER_S, max_jobs_in_flight
 def start_job(
     sessions: sessionmaker[Session], app: Celery, store: LocalObjectStore, model_key: str, worker: str
 ) -> uuid.UUID:
-    """A job RUNNING on ``worker``, its submission's message already taken off the queue."""
+    """A job RUNNING on ``worker``, its submission's token already taken off the queue."""
     job = submit_job(sessions, store, app, admission=ADMISSION, owner="alice", model_key=model_key, payload=b"trace")
-    assert drain(app, model_key) == [str(job.id)]
+    assert drain(app, model_key) == [model_key]
     with transaction(sessions) as session:
         transition(session, job.id, S.RUNNING, worker_id=worker)
     return job.id
 
 
 def drain(app: Celery, model_key: str) -> list[str]:
-    """The job ids of the messages on the model's queue, taken off it."""
+    """The tokens on the model's queue (each names the model), taken off it."""
     ids = []
     with app.connection_for_read() as connection, connection.SimpleQueue(queue_name(model_key)) as queue:
         while True:
@@ -84,7 +84,7 @@ def queue(database_factory: Callable[..., str], redis_url: str, tmp_path: Path) 
     )
 
 
-def test_a_dead_workers_running_jobs_are_requeued_with_a_new_message(queue: Queue) -> None:
+def test_a_dead_workers_running_jobs_are_requeued_with_a_new_token(queue: Queue) -> None:
     sessions, app, store = queue.sessions, queue.app, queue.store
     model, other_model = f"m-{uuid.uuid4().hex[:8]}", f"o-{uuid.uuid4().hex[:8]}"
     dead = new_worker(sessions, model, silent_for_s=2 * STALE_AFTER_S)
@@ -101,7 +101,7 @@ def test_a_dead_workers_running_jobs_are_requeued_with_a_new_message(queue: Queu
     requeued = requeue_orphans(sessions, app, model, STALE_AFTER_S)
 
     assert sorted(requeued) == sorted([orphan, left_by_a_clean_stop])
-    assert sorted(drain(app, model)) == sorted(str(job_id) for job_id in requeued)
+    assert drain(app, model) == [model] * len(requeued)  # a token for each
     with sessions() as session:
         status = dict(session.execute(select(JobEvent.job_id, JobEvent.to_status).order_by(JobEvent.id)).all())
         reasons = dict(
@@ -116,27 +116,16 @@ def test_a_dead_workers_running_jobs_are_requeued_with_a_new_message(queue: Queu
     assert drain(app, other_model) == []
 
 
-def test_after_a_requeue_only_the_first_of_two_deliveries_runs_the_job(queue: Queue) -> None:
+def test_after_a_requeue_only_the_first_of_two_tokens_runs_the_job(queue: Queue) -> None:
     sessions, model = queue.sessions, f"m-{uuid.uuid4().hex[:8]}"
     dead = new_worker(sessions, model, silent_for_s=2 * STALE_AFTER_S)
     first, second = new_worker(sessions, model), new_worker(sessions, model)
     job_id = start_job(sessions, queue.app, queue.store, model, dead)
     assert requeue_orphans(sessions, queue.app, model, STALE_AFTER_S) == [job_id]
 
-    claimed = claim(sessions, job_id, first, STALE_AFTER_S)  # the new message
-    assert claimed is not None and claimed.worker_id == first and claimed.attempts == 2
-    assert claim(sessions, job_id, second, STALE_AFTER_S) is None  # the dead worker's redelivered original
-
-
-def test_a_redelivered_message_takes_over_a_job_no_sweep_requeued(queue: Queue) -> None:
-    sessions, model = queue.sessions, f"m-{uuid.uuid4().hex[:8]}"
-    dead = new_worker(sessions, model, silent_for_s=2 * STALE_AFTER_S)
-    first, second = new_worker(sessions, model), new_worker(sessions, model)
-    job_id = start_job(sessions, queue.app, queue.store, model, dead)
-
-    taken = claim(sessions, job_id, first, STALE_AFTER_S)  # RUNNING on a dead worker: taken over
-    assert taken is not None and taken.worker_id == first
-    assert claim(sessions, job_id, second, STALE_AFTER_S) is None  # RUNNING on a live worker: dropped
+    claimed = claim_next_job(sessions, model, first)  # the new token
+    assert claimed is not None and claimed.id == job_id and claimed.worker_id == first and claimed.attempts == 2
+    assert claim_next_job(sessions, model, second) is None  # the dead worker's redelivered token: no work
     with sessions() as session:
         history = session.execute(select(JobEvent.to_status).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
         assert list(history.scalars()) == [S.QUEUED, S.RUNNING, S.QUEUED, S.RUNNING]

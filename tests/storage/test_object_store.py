@@ -349,3 +349,37 @@ def test_object_store_from_settings(tmp_path: Path, s3_settings: S3Settings) -> 
     s3 = object_store_from_settings(Settings(_env_file=None, data_dir=tmp_path, s3=s3_settings))
     assert isinstance(s3, S3ObjectStore)
     assert s3.bucket == s3_settings.bucket
+
+
+def test_list_keys_by_prefix(store: ObjectStore) -> None:
+    base = f"tests/{uuid.uuid4().hex}"
+    for name in ("b/2.txt", "a.jsonl", "b/1.txt", "bb/3.txt"):
+        store.put_bytes(f"{base}/{name}", b"x")
+    assert store.list_keys(f"{base}/b/") == [f"{base}/b/1.txt", f"{base}/b/2.txt"]
+    assert store.list_keys(f"{base}/b") == [f"{base}/b/1.txt", f"{base}/b/2.txt", f"{base}/bb/3.txt"]
+    assert store.list_keys(f"{base}/") == [f"{base}/{name}" for name in ("a.jsonl", "b/1.txt", "b/2.txt", "bb/3.txt")]
+    assert store.list_keys(f"{base}/nothing/") == []
+
+
+def test_a_presigned_multipart_upload_is_completed_from_its_etags(s3_store: S3ObjectStore, key: str) -> None:
+    parts = [random.Random(index).randbytes(5 * MiB) for index in range(2)] + [b"tail"]
+    upload = s3_store.presigned_multipart(key, 4, 60)  # one URL more than the parts: an upper bound
+    etags = []
+    for url, data in zip(upload.urls, parts, strict=False):
+        response = httpx.put(url, content=data)
+        assert response.status_code == 200, response.text
+        etags.append(response.headers["ETag"])
+    assert s3_store.complete_multipart(upload, etags) == sum(map(len, parts))
+    assert s3_store.get_bytes(key) == b"".join(parts)
+    s3_store.abort_multipart(upload)  # after completing: harmless
+
+    dropped = s3_store.presigned_multipart(key, 1, 60)
+    assert httpx.put(dropped.urls[0], content=b"never assembled").status_code == 200
+    s3_store.abort_multipart(dropped)
+    assert s3_store.get_bytes(key) == b"".join(parts)  # the aborted upload left the object as it was
+    assert s3_store._client.list_multipart_uploads(Bucket=s3_store.bucket, Prefix=key).get("Uploads", []) == []
+
+
+def test_the_local_store_has_no_presigned_multipart(local_store: LocalObjectStore, key: str) -> None:
+    with pytest.raises(PresignUnsupported):
+        local_store.presigned_multipart(key, 1, 60)

@@ -57,6 +57,13 @@ class Api:
 
 
 LIVE_MODEL = "api-test-model"
+HARVEST_MODEL = "harvest-model"
+# What a vLLM worker of a two-layer Llama publishes as capturable (a part of nnqueue.enginecore.capture_points' list).
+CAPTURE_POINTS = [
+    {"module": "model.embed_tokens", "io": "output", "parts": []},
+    {"module": "model.layers.0", "io": "output", "parts": ["residual_stream", "hidden", "residual"]},
+    {"module": "model.layers.1", "io": "output", "parts": ["residual_stream", "hidden", "residual"]},
+]
 
 
 def create_secret(sessions: sessionmaker[Session], owner: str, scopes: tuple[str, ...] = ("trace",)) -> str:
@@ -65,11 +72,25 @@ def create_secret(sessions: sessionmaker[Session], owner: str, scopes: tuple[str
     return secret
 
 
-def register_worker(sessions: sessionmaker[Session], model_key: str = LIVE_MODEL, capacity: int = 4) -> str:
-    """A live worker row (its heartbeat is fresh until worker_stale_after_s passes)."""
+def register_worker(
+    sessions: sessionmaker[Session],
+    model_key: str = LIVE_MODEL,
+    capacity: int = 4,
+    capture_points: list[dict[str, Any]] | None = None,
+) -> str:
+    """A live worker row (its heartbeat is fresh until worker_stale_after_s passes); with ``capture_points``,
+    one that runs harvests."""
     worker_id = registry.new_worker_id()
-    registry.register(sessions, worker_id, model_key, f"queue-{model_key}", capacity)
+    registry.register(sessions, worker_id, model_key, f"queue-{model_key}", capacity, capture_points=capture_points)
     return worker_id
+
+
+def submit_harvest(
+    http: Any, headers: dict[str, str], spec: dict[str, Any], upload: tuple[str, bytes] | None = None
+) -> httpx.Response:
+    """``POST /v1/harvests`` through ``http`` (a TestClient, or an httpx client on a served API)."""
+    files = {"dataset": upload} if upload else None
+    return http.post("/v1/harvests", headers=headers, data={"spec": json.dumps(spec)}, files=files)
 
 
 @contextmanager

@@ -216,10 +216,11 @@ def redis_database_url(redis_url: str) -> str:
     return redis_url.rsplit("/", 1)[0] + f"/{number}"
 
 
-def start_redis(timeout: float = 30) -> RedisServer:
+def start_redis(timeout: float = 30, port: int | None = None) -> RedisServer:
+    """A Redis without persistence; on ``port`` when given (a restarted server: empty, at the same URL)."""
     binary = redis_server_binary()
     workdir = _workdir("redis")
-    [port] = free_ports(1)
+    [port] = [port] if port else free_ports(1)
     process = ServerProcess(
         "redis",
         [
@@ -247,6 +248,13 @@ def start_redis(timeout: float = 30) -> RedisServer:
 
     process.wait_ready(ping, timeout)
     return RedisServer(process, url)
+
+
+def restart_redis_empty(server: RedisServer) -> RedisServer:
+    """Stop ``server`` and start an empty one on its port, as a Redis without persistence comes back."""
+    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    server.stop()
+    return start_redis(port=port)
 
 
 # --- S3 (SeaweedFS) -------------------------------------------------------------------------------

@@ -54,9 +54,9 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
         OutboxPoller(model.vllm_entrypoint),
         BuilderPool("", {}, 0, 0),
     )
-    runner = JobRunner(sessions, executor, "w-looked-dead", stale_after_s=30)
+    runner = JobRunner(sessions, executor, "tiny", "w-looked-dead")
 
-    outcome = asyncio.run_coroutine_threadsafe(runner.run(job_id), inprocess_engine.host.loop)
+    outcome = asyncio.run_coroutine_threadsafe(runner.run_next(), inprocess_engine.host.loop)
     deadline = time.monotonic() + 30
     while runner.running_jobs() != [job_id] or not _running_requests(inprocess_engine):
         assert time.monotonic() < deadline and not outcome.done(), "the job did not start"

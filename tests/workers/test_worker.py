@@ -28,11 +28,11 @@ from nnsight.tracing.globals import BLOCKS, SOURCES
 from sqlalchemy import select
 
 from nnqueue import trace_payload
-from nnqueue.broker import RUN_JOB_TASK, queue_name
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import JobEvent, JobStatus
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.cancellation import cancel_job
+from nnqueue.scheduler.enqueue import send_job_tokens
 from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
 from nnqueue.storage.results import load_result
 from tests.utils.payloads import (
@@ -283,12 +283,12 @@ def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
 
 def test_a_job_cancelled_while_queued_never_runs(services: Services, worker: WorkerProcess, client_model: VLLM) -> None:
     # Submitted for a model whose only worker row has no process behind it (nothing consumes its queue),
-    # cancelled, then its message reaches the real worker.
+    # cancelled; then a token, sent anew to the real worker's queue, finds no queued work there and is dropped.
     registry.register(services.sessions, registry.new_worker_id(), "nobody-serves-this", "no-consumer", 1)
     job = services.submit(probe_payload(client_model, PROMPTS[0], max_tokens=1), model_key="nobody-serves-this")
     cancel_job(services.sessions, job.id, by="alice")
-    services.celery.send_task(RUN_JOB_TASK, args=[str(job.id)], queue=queue_name(MODEL_KEY))
-    worker.wait_log(f"job {job.id} skipped")
+    send_job_tokens(services.celery, MODEL_KEY)
+    worker.wait_log(f"a token for {MODEL_KEY} found no queued job; dropped")
 
     after = services.job(job.id)
     assert after.status is S.CANCELLED and after.started_at is None and after.attempts == 0

@@ -11,15 +11,12 @@ admission of ``accept_job``: a live worker for the model (400) and the key's job
 
 from __future__ import annotations
 
-import json
 import uuid
-from collections.abc import Iterator
 from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -34,10 +31,11 @@ from nnqueue.api.deps import (
     StoreDep,
     check_scope,
 )
+from nnqueue.api.downloads import stream_object
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
 from nnqueue.api.routing import ReleasingRoute
-from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec
+from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec, parse_spec_field
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.scheduler.admission import ModelNotServed, TooManyJobsInFlight
@@ -46,10 +44,9 @@ from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import accept_job, queue_job
 from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
-from nnqueue.storage.object_store import ObjectNotFound, ObjectReader, ObjectStore, PresignUnsupported
+from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ReleasingRoute)
-STREAM_CHUNK = 1024 * 1024
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such job, or another owner's."}}
 SPEC_DESCRIPTION = (
     'A JSON object: {"model_key": str, "kind": "trace", "priority": int = 0, "timeout_s": float | null '
@@ -84,7 +81,7 @@ def submit(
     One transaction on one connection: admission, the job's row (and a small payload), its queue position.
     """
     settings = resources.settings
-    job_spec = _parse_spec(spec)
+    job_spec = parse_spec_field(spec, JobSpec)
     check_scope(caller, job_spec.kind)
     data = _read_payload(payload.file, settings.max_payload_bytes)
     _require_trace(data)
@@ -131,11 +128,9 @@ def list_jobs(
     cursor: str | None = None,
 ) -> JobListResponse:
     """The caller's jobs (an admin's: every owner's), newest first, a page at a time."""
-    if owner is not None and owner != caller.owner:
-        check_scope(caller, "admin")
     query = select(Job)
-    if owner is not None or not caller.is_admin:
-        query = query.where(Job.owner == (owner if owner is not None else caller.owner))
+    if (listed := caller.listed_owner(owner)) is not None:
+        query = query.where(Job.owner == listed)
     if status_filter is not None:
         query = query.where(Job.status == status_filter)
     if model_key is not None:
@@ -220,24 +215,7 @@ def result_response(
             return RedirectResponse(url, status_code=status.HTTP_302_FOUND)
         except PresignUnsupported:
             pass  # a local store: stream it ourselves
-    return _stream(store, key, filename=f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}")
-
-
-def _parse_spec(spec: str) -> JobSpec:
-    try:
-        json.loads(spec, parse_constant=_not_json)  # JSON has no NaN or Infinity; Python's parser takes them
-        return JobSpec.model_validate_json(spec)
-    except RecursionError:
-        raise _invalid(("body", "spec"), "the spec is nested too deeply", spec[:200]) from None
-    except ValueError as error:
-        if not isinstance(error, ValidationError):
-            raise _invalid(("body", "spec"), f"the spec is not JSON: {error}", spec[:200]) from None
-        errors = [{**e, "loc": ("body", "spec", *e["loc"])} for e in error.errors(include_url=False)]
-        raise RequestValidationError(errors) from None
-
-
-def _not_json(constant: str) -> None:
-    raise ValueError(f"{constant} is not a JSON value")
+    return stream_object(store, key, filename=f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}")
 
 
 def _read_payload(file: BinaryIO, limit: int) -> bytes:
@@ -267,7 +245,7 @@ def _require_trace(data: bytes) -> None:
 def _owned(session: Session, job_id: uuid.UUID, caller: Caller) -> Job:
     """The caller's job, freshly read; 404 for a job that is missing or another owner's (unless an admin asks)."""
     job = session.get(Job, job_id, populate_existing=True)
-    if job is None or (job.owner != caller.owner and not caller.is_admin):
+    if job is None or not caller.may_see(job.owner):
         raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
     return job
 
@@ -298,25 +276,6 @@ def _result_object(job: Job, fmt: str) -> str:
             f"job {job.id} has no safetensors result (format {job.result_format}): not every saved value is a tensor",
         )
     return sibling_key(job.result_key, SAFETENSORS_FILE)
-
-
-def _stream(store: ObjectStore, key: str, filename: str) -> StreamingResponse:
-    try:
-        size = store.size(key)
-        reader = store.open_stream(key)
-    except ObjectNotFound:
-        raise HTTPException(status.HTTP_410_GONE, "the result is no longer in the object store") from None
-    return StreamingResponse(
-        _chunks(reader),
-        media_type="application/octet-stream",
-        headers={"Content-Length": str(size), "Content-Disposition": f'attachment; filename="{filename}"'},
-    )
-
-
-def _chunks(reader: ObjectReader) -> Iterator[bytes]:
-    with reader:
-        while chunk := reader.read(STREAM_CHUNK):
-            yield chunk
 
 
 def _invalid(loc: tuple[str, ...], message: str, value: Any) -> RequestValidationError:

@@ -39,6 +39,7 @@ from nnqueue.api.deps import (
     StoreDep,
     TraceCallerDep,
 )
+from nnqueue.api.downloads import STREAM_CHUNK, read_chunks
 from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.nnsight_jobs import NnsightRequest, SessionTaken, follow, result_url, submit_nnsight
@@ -52,7 +53,6 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/ndif", tags=["nnsight remote"], route_class=ReleasingRoute)
 # How long a subscription waits for its POST (the client's own read timeout for it).
 ARRIVAL_TIMEOUT_S = 600.0
-STREAM_CHUNK = 1 << 20
 
 
 @router.post("/request")
@@ -157,14 +157,8 @@ def download(
     if compress:
         return StreamingResponse(_compressed(reader, size), media_type="application/octet-stream")
     return StreamingResponse(
-        _chunks(reader), media_type="application/octet-stream", headers={"Content-Length": str(size)}
+        read_chunks(reader), media_type="application/octet-stream", headers={"Content-Length": str(size)}
     )
-
-
-def _chunks(reader: ObjectReader) -> Iterator[bytes]:
-    with reader:
-        while chunk := reader.read(STREAM_CHUNK):
-            yield chunk
 
 
 def _compressed(reader: ObjectReader, size: int) -> Iterator[bytes]:

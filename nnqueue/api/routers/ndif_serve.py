@@ -16,7 +16,7 @@ What nnsight 0.8.1's ``LocalServeBackend`` speaks, for each model nnqueue serves
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Request, status
 from fastapi.responses import Response, StreamingResponse
@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from nnqueue.api import nnsight_protocol as protocol
 from nnqueue.api.deps import ResourcesDep, SessionDep, SettingsDep, TraceCallerDep
+from nnqueue.api.downloads import read_chunks
 from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import payload_too_large
 from nnqueue.api.nnsight_jobs import NnsightRequest, follow, submit_nnsight
@@ -38,7 +39,6 @@ REGISTER_REFUSED = (
     "nnqueue serves shared engines: an edit registered for the whole engine (model.edit(serve=...), "
     "/v1/nnsight/register) would run in every user's requests, so it is refused; put the edit inside your trace"
 )
-CHUNK = 1 << 20
 
 
 @router.get("/{model_key:path}/health", responses={503: {"description": "No live vLLM worker serves the model."}})
@@ -97,13 +97,7 @@ async def generate(
         reply = await asyncio.to_thread(serve_reply, resources.store, ended.result_key, protocol.deferred_error(ended))
     except UnexpectedResult as error:
         raise HTTPException(status.HTTP_502_BAD_GATEWAY, f"job {ended.id}'s result cannot be served: {error}") from None
-    return StreamingResponse(_chunks(reply), media_type="application/octet-stream")
-
-
-def _chunks(reply: Any) -> Any:
-    with reply:
-        while chunk := reply.read(CHUNK):
-            yield chunk
+    return StreamingResponse(read_chunks(reply), media_type="application/octet-stream")
 
 
 @router.post("/{model_key:path}/v1/nnsight/register/{registration_id}", status_code=403)

@@ -1,0 +1,215 @@
+"""``/v1/harvests``: submit a declarative harvest, follow it, cancel it, read its manifest, fetch its shards.
+
+Like jobs, every route sees only the caller's own harvests (another owner's answers 404) unless the key has
+the ``admin`` scope; submitting needs the ``harvest`` scope (a default key's), the other routes ``harvest`` or ``admin``. A submission is
+a multipart form: ``spec`` (the JSON :class:`~nnqueue.scheduler.harvest_spec.HarvestSpec`) and optionally
+``dataset``, a file stored under the caller's prefix and harvested. Every refusal is a 4xx with its reason:
+422 (bad spec, unknown module with the valid ones, empty dataset, missing column), 400 (no live worker),
+403 (a file outside the caller's prefix), 404 (no such file), 413 (too large). A submission is one
+transaction on the request's session (the harvest and its chunks), then its chunk tokens.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, File, Form, HTTPException, Path, Query, UploadFile, status
+from fastapi.responses import RedirectResponse, Response
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from nnqueue import metrics
+from nnqueue.api.deps import (
+    Caller,
+    HarvestCallerDep,
+    HarvestReaderDep,
+    ResourcesDep,
+    SessionDep,
+    SessionsDep,
+    SettingsDep,
+    StoreDep,
+)
+from nnqueue.api.downloads import stream_object
+from nnqueue.api.routing import ReleasingRoute
+from nnqueue.api.schemas import HarvestListResponse, HarvestResponse, ShardFile, ShardList, parse_spec_field
+from nnqueue.db.models import Harvest, HarvestChunk, JobStatus
+from nnqueue.scheduler.chunks import cancel_harvest
+from nnqueue.scheduler.harvest_dataset import Limits
+from nnqueue.scheduler.harvest_spec import HarvestRejected, HarvestSpec
+from nnqueue.scheduler.harvests import Submission, Upload, accept_harvest, progress, queue_harvest, recent_harvests
+from nnqueue.storage.keys import harvest_key, shard_name
+from nnqueue.storage.object_store import PresignUnsupported
+
+router = APIRouter(prefix="/v1/harvests", tags=["harvests"], route_class=ReleasingRoute)
+NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such harvest, or another owner's."}}
+NOT_COMPLETED: dict[int | str, dict[str, Any]] = {409: {"description": "The harvest has not completed."}}
+SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "No live worker serves the model, or its workers run no harvests."},
+    403: {"description": "The dataset names a file outside the caller's prefix users/<owner>/."},
+    404: {"description": "The dataset's file is not in the object store."},
+    413: {
+        "description": "The dataset is over NNQUEUE_HARVEST_MAX_DATASET_BYTES or NNQUEUE_HARVEST_MAX_PROMPTS, or "
+        "the upload over NNQUEUE_MAX_PAYLOAD_BYTES."
+    },
+}
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, responses=SUBMIT_ERRORS)
+def submit(
+    caller: HarvestCallerDep,
+    resources: ResourcesDep,
+    session: SessionDep,
+    spec: Annotated[str, Form(description="The harvest spec, a JSON object (see the README).")],
+    dataset: Annotated[UploadFile | None, File(description="A JSONL, Parquet or text file to harvest.")] = None,
+) -> HarvestResponse:
+    """Check the spec, freeze the dataset, and queue the harvest's chunks on the model's bulk queue."""
+    settings = resources.settings
+    harvest_spec = parse_spec_field(spec, HarvestSpec)
+    upload = None
+    if dataset is not None:
+        upload = Upload(dataset.filename or "dataset", dataset.file.read(settings.harvest_max_dataset_bytes + 1))
+    submission = Submission(
+        owner=caller.owner,
+        limits=Limits.of(settings),
+        stale_after_s=settings.worker_stale_after_s,
+        api_key_id=caller.key_id,
+        upload=upload,
+    )
+    try:
+        harvest = accept_harvest(session, resources.store, harvest_spec, submission)
+    except HarvestRejected as rejected:
+        raise HTTPException(rejected.status, rejected.reason) from None
+    view = _view(session, harvest)
+    session.commit()
+    queue_harvest(resources.celery, harvest)
+    metrics.HARVESTS_SUBMITTED.labels(harvest.model_key).inc()
+    return view
+
+
+@router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
+def list_harvests(
+    caller: HarvestReaderDep,
+    session: SessionDep,
+    status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
+    owner: Annotated[
+        str | None, Query(description="Only this owner's harvests (admins; others may name only themselves).")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+) -> HarvestListResponse:
+    """The caller's harvests (an admin's: every owner's), newest first."""
+    harvests = recent_harvests(session, caller.listed_owner(owner), status_filter, limit)
+    done = progress(session, harvests)
+    return HarvestListResponse(harvests=[HarvestResponse.of(harvest, done[harvest.id]) for harvest in harvests])
+
+
+@router.get("/{harvest_id}", responses=NOT_YOURS)
+def get_harvest(harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep) -> HarvestResponse:
+    return _view(session, _owned(session, harvest_id, caller))
+
+
+@router.post("/{harvest_id}/cancel", responses={**NOT_YOURS, 409: {"description": "The harvest has ended."}})
+def cancel(
+    harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, sessions: SessionsDep
+) -> HarvestResponse:
+    """Cancel the harvest: queued chunks never run, running ones are aborted by their workers within a heartbeat."""
+    harvest = _owned(session, harvest_id, caller)
+    session.commit()
+    if not cancel_harvest(sessions, harvest_id):
+        raise HTTPException(
+            status.HTTP_409_CONFLICT, f"harvest {harvest_id} is {harvest.status.value}; it cannot be cancelled"
+        )
+    return _view(session, _owned(session, harvest_id, caller))
+
+
+@router.get("/{harvest_id}/manifest", responses={**NOT_YOURS, **NOT_COMPLETED})
+def manifest(harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, store: StoreDep) -> Response:
+    """``manifest.json``: the spec, model, versions, dataset digest, and every shard's rows, bytes, sha256 and
+    per-prompt row offsets."""
+    harvest = _completed(session, harvest_id, caller)
+    assert harvest.manifest_key is not None
+    return Response(store.get_bytes(harvest.manifest_key), media_type="application/json")
+
+
+@router.get("/{harvest_id}/shards", responses={**NOT_YOURS, **NOT_COMPLETED})
+def shards(
+    harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, settings: SettingsDep, store: StoreDep
+) -> ShardList:
+    """Every shard with its size and sha256, and a URL to GET it: presigned (S3), else this API's own route."""
+    harvest = _completed(session, harvest_id, caller)
+    chunks = session.scalars(
+        select(HarvestChunk).where(HarvestChunk.harvest_id == harvest.id).order_by(HarvestChunk.index)
+    )
+    files = []
+    for chunk in chunks:
+        try:
+            url = store.presigned_get_url(chunk.shard_key, settings.result_url_expiry_s)
+        except PresignUnsupported:
+            url = f"/v1/harvests/{harvest.id}/shards/{chunk.index}"
+        files.append(
+            ShardFile(
+                name=shard_name(chunk.index),
+                index=chunk.index,
+                rows=chunk.rows or 0,
+                bytes=chunk.bytes or 0,
+                sha256=chunk.sha256 or "",
+                url=url,
+            )
+        )
+    return ShardList(shards=files)
+
+
+@router.get(
+    "/{harvest_id}/shards/{index}",
+    response_model=None,
+    responses={
+        **NOT_YOURS,
+        **NOT_COMPLETED,
+        200: {"content": {"application/octet-stream": {}}, "description": "The shard's bytes (inline)."},
+        302: {"description": "Redirect to a presigned URL."},
+        410: {"description": "The shard is no longer in the object store."},
+    },
+)
+def shard(
+    harvest_id: uuid.UUID,
+    index: Annotated[int, Path(ge=0)],
+    caller: HarvestReaderDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    store: StoreDep,
+    inline: bool = False,
+) -> Response:
+    """One shard: a redirect to a presigned URL, or its bytes (``inline``, or a store that cannot presign)."""
+    harvest = _completed(session, harvest_id, caller)
+    if not 0 <= index < harvest.chunks_total:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND, f"harvest {harvest_id} has shards 0 to {harvest.chunks_total - 1}"
+        )
+    key = harvest_key(harvest.id, shard_name(index))
+    if not inline:
+        try:
+            return RedirectResponse(store.presigned_get_url(key, settings.result_url_expiry_s), status.HTTP_302_FOUND)
+        except PresignUnsupported:
+            pass
+    return stream_object(store, key, filename=shard_name(index), what="the shard")
+
+
+def _owned(session: Session, harvest_id: uuid.UUID, caller: Caller) -> Harvest:
+    harvest = session.get(Harvest, harvest_id, populate_existing=True)
+    if harvest is None or not caller.may_see(harvest.owner):
+        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no harvest {harvest_id}")
+    return harvest
+
+
+def _completed(session: Session, harvest_id: uuid.UUID, caller: Caller) -> Harvest:
+    harvest = _owned(session, harvest_id, caller)
+    if harvest.status is not JobStatus.COMPLETED or harvest.manifest_key is None:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            f"harvest {harvest_id} is {harvest.status.value}; only completed harvests have shards",
+        )
+    return harvest
+
+
+def _view(session: Session, harvest: Harvest) -> HarvestResponse:
+    return HarvestResponse.of(harvest, progress(session, [harvest])[harvest.id])

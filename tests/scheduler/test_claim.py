@@ -1,0 +1,119 @@
+"""Tokens claim the best queued work from the database, on real Postgres and on SQLite: jobs by priority,
+then age (and queue positions say the same); harvest chunks fairly across owners; concurrent claims
+never take one unit twice."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+from sqlalchemy.orm import Session, sessionmaker
+
+from nnqueue.db import migrate
+from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus
+from nnqueue.db.session import make_engine, session_factory, transaction
+from nnqueue.scheduler.claim import claim_next_chunk, claim_next_job
+from nnqueue.scheduler.positions import queue_positions
+from tests.utils.queued import add_harvest, queue_job
+
+S = JobStatus
+MODEL = "m"
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def sessions(request: pytest.FixtureRequest, tmp_path: Path) -> sessionmaker[Session]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'nnqueue.db'}"
+        migrate.upgrade(url)
+    else:
+        url = request.getfixturevalue("database_factory")()
+    return session_factory(make_engine(url))
+
+
+def test_the_highest_priority_job_runs_first_then_the_oldest(sessions: sessionmaker[Session]) -> None:
+    low_old = queue_job(sessions, MODEL, 0)
+    normal = queue_job(sessions, MODEL, 1)
+    urgent_late = queue_job(sessions, MODEL, 5)
+    low_new = queue_job(sessions, MODEL, 0)
+    queue_job(sessions, "another model", 9)
+
+    with sessions() as session:
+        jobs = [session.get(Job, job_id) for job_id in (low_old, normal, urgent_late, low_new)]
+        assert queue_positions(session, jobs) == {urgent_late: 1, normal: 2, low_old: 3, low_new: 4}
+    claimed = [claim_next_job(sessions, MODEL, "w") for _ in range(5)]
+    assert [job.id if job else None for job in claimed] == [urgent_late, normal, low_old, low_new, None]
+    assert all(job.status is S.RUNNING and job.worker_id == "w" for job in claimed if job)
+
+
+def race(claim: Callable[[str], Any], workers: int = 8) -> list[Any]:
+    """What ``workers`` threads claiming at once got (the claimed unit's id, or None)."""
+    barrier = threading.Barrier(workers)
+    claimed: list[Any] = []
+
+    def take(worker: str) -> None:
+        barrier.wait()
+        unit = claim(worker)
+        claimed.append(unit.id if unit else None)
+
+    threads = [threading.Thread(target=take, args=(f"w{i}",)) for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return claimed
+
+
+def test_concurrent_claims_take_each_job_once(sessions: sessionmaker[Session]) -> None:
+    queued = {queue_job(sessions, MODEL) for _ in range(5)}
+    claimed = race(lambda worker: claim_next_job(sessions, MODEL, worker))
+    taken = [job_id for job_id in claimed if job_id is not None]
+    assert sorted(taken) == sorted(queued) and claimed.count(None) == 3
+
+
+def test_chunks_are_claimed_fairly_across_owners(sessions: sessionmaker[Session]) -> None:
+    alice = add_harvest(sessions, MODEL, "alice", 4)
+    bob = add_harvest(sessions, MODEL, "bob", 2)  # queued after all of alice's
+    carol_urgent = add_harvest(sessions, MODEL, "carol", 1, priority=3)
+
+    order = []
+    for _ in range(7):
+        chunk = claim_next_chunk(sessions, MODEL, "w")
+        assert chunk is not None
+        order.append((chunk.owner, chunk.index))
+    # Nobody runs anything yet: carol's priority wins. Then the owner with fewer running chunks goes next
+    # (ties: the older chunk), so bob's chunks, queued after all of alice's, do not wait behind them.
+    assert order == [
+        ("carol", 0),
+        ("alice", 0),
+        ("bob", 0),
+        ("alice", 1),
+        ("bob", 1),
+        ("alice", 2),
+        ("alice", 3),
+    ]
+    assert claim_next_chunk(sessions, MODEL, "w") is None
+    assert len(alice) == 4 and len(bob) == 2 and len(carol_urgent) == 1
+    with sessions() as session:
+        assert {harvest.status for harvest in session.query(Harvest)} == {S.RUNNING}
+
+
+def test_a_finished_chunk_frees_its_owners_turn(sessions: sessionmaker[Session]) -> None:
+    add_harvest(sessions, MODEL, "alice", 3)
+    add_harvest(sessions, MODEL, "bob", 3)
+    first = claim_next_chunk(sessions, MODEL, "w")  # alice: 1 running
+    second = claim_next_chunk(sessions, MODEL, "w")  # bob: 1 running
+    assert first is not None and second is not None and (first.owner, second.owner) == ("alice", "bob")
+    with transaction(sessions) as session:  # bob's chunk completes: bob has fewer running now
+        session.execute(update(HarvestChunk).where(HarvestChunk.id == second.id).values(status=S.COMPLETED))
+    third = claim_next_chunk(sessions, MODEL, "w")
+    assert third is not None and (third.owner, third.index) == ("bob", 1)
+
+
+def test_concurrent_chunk_claims_take_each_chunk_once(sessions: sessionmaker[Session]) -> None:
+    chunks = set(add_harvest(sessions, MODEL, "alice", 4) + add_harvest(sessions, MODEL, "bob", 2))
+    claimed = race(lambda worker: claim_next_chunk(sessions, MODEL, worker))
+    assert sorted(c for c in claimed if c is not None) == sorted(chunks) and claimed.count(None) == 2
