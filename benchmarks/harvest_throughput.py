@@ -87,7 +87,7 @@ async def harvest(
 
     slots = asyncio.Semaphore(chunks_in_flight)
     tag = uuid.uuid4().hex[:8]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    engine_writable(out_dir)
 
     async def chunk(number: int, first: int) -> Any:
         indices = list(range(first, min(first + prompts_per_chunk, len(prompts))))
@@ -105,6 +105,19 @@ async def harvest(
 
     starts = range(0, len(prompts), prompts_per_chunk)
     return list(await asyncio.gather(*(chunk(n, first) for n, first in enumerate(starts))))
+
+
+def engine_writable(path: Path) -> None:
+    """Create ``path`` where the engine can write its shards: a root engine drops to the engine user
+    (``nnqueue.isolation``), so the folder becomes that user's and its parent (a private temp folder)
+    becomes traversable, not readable, by others."""
+    from nnqueue import isolation
+
+    path.mkdir(parents=True, exist_ok=True)
+    account = isolation.engine_user() if os.geteuid() == 0 else None
+    if account is not None:
+        os.chown(path, account.uid, account.gid)
+        path.parent.chmod(path.parent.stat().st_mode | 0o011)
 
 
 def sink_write_rate(out_dir: Path, nbytes: int, piece: int = 64 << 20) -> float:

@@ -192,7 +192,7 @@ def main() -> None:
         migrate.upgrade(postgres.url)
         sessions = session_factory(make_engine(postgres.url))
         with transaction(sessions) as session:
-            _, secret = auth.create_key(session, "bench")
+            _, secret = auth.create_key(session, "bench", ["trace"])
         registry.register(sessions, registry.new_worker_id(), MODEL_KEY, "bench-queue", 64)
         with make_engine(postgres.url).begin() as connection:
             connection.exec_driver_sql("CREATE TABLE bare_rows (id uuid PRIMARY KEY, at timestamptz)")

@@ -12,6 +12,11 @@ engine settings, K at a time:
   every result downloaded. Payloads are ``prebuilt`` (what the nnqueue client sends) or ``raw``
   (``RequestModel.serialize``, what nnsight's own clients send: rebuilt by the worker's builder).
 
+Then the queue's overhead at low load (``--latency-jobs`` jobs, one at a time; issue 10's target is a
+p50 of at most 50 ms each way): submit to RUNNING and RUNNING to COMPLETED from the job's own timestamps,
+and COMPLETED to the result in hand (a 2 ms poll of the job's row, then the download), against the same
+trace run alone on the in-process engine.
+
 The servers are the test suite's (tests/utils/servers.py): real Postgres, Redis and SeaweedFS S3. Both run at
 once on the same machine, in alternating rounds; prints the best round of each and the throughput ratio
 queue/direct (1.0 means the queue costs nothing). It also prints the per-job frontend loop time of
@@ -102,6 +107,31 @@ def queue_round(services: Services, blobs: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
+def latency_ms(services: Services, blob: bytes, count: int) -> dict[str, list[float]]:
+    """Per job, one at a time: submit to RUNNING, RUNNING to COMPLETED (the job's timestamps), COMPLETED to
+    the result downloaded, and submit to result in hand (this process's clock), in milliseconds."""
+    found: dict[str, list[float]] = {
+        "submit to RUNNING": [],
+        "RUNNING to COMPLETED": [],
+        "COMPLETED to result downloaded": [],
+        "submit to result in hand": [],
+    }
+    for _ in range(count):
+        submitted = time.time()
+        job = services.submit(blob, owner="bench")
+        while (done := services.job(job.id)).status not in (JobStatus.COMPLETED, JobStatus.FAILED):
+            time.sleep(0.002)
+        assert done.status is JobStatus.COMPLETED, done.error_message
+        assert done.started_at is not None and done.finished_at is not None and done.result_key is not None
+        services.store.get_bytes(done.result_key)
+        in_hand = time.time()
+        found["submit to RUNNING"].append(1000 * (done.started_at - done.created_at).total_seconds())
+        found["RUNNING to COMPLETED"].append(1000 * (done.finished_at - done.started_at).total_seconds())
+        found["COMPLETED to result downloaded"].append(1000 * (in_hand - done.finished_at.timestamp()))
+        found["submit to result in hand"].append(1000 * (in_hand - submitted))
+    return found
+
+
 def loop_cost_ms(client: VLLM, raw: list[bytes], prebuilt: list[bytes] | None) -> dict[str, float]:
     """Median per-job milliseconds of turning one payload into vLLM requests, on one thread."""
     costs: dict[str, list[float]] = {"rebuild raw": [], "parse prebuilt": []}
@@ -138,6 +168,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8, help="tokens generated per job")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds per side, after one warm-up")
     parser.add_argument("--payload", choices=["prebuilt", "raw"], default="prebuilt")
+    parser.add_argument("--latency-jobs", type=int, default=30, help="jobs one at a time for the latency part")
     args = parser.parse_args()
 
     prepare_process()
@@ -175,6 +206,8 @@ def main() -> None:
             direct_times.append(direct_round(host, engine, args.jobs, args.tokens, args.concurrency))
             queue_times.append(queue_round(services, blobs))
         direct_s, queue_s = min(direct_times[1:]), min(queue_times[1:])
+        latency = latency_ms(services, blobs[0], args.latency_jobs)
+        alone = [1000 * direct_round(host, engine, 1, args.tokens, 1) for _ in range(args.latency_jobs)]
         engine.vllm_entrypoint.shutdown()
     finally:
         if worker is not None:
@@ -190,6 +223,11 @@ def main() -> None:
     print(f"ratio queue/direct throughput: {direct_s / queue_s:.2f}x")
     for name, milliseconds in costs.items():
         print(f"per-job frontend time, {name}: {milliseconds:.2f} ms")
+    print(f"latency at low load, {args.latency_jobs} jobs one at a time (p50 / p90 ms):")
+    for name, values in {**latency, "the same trace alone, in process": alone}.items():
+        print(f"  {name:<34} {statistics.median(values):8.1f} / {statistics.quantiles(values, n=10)[-1]:8.1f}")
+    overhead = statistics.median(latency["submit to result in hand"]) - statistics.median(alone)
+    print(f"queue overhead at p50 (submit to result in hand, less the trace alone): {overhead:.1f} ms")
 
 
 async def _load(model_path: Path) -> VLLM:

@@ -18,6 +18,9 @@ both report the size and sha256 the frontend records.
 
 from __future__ import annotations
 
+# urllib encodes host names with the idna codec, imported on first use: too late in an engine process that
+# has dropped to the engine user, which may not read the standard library (a Python in root's home).
+import encodings.idna  # noqa: F401
 import hashlib
 import http.client
 import os
@@ -33,8 +36,10 @@ from typing import Any
 from nnqueue.errors import NNqueueError
 
 CHUNK = 1 << 20
-PUT_ATTEMPTS = 3
 PUT_TIMEOUT_S = 300.0
+# How long a PUT keeps retrying a store that cannot be reached or answers 5xx (backing off from 0.2 s to 5 s):
+# long enough to ride out a store's restart, short of a presigned URL's lifetime.
+PUT_RETRY_S = 120.0
 
 
 class SinkError(NNqueueError):
@@ -101,8 +106,9 @@ def _digest(path: str) -> Written:
 
 
 def _put(url: str, path: str, size: int) -> None:
-    """PUT the file to a presigned URL, retrying connection failures and 5xx answers."""
-    for attempt in range(1, PUT_ATTEMPTS + 1):
+    """PUT the file to a presigned URL, retrying connection failures and 5xx answers for ``PUT_RETRY_S``."""
+    deadline, delay = time.monotonic() + PUT_RETRY_S, 0.2
+    while True:
         try:
             with open(path, "rb") as body:
                 request = urllib.request.Request(
@@ -115,13 +121,14 @@ def _put(url: str, path: str, size: int) -> None:
                     response.read()
             return
         except urllib.error.HTTPError as error:
-            if error.code < 500 or attempt == PUT_ATTEMPTS:
+            if error.code < 500 or time.monotonic() + delay > deadline:
                 detail = error.read(2000).decode(errors="replace")
                 raise SinkError(f"the object store refused the upload: HTTP {error.code} {detail}") from None
         except (urllib.error.URLError, OSError) as error:
-            if attempt == PUT_ATTEMPTS:
-                raise SinkError(f"the upload to the object store failed: {error}") from None
-        time.sleep(0.2 * attempt)
+            if time.monotonic() + delay > deadline:
+                raise SinkError(f"the upload to the object store failed for {PUT_RETRY_S:g} s: {error}") from None
+        time.sleep(delay)
+        delay = min(2 * delay, 5.0)
 
 
 def write_stream(sink: dict[str, Any], size: int, pieces: Iterable[bytes | memoryview]) -> Written:

@@ -19,8 +19,9 @@ without handing control back to the model is stopped by the stall watchdog
 (:mod:`nnqueue.enginecore.stall_watchdog`), failing the job; a job the worker gives up on (timeout, cancel)
 is ended by killing this process.
 
-This process runs users' code: the worker starts it with the secrets removed from its environment, and it
-imports nothing that holds credentials. Run as ``python -m nnqueue.enginecore.transformers_engine --model M``;
+This process runs users' code: the worker starts it with the secrets removed from its environment, it
+imports nothing that holds credentials, and once the model is loaded it enters the same sandbox as vLLM's
+engine processes (:mod:`nnqueue.isolation`: the engine user when root; :mod:`nnqueue.enginecore.protected`). Run as ``python -m nnqueue.enginecore.transformers_engine --model M``;
 it loads the model, writes a ready frame, then answers one job per request frame on stdin/stdout (what user
 code prints goes to stderr, the worker's log). Frames: 8-byte big-endian length, a type byte, the body.
 A job's body is a 4-byte header length, the JSON header ``{"job", "env", "sinks": {"torch", "safetensors"}}``
@@ -37,7 +38,10 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
+from nnqueue import isolation
+from nnqueue.enginecore import protected
 from nnqueue.enginecore.payload_scope import payload_scope
+from nnqueue.enginecore.sandbox import EngineConfig
 
 FRAME_HEADER = 8
 READY, JOB, DONE = 2, 3, 4
@@ -136,6 +140,21 @@ def main(argv: list[str] | None = None) -> None:
 
     lifetime.exit_with_worker()
     engine = Engine(load_model(args.model, json.loads(args.model_kwargs)))
+    # What a job imports, imported while this process can still read every file (the engine user may not
+    # read the standard library when Python lives in root's home).
+    import nnsight.intervention.errors
+    import nnsight.schema.request
+    import nnsight.tracing.tracer
+    import nnsight.tracing.util
+
+    import nnqueue.enginecore.trace_results  # noqa: F401
+
+    # Only now, with the model loaded: no secret in the environment, the engine user when root, and
+    # payloads unpickled and run in the protected environment (what vLLM's engine processes do).
+    isolation.enter_sandbox()
+    config = EngineConfig.from_environment()
+    if config.protected_environment:
+        protected.install(config.allowed_modules)
     stall_watchdog.install(args.stall_timeout_s)
     import nnsight
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import pytest
 from nnqueue.enginecore import sink
 from nnqueue.settings import S3Settings
 from nnqueue.storage.s3 import S3ObjectStore
+from tests.utils.outage import Outage
 
 MiB = 1 << 20
 
@@ -46,6 +50,27 @@ def test_a_presigned_put_uploads_without_credentials(s3_settings: S3Settings) ->
     with pytest.raises(sink.SinkError, match="refused the upload: HTTP 403"):
         sink.deliver(tampered, staged(tampered, b"not mine"))
     assert store.get_bytes(key) == data
+
+
+def test_a_presigned_put_rides_out_an_object_store_outage(s3_settings: S3Settings) -> None:
+    endpoint = urllib.parse.urlsplit(s3_settings.endpoint_url)
+    with Outage((endpoint.hostname or "127.0.0.1", endpoint.port or 80)) as outage:
+        store = S3ObjectStore(
+            s3_settings.model_copy(update={"bucket": f"sink-{uuid.uuid4().hex[:8]}", "endpoint_url": outage.url})
+        )
+        key = "results/job/1/saves.pt"
+        target = {"kind": "presigned_put", "url": store.presigned_put_url(key, 60)}
+        data = os.urandom(1 << 20)
+        path = staged(target, data)
+        outage.cut()
+        delivered: list[sink.Written] = []
+        upload = threading.Thread(target=lambda: delivered.append(sink.deliver(target, path)))
+        upload.start()
+        time.sleep(3)  # several attempts fail meanwhile
+        outage.restore()
+        upload.join(timeout=30)
+        assert outage.refused >= 3 and delivered and delivered[0].size == len(data)
+        assert store.get_bytes(key) == data
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import nnsight
 import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
@@ -17,6 +18,7 @@ from nnsight.intervention.backends.remote import RemoteError
 from nnqueue.client import Client, JobFailed
 from nnqueue.scheduler import registry
 from tests.utils.services import Services, WorkerProcess
+from tests.utils.snooping import UNPROTECTED, assert_no_secret, pwd_uid
 
 pytestmark = pytest.mark.slow  # a real worker process behind a real API server
 
@@ -174,6 +176,48 @@ def test_vllm_traces_are_refused_for_a_transformers_model_and_engines_do_not_sha
     with pytest.raises(RemoteError, match="task 'text-classification' is not served"):
         with client_model.trace(PROMPT, backend=RemoteBackend(language_key), max_tokens=1):
             logits = client_model.logits.save()
+
+
+def test_an_import_of_os_in_a_language_model_trace_fails_the_job_naming_it(
+    client: Client, worker: WorkerProcess, models: tuple[Any, Any]
+) -> None:
+    meta, local = models
+    with pytest.raises(JobFailed, match="module 'os' is not allowed in intervention code"):
+        with meta.trace(PROMPT, backend=client.backend(progress=False)):
+            import os as stolen
+
+            environment = nnsight.save(dict(stolen.environ))
+            meta.lm_head.output
+    assert_equal_saves(two_invokes(meta, backend=client.backend(progress=False)), two_invokes(local))
+
+
+def test_a_root_workers_transformers_engine_runs_as_nobody_without_the_workers_secrets(
+    client: Client, services: Services, start_worker: Callable[..., WorkerProcess], models: tuple[Any, Any]
+) -> None:
+    # Without the protected environment, the trace runs arbitrary code, as a sandbox escape would.
+    worker = start_worker(model_key="tiny-hf-root", engine="transformers", env=UNPROTECTED)
+    meta, _ = models
+    worker_pid = worker.wait_registered().pid
+    with meta.trace(PROMPT, backend=client.backend("tiny-hf-root", progress=False)):
+        import os
+
+        def read(path: str) -> str:
+            try:
+                with open(path, "rb") as file:
+                    return file.read().decode(errors="replace")
+            except OSError as error:
+                return f"{type(error).__name__}: {error}"
+
+        found = nnsight.save(
+            {
+                "environ": {key: value for key, value in os.environ.items() if "NNQUEUE" in key or "AWS" in key},
+                "worker": read(f"/proc/{worker_pid}/environ"),
+                "uid": os.getuid(),
+            }
+        )
+        meta.lm_head.output
+    assert_no_secret(found, services)
+    assert found["uid"] == pwd_uid("nobody") and "PermissionError" in found["worker"]
 
 
 LIGHT_CLIENT = """

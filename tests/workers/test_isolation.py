@@ -14,7 +14,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,9 @@ from nnqueue.db.models import JobStatus
 from nnqueue.storage.results import load_result
 from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
 from tests.utils.services import Services, WorkerProcess
+from tests.utils.snooping import UNPROTECTED, assert_no_secret, pwd_uid
 
 pytestmark = pytest.mark.slow  # real worker processes, one as root and one as nobody
-
-FAKE_AWS_SECRET = f"aws-{uuid.uuid4().hex}"
-UNPROTECTED = {"NNQUEUE_PROTECTED_ENVIRONMENT": "false", "AWS_SECRET_ACCESS_KEY": FAKE_AWS_SECRET}
 
 
 def snooping_payload(client: VLLM, worker_pid: int, env_file: str) -> bytes:
@@ -60,11 +57,6 @@ def snooping_payload(client: VLLM, worker_pid: int, env_file: str) -> bytes:
     return backend.payload
 
 
-def secrets_of(services: Services) -> list[str]:
-    names = ("NNQUEUE_DATABASE_URL", "NNQUEUE_BROKER_URL", "NNQUEUE_S3__ACCESS_KEY_ID", "NNQUEUE_S3__SECRET_ACCESS_KEY")
-    return [services.env[name] for name in names] + [FAKE_AWS_SECRET]
-
-
 def run_snoop(
     services: Services, worker: WorkerProcess, client: VLLM, model_key: str, env_file: Path
 ) -> dict[str, Any]:
@@ -74,18 +66,6 @@ def run_snoop(
     finished = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
     assert finished.status is JobStatus.COMPLETED, (finished.error_type, finished.error_message)
     return load_result(services.store.get_bytes(finished.result_key))["found"]
-
-
-def assert_no_secret(found: dict[str, Any], services: Services) -> None:
-    text = repr(found)
-    for secret in secrets_of(services):
-        assert secret not in text, f"a secret reached intervention code: {text[:2000]}"
-    leaked = [
-        key
-        for key in found["environ"]
-        if key in ("NNQUEUE_DATABASE_URL", "NNQUEUE_BROKER_URL") or key.startswith(("NNQUEUE_S3__", "AWS_"))
-    ]
-    assert not leaked
 
 
 @pytest.fixture(scope="module")
@@ -200,9 +180,3 @@ def test_an_unprivileged_workers_engine_sees_no_secret(
     assert "PermissionError" in found["parent"] and "PermissionError" in found["worker"]
     # A .env the engine's user can read is only warned about: it shares the worker's user.
     assert "can read it" in worker.log()
-
-
-def pwd_uid(name: str) -> int:
-    import pwd
-
-    return pwd.getpwnam(name).pw_uid
