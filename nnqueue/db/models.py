@@ -24,6 +24,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -107,6 +108,17 @@ class Job(Base):
         Index("ix_jobs_api_key_id_status", "api_key_id", "status"),
         # Retention finds ended jobs not yet purged, oldest first (nnqueue.scheduler.retention).
         Index("ix_jobs_purged_at_finished_at", "purged_at", "finished_at"),
+        # A model's queued jobs in claim order (nnqueue.scheduler.claim.JOB_ORDER): the claim reads the first
+        # entry, a queue position counts the entries before a job; ended jobs are not in it.
+        Index(
+            "ix_jobs_queued_order",
+            "model_key",
+            text("priority DESC"),
+            "queued_at",
+            "id",
+            postgresql_where=text("status = 'queued'"),
+            sqlite_where=text("status = 'queued'"),
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)

@@ -57,10 +57,10 @@ def admit(session: Session, policy: AdmissionPolicy, model_key: str, api_key_id:
         raise ModelNotServed(f"no live worker serves model {model_key!r}; live models: {served}")
     if api_key_id is None:
         return
-    in_flight = session.scalar(
-        select(func.count()).select_from(Job).where(Job.api_key_id == api_key_id, Job.status.in_(IN_FLIGHT))
-    )
     limit = policy.max_jobs_in_flight_per_key
+    # Counted up to the limit only: the count's cost stays bounded however many jobs the key has in flight.
+    key_in_flight = select(Job.id).where(Job.api_key_id == api_key_id, Job.status.in_(IN_FLIGHT)).limit(limit)
+    in_flight = session.scalar(select(func.count()).select_from(key_in_flight.subquery()))
     if (in_flight or 0) >= limit:
         raise TooManyJobsInFlight(
             f"this API key already has {in_flight} jobs queued or running; the limit is {limit} "

@@ -49,6 +49,19 @@ def test_the_highest_priority_job_runs_first_then_the_oldest(sessions: sessionma
     assert all(job.status is S.RUNNING and job.worker_id == "w" for job in claimed if job)
 
 
+def test_jobs_queued_at_the_same_moment_stand_and_run_in_id_order(sessions: sessionmaker[Session]) -> None:
+    ids = [queue_job(sessions, MODEL, 0) for _ in range(3)]
+    with transaction(sessions) as session:
+        moment = session.get(Job, ids[0]).queued_at  # type: ignore[union-attr]
+        session.execute(update(Job).where(Job.id.in_(ids)).values(queued_at=moment))
+    with sessions() as session:
+        jobs = [session.get(Job, job_id) for job_id in ids]
+        positions = queue_positions(session, jobs)  # type: ignore[arg-type]
+    in_place_order = sorted(ids, key=lambda job_id: positions[job_id])
+    assert sorted(positions.values()) == [1, 2, 3]
+    assert [claim_next_job(sessions, MODEL, "w").id for _ in ids] == in_place_order  # type: ignore[union-attr]
+
+
 def race(claim: Callable[[str], Any], workers: int = 8) -> list[Any]:
     """What ``workers`` threads claiming at once got (the claimed unit's id, or None)."""
     barrier = threading.Barrier(workers)
