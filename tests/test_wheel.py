@@ -63,9 +63,12 @@ def test_db_upgrade_from_the_installed_wheel_migrates_postgres(
     venv = tmp_path / "venv"
     run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path)
     python = venv / "bin" / "python"
+    # Without NNQUEUE_* and PYTHON* (a PYTHONPATH naming this checkout would make pip skip the install).
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("NNQUEUE_", "PYTHON"))}
     run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
         tmp_path,
+        env,
     )
     site = Path(run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], tmp_path).strip())
     (site / "test-environment.pth").write_text(sysconfig.get_path("purelib") + "\n")
@@ -73,7 +76,6 @@ def test_db_upgrade_from_the_installed_wheel_migrates_postgres(
     url = database_factory(migrated=False)
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
-    env = {name: value for name, value in os.environ.items() if not name.startswith(("NNQUEUE_", "PYTHON"))}
     env["NNQUEUE_DATABASE_URL"] = url
     where = run([str(python), "-c", "import nnqueue.db.migrate as m; print(m.MIGRATIONS_DIR)"], workdir, env)
     assert Path(where.strip()).is_relative_to(site)  # the wheel's copy, not this checkout's
