@@ -21,8 +21,9 @@ is ended by killing this process.
 
 This process runs users' code: the worker starts it with the secrets removed from its environment, it
 imports nothing that holds credentials, and once the model is loaded it enters the same sandbox as vLLM's
-engine processes (:mod:`nnqueue.isolation`: the engine user when root; :mod:`nnqueue.enginecore.protected`). Run as ``python -m nnqueue.enginecore.transformers_engine --model M``;
-it loads the model, writes a ready frame, then answers one job per request frame on stdin/stdout (what user
+engine processes (:mod:`nnqueue.isolation`: the engine user when root; :mod:`nnqueue.enginecore.protected`).
+
+Run as ``python -m nnqueue.enginecore.transformers_engine --model M``; it loads the model, writes a ready frame, then answers one job per request frame on stdin/stdout (what user
 code prints goes to stderr, the worker's log). Frames: 8-byte big-endian length, a type byte, the body.
 A job's body is a 4-byte header length, the JSON header ``{"job", "env", "sinks": {"torch", "safetensors"}}``
 and the payload; its answer is JSON ``{"objects": {name: {"size", "sha256"}}, "error": DeferredError | None,
