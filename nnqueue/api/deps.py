@@ -9,9 +9,9 @@ build an app on their own settings and nothing reads global state. Dependencies 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from celery import Celery
 from fastapi import Depends, HTTPException, Request, Security, status
@@ -177,10 +177,10 @@ def check_scope(caller: Caller, scope: str) -> None:
         )
 
 
-def require_scope(scope: str) -> Callable[[Caller], Caller]:
+def require_scope(scope: str) -> Callable[[Caller], Coroutine[Any, Any, Caller]]:
     """A dependency giving the caller, or 403 if its key lacks ``scope``: ``Depends(require_scope("harvest"))``."""
 
-    def caller_with_scope(caller: CallerDep) -> Caller:
+    async def caller_with_scope(caller: CallerDep) -> Caller:
         check_scope(caller, scope)
         return caller
 

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.models import Job
 from nnqueue.scheduler.positions import queue_positions
-from nnqueue.scheduler.registry import live_workers
+from nnqueue.scheduler.registry import LiveModels
 
 log = logging.getLogger(__name__)
 POLL_S = 0.25
@@ -92,5 +92,5 @@ class JobWatcher:
             if not jobs:
                 return {}
             positions = queue_positions(session, jobs)
-            live = {worker.model_key for worker in live_workers(session, self.stale_after_s)}
+            live = LiveModels(self.stale_after_s, max_age_s=0).read(session)
         return {job.id: Seen(job, positions.get(job.id), job.model_key in live) for job in jobs}

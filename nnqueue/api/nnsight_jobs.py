@@ -25,14 +25,12 @@ from nnqueue.api import nnsight_protocol as protocol
 from nnqueue.api.deps import Caller, Resources
 from nnqueue.api.job_watch import JobWatcher, Seen
 from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
-from nnqueue.db.models import Job, JobKind, JobStatus
+from nnqueue.db.models import ENDED, Job, JobKind, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.registry import live_engines
 from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import Settings
 from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
-
-ENDED = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
 
 
 class SessionTaken(protocol.ProtocolError):

@@ -39,6 +39,7 @@ from typing import Any
 
 from nnqueue.db.models import EngineKind, Job, JobStatus
 from nnqueue.errors import NNqueueError
+from nnqueue.trace_payload import PICKLE_PROTOCOL_4, ZSTD_MAGIC
 
 VLLM_PREFIX = "nnsight.modeling.vllm.vllm.VLLM:"
 # LanguageModel (and TransformersModel) keys; nnsight before 0.8 keyed LanguageModel under its own path.
@@ -47,8 +48,6 @@ TRANSFORMERS_TASKS = frozenset({"text-generation"})
 VLLM_TRACER = "nnsight.modeling.vllm.tracer.VLLMTracer"
 SESSION_TRACER = "nnsight.tracing.tracer.Tracer"
 # What RequestModel.serialize starts with: pickle protocol 4 and its first frame; or a zstd frame.
-PICKLE_START = b"\x80\x04\x95"
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 # A blocking client's job id derives from the session id its websocket was given (see job_id_for_session).
 SESSION_NAMESPACE = uuid.UUID("5d0d7f4e-8e3c-4f0a-9a57-3e1f6f0b6c1d")
 # How far into the pickle the tracer's class must have been named.
@@ -131,7 +130,7 @@ def tracer_class(payload: bytes) -> str:
     is the tracer's. Only opcodes are parsed (nothing is built or imported); raises :class:`ProtocolError`
     for anything that is not such a pickle.
     """
-    if not payload.startswith(PICKLE_START):
+    if not payload.startswith(PICKLE_PROTOCOL_4):
         raise ProtocolError(
             "the payload is not an nnsight serialized trace (RequestModel.serialize: pickle protocol 4, or zstd)"
         )

@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from nnqueue.client.errors import APIError, HarvestFailed, WaitTimeout
+from nnqueue.client.job import TERMINAL
 from nnqueue.client.transport import Transport
 
-TERMINAL = frozenset({"completed", "failed", "cancelled"})
 POLL_S = 1.0
 CHUNK_SIZE = 1 << 20
 MANIFEST = "manifest.json"

@@ -61,6 +61,10 @@ class JobStatus(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+# The statuses a job or chunk never leaves.
+ENDED = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
+
+
 class JobKind(enum.StrEnum):
     TRACE = "trace"  # a serialized nnsight trace
     HARVEST = "harvest"  # a declarative "save these activations for this dataset" spec

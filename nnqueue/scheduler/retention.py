@@ -18,13 +18,12 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.models import Job, JobPayload, JobStatus, utcnow
+from nnqueue.db.models import ENDED, Job, JobPayload, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
-ENDED = (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
 BATCH_SIZE = 500
 
 

@@ -30,7 +30,7 @@ from nnqueue.api.limits import payload_too_large
 from nnqueue.api.nnsight_jobs import NnsightRequest, follow, submit_nnsight
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.serve_reply import UnexpectedResult, serve_reply
-from nnqueue.db.models import EngineKind, JobStatus
+from nnqueue.db.models import ENDED, EngineKind
 from nnqueue.scheduler.admission import ModelNotServed, TooManyJobsInFlight
 from nnqueue.scheduler.registry import live_engines
 
@@ -89,7 +89,7 @@ async def generate(
         watcher, resources.sessions, job.id, orphan_grace_s=settings.worker_stale_after_s, left=request.is_disconnected
     )
     async for seen in updates:
-        if seen is not None and seen.job.status in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED):
+        if seen is not None and seen.job.status in ENDED:
             ended = seen.job
     if ended is None:
         return Response(status_code=499)  # the client left; its job was cancelled
