@@ -57,7 +57,6 @@ DEFAULT_ENGINE_USER = "nobody"
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
-_PR_GET_DUMPABLE = 3
 
 
 def secret_patterns(extra: Iterable[str] = ()) -> list[str]:
@@ -98,10 +97,6 @@ def prctl(option: int, arg: int) -> int:
 def make_non_dumpable() -> None:
     """Make this process non-dumpable: same-user processes cannot read its /proc environ or memory."""
     prctl(_PR_SET_DUMPABLE, 0)
-
-
-def is_dumpable() -> bool:
-    return prctl(_PR_GET_DUMPABLE, 0) != 0
 
 
 def set_parent_death_signal(signum: int) -> None:

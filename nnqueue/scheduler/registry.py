@@ -1,12 +1,11 @@
 """Workers announce themselves in the database: one row per process, kept fresh by heartbeats.
 
-The queries here are what the API and the scheduler ask of the registry (which models are live,
-whether a worker is alive); the heartbeat thread that keeps a worker's row fresh is
+The queries here are what the API and the scheduler ask of the registry (which models and engines are live,
+what capture points they publish); the heartbeat thread that keeps a worker's row fresh is
 :class:`nnqueue.workers.heartbeat.HeartbeatThread`.
 
 The API lists models from live rows. A job RUNNING under a worker whose heartbeat went stale was
-orphaned by a dead process: live workers of its model requeue it (nnqueue.scheduler.recovery), and a
-redelivered message finding it takes it over.
+orphaned by a dead process: live workers of its model requeue it (nnqueue.scheduler.recovery).
 """
 
 from __future__ import annotations
@@ -41,13 +40,7 @@ class EngineConflict(NNqueueError):
 def check_engine(session: Session, model_key: str, engine: EngineKind, stale_after_s: float) -> None:
     """Raise :class:`EngineConflict` when live workers of another engine kind serve ``model_key``: the queue is
     per model key, so they would take each other's jobs."""
-    others = sorted(
-        {
-            worker.engine
-            for worker in live_workers(session, stale_after_s)
-            if worker.model_key == model_key and worker.engine != engine
-        }
-    )
+    others = sorted(live_engines(session, model_key, stale_after_s) - {engine.value})
     if others:
         raise EngineConflict(
             f"live workers with a {' and a '.join(others)} engine already serve model key {model_key!r}; "
@@ -123,10 +116,6 @@ def live_capture_points(session: Session, model_key: str, stale_after_s: float) 
     if not published:
         return None
     return next((points for points in published if points), [])
-
-
-def is_alive(session: Session, worker_id: str, stale_after_s: float) -> bool:
-    return session.scalar(_live(stale_after_s).where(Worker.id == worker_id)) is not None
 
 
 class LiveModels:

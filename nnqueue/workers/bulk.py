@@ -81,8 +81,5 @@ class BulkConsumer(threading.Thread):
             message.ack()
         self._pending = still
 
-    def running(self) -> int:
-        return sum(not future.done() for future, _ in self._pending)
-
     def stop(self) -> None:
         self._stopping.set()
