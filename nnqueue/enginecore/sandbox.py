@@ -18,6 +18,7 @@ Settings come from the environment only (:class:`EngineConfig`): ``.env`` is nev
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from dataclasses import dataclass
@@ -56,6 +57,30 @@ class EngineConfig:
                 name.strip() for name in env.get("NNQUEUE_ALLOWED_MODULES", "").split(",") if name.strip()
             ),
         )
+
+
+# What a job in a child process (a trace builder, the transformers engine) imports: imported before the drop,
+# since the engine user may not read this interpreter's files (a Python in root's home).
+JOB_MODULES = (
+    "nnsight.intervention.errors",
+    "nnsight.schema.request",
+    "nnsight.tracing.tracer",
+    "nnsight.tracing.util",
+    "nnqueue.enginecore.trace_results",
+)
+
+
+def enter_child_sandbox() -> EngineConfig:
+    """What a child process that runs users' code (a trace builder, the transformers engine) does once its model
+    is loaded and before the first payload: import what jobs use, scrub the secrets and, when root, drop to the
+    engine user, then install the protected environment. Returns the engine's settings."""
+    for name in JOB_MODULES:
+        importlib.import_module(name)
+    isolation.enter_sandbox()
+    config = EngineConfig.from_environment()
+    if config.protected_environment:
+        protected.install(config.allowed_modules)
+    return config
 
 
 class SandboxedWorker(_Worker):

@@ -39,10 +39,8 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
-from nnqueue import isolation
-from nnqueue.enginecore import protected
 from nnqueue.enginecore.payload_scope import payload_scope
-from nnqueue.enginecore.sandbox import EngineConfig
+from nnqueue.enginecore.sandbox import enter_child_sandbox
 
 FRAME_HEADER = 8
 READY, JOB, DONE = 2, 3, 4
@@ -141,21 +139,9 @@ def main(argv: list[str] | None = None) -> None:
 
     lifetime.exit_with_worker()
     engine = Engine(load_model(args.model, json.loads(args.model_kwargs)))
-    # What a job imports, imported while this process can still read every file (the engine user may not
-    # read the standard library when Python lives in root's home).
-    import nnsight.intervention.errors
-    import nnsight.schema.request
-    import nnsight.tracing.tracer
-    import nnsight.tracing.util
-
-    import nnqueue.enginecore.trace_results  # noqa: F401
-
     # Only now, with the model loaded: no secret in the environment, the engine user when root, and
     # payloads unpickled and run in the protected environment (what vLLM's engine processes do).
-    isolation.enter_sandbox()
-    config = EngineConfig.from_environment()
-    if config.protected_environment:
-        protected.install(config.allowed_modules)
+    enter_child_sandbox()
     stall_watchdog.install(args.stall_timeout_s)
     import nnsight
 

@@ -3,8 +3,7 @@
 Raw payloads are what nnsight's own clients (``remote=True``, ``serve=``) and older nnqueue clients send.
 Rebuilding one unpickles it and runs the trace's top-level code, so it happens only in a builder process
 (:mod:`nnqueue.engines.builders` starts them with a scrubbed environment; once its meta model is loaded the
-builder enters :func:`nnqueue.isolation.enter_sandbox` and the protected environment of
-:mod:`nnqueue.enginecore.protected`), never in the worker. The steps
+builder enters the sandbox, :func:`nnqueue.enginecore.sandbox.enter_child_sandbox`), never in the worker. The steps
 are nnsight 0.8.1's serve server's (``nnsight.modeling.vllm.serve.server``): ``RequestModel.deserialize``
 against a meta ``VLLM`` of the worker's model, ``tracer.prepare`` to build each invoke's mediator, and
 ``VLLM._attach_mediators`` to serialize them into the requests, which :mod:`nnqueue.trace_payload` then
@@ -32,10 +31,9 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
-from nnqueue import isolation, trace_payload
-from nnqueue.enginecore import protected
+from nnqueue import trace_payload
 from nnqueue.enginecore.payload_scope import payload_scope
-from nnqueue.enginecore.sandbox import EngineConfig
+from nnqueue.enginecore.sandbox import enter_child_sandbox
 
 FRAME_HEADER = 8
 OK, FAILED, READY = 0, 1, 2
@@ -112,10 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_meta_model(args.model, json.loads(args.engine_kwargs))
     # Only now, with the model read: no secret in the environment, the engine user when root, and
     # payloads unpickled and run in the protected environment.
-    isolation.enter_sandbox()
-    config = EngineConfig.from_environment()
-    if config.protected_environment:
-        protected.install(config.allowed_modules)
+    enter_child_sandbox()
     import nnsight
 
     write_frame(protocol, READY, json.dumps({"nnsight": nnsight.__version__}).encode())
