@@ -63,13 +63,14 @@ def load_examples(store: ObjectStore, spec: DatasetSpec, owner: str, limits: Lim
     if spec.inline is not None:
         examples: list[Any] = [_example(value, f"dataset item {index}") for index, value in enumerate(spec.inline)]
     elif spec.path is not None:
-        examples = _read_file(store, _own_key(spec.path, owner), spec, limits)
+        examples, _ = _read_file(store, _own_key(spec.path, owner), spec, limits)
     elif spec.prefix is not None:
         examples = []
         budget = limits.max_bytes
         for key in store.list_keys(_own_key(spec.prefix, owner, prefix=True)):
-            examples += _read_file(store, key, spec, Limits(budget, limits.max_prompts))
-            budget -= store.size(key)
+            found, size = _read_file(store, key, spec, Limits(budget, limits.max_prompts))
+            examples += found
+            budget -= size
     else:
         raise HarvestRejected(422, "the dataset has no source: give prompts, token_ids or path, or upload a file")
     end = None if spec.limit is None else spec.offset + spec.limit
@@ -139,7 +140,8 @@ def _own_key(key: str, owner: str, *, prefix: bool = False) -> str:
     return key
 
 
-def _read_file(store: ObjectStore, key: str, spec: DatasetSpec, limits: Limits) -> list[Example]:
+def _read_file(store: ObjectStore, key: str, spec: DatasetSpec, limits: Limits) -> tuple[list[Example], int]:
+    """The file's examples, and its size in bytes."""
     try:
         size = store.size(key)
     except ObjectNotFound:
@@ -148,7 +150,7 @@ def _read_file(store: ObjectStore, key: str, spec: DatasetSpec, limits: Limits) 
         raise HarvestRejected(
             413, f"{key!r} is {size} bytes; the limit is {limits.max_bytes} (NNQUEUE_HARVEST_MAX_DATASET_BYTES)"
         )
-    return parse(store.get_bytes(key), spec.format or _format_of(key), spec.field, repr(key))
+    return parse(store.get_bytes(key), spec.format or _format_of(key), spec.field, repr(key)), size
 
 
 def _format_of(key: str) -> str:
