@@ -132,7 +132,9 @@ def drop_privileges(user: EngineUser | None = None, hand_over: Iterable[Path] = 
     Returns False (and changes nothing) when not root: the process then keeps its user, and its
     isolation rests on the scrubbed environment and the non-dumpable parent. The HOME it gets is a
     fresh directory owned by the engine user (mode 0700), also set as ``XDG_CACHE_HOME``'s parent,
-    so torch's, triton's and vLLM's caches written after the drop land somewhere writable.
+    so torch's, triton's and vLLM's caches written after the drop land somewhere writable. Triton reads
+    its default home (``~``) once, at import, so ``TRITON_HOME`` names the new one: a kernel first compiled
+    after the drop (a new batch shape) would otherwise fail the engine on root's ``~/.triton``.
     ``hand_over``: files the process keeps using afterwards, given to the engine user first.
     """
     user = user or engine_user()
@@ -149,7 +151,13 @@ def drop_privileges(user: EngineUser | None = None, hand_over: Iterable[Path] = 
     if os.getuid() == 0 or os.geteuid() == 0:
         raise RuntimeError("dropping privileges failed: the process is still root")
     os.environ.update(
-        {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"), "USER": user.name, "LOGNAME": user.name}
+        {
+            "HOME": str(home),
+            "XDG_CACHE_HOME": str(home / ".cache"),
+            "TRITON_HOME": str(home),
+            "USER": user.name,
+            "LOGNAME": user.name,
+        }
     )
     return True
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,3 +47,23 @@ def test_a_folder_its_owner_or_group_may_read_is_readable(base: Path) -> None:
     assert unreadable_by(EngineUser("group", 54321, info.st_gid), [folder]) == []
     folder.chmod(0o700)
     assert unreadable_by(EngineUser("owner", info.st_uid, 54321), [folder]) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
+def test_a_kernel_compiled_after_the_drop_has_a_writable_triton_cache() -> None:
+    """Triton fixes its default cache folder (root's ``~/.triton``) when imported, before the drop: the
+    engine user must still be able to create it, or the first new kernel kills the engine (seen on the H100)."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent(
+        """
+        import os, triton.knobs
+        from nnqueue.isolation import drop_privileges, engine_user
+        assert drop_privileges(engine_user("nobody"))
+        folder = triton.knobs.cache.dir
+        os.makedirs(folder, exist_ok=True)
+        print(folder)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not done.stdout.strip().startswith(os.path.expanduser("~")), done.stdout
