@@ -456,6 +456,55 @@ class LoopBusy:
         return round(self.busy, 2)
 
 
+class LoopSampler:
+    """What the engine loop's thread is doing: its stack sampled every ``interval_s`` (a thread of this
+    process; a sample waits for the GIL, so time the loop spends holding it is seen late, not missed).
+    Samples are counted by the innermost frame and by the innermost frame of nnqueue's own code."""
+
+    def __init__(self, host: Any, interval_s: float = 0.001) -> None:
+        import threading
+
+        self.thread_id = host._thread.ident
+        self.interval_s, self.running = interval_s, True
+        self.innermost: dict[str, int] = {}
+        self.ours: dict[str, int] = {}
+        self.samples = 0
+        self.sampler = threading.Thread(target=self._run, daemon=True)
+        self.sampler.start()
+
+    def _run(self) -> None:
+        while self.running:
+            frame = sys._current_frames().get(self.thread_id)
+            if frame is not None:
+                self.samples += 1
+                self._count(self.innermost, _where(frame))
+                ours = frame
+                while ours is not None and "/nnqueue/" not in ours.f_code.co_filename:
+                    ours = ours.f_back
+                self._count(self.ours, _where(ours) if ours is not None else "(no nnqueue frame)")
+            time.sleep(self.interval_s)
+
+    @staticmethod
+    def _count(table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+    def stop(self, top: int = 25) -> dict[str, Any]:
+        self.running = False
+        self.sampler.join()
+
+        def share(table: dict[str, int]) -> dict[str, float]:
+            ranked = sorted(table.items(), key=lambda item: -item[1])[:top]
+            return {key: round(count / max(1, self.samples), 3) for key, count in ranked}
+
+        return {"samples": self.samples, "innermost": share(self.innermost), "nnqueue_frame": share(self.ours)}
+
+
+def _where(frame: Any) -> str:
+    code = frame.f_code
+    parts = code.co_filename.split("/")
+    return f"{'/'.join(parts[-2:])}:{code.co_name}"
+
+
 def timed(fn: Any, reps: int) -> tuple[list[float], Any]:
     times, value = [], None
     for _ in range(reps):
@@ -723,6 +772,10 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     report["loop_busy_s"] = {"(b) all-token": busy.stop()}
     profile.restore()
     report["profile"] = profile.table()
+    sampler = LoopSampler(host)  # unwrapped, so the wrappers above don't show
+    run_b(False, args.concurrency, 1, "(b) sampled all-token")
+    report["loop_samples"] = sampler.stop()
+    print(json.dumps(report["loop_samples"]), flush=True)
     busy = LoopBusy(host)
     TRACE_SECONDS.clear()
     row("(c) profiled all-token", timed(lambda: run_c(False), 1)[0])
@@ -741,6 +794,18 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # ... the default worker concurrency, and per-job micro costs.
     if args.default_concurrency:
         run_b(False, args.default_concurrency, 1, f"(b) all-token, K={args.default_concurrency}")
+    # What the second copy of each result costs: the same run with saves.pt alone (no saves.safetensors).
+    opened = ResultSinks.open
+
+    def torch_only(self: Any, *args_: Any, **kwargs: Any) -> Any:
+        sinks = opened(self, *args_, **kwargs)
+        sinks.specs.pop("safetensors", None)
+        sinks.keys.pop("safetensors", None)
+        return sinks
+
+    ResultSinks.open = torch_only  # type: ignore[method-assign]
+    run_b(False, args.concurrency, 1, "(b) all-token, saves.pt only (ablation)")
+    ResultSinks.open = opened  # type: ignore[method-assign]
     report["micro_ms_per_job"] = micro_costs(c_saves[0], queue.store)
     print(json.dumps(report["micro_ms_per_job"]), flush=True)
 
