@@ -78,7 +78,8 @@ def submit(
 ) -> Response:
     """Store the payload, create the job and put it on its model's queue.
 
-    One transaction on one connection: admission, the job's row (and a small payload), its queue position.
+    One transaction on one connection; on Postgres one statement: admission, the job's row (and a small payload), its
+    queue position (:mod:`nnqueue.scheduler.intake`).
     """
     settings = resources.settings
     job_spec = parse_spec_field(spec, JobSpec)
@@ -89,7 +90,7 @@ def submit(
     if job_spec.client is not None:
         meta["client"] = job_spec.client.model_dump()
     try:
-        job = accept_job(
+        accepted = accept_job(
             session,
             resources.store,
             admission=resources.admission,
@@ -107,11 +108,10 @@ def submit(
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(refused)) from None
     except TooManyJobsInFlight as refused:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(refused)) from None
-    position = queue_positions(session, [job]).get(job.id)
     session.commit()
-    queue_job(resources.sessions, resources.celery, job)
+    queue_job(resources.sessions, resources.celery, accepted.job)
     # Serialized here, in this thread: FastAPI would validate the model again in another thread hop.
-    body = JobResponse.of(job, position).model_dump_json()
+    body = JobResponse.of(accepted.job, accepted.queue_position).model_dump_json()
     return Response(body, status_code=status.HTTP_201_CREATED, media_type="application/json")
 
 
