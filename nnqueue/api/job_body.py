@@ -18,6 +18,7 @@ from typing import Annotated, Any
 from fastapi import Header, HTTPException, Request, status
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect
 
 from nnqueue.api.deps import SettingsDep
 from nnqueue.api.limits import payload_too_large
@@ -61,7 +62,11 @@ async def read_submission(
             raise _invalid("missing", spec_loc, "Field required")
         if not nnqueue_spec.isascii():
             raise _invalid("value_error", spec_loc, "the spec must be ASCII: escape other characters as \\uXXXX")
-        return Submission(nnqueue_spec, _within(await request.body(), limit), spec_loc)
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, "the client left before its body was read") from None
+        return Submission(nnqueue_spec, _within(body, limit), spec_loc)
     spec, payload = await _form_fields(request, limit)
     return Submission(spec, payload, ("body", "spec"))
 

@@ -195,44 +195,67 @@ def test_an_oversized_payload_is_413_and_nothing_is_stored(services: Services) -
         assert len(api.http.get("/v1/jobs", headers=ivan).json()["jobs"]) == 2
 
 
-def test_an_upload_without_content_length_is_cut_off_while_it_streams_in(services: Services) -> None:
-    """Driven at the ASGI level, chunk by chunk, as a server delivers a chunked upload."""
+def _post_chunks(api: Api, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, int]:
+    """POST /v1/jobs driven at the ASGI level, chunk by chunk as a server delivers a chunked upload, then a
+    disconnect; the response's status and the bytes the app read."""
+    messages, received, response = iter(chunks), 0, {}
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        body = next(messages, None)
+        if body is None:
+            return {"type": "http.disconnect"}
+        received += len(body)
+        return {"type": "http.request", "body": body, "more_body": True}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            response["status"] = message["status"]
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/jobs",
+        "raw_path": b"/v1/jobs",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", api.new_key("ivan")["Authorization"].encode()), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
+    asyncio.run(api.http.app(scope, receive, send))
+    return response["status"], received
+
+
+SPEC = json.dumps({"model_key": LIVE_MODEL}).encode()
+FORM_HEAD = b'--b\r\nContent-Disposition: form-data; name="spec"\r\n\r\n' + SPEC + b"\r\n"
+FORM_HEAD += b'--b\r\nContent-Disposition: form-data; name="payload"; filename="t"\r\n\r\n'
+FORM = [(b"content-type", b"multipart/form-data; boundary=b")]
+RAW = [(b"content-type", b"application/octet-stream"), (b"nnqueue-spec", SPEC)]
+
+
+@pytest.mark.parametrize(("headers", "head"), [(FORM, FORM_HEAD), (RAW, b"")], ids=["form", "raw"])
+def test_an_upload_without_content_length_is_cut_off_while_it_streams_in(
+    services: Services, headers: list[tuple[bytes, bytes]], head: bytes
+) -> None:
     limit, chunk = 1000, b"x" * 65536
     with api_client(services, max_payload_bytes=limit, worker_stale_after_s=3600) as api:
-        secret = api.new_key("ivan")["Authorization"].encode()
-        spec = json.dumps({"model_key": LIVE_MODEL}).encode()
-        head = b'--b\r\nContent-Disposition: form-data; name="spec"\r\n\r\n' + spec + b"\r\n"
-        head += b'--b\r\nContent-Disposition: form-data; name="payload"; filename="t"\r\n\r\n'
-        messages = iter([head] + [chunk] * 1024)  # a 64 MiB upload
-        received, response = 0, {}
-
-        async def receive() -> dict[str, Any]:
-            nonlocal received
-            body = next(messages, b"")
-            received += len(body)
-            return {"type": "http.request", "body": body, "more_body": bool(body)}
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                response["status"] = message["status"]
-
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/jobs",
-            "raw_path": b"/v1/jobs",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"authorization", secret), (b"content-type", b"multipart/form-data; boundary=b")],
-            "client": ("127.0.0.1", 1),
-            "server": ("testserver", 80),
-        }
-        asyncio.run(api.http.app(scope, receive, send))
-    assert response["status"] == 413
+        status_code, received = _post_chunks(api, headers, [head] + [chunk] * 1024)  # a 64 MiB upload
+    assert status_code == 413
     assert received <= limit + FORM_OVERHEAD_BYTES + len(chunk)  # it stopped reading near the limit
+
+
+@pytest.mark.parametrize(("headers", "head"), [(FORM, FORM_HEAD), (RAW, b"")], ids=["form", "raw"])
+def test_a_client_that_leaves_mid_upload_gets_a_400_and_nothing_is_stored(
+    api: Api, headers: list[tuple[bytes, bytes]], head: bytes
+) -> None:
+    before = len(api.http.get("/v1/jobs?limit=200", headers=api.new_key("ivan")).json()["jobs"])
+    status_code, _ = _post_chunks(api, headers, [head, fake_trace(b"half a pay")])
+    assert status_code == 400
+    assert len(api.http.get("/v1/jobs?limit=200", headers=api.new_key("ivan")).json()["jobs"]) == before
 
 
 def test_jobs_in_flight_per_key_are_limited_with_429(services: Services) -> None:
