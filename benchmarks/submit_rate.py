@@ -3,15 +3,18 @@
 Starts the test suite's servers (tests/servers.py: Postgres, Redis, SeaweedFS S3), migrates a database,
 registers a live worker row and an API key, and serves two apps the same way (uvicorn, ``--workers W``):
 
-* nnqueue: ``nnqueue serve-api`` (the real command) taking real submissions: a 64-byte payload and a spec,
-  multipart, exactly what the Python client sends;
+* nnqueue: ``nnqueue serve-api`` (the real command) taking real submissions of a 64-byte payload and a spec:
+  as the Python client sends them (the payload as the body, the spec in the ``Nnqueue-Spec`` header), and as a
+  multipart form (``nnqueue-form``: what browsers, curl and older clients send);
 * bare: a FastAPI app whose one endpoint only inserts a row (SQLAlchemy, the same engine settings) and
-  answers its id; it receives the same requests and does not parse them.
+  answers its id; it receives the client's requests and does not parse them.
 
 Each is driven by C concurrent clients (aiohttp, in this process) for D seconds, C in 1 and 64; the script
 prints jobs/s, p50 and p99 latency for each, the CPU time the app's processes spent per request (steadier
-than rates on a shared machine), and nnqueue's rate as a fraction of the bare one. No worker
-consumes the queue: jobs stay QUEUED (the per-key in-flight limit is lifted for the run).
+than rates on a shared machine), and nnqueue's rate as a fraction of the bare one. No worker consumes the
+queue; before each measurement the jobs still QUEUED are marked cancelled, as if workers had run them: a
+submission's answer counts the jobs ahead of it, and its admission the key's jobs in flight (the per-key limit
+is lifted for the run), so a queue left growing would charge each measurement for the ones before it.
 
     .venv/bin/python benchmarks/submit_rate.py [--seconds 5] [--workers 2] [--concurrency 1 64]
 """
@@ -41,9 +44,12 @@ from pydantic import SecretStr
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sqlalchemy import Engine, update
+
 from nnqueue import trace_payload
 from nnqueue.api import auth
 from nnqueue.db import migrate
+from nnqueue.db.models import Job, JobStatus, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler import registry
 from nnqueue.settings import S3Settings
@@ -90,7 +96,7 @@ class Result:
         p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] * 1000 if ordered else float("nan")
         cpu = 1000 * self.server_cpu_s / max(1, self.requests)
         return (
-            f"{self.name:8} C={self.concurrency:<3} {self.rate:8.1f} jobs/s   p50 {p50:7.1f} ms   p99 {p99:7.1f} ms"
+            f"{self.name:12} C={self.concurrency:<3} {self.rate:8.1f} jobs/s   p50 {p50:7.1f} ms   p99 {p99:7.1f} ms"
             f"   server CPU {cpu:5.2f} ms/job   errors {self.errors}"
         )
 
@@ -133,6 +139,13 @@ def cpu_seconds(process: subprocess.Popen[bytes]) -> float:
     return total
 
 
+def drain(engine: Engine) -> None:
+    """Mark the jobs still QUEUED cancelled, as if workers had taken them (see the module doc)."""
+    with engine.begin() as connection:
+        ended = {"status": JobStatus.CANCELLED, "finished_at": utcnow()}
+        connection.execute(update(Job).where(Job.status == JobStatus.QUEUED).values(ended))
+
+
 def measure(server: subprocess.Popen[bytes], *args: object) -> Result:
     """Drive ``server`` (see :func:`drive`) and charge it the CPU time its processes spent meanwhile."""
     before = cpu_seconds(server)
@@ -142,19 +155,24 @@ def measure(server: subprocess.Popen[bytes], *args: object) -> Result:
 
 
 async def drive(url: str, headers: dict[str, str], concurrency: int, seconds: float, name: str) -> Result:
+    """``concurrency`` clients submitting one after another for ``seconds``: as a form when ``name`` ends in
+    ``-form``, otherwise as the Python client does."""
     spec = json.dumps({"model_key": MODEL_KEY})
     latencies: list[float] = []
     errors = 0
     connector = aiohttp.TCPConnector(limit=concurrency)
+    raw = {"Content-Type": "application/octet-stream", "Nnqueue-Spec": spec}
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
 
         async def one() -> None:
             nonlocal errors
-            form = aiohttp.FormData()
-            form.add_field("spec", spec)
-            form.add_field("payload", PAYLOAD, filename="trace.bin", content_type="application/octet-stream")
+            body: bytes | aiohttp.FormData = PAYLOAD
+            if name.endswith("-form"):
+                body = aiohttp.FormData()
+                body.add_field("spec", spec)
+                body.add_field("payload", PAYLOAD, filename="trace.bin", content_type="application/octet-stream")
             started = time.perf_counter()
-            async with session.post(url, data=form) as response:
+            async with session.post(url, data=body, headers=None if name.endswith("-form") else raw) as response:
                 await response.read()
                 if response.status != 201:
                     errors += 1
@@ -234,12 +252,17 @@ def main() -> None:
         print(
             f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start; {args.workers} uvicorn workers each"
         )
+        jobs_url, engine = f"http://127.0.0.1:{api_port}/v1/jobs", make_engine(postgres.url)
         for concurrency in args.concurrency:
-            ours = measure(api, f"http://127.0.0.1:{api_port}/v1/jobs", headers, concurrency, args.seconds, "nnqueue")
+            results = []
+            for name in ("nnqueue", "nnqueue-form"):
+                drain(engine)
+                results.append(measure(api, jobs_url, headers, concurrency, args.seconds, name))
             base = measure(bare, f"http://127.0.0.1:{bare_port}/bare", headers, concurrency, args.seconds, "bare")
-            print(ours.line())
-            print(base.line())
-            print(f"         C={concurrency:<3} nnqueue / bare = {ours.rate / base.rate:.2f}")
+            for result in (*results, base):
+                print(result.line())
+            ratios = ", ".join(f"{result.name} / bare = {result.rate / base.rate:.2f}" for result in results)
+            print(f"{'':12} C={concurrency:<3} {ratios}")
         print(f"load average {os.getloadavg()[0]:.1f} at the end")
     finally:
         for process in started:

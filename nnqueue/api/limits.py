@@ -1,8 +1,8 @@
 """The request-body limit: uploads larger than a payload may be are cut off while they stream in.
 
-Starlette parses a multipart body before the route runs, spooling file parts to disk; without this
-limit a client could fill the disk with one request. The route itself then checks the payload's
-exact size against ``NNQUEUE_MAX_PAYLOAD_BYTES``.
+A submission's body is read before the route runs (:mod:`nnqueue.api.job_body`): a multipart form spooling its
+file parts to disk, a raw payload into memory; without this limit a client could fill the disk, or the memory,
+with one request. The payload's exact size is then checked against ``NNQUEUE_MAX_PAYLOAD_BYTES``.
 """
 
 from __future__ import annotations

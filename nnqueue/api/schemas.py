@@ -25,25 +25,24 @@ INT32 = 2**31 - 1
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse_spec_field(text: str, model: type[M]) -> M:
-    """A multipart form's ``spec`` field, a JSON object, as ``model``; a 422 naming what is wrong (under
-    ``body.spec``) otherwise. Strict JSON: NaN and Infinity are refused (a database's JSON column refuses them)."""
+def parse_spec_field(text: str, model: type[M], loc: tuple[str, ...] = ("body", "spec")) -> M:
+    """A spec, a JSON object (a multipart form's ``spec`` field, or the header ``loc`` names), as ``model``; a 422
+    naming what is wrong (under ``loc``) otherwise. Strict JSON: NaN and Infinity are refused (a database's JSON
+    column refuses them)."""
     try:
         data = strict_loads(text)
     except RecursionError:
         raise RequestValidationError(
-            [{"type": "json_invalid", "loc": ("body", "spec"), "msg": "nested too deeply", "input": text[:200]}]
+            [{"type": "json_invalid", "loc": loc, "msg": "nested too deeply", "input": text[:200]}]
         ) from None
     except json.JSONDecodeError as error:
         raise RequestValidationError(
-            [{"type": "json_invalid", "loc": ("body", "spec"), "msg": f"not JSON: {error}", "input": text[:200]}]
+            [{"type": "json_invalid", "loc": loc, "msg": f"not JSON: {error}", "input": text[:200]}]
         ) from None
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        errors = [
-            {**e, "loc": ("body", "spec", *e["loc"])} for e in error.errors(include_url=False, include_input=False)
-        ]
+        errors = [{**e, "loc": (*loc, *e["loc"])} for e in error.errors(include_url=False, include_input=False)]
         raise RequestValidationError(errors) from None
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from rich.console import Console
 
+from nnqueue.client.errors import APIError
 from nnqueue.client.harvest import Harvest
 from nnqueue.client.job import Job
 from nnqueue.client.settings import ClientSettings
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 
 # Called with every Job a Client in this process submits (`nnqueue submit` lists a script's jobs this way).
 submit_hooks: list[Callable[[Job], None]] = []
+# A job's spec goes in a header (the payload is then the whole body) up to this length; a longer one (much
+# metadata) in a multipart form with the payload: proxies limit a header's size (nginx: 8 KiB by default).
+SPEC_HEADER_MAX_BYTES = 4096
 
 
 def client_versions() -> dict[str, str]:
@@ -62,6 +66,8 @@ class Client:
         self.url = self.transport.url
         self.blocking = ClientSettings().blocking if blocking is None else blocking
         self.console = console or Console(stderr=True)
+        # Whether the API takes a raw payload with the spec in a header (an older one reads only forms: _post_job).
+        self._raw_submissions = True
 
     @classmethod
     def from_env(cls, **overrides: Any) -> Client:
@@ -115,16 +121,25 @@ class Client:
             "metadata": metadata or {},
             "client": client_versions(),
         }
-        response = self.transport.request(
-            "POST",
-            "/v1/jobs",
-            data={"spec": json.dumps(spec)},
-            files={"payload": ("payload", payload, "application/octet-stream")},
-        )
-        job = self._job(response.json())
+        job = self._job(self._post_job(json.dumps(spec), payload).json())
         for hook in list(submit_hooks):
             hook(job)
         return job
+
+    def _post_job(self, spec: str, payload: bytes) -> httpx.Response:
+        """``POST /v1/jobs``: the payload as the body, the spec (ASCII JSON) in the ``Nnqueue-Spec`` header, which the
+        API reads without parsing a form; a multipart form of the two when the spec is too long for a header, or
+        when the API predates the header (it answers 422, both form fields missing, and nothing was stored)."""
+        if self._raw_submissions and len(spec) <= SPEC_HEADER_MAX_BYTES:
+            headers = {"Content-Type": "application/octet-stream", "Nnqueue-Spec": spec}
+            try:
+                return self.transport.request("POST", "/v1/jobs", content=payload, headers=headers)
+            except APIError as error:
+                if not _form_fields_missing(error):
+                    raise
+                self._raw_submissions = False
+        files = {"payload": ("payload", payload, "application/octet-stream")}
+        return self.transport.request("POST", "/v1/jobs", data={"spec": spec}, files=files)
 
     def job(self, job_id: str) -> Job:
         """The job with this id (404 :class:`NotFoundError` if it is not one of this key's owner's)."""
@@ -245,3 +260,12 @@ def load_spec(spec: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ValueError(f"{spec} does not hold a harvest spec (a mapping), but {type(loaded).__name__}")
     return loaded
+
+
+def _form_fields_missing(error: APIError) -> bool:
+    """Whether a submission was refused for lacking the multipart form's payload field: the answer of an API that
+    reads only forms (a raw payload is, to it, a form with no fields)."""
+    if error.status_code != 422 or not isinstance(error.detail, list):
+        return False
+    missing = {"type": "missing", "loc": ["body", "payload"]}
+    return any(isinstance(item, dict) and item.items() >= missing.items() for item in error.detail)

@@ -14,12 +14,18 @@ from sqlalchemy.orm import Session, sessionmaker
 if TYPE_CHECKING:
     from sqlalchemy.engine import CursorResult
 
+# Database connections each process may hold (the most SQLAlchemy's default pool opened: 5 plus 10 overflow).
+POOL_SIZE = 15
+
 
 def make_engine(url: str) -> Engine:
     """An engine for ``url``. For SQLite, creates the file's folder and turns on WAL and foreign keys."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        # Up to POOL_SIZE connections, kept once opened, and no overflow: SQLAlchemy's default (5, plus 10 opened
+        # and closed again as demand comes and goes) had the API's 40 threads open a new connection, a Postgres
+        # process, for every few requests under load. A thread finding all of them busy waits for one.
+        return create_engine(url, pool_pre_ping=True, pool_size=POOL_SIZE, max_overflow=0)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
     # The API, the worker and the CLI share the embedded SQLite file: wait for locks, don't fail.

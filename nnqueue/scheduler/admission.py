@@ -1,10 +1,11 @@
-"""Admission: whether a new job may be accepted, checked by :func:`nnqueue.scheduler.submission.submit_job`
+"""Admission: whether a new job may be accepted, checked by :func:`nnqueue.scheduler.submission.accept_job`
 for every submitter (the API, the CLI, schedules), before anything is stored.
 
 Two rules: some live worker serves the job's model (else :class:`ModelNotServed`: nothing would ever run it),
 and the submitting API key has fewer than its limit of jobs queued or running (else
-:class:`TooManyJobsInFlight`). The count is read before the job is added, so submissions racing each other
-may pass it together: it bounds a key's load, it is not an exact quota.
+:class:`TooManyJobsInFlight`). The count is read as the job is added (by the same statement on Postgres, see
+:mod:`nnqueue.scheduler.intake`), so submissions racing each other may pass it together: it bounds a key's load,
+it is not an exact quota.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from nnqueue.scheduler.registry import LiveModels
 from nnqueue.settings import Settings
 
 IN_FLIGHT = (JobStatus.QUEUED, JobStatus.RUNNING)
-# A key's jobs in flight, counted up to its limit only: the count's cost stays bounded however many it has.
-# Built once (building a statement costs more CPU than running this one).
-_IN_FLIGHT = select(func.count()).select_from(
+# A key's jobs in flight, counted up to its limit only: the count's cost stays bounded however many it has
+# (parameters ``key`` and ``limit``; a null key counts none). Built once (building costs more CPU than running it).
+IN_FLIGHT_COUNT = select(func.count()).select_from(
     select(Job.id)
     .where(Job.api_key_id == bindparam("key"), Job.status.in_(IN_FLIGHT))
     .limit(bindparam("limit"))
@@ -57,17 +58,18 @@ class AdmissionPolicy:
         return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key, live)
 
 
-def admit(session: Session, policy: AdmissionPolicy, model_key: str, api_key_id: int | None) -> None:
-    """Return if a job for ``model_key`` from ``api_key_id`` may be accepted, else raise :class:`AdmissionRefused`."""
+def require_served(session: Session, policy: AdmissionPolicy, model_key: str) -> None:
+    """Return if some live worker serves ``model_key``, else raise :class:`ModelNotServed` naming the live models."""
     live = policy.live_models or LiveModels(policy.stale_after_s, max_age_s=0)
     if not live.serves(session, model_key):
         served = ", ".join(repr(key) for key in sorted(live.read(session))) or "none"
         raise ModelNotServed(f"no live worker serves model {model_key!r}; live models: {served}")
-    if api_key_id is None:
-        return
-    limit = policy.max_jobs_in_flight_per_key
-    in_flight = session.scalar(_IN_FLIGHT, {"key": api_key_id, "limit": limit})
-    if (in_flight or 0) >= limit:
+
+
+def refuse_if_full(in_flight: int, limit: int) -> None:
+    """Raise :class:`TooManyJobsInFlight` if an API key with ``in_flight`` jobs queued or running is at ``limit``.
+    The count itself is part of the statement that adds the job (:mod:`nnqueue.scheduler.intake`)."""
+    if in_flight >= limit:
         raise TooManyJobsInFlight(
             f"this API key already has {in_flight} jobs queued or running; the limit is {limit} "
             "(NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY): wait for some to finish"

@@ -2,8 +2,9 @@
 
 A payload of at most ``NNQUEUE_INLINE_PAYLOAD_MAX_BYTES`` is inserted into ``job_payloads`` in the same
 transaction as its job (an object-store PUT costs a round trip and a request signature, several times the
-insert); a larger one goes to the store first, under a key derived from the job's id, and the job names the key.
-Either way the payload is durable before the job is committed, and deleting the job removes a kept payload.
+insert); a larger one goes to the store under a key derived from the job's id, which the job's row names, while
+the job's transaction is open (after the row was added, so a refused job stores nothing). Either way the payload
+is durable before the job is committed, and deleting the job removes a kept payload.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import uuid
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue import metrics
 from nnqueue.db.models import Job, JobPayload
 from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import payload_key
@@ -22,14 +24,16 @@ class PayloadMissing(NNqueueError, LookupError):
     """The job's payload is neither in the database nor in the object store."""
 
 
-def store_payload(store: ObjectStore, job_id: uuid.UUID, data: bytes, inline_max_bytes: int) -> str | None:
-    """Put a payload too large to keep inline into the object store and return its key; None for a small one,
-    which :func:`keep_inline` adds to the job's transaction."""
-    if len(data) <= inline_max_bytes:
-        return None
-    key = payload_key(job_id)
+def object_key(job_id: uuid.UUID, size: int, inline_max_bytes: int) -> str | None:
+    """The object-store key of a payload of ``size`` bytes too large to keep inline; None for a small one, which
+    goes into ``job_payloads`` beside its job."""
+    return None if size <= inline_max_bytes else payload_key(job_id)
+
+
+def store_payload(store: ObjectStore, key: str, data: bytes) -> None:
+    """Put a payload too large to keep inline into the object store, before its job's transaction commits."""
     store.put_bytes(key, data)
-    return key
+    metrics.STORE_BYTES_WRITTEN.labels("payload").inc(len(data))
 
 
 def keep_inline(session: Session, job_id: uuid.UUID, data: bytes) -> None:

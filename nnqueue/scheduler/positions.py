@@ -10,29 +10,36 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy import and_, bindparam, func, or_, select
+from sqlalchemy import ScalarSelect, and_, bindparam, func, or_, select
 from sqlalchemy.orm import Session, aliased
 
 from nnqueue.db.models import Job, JobStatus
 
-_ahead = aliased(Job)
-_place = (
-    select(func.count())
-    .where(
-        _ahead.model_key == Job.model_key,
-        _ahead.status == JobStatus.QUEUED,
-        or_(
-            _ahead.priority > Job.priority,
-            and_(
-                _ahead.priority == Job.priority,
-                or_(_ahead.queued_at < Job.queued_at, and_(_ahead.queued_at == Job.queued_at, _ahead.id <= Job.id)),
+
+def jobs_ahead(model_key: Any, priority: Any, queued_at: Any, job_id: Any) -> ScalarSelect[int]:
+    """How many of ``model_key``'s QUEUED jobs run before (or are) a job with this priority, time and id: its place
+    when it is one of them, one less than its place when the count cannot see it (it is being added)."""
+    ahead = aliased(Job)
+    return (
+        select(func.count())
+        .where(
+            ahead.model_key == model_key,
+            ahead.status == JobStatus.QUEUED,
+            or_(
+                ahead.priority > priority,
+                and_(
+                    ahead.priority == priority,
+                    or_(ahead.queued_at < queued_at, and_(ahead.queued_at == queued_at, ahead.id <= job_id)),
+                ),
             ),
-        ),
+        )
+        .scalar_subquery()
     )
-    .correlate(Job)
-    .scalar_subquery()
-)
+
+
+_place = jobs_ahead(Job.model_key, Job.priority, Job.queued_at, Job.id).correlate(Job)
 _POSITIONS = select(Job.id, _place).where(Job.id.in_(bindparam("ids", expanding=True)), Job.status == JobStatus.QUEUED)
 
 

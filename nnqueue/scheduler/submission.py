@@ -1,30 +1,34 @@
-"""Accepting a job: admission, payload stored, row to the database, a token to the model's queue.
+"""Accepting a job: admission, row and payload to the database (or the payload to the object store), a token to
+the model's queue.
 
-Admission comes first (:mod:`nnqueue.scheduler.admission`: a live worker serves the model, the key has room),
-so a refused job leaves nothing behind. The order of the rest makes an accepted job durable before anyone can
-run it: the payload is stored first (a small one in the job's own transaction, a large one in the object store
-under a key derived from a fresh job id; see :mod:`nnqueue.scheduler.payloads`), then the QUEUED row is
-committed, then the token is sent (:mod:`nnqueue.broker`: it names the model, not the job; a worker claims the
-model's best queued job). If the broker refuses the token the job is marked FAILED with that cause
-rather than left queued forever. The API accepts a job in the transaction of its request (:func:`accept_job`,
-then :func:`queue_job`): admission, row and queue position on one connection.
+Admission comes first (:mod:`nnqueue.scheduler.admission`: a live worker serves the model, the key has room; the
+second is checked by the statement that adds the row, :mod:`nnqueue.scheduler.intake`), so a refused job leaves
+nothing behind. The order of the rest makes an accepted job durable before anyone can run it: the QUEUED row is
+added in a transaction with its payload (a small one beside it, a large one stored in the object store under a
+key derived from the job id before the transaction commits; see :mod:`nnqueue.scheduler.payloads`), then the
+token is sent (:mod:`nnqueue.broker`: it names the model, not the job; a worker claims the model's best queued
+job). If the broker refuses the token the job is marked FAILED with that cause rather than left queued forever.
+The API accepts a job in the transaction of its request (:func:`accept_job`, then :func:`queue_job`): admission,
+row and queue position in one statement on Postgres.
 """
 
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any, Required, TypedDict, Unpack
 
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
-from nnqueue.db.lifecycle import create_job, transition
-from nnqueue.db.models import Job, JobKind, JobStatus
+from nnqueue.db.lifecycle import transition
+from nnqueue.db.models import Job, JobKind, JobStatus, utcnow
 from nnqueue.db.session import transaction
-from nnqueue.scheduler.admission import AdmissionPolicy, admit
+from nnqueue.scheduler.admission import AdmissionPolicy, require_served
 from nnqueue.scheduler.enqueue import send_job_tokens
-from nnqueue.scheduler.payloads import keep_inline, store_payload
+from nnqueue.scheduler.intake import add_job
+from nnqueue.scheduler.payloads import object_key, store_payload
 from nnqueue.storage.object_store import ObjectStore
 
 
@@ -42,6 +46,14 @@ class JobFields(TypedDict, total=False):
     job_id: uuid.UUID | None  # the new job's id when the submitter derives it (it must not exist yet); default: uuid4
 
 
+@dataclass(frozen=True)
+class Accepted:
+    """A job added to its submitter's transaction, and its 1-based place among its model's queued jobs."""
+
+    job: Job
+    queue_position: int
+
+
 def submit_job(
     sessions: sessionmaker[Session],
     store: ObjectStore,
@@ -54,11 +66,11 @@ def submit_job(
     """Accept the job in a transaction of its own and queue it, or raise
     :class:`~nnqueue.scheduler.admission.AdmissionRefused` (nothing stored)."""
     with transaction(sessions) as session:
-        job = accept_job(
+        accepted = accept_job(
             session, store, admission=admission, inline_payload_max_bytes=inline_payload_max_bytes, **fields
         )
-    queue_job(sessions, app, job)
-    return job
+    queue_job(sessions, app, accepted.job)
+    return accepted.job
 
 
 def accept_job(
@@ -68,34 +80,40 @@ def accept_job(
     admission: AdmissionPolicy,
     inline_payload_max_bytes: int = 0,
     **fields: Unpack[JobFields],
-) -> Job:
-    """Admit the job, then add it QUEUED with its payload to the caller's transaction (a large payload goes to the
-    object store first). The caller commits, then calls :func:`queue_job`."""
-    model_key, payload, api_key_id = fields["model_key"], fields["payload"], fields.get("api_key_id")
-    admit(session, admission, model_key, api_key_id)
-    job_id = fields.get("job_id") or uuid.uuid4()
-    key = store_payload(store, job_id, payload, inline_payload_max_bytes)
-    if key is not None:
-        metrics.STORE_BYTES_WRITTEN.labels("payload").inc(len(payload))
-    job = create_job(
-        session,
-        Job(
-            id=job_id,
-            owner=fields["owner"],
-            api_key_id=api_key_id,
-            model_key=model_key,
-            kind=fields.get("kind", JobKind.TRACE),
-            timeout_s=fields.get("timeout_s", 600.0),
-            priority=fields.get("priority", 0),
-            meta=fields.get("meta", {}),
-            payload_key=key,
-            payload_size=len(payload),
-        ),
-        detail={"payload_bytes": len(payload)},
+) -> Accepted:
+    """Admit the job and add it QUEUED to the caller's transaction, with its payload when that is at most
+    ``inline_payload_max_bytes`` (a larger one goes to the object store, after the row and before the caller
+    commits); raises :class:`~nnqueue.scheduler.admission.AdmissionRefused`, adding and storing nothing.
+    The caller commits, then calls :func:`queue_job`."""
+    require_served(session, admission, fields["model_key"])
+    payload = fields["payload"]
+    job = _new_job(fields, inline_payload_max_bytes)
+    position = add_job(session, job, payload if job.payload_key is None else None, admission.max_jobs_in_flight_per_key)
+    if job.payload_key is not None:
+        store_payload(store, job.payload_key, payload)
+    return Accepted(job, position)
+
+
+def _new_job(fields: JobFields, inline_payload_max_bytes: int) -> Job:
+    """The QUEUED job that ``fields`` describe, every column set (it is inserted without the ORM's defaults)."""
+    job_id, now = fields.get("job_id") or uuid.uuid4(), utcnow()
+    return Job(
+        id=job_id,
+        owner=fields["owner"],
+        api_key_id=fields.get("api_key_id"),
+        model_key=fields["model_key"],
+        kind=fields.get("kind", JobKind.TRACE),
+        status=JobStatus.QUEUED,
+        priority=fields.get("priority", 0),
+        timeout_s=fields.get("timeout_s", 600.0),
+        meta=fields.get("meta", {}),
+        payload_key=object_key(job_id, len(fields["payload"]), inline_payload_max_bytes),
+        payload_size=len(fields["payload"]),
+        attempts=0,
+        progress_done=0,
+        created_at=now,
+        queued_at=now,
     )
-    if key is None:
-        keep_inline(session, job_id, payload)
-    return job
 
 
 def queue_job(sessions: sessionmaker[Session], app: Celery, job: Job) -> None:

@@ -57,6 +57,54 @@ def test_submit_stores_the_job_and_returns_it(api: Api, services: Services) -> N
     assert api.http.get(f"/v1/jobs/{job['id']}", headers=alice).json() == job
 
 
+def test_a_raw_payload_with_its_spec_in_a_header_is_a_job_like_a_forms(api: Api, services: Services) -> None:
+    alice = api.new_key("alice")
+    spec = {"priority": 2, "timeout_s": 30, "metadata": {"run": "é ✓"}, "client": {"nnsight": "0.8.1", "python": "3"}}
+    raw = api.submit_raw(alice, fake_trace(b"raw body"), **spec)
+    assert raw.status_code == 201, raw.text
+    form = api.submit_ok(alice, fake_trace(b"raw body"), **spec)
+    differ = {"id", "created_at", "queued_at", "queue_position"}
+    assert {k: v for k, v in raw.json().items() if k not in differ} == {
+        k: v for k, v in form.items() if k not in differ
+    }
+    stored = services.job(uuid.UUID(raw.json()["id"]))
+    assert stored.meta == {"metadata": {"run": "é ✓"}, "client": spec["client"]}
+    assert load_payload(services.sessions, services.store, stored) == fake_trace(b"raw body")
+
+
+@pytest.mark.parametrize(
+    ("spec_header", "payload", "loc", "says"),
+    [
+        (None, fake_trace(), ["header", "nnqueue-spec"], "Field required"),
+        ('{"model_key": "é"}'.encode(), fake_trace(), ["header", "nnqueue-spec"], "must be ASCII"),
+        ("{not json", fake_trace(), ["header", "nnqueue-spec"], "not JSON"),
+        (json.dumps({"kind": "trace"}), fake_trace(), ["header", "nnqueue-spec", "model_key"], "Field required"),
+        (
+            json.dumps({"model_key": LIVE_MODEL, "timeout_s": 0}),
+            fake_trace(),
+            ["header", "nnqueue-spec", "timeout_s"],
+            "greater than 0",
+        ),
+        ('{"model_key": "m", "metadata": {"x": NaN}}', fake_trace(), ["header", "nnqueue-spec"], "NaN is not JSON"),
+        (json.dumps({"model_key": LIVE_MODEL}), b"not a trace", ["body", "payload"], "neither an nnqueue prebuilt"),
+    ],
+)
+def test_a_raw_submission_that_is_wrong_is_422_naming_where(
+    api: Api, spec_header: str | bytes | None, payload: bytes, loc: list[str], says: str
+) -> None:
+    headers = api.new_key(f"raw-{uuid.uuid4().hex[:8]}")
+    if spec_header is None:
+        response = api.http.post(
+            "/v1/jobs", headers={**headers, "Content-Type": "application/octet-stream"}, content=payload
+        )
+    else:
+        response = api.submit_raw(headers, payload, spec_header=spec_header)
+    assert response.status_code == 422, response.text
+    [error] = [error for error in response.json()["detail"] if error["loc"] == loc]
+    assert says in error["msg"]
+    assert api.http.get("/v1/jobs", headers=headers).json()["jobs"] == []
+
+
 def test_a_payload_over_the_inline_limit_goes_to_the_object_store(services: Services) -> None:
     large, small = fake_trace(b"a larger body"), fake_trace(b"small")
     with api_client(services, inline_payload_max_bytes=len(small), worker_stale_after_s=3600) as api:
@@ -112,6 +160,21 @@ def test_missing_form_fields_are_422(api: Api) -> None:
     assert no_payload.status_code == no_spec.status_code == 422
     assert ["body", "payload"] in [error["loc"] for error in no_payload.json()["detail"]]
     assert ["body", "spec"] in [error["loc"] for error in no_spec.json()["detail"]]
+    as_json = api.http.post("/v1/jobs", headers=alice, json={"spec": {"model_key": LIVE_MODEL}, "payload": "x"})
+    assert as_json.status_code == 422  # neither a form nor a raw payload: both form fields are missing
+    assert {("body", "spec"), ("body", "payload")} <= {tuple(error["loc"]) for error in as_json.json()["detail"]}
+
+
+def test_form_fields_of_the_wrong_kind_are_422(api: Api) -> None:
+    alice, spec = api.new_key("alice"), json.dumps({"model_key": LIVE_MODEL})
+    spec_as_file = api.http.post("/v1/jobs", headers=alice, files={"spec": ("s", spec), "payload": ("t", fake_trace())})
+    payload_as_text = api.http.post("/v1/jobs", headers=alice, data={"spec": spec, "payload": "text"})
+    assert spec_as_file.status_code == payload_as_text.status_code == 422
+    assert [error["loc"] for error in spec_as_file.json()["detail"]] == [["body", "spec"]]
+    assert [error["loc"] for error in payload_as_text.json()["detail"]] == [["body", "payload"]]
+    not_a_form = {**alice, "Content-Type": "multipart/form-data; boundary=b"}
+    broken = api.http.post("/v1/jobs", headers=not_a_form, content=b"--b\r\nno headers, no end")
+    assert broken.status_code == 400, broken.text
 
 
 def test_an_oversized_payload_is_413_and_nothing_is_stored(services: Services) -> None:
@@ -120,53 +183,79 @@ def test_an_oversized_payload_is_413_and_nothing_is_stored(services: Services) -
         ivan = api.new_key("ivan")
         assert api.submit(ivan, fake_trace(b"x" * (limit - 11))).status_code == 201  # exactly the limit is fine
 
+        assert api.submit_raw(ivan, fake_trace(b"x" * (limit - 11))).status_code == 201
+
         over = api.submit(ivan, b"x" * (limit + 1))  # checked by the route
         huge = api.submit(ivan, b"x" * (4 * 1024 * 1024))  # refused from its Content-Length
-        for response in (over, huge):
+        raw_over, raw_huge = api.submit_raw(ivan, b"x" * (limit + 1)), api.submit_raw(ivan, b"x" * (4 * 1024 * 1024))
+        for response in (over, huge, raw_over, raw_huge):
             assert response.status_code == 413, response.text
             detail = response.json()["detail"]
             assert detail == f"payload too large: the limit is {limit} bytes (NNQUEUE_MAX_PAYLOAD_BYTES)"
-        assert len(api.http.get("/v1/jobs", headers=ivan).json()["jobs"]) == 1
+        assert len(api.http.get("/v1/jobs", headers=ivan).json()["jobs"]) == 2
 
 
-def test_an_upload_without_content_length_is_cut_off_while_it_streams_in(services: Services) -> None:
-    """Driven at the ASGI level, chunk by chunk, as a server delivers a chunked upload."""
+def _post_chunks(api: Api, headers: list[tuple[bytes, bytes]], chunks: list[bytes]) -> tuple[int, int]:
+    """POST /v1/jobs driven at the ASGI level, chunk by chunk as a server delivers a chunked upload, then a
+    disconnect; the response's status and the bytes the app read."""
+    messages, received, response = iter(chunks), 0, {}
+
+    async def receive() -> dict[str, Any]:
+        nonlocal received
+        body = next(messages, None)
+        if body is None:
+            return {"type": "http.disconnect"}
+        received += len(body)
+        return {"type": "http.request", "body": body, "more_body": True}
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            response["status"] = message["status"]
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/jobs",
+        "raw_path": b"/v1/jobs",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"authorization", api.new_key("ivan")["Authorization"].encode()), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("testserver", 80),
+    }
+    asyncio.run(api.http.app(scope, receive, send))
+    return response["status"], received
+
+
+SPEC = json.dumps({"model_key": LIVE_MODEL}).encode()
+FORM_HEAD = b'--b\r\nContent-Disposition: form-data; name="spec"\r\n\r\n' + SPEC + b"\r\n"
+FORM_HEAD += b'--b\r\nContent-Disposition: form-data; name="payload"; filename="t"\r\n\r\n'
+FORM = [(b"content-type", b"multipart/form-data; boundary=b")]
+RAW = [(b"content-type", b"application/octet-stream"), (b"nnqueue-spec", SPEC)]
+
+
+@pytest.mark.parametrize(("headers", "head"), [(FORM, FORM_HEAD), (RAW, b"")], ids=["form", "raw"])
+def test_an_upload_without_content_length_is_cut_off_while_it_streams_in(
+    services: Services, headers: list[tuple[bytes, bytes]], head: bytes
+) -> None:
     limit, chunk = 1000, b"x" * 65536
     with api_client(services, max_payload_bytes=limit, worker_stale_after_s=3600) as api:
-        secret = api.new_key("ivan")["Authorization"].encode()
-        spec = json.dumps({"model_key": LIVE_MODEL}).encode()
-        head = b'--b\r\nContent-Disposition: form-data; name="spec"\r\n\r\n' + spec + b"\r\n"
-        head += b'--b\r\nContent-Disposition: form-data; name="payload"; filename="t"\r\n\r\n'
-        messages = iter([head] + [chunk] * 1024)  # a 64 MiB upload
-        received, response = 0, {}
-
-        async def receive() -> dict[str, Any]:
-            nonlocal received
-            body = next(messages, b"")
-            received += len(body)
-            return {"type": "http.request", "body": body, "more_body": bool(body)}
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                response["status"] = message["status"]
-
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": "POST",
-            "scheme": "http",
-            "path": "/v1/jobs",
-            "raw_path": b"/v1/jobs",
-            "query_string": b"",
-            "root_path": "",
-            "headers": [(b"authorization", secret), (b"content-type", b"multipart/form-data; boundary=b")],
-            "client": ("127.0.0.1", 1),
-            "server": ("testserver", 80),
-        }
-        asyncio.run(api.http.app(scope, receive, send))
-    assert response["status"] == 413
+        status_code, received = _post_chunks(api, headers, [head] + [chunk] * 1024)  # a 64 MiB upload
+    assert status_code == 413
     assert received <= limit + FORM_OVERHEAD_BYTES + len(chunk)  # it stopped reading near the limit
+
+
+@pytest.mark.parametrize(("headers", "head"), [(FORM, FORM_HEAD), (RAW, b"")], ids=["form", "raw"])
+def test_a_client_that_leaves_mid_upload_gets_a_400_and_nothing_is_stored(
+    api: Api, headers: list[tuple[bytes, bytes]], head: bytes
+) -> None:
+    before = len(api.http.get("/v1/jobs?limit=200", headers=api.new_key("ivan")).json()["jobs"])
+    status_code, _ = _post_chunks(api, headers, [head, fake_trace(b"half a pay")])
+    assert status_code == 400
+    assert len(api.http.get("/v1/jobs?limit=200", headers=api.new_key("ivan")).json()["jobs"]) == before
 
 
 def test_jobs_in_flight_per_key_are_limited_with_429(services: Services) -> None:

@@ -71,33 +71,84 @@ def saves_bytes(saves: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
-def test_submit_sends_the_spec_and_payload_as_multipart_with_the_key() -> None:
+def test_submit_sends_the_payload_as_the_body_and_the_spec_in_a_header_with_the_key() -> None:
     seen: dict[str, Any] = {}
 
     def handler(request: httpx.Request) -> httpx.Response:
         seen["auth"] = request.headers.get("authorization")
         seen["body"] = request.read()
         seen["type"] = request.headers["content-type"]
+        seen["spec"] = request.headers["nnqueue-spec"]
         return httpx.Response(201, json=job_json())
 
     submitted: list[Job] = []
     client_module.submit_hooks.append(submitted.append)
     try:
-        job = scripted(handler).submit("m", b"\x00payload\xff", timeout_s=30, priority=2, metadata={"a": 1})
+        job = scripted(handler).submit("m", b"\x00payload\xff", timeout_s=30, priority=2, metadata={"a": "é"})
     finally:
         client_module.submit_hooks.remove(submitted.append)
 
     assert job.id == JOB_ID and submitted == [job]
-    assert seen["auth"] == "Bearer nnq_secret" and seen["type"].startswith("multipart/form-data")
-    body: bytes = seen["body"]
-    assert b'name="payload"' in body and b"\x00payload\xff" in body
-    spec_part = body.split(b'name="spec"', 1)[1].split(b"\r\n\r\n", 1)[1].split(b"\r\n--", 1)[0]
-    spec = json.loads(spec_part)
+    assert seen["auth"] == "Bearer nnq_secret" and seen["type"] == "application/octet-stream"
+    assert seen["body"] == b"\x00payload\xff" and seen["spec"].isascii()
+    spec = json.loads(seen["spec"])
     import nnsight
 
     assert spec["model_key"] == "m" and spec["kind"] == "trace" and spec["priority"] == 2
-    assert spec["timeout_s"] == 30 and spec["metadata"] == {"a": 1}
+    assert spec["timeout_s"] == 30 and spec["metadata"] == {"a": "é"}
     assert spec["client"]["nnsight"] == nnsight.__version__ and spec["client"]["python"].count(".") == 2
+
+
+def _form_spec(body: bytes) -> dict[str, Any]:
+    assert b'name="payload"' in body and b"\x00payload\xff" in body
+    return json.loads(body.split(b'name="spec"', 1)[1].split(b"\r\n\r\n", 1)[1].split(b"\r\n--", 1)[0])
+
+
+def test_a_spec_too_long_for_a_header_goes_in_a_multipart_form() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(201, json=job_json())
+
+    metadata = {"notes": "n" * client_module.SPEC_HEADER_MAX_BYTES}
+    scripted(handler).submit("m", b"\x00payload\xff", metadata=metadata)
+    [request] = seen
+    assert request.headers["content-type"].startswith("multipart/form-data") and "nnqueue-spec" not in request.headers
+    assert _form_spec(request.read())["metadata"] == metadata
+
+
+def test_an_api_that_reads_only_forms_gets_one_from_then_on() -> None:
+    """An older API reads a raw payload as a form without fields (422, nothing stored): the client sends the form."""
+    kinds: list[str] = []
+
+    def older_api(request: httpx.Request) -> httpx.Response:
+        kinds.append(request.headers["content-type"].split(";")[0])
+        if kinds[-1] != "multipart/form-data":
+            missing = [
+                {"type": "missing", "loc": ["body", field], "msg": "Field required"} for field in ("spec", "payload")
+            ]
+            return httpx.Response(422, json={"detail": missing})
+        assert _form_spec(request.read())["model_key"] == "m"
+        return httpx.Response(201, json=job_json())
+
+    client = scripted(older_api)
+    assert client.submit("m", b"\x00payload\xff").id == JOB_ID
+    assert client.submit("m", b"\x00payload\xff").id == JOB_ID
+    assert kinds == ["application/octet-stream", "multipart/form-data", "multipart/form-data"]
+
+
+def test_a_422_about_the_payload_itself_is_raised_not_retried_as_a_form() -> None:
+    calls: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.headers["content-type"])
+        detail = [{"type": "value_error", "loc": ["body", "payload"], "msg": "the payload is neither ..."}]
+        return httpx.Response(422, json={"detail": detail})
+
+    with pytest.raises(APIError, match="payload: the payload is neither"):
+        scripted(handler).submit("m", b"junk")
+    assert calls == ["application/octet-stream"]
 
 
 @pytest.mark.parametrize(

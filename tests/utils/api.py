@@ -50,6 +50,16 @@ class Api:
         files = {"payload": ("trace.bin", fake_trace() if payload is None else payload)}
         return self.http.post("/v1/jobs", headers=headers, data={"spec": json.dumps(body)}, files=files)
 
+    def submit_raw(
+        self, headers: dict[str, str], payload: bytes | None = None, spec_header: str | bytes | None = None, **spec: Any
+    ) -> httpx.Response:
+        """``POST /v1/jobs`` as the Python client sends it: the payload as the body, the spec in its header
+        (``spec_header`` verbatim when given)."""
+        if spec_header is None:
+            spec_header = json.dumps({"model_key": spec.pop("model_key", LIVE_MODEL), **spec})
+        raw = {**headers, "Content-Type": "application/octet-stream", "Nnqueue-Spec": spec_header}
+        return self.http.post("/v1/jobs", headers=raw, content=fake_trace() if payload is None else payload)
+
     def submit_ok(self, headers: dict[str, str], payload: bytes | None = None, **spec: Any) -> dict[str, Any]:
         response = self.submit(headers, payload, **spec)
         assert response.status_code == 201, response.text

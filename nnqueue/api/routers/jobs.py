@@ -12,9 +12,9 @@ admission of ``accept_job``: a live worker for the model (400) and the key's job
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any, BinaryIO, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile, status
+from fastapi import APIRouter, Depends, HTTPException, Query, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from sqlalchemy import select
@@ -32,7 +32,7 @@ from nnqueue.api.deps import (
     check_scope,
 )
 from nnqueue.api.downloads import stream_object
-from nnqueue.api.limits import payload_too_large
+from nnqueue.api.job_body import OPENAPI_BODY, Submission, read_submission
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec, parse_spec_field
@@ -48,11 +48,6 @@ from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ReleasingRoute)
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such job, or another owner's."}}
-SPEC_DESCRIPTION = (
-    'A JSON object: {"model_key": str, "kind": "trace", "priority": int = 0, "timeout_s": float | null '
-    '(0 < t <= 86400; null: the server default), "metadata": object = {}, "client": {"nnsight": str, '
-    '"python": str} | null}. Unknown fields are rejected.'
-)
 SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "No live worker serves the model; the detail names the live models."},
     403: {"description": "The key lacks the scope of the job's kind (`trace`)."},
@@ -62,34 +57,37 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobResponse, responses=SUBMIT_ERRORS)
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobResponse,
+    responses=SUBMIT_ERRORS,
+    openapi_extra=OPENAPI_BODY,
+)
 def submit(
     caller: CallerDep,
     resources: ResourcesDep,
     session: SessionDep,
-    spec: Annotated[str, Form(description=SPEC_DESCRIPTION)],
-    payload: Annotated[
-        UploadFile,
-        File(
-            description="The trace: an nnqueue prebuilt trace (what the nnqueue client sends) or an nnsight "
-            "serialized trace (RequestModel.serialize, optionally zstd-compressed)."
-        ),
-    ],
+    submission: Annotated[Submission, Depends(read_submission)],
 ) -> Response:
     """Store the payload, create the job and put it on its model's queue.
 
-    One transaction on one connection: admission, the job's row (and a small payload), its queue position.
+    The body is the payload (``application/octet-stream``) with the spec in the ``Nnqueue-Spec`` header, or a
+    multipart form of the two (``spec``, ``payload``).
+
+    One transaction on one connection; on Postgres one statement: admission, the job's row (and a small payload), its
+    queue position (:mod:`nnqueue.scheduler.intake`).
     """
     settings = resources.settings
-    job_spec = parse_spec_field(spec, JobSpec)
+    job_spec = parse_spec_field(submission.spec, JobSpec, submission.spec_loc)
     check_scope(caller, job_spec.kind)
-    data = _read_payload(payload.file, settings.max_payload_bytes)
+    data = submission.payload
     _require_trace(data)
     meta: dict[str, Any] = {"metadata": job_spec.metadata}
     if job_spec.client is not None:
         meta["client"] = job_spec.client.model_dump()
     try:
-        job = accept_job(
+        accepted = accept_job(
             session,
             resources.store,
             admission=resources.admission,
@@ -107,11 +105,10 @@ def submit(
         raise HTTPException(status.HTTP_400_BAD_REQUEST, str(refused)) from None
     except TooManyJobsInFlight as refused:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(refused)) from None
-    position = queue_positions(session, [job]).get(job.id)
     session.commit()
-    queue_job(resources.sessions, resources.celery, job)
+    queue_job(resources.sessions, resources.celery, accepted.job)
     # Serialized here, in this thread: FastAPI would validate the model again in another thread hop.
-    body = JobResponse.of(job, position).model_dump_json()
+    body = JobResponse.of(accepted.job, accepted.queue_position).model_dump_json()
     return Response(body, status_code=status.HTTP_201_CREATED, media_type="application/json")
 
 
@@ -216,14 +213,6 @@ def result_response(
         except PresignUnsupported:
             pass  # a local store: stream it ourselves
     return stream_object(store, key, filename=f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}")
-
-
-def _read_payload(file: BinaryIO, limit: int) -> bytes:
-    """The upload's bytes, reading at most one byte past ``limit`` (the body limit already bounds the spool)."""
-    data = file.read(limit + 1)
-    if len(data) > limit:
-        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, payload_too_large(limit))
-    return data
 
 
 def _require_trace(data: bytes) -> None:
