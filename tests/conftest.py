@@ -112,6 +112,16 @@ def database_factory(postgres_url: str) -> Iterator[Callable[..., str]]:
     admin.dispose()
 
 
+@pytest.fixture(params=["postgres", "sqlite"])
+def any_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh database migrated to head: once on the suite's Postgres, once an embedded SQLite file."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'nnqueue.db'}"
+        migrate.upgrade(url)
+        return url
+    return str(request.getfixturevalue("database_factory")())
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint with a locally trained tokenizer (see tests/utils/tiny_model.py)."""

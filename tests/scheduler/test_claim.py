@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db import migrate
 from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler.claim import claim_next_chunk, claim_next_job
@@ -24,14 +22,9 @@ S = JobStatus
 MODEL = "m"
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
-def sessions(request: pytest.FixtureRequest, tmp_path: Path) -> sessionmaker[Session]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'nnqueue.db'}"
-        migrate.upgrade(url)
-    else:
-        url = request.getfixturevalue("database_factory")()
-    return session_factory(make_engine(url))
+@pytest.fixture
+def sessions(any_database: str) -> sessionmaker[Session]:
+    return session_factory(make_engine(any_database))
 
 
 def test_the_highest_priority_job_runs_first_then_the_oldest(sessions: sessionmaker[Session]) -> None:

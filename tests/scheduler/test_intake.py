@@ -11,7 +11,6 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db import migrate
 from nnqueue.db.models import Job, JobEvent, JobPayload, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler import registry
@@ -25,14 +24,9 @@ MODEL = "m"
 INLINE_MAX = 16
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
-def sessions(request: pytest.FixtureRequest, tmp_path: Path) -> sessionmaker[Session]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'nnqueue.db'}"
-        migrate.upgrade(url)
-    else:
-        url = request.getfixturevalue("database_factory")()
-    sessions = session_factory(make_engine(url))
+@pytest.fixture
+def sessions(any_database: str) -> sessionmaker[Session]:
+    sessions = session_factory(make_engine(any_database))
     registry.register(sessions, registry.new_worker_id(), MODEL, "q", 1)
     return sessions
 
