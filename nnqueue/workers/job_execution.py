@@ -204,10 +204,10 @@ class JobRunner:
 class _ProgressWriter:
     """Writes a running job's progress in the background: the first report after ``PROGRESS_FIRST_S``,
     then the latest at most every ``PROGRESS_EVERY_S``; one write in flight at a time; never after the
-    job left RUNNING under this worker. Only partial progress is written (some invokes done, not all):
-    nothing done says no more than RUNNING does, and all done is written with the job's end. A one-invoke
-    job therefore writes none (on the H100, 256 such jobs made 481 progress transactions, each one
-    Python under the GIL that the engine loop shares)."""
+    job left RUNNING under this worker. All done is not written: the job's end writes it in the same
+    moment (on the H100, 256 one-invoke jobs made 481 progress transactions, half of them that one, each
+    Python under the GIL that the engine loop shares). Nothing done yet is: "0/N invokes" tells a
+    waiting user the job's size."""
 
     def __init__(self, sessions: sessionmaker[Session], job_id: uuid.UUID, worker_id: str) -> None:
         self.sessions, self.job_id, self.worker_id = sessions, job_id, worker_id
@@ -215,7 +215,7 @@ class _ProgressWriter:
         self.task: asyncio.Task[None] | None = None
 
     def report(self, done: int, total: int) -> None:
-        if not 0 < done < total:
+        if done >= total:
             return
         self.latest = (done, total)
         if self.task is None:

@@ -48,6 +48,7 @@ class VLLMTraceExecutor:
             raise JobFailure("PayloadMissing", str(missing)) from None
         trace, requests = await self._prepare(job, payload)
         total = len(requests.request_ids)
+        progress(0, total)
         sinks = await asyncio.to_thread(self.sinks.open, job.id, job.attempts, job.timeout_s)
         committed = False
         try:

@@ -38,6 +38,7 @@ class TransformersExecutor:
             payload = await asyncio.to_thread(load_payload, self.sessions, self.store, job)
         except PayloadMissing as missing:
             raise JobFailure("PayloadMissing", str(missing)) from None
+        progress(0, 1)
         sinks = await asyncio.to_thread(self.sinks.open, job.id, job.attempts, job.timeout_s)
         committed = False
         try:
