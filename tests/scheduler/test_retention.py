@@ -15,7 +15,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
-from nnqueue.db import migrate
 from nnqueue.db.lifecycle import create_job, transition
 from nnqueue.db.models import Job, JobKind, JobPayload, JobStatus, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
@@ -56,19 +55,10 @@ def objects(store: LocalObjectStore, job_id: uuid.UUID) -> list[bool]:
     return [store.exists(key) for key in keys]
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'nnqueue.db'}"
-        migrate.upgrade(url)
-        return url
-    return request.getfixturevalue("database_factory")()
-
-
 def test_ended_jobs_older_than_the_retention_lose_their_objects_and_keep_their_rows(
-    database_url: str, tmp_path: Path
+    any_database: str, tmp_path: Path
 ) -> None:
-    sessions = session_factory(make_engine(database_url))
+    sessions = session_factory(make_engine(any_database))
     store = LocalObjectStore(tmp_path / "objects")
     old = {status: add_job(sessions, store, status, days_ago=10) for status in (S.COMPLETED, S.FAILED, S.CANCELLED)}
     recent = add_job(sessions, store, S.COMPLETED, days_ago=1)
@@ -90,8 +80,8 @@ def test_ended_jobs_older_than_the_retention_lose_their_objects_and_keep_their_r
     assert purge_expired(sessions, store, timedelta(days=7)).jobs == 0  # nothing twice
 
 
-def test_a_payload_kept_in_the_database_is_deleted_with_the_objects(database_url: str, tmp_path: Path) -> None:
-    sessions = session_factory(make_engine(database_url))
+def test_a_payload_kept_in_the_database_is_deleted_with_the_objects(any_database: str, tmp_path: Path) -> None:
+    sessions = session_factory(make_engine(any_database))
     store = LocalObjectStore(tmp_path / "objects")
     old, recent = (add_job(sessions, store, S.FAILED, days_ago=days) for days in (10, 1))
     with transaction(sessions) as session:  # as the API keeps a small payload: in job_payloads, no key
