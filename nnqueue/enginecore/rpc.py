@@ -5,8 +5,8 @@ Every rank runs each call (each holds its own workers for the requests); only th
 writes, and the others return None, as nnsight's ``collect_nnsight`` does under tensor parallelism.
 
 * ``nnqueue_finish_trace``: once per job, after all its requests finished. Collects and merges the saves in
-  this process (:mod:`nnqueue.enginecore.trace_collect`), copies them to host memory, and hands them to the
-  result writer thread; returns at once. The outcome arrives through the outbox.
+  this process (:mod:`nnqueue.enginecore.trace_collect`), starts their copies to host memory (without
+  waiting on the GPU: `trace_results.HostCopies`), and hands them to the result writer threads; returns at once. The outcome arrives through the outbox.
 * ``nnqueue_discard_trace``: frees the state of requests that were aborted, cancelled or timed out.
 * ``nnqueue_outbox``: the queued completions (:mod:`nnqueue.enginecore.outbox`).
 * ``nnqueue_harvest_begin`` / ``nnqueue_harvest_abort``: start or drop a harvest chunk
@@ -53,8 +53,10 @@ class NNqueueRPC:
             collected = trace_collect.collect_trace(self.model_runner, list(request_ids), finished)
             if not reporting:
                 return None
-            collected.saves = trace_results.snapshot(collected.saves)
-            _result_writer().submit(trace_id, collected, sinks)
+            copies = trace_results.HostCopies()
+            collected.saves = trace_results.snapshot(collected.saves, copies)
+            copies.seal()
+            _result_writer().submit(trace_id, collected, sinks, copies)
         except Exception as error:  # a bug here must fail the job, not the engine every job shares
             log.exception("finishing trace %s failed", trace_id)
             trace_collect.release(self.model_runner, list(request_ids))
