@@ -16,6 +16,7 @@ environment or their parent; they write results and shards through presigned URL
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -95,6 +96,7 @@ def run_worker(
     started = time.monotonic()
     executor = host.call(_start_executor(engine_kind, model, engine_kwargs, settings, sessions, store))
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
+    freeze_startup_heap()
 
     worker_id = registry.new_worker_id()
     health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
@@ -177,6 +179,15 @@ def run_worker(
         shutil.rmtree(crash_dir, ignore_errors=True)
     if health.dead.is_set():
         sys.exit(EXIT_ENGINE_DIED)  # the supervisor starts a fresh worker
+
+
+def freeze_startup_heap() -> None:
+    """Move every object made so far (the engine client, the model's meta copy, the libraries) out of the
+    garbage collector's reach, as vLLM's engine core does after it starts. Otherwise each full collection
+    walks them all, holding the GIL that the engine loop and every job thread share: a full collection took
+    0.5-0.7 s in each run of 256 one-prompt jobs (tiny model on a 2-core CPU machine), 0.03-0.15 s frozen."""
+    gc.collect()
+    gc.freeze()
 
 
 def isolate(settings: Settings) -> None:
