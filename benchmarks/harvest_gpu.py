@@ -499,6 +499,76 @@ class LoopSampler:
         return {"samples": self.samples, "innermost": share(self.innermost), "nnqueue_frame": share(self.ours)}
 
 
+def engine_sampler(worker: Any, action: str, interval_s: float = 0.001) -> Any:
+    """Sent into the engine's worker process by ``collective_rpc`` (``--engine-profile``: cloudpickled by
+    value, so it imports nothing of this script). ``start``: sample the stack of the thread the RPC runs on
+    (the one that steps the model) every ``interval_s``; ``stop``: the shares of time. Each sample counts the
+    time since the previous one (a sampler waiting for the GIL would otherwise under-count code that holds it),
+    by its innermost frame, its innermost nnsight/nnqueue frame, and its phase: the frame vLLM's engine core (or,
+    under tensor parallelism, its worker loop) called to step or answer an RPC."""
+    import sys
+    import threading
+    import time
+
+    def where(frame: Any) -> str:
+        parts = frame.f_code.co_filename.split("/")
+        return f"{'/'.join(parts[-2:])}:{frame.f_code.co_name}"
+
+    if action == "start":
+        target = threading.get_ident()
+        state = {"run": True, "n": 0, "s": 0.0, "inner": {}, "ours": {}, "phase": {}}
+
+        def run() -> None:
+            last = time.perf_counter()
+            while state["run"]:
+                frame = sys._current_frames().get(target)
+                now = time.perf_counter()
+                elapsed, last = now - last, now
+
+                def count(table: dict[str, float], key: str, elapsed: float = elapsed) -> None:
+                    table[key] = table.get(key, 0.0) + elapsed
+
+                if frame is not None:
+                    state["n"] += 1
+                    state["s"] += elapsed
+                    count(state["inner"], where(frame))
+                    stack = []
+                    while frame is not None:
+                        stack.append(frame)
+                        frame = frame.f_back
+                    stack.reverse()  # outermost first
+                    ours = [
+                        f for f in stack if "/nnsight/" in f.f_code.co_filename or "/nnqueue/" in f.f_code.co_filename
+                    ]
+                    count(state["ours"], where(ours[-1]) if ours else "(none)")
+                    loop = [
+                        i
+                        for i, f in enumerate(stack)
+                        if f.f_code.co_filename.endswith(("v1/engine/core.py", "v1/executor/multiproc_executor.py"))
+                    ]
+                    inner = stack[loop[-1] + 1 : loop[-1] + 3] if loop else stack[-2:]
+                    count(state["phase"], " > ".join(where(f) for f in inner) or "(loop)")
+                time.sleep(interval_s)
+
+        worker._nnqueue_bench_sampler = state
+        threading.Thread(target=run, daemon=True).start()
+        return True
+    state = worker._nnqueue_bench_sampler
+    state["run"] = False
+    time.sleep(0.05)
+    n = max(1e-9, state["s"])
+
+    def share(table: dict[str, float], top: int = 30) -> dict[str, float]:
+        return {k: round(v / n, 3) for k, v in sorted(table.items(), key=lambda item: -item[1])[:top]}
+
+    return {
+        "samples": state["n"],
+        "phase": share(state["phase"]),
+        "nnsight_nnqueue": share(state["ours"]),
+        "innermost": share(state["inner"]),
+    }
+
+
 def _where(frame: Any) -> str:
     code = frame.f_code
     parts = code.co_filename.split("/")
@@ -595,6 +665,12 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int) -> tuple[An
     print(f"engine up in {time.perf_counter() - started:.1f} s: {kwargs}", flush=True)
     prepare_process()
     client = VLLM(str(model_dir), dtype=kwargs["dtype"], max_model_len=kwargs["max_model_len"])
+    try:  # what `nnqueue worker` does once its engine is up (where this nnqueue does it)
+        from nnqueue.workers.main import freeze_startup_heap
+    except ImportError:
+        pass
+    else:
+        freeze_startup_heap()
     return host, engine, client
 
 
@@ -754,7 +830,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         multi_value = queue.load(multi_ids[0])["h"][0].float()
         report["b_multi_vs_c_rel_err"] = float((multi_value - c_value).norm() / c_value.norm())
     row("(c) nnsight async last-token", timed(lambda: run_c(True), args.reps)[0])
-    run_h()
+    if not args.trace_only:
+        run_h()
 
     # Where the worker path's time goes: wrapped steps during one more all-token run, ...
     profile = Profile()
@@ -776,6 +853,18 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     run_b(False, args.concurrency, 1, "(b) sampled all-token")
     report["loop_samples"] = sampler.stop()
     print(json.dumps(report["loop_samples"]), flush=True)
+    if args.engine_profile:  # the engine process's model-stepping thread during one more (b) and (c)
+        report["engine_samples"] = {}
+        for name, run in (
+            ("(b) all-token", lambda: run_b(False, args.concurrency, 1, "(b) engine-sampled all-token")),
+            ("(c) all-token", lambda: run_c(False)),
+        ):
+            host.call(engine.vllm_entrypoint.collective_rpc(engine_sampler, args=("start",)))
+            run()
+            report["engine_samples"][name] = host.call(
+                engine.vllm_entrypoint.collective_rpc(engine_sampler, args=("stop",))
+            )[0]
+            print(name, "engine samples", json.dumps(report["engine_samples"][name]), flush=True)
     busy = LoopBusy(host)
     TRACE_SECONDS.clear()
     row("(c) profiled all-token", timed(lambda: run_c(False), 1)[0])
@@ -990,6 +1079,13 @@ def main() -> None:
     # raw vLLM doesn't have) is short; 8 in flight keep the engine's queue full while earlier ones write.
     parser.add_argument("--prompts-per-chunk", type=int, default=16, help="(h): prompts per harvest chunk")
     parser.add_argument("--chunks", type=int, default=8, help="(h): harvest chunks in flight")
+    parser.add_argument("--trace-only", action="store_true", help="skip the harvest rows (h)")
+    parser.add_argument(
+        "--engine-profile",
+        action="store_true",
+        help="also sample the engine process's stepping thread during one (b) and one (c) run (sets "
+        "VLLM_ALLOW_INSECURE_SERIALIZATION=1, for the sampler's collective_rpc: a benchmark-only setting)",
+    )
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--shape", choices=["8b", "70b"], default="8b", help="the dummy model's shape (not --check-1b)")
     parser.add_argument(
@@ -1019,6 +1115,8 @@ def main() -> None:
         args.prompts_per_job = 2
         args.tolerance = 1e-4
 
+    if args.engine_profile:
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     work = Path(tempfile.mkdtemp(prefix="harvest-"))
     mode = "check" if args.check_1b else "plain" if args.plain_vllm else "bench"
     try:
