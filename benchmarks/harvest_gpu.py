@@ -702,6 +702,10 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         report_db = "postgres"
     else:
         report_db = "sqlite"
+    if args.db_pool:
+        import nnqueue.db.session
+
+        nnqueue.db.session.POOL_SIZE = args.db_pool
     queue = Queue(work / "nnqueue", engine, postgres.url if postgres else None)
     prompts = prompt_ids(P, L, SHAPES[shape]["vocab_size"])
     tokens = P * L
@@ -1097,6 +1101,7 @@ def main() -> None:
         help="(b) on a PostgreSQL server started here (tests/utils/servers.py; NNQUEUE_TEST_POSTGRES_BIN names "
         "its binaries, e.g. the pgserver wheel's) instead of the embedded SQLite file",
     )
+    parser.add_argument("--db-pool", type=int, default=0, help="the job database's connection pool (0: nnqueue's)")
     parser.add_argument("--distributed-executor-backend", help="e.g. ray (default: vLLM's choice, mp)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default="dummy")
