@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from nnqueue.enginecore import outbox
 from nnqueue.enginecore.trace_collect import CollectedTrace
-from nnqueue.enginecore.trace_results import ResultWriter, snapshot, write_saves
+from nnqueue.enginecore.trace_results import HostCopies, ResultWriter, snapshot, write_saves
 from nnqueue.storage.results import load_result
 
 Pair = namedtuple("Pair", "first second")
@@ -33,7 +33,8 @@ class Plain:
         self.value = value
 
 
-def test_a_snapshot_copies_every_tensor_once_and_compacts_views() -> None:
+@pytest.mark.parametrize("copies", [None, HostCopies()], ids=["blocking", "host-copies"])
+def test_a_snapshot_copies_every_tensor_once_and_compacts_views(copies: HostCopies | None) -> None:
     buffer = torch.arange(12.0).reshape(3, 4)  # a step's buffer that the next step overwrites
     row = buffer[1]
     saves = {
@@ -43,7 +44,10 @@ def test_a_snapshot_copies_every_tensor_once_and_compacts_views() -> None:
         "number": 3,
         "module": torch.nn.Linear(2, 2),
     }
-    copied = snapshot(saves)
+    copied = snapshot(saves, copies)
+    if copies is not None:  # CPU tensors are copied at once; CUDA ones by the time `wait` returns
+        copies.seal()
+        copies.wait()
     buffer.zero_()
 
     assert torch.equal(copied["row"], torch.tensor([4.0, 5.0, 6.0, 7.0])) and copied["row"].storage_offset() == 0
