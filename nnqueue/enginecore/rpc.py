@@ -6,7 +6,8 @@ writes, and the others return None, as nnsight's ``collect_nnsight`` does under 
 
 * ``nnqueue_finish_trace``: once per job, after all its requests finished. Collects and merges the saves in
   this process (:mod:`nnqueue.enginecore.trace_collect`), starts their copies to host memory (without
-  waiting on the GPU: `trace_results.HostCopies`), and hands them to the result writer threads; returns at once. The outcome arrives through the outbox.
+  waiting on the GPU: `trace_results.HostCopies`), and hands them to the result writer threads; returns at
+  once. The outcome arrives through the outbox.
 * ``nnqueue_discard_trace``: frees the state of requests that were aborted, cancelled or timed out.
 * ``nnqueue_outbox``: the queued completions (:mod:`nnqueue.enginecore.outbox`).
 * ``nnqueue_harvest_begin`` / ``nnqueue_harvest_abort``: start or drop a harvest chunk
