@@ -845,7 +845,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     profile.wrap(engine.vllm_entrypoint, "collective_rpc", "await collective_rpc (finish, outbox polls)")
     profile.wrap(job_execution, "claim_next_job", "thread: claim (DB)")
     profile.wrap(job_execution, "_transition", "thread: finish (DB)")
-    profile.wrap(job_execution._ProgressWriter, "_write", "thread: progress (DB)")
+    profile.wrap(job_execution.ProgressBook, "_write", "thread: progress (DB, all due jobs)")
     profile.wrap(ResultSinks, "open", "thread: sinks open")
     profile.wrap(ResultSinks, "commit", "thread: sinks commit (move into the store)")
     busy = LoopBusy(host)
