@@ -7,8 +7,9 @@ A CUDA tensor is copied without blocking that thread (`HostCopies`): under vLLM'
 step is already queued on the GPU when the RPC runs, and a plain ``.to("cpu")`` waited for it, holding the
 engine's thread until that step ended (17.5% of its samples on an H100, 6.5-8.6% with `HostCopies`),
 during which it could not schedule the step after. `ResultWriter` then does the slow part on its own
-threads, so the engine goes on stepping: it waits for the copies, then ``torch.save`` of the ``{name: value}`` dict (``saves.pt``), a safetensors copy when every value is a tensor, each written to
-its sink (:mod:`nnqueue.enginecore.sink`), and an outbox entry for the frontend:
+threads, so the engine goes on stepping: it waits for the copies, then ``torch.save`` of the
+``{name: value}`` dict (``saves.pt``), a safetensors copy when every value is a tensor, each written to its
+sink (:mod:`nnqueue.enginecore.sink`), and an outbox entry for the frontend:
 
 ``{"id": trace id, "kind": "trace_result", "error": nnsight DeferredError | None, "load_failed": bool,
 "objects": {"torch": {"size", "sha256"}, "safetensors": {...}}, "write_error": str | None}``; a failed trace
