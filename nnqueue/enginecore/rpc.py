@@ -49,16 +49,17 @@ class NNqueueRPC:
         engine's RPC transport carries bytes), which serves ``tracer.result``.
         """
         reporting = reporting_rank()
+        copies = trace_results.HostCopies()
         try:
             finished = pickle.loads(outputs) if outputs else None
             collected = trace_collect.collect_trace(self.model_runner, list(request_ids), finished)
             if not reporting:
                 return None
-            copies = trace_results.HostCopies()
             collected.saves = trace_results.snapshot(collected.saves, copies)
             copies.seal()
             _result_writer().submit(trace_id, collected, sinks, copies)
         except Exception as error:  # a bug here must fail the job, not the engine every job shares
+            copies.release()
             log.exception("finishing trace %s failed", trace_id)
             trace_collect.release(self.model_runner, list(request_ids))
             if reporting:

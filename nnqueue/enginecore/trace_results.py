@@ -38,52 +38,81 @@ TORCH_OBJECT = "torch"
 SAFETENSORS_OBJECT = "safetensors"
 
 
-# Pinned host memory one result may take for copies that do not block the engine's thread; past it, tensors
-# are copied the blocking way (pinning many gigabytes for one huge result would starve the host).
-PINNED_MAX_BYTES = 256 << 20
+# Pinned host memory this process may hold for result copies not yet written (each tensor counted as the
+# power-of-two block PyTorch's pinned cache gives it); past it, tensors are copied the blocking way.
+PINNED_MAX_BYTES = 2 << 30
+_pinned_lock = threading.Lock()
+_pinned_in_use = [0]
 _side_streams: dict[Any, Any] = {}
 
 
 class HostCopies:
-    """Copies one result's tensors to host memory. A CUDA tensor goes into pinned memory on a side stream,
-    which first waits (on the GPU, not here) for the work already queued on the tensor's device, since
-    finishing a trace may have queued kernels that compute a save. `wait` blocks until every copy is done:
-    the result's writer thread calls it before it reads the values. Other tensors are copied at once."""
+    """Copies one result's tensors to host memory. A CUDA tensor goes into pinned memory on a side stream.
+    That stream first waits for the work queued on the tensor's device so far (finishing a trace may have
+    queued kernels that compute a save), and at `seal` the device's stream waits for the copies, so that the
+    steps queued later, which may overwrite a buffer a save is a view of, run after them: ordering on the GPU
+    only, the engine's thread goes on at once. The result's writer thread calls `wait` before it reads the
+    values and `release` once it has written them. Other tensors are copied at once."""
 
-    def __init__(self, pinned_max_bytes: int = PINNED_MAX_BYTES) -> None:
-        self.pinned_left = pinned_max_bytes
-        self._sources: list[torch.Tensor] = []  # kept alive until their copies are done
+    def __init__(self) -> None:
+        self._pinned = 0
         self._streams: dict[Any, Any] = {}
-        self._done: list[Any] = []
+        self._done: list[tuple[torch.device, Any]] = []
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        size = tensor.numel() * tensor.element_size()
-        if not tensor.is_cuda or size > self.pinned_left:
+        if not tensor.is_cuda:
             return tensor.to("cpu", copy=True)
-        self.pinned_left -= size
+        block = 1 << max(0, (tensor.numel() * tensor.element_size() - 1).bit_length())
+        if not _take_pinned(block):
+            return tensor.to("cpu", copy=True)
+        try:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        except RuntimeError:  # no pinned memory to be had: the blocking way
+            _give_pinned(block)
+            return tensor.to("cpu", copy=True)
+        self._pinned += block
         stream = self._streams.get(tensor.device)
         if stream is None:
             stream = self._streams[tensor.device] = _side_stream(tensor.device)
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         with torch.cuda.stream(stream):
             host.copy_(tensor, non_blocking=True)
-        self._sources.append(tensor)
+        tensor.record_stream(stream)  # freed before the copy ran, its memory waits for it
         return host
 
     def seal(self) -> None:
-        """Mark the end of the copies (on the thread that made them)."""
-        for stream in self._streams.values():
-            self._done.append(stream.record_event())
+        """End the copies (on the thread that made them): later work on their devices runs after them."""
+        for device, stream in self._streams.items():
+            event = stream.record_event()
+            torch.cuda.current_stream(device).wait_event(event)
+            self._done.append((device, event))
         self._streams.clear()
 
     def wait(self) -> None:
-        """Block until the sealed copies are done, then let go of their sources."""
-        for event in self._done:
-            event.synchronize()
+        """Block until the sealed copies are done."""
+        for device, event in self._done:
+            with torch.cuda.device(device):
+                event.synchronize()
         self._done.clear()
-        self._sources.clear()
+
+    def release(self) -> None:
+        """The copies are written (or dropped): give their pinned memory's share back."""
+        _give_pinned(self._pinned)
+        self._pinned = 0
+
+
+def _take_pinned(size: int) -> bool:
+    with _pinned_lock:
+        if _pinned_in_use[0] + size > PINNED_MAX_BYTES:
+            return False
+        _pinned_in_use[0] += size
+        return True
+
+
+def _give_pinned(size: int) -> None:
+    with _pinned_lock:
+        _pinned_in_use[0] -= size
 
 
 def _side_stream(device: torch.device) -> Any:
@@ -186,6 +215,9 @@ class ResultWriter:
             except Exception as error:  # reported to the frontend, which fails the job with it
                 log.exception("writing trace %s's result failed", job.trace_id)
                 entry["write_error"] = f"{type(error).__name__}: {error}"
+            finally:
+                if job.copies is not None:
+                    job.copies.release()
             outbox.post(entry)
 
 

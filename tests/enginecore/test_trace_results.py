@@ -48,6 +48,7 @@ def test_a_snapshot_copies_every_tensor_once_and_compacts_views(copies: HostCopi
     if copies is not None:  # CPU tensors are copied at once; CUDA ones by the time `wait` returns
         copies.seal()
         copies.wait()
+        copies.release()
     buffer.zero_()
 
     assert torch.equal(copied["row"], torch.tensor([4.0, 5.0, 6.0, 7.0])) and copied["row"].storage_offset() == 0
