@@ -254,12 +254,15 @@ class ProgressBook:
                 continue
             try:
                 await asyncio.to_thread(self._write, due)
-            except Exception:  # the database is away: progress is a courtesy, try again next round
+                written = True
+            except Exception:  # the database is away: progress is a courtesy, try again a period later
                 log.warning("writing the progress of %d jobs failed", len(due), exc_info=True)
-                continue
+                written = False
             for job_id, latest in due.items():
                 if (progress := self._jobs.get(job_id)) is not None:
-                    progress.written, progress.due = latest, now + self.every_s
+                    progress.due = now + self.every_s
+                    if written:
+                        progress.written = latest
 
     def _write(self, due: dict[uuid.UUID, tuple[int, int]]) -> None:
         rows = [{"id": job_id, "progress_done": done, "progress_total": total} for job_id, (done, total) in due.items()]
