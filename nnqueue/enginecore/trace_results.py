@@ -61,9 +61,9 @@ class HostCopies:
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        if not tensor.is_cuda:
+        if not tensor.is_cuda or tensor.numel() == 0:  # an empty one has no memory to order
             return tensor.to("cpu", copy=True)
-        block = 1 << max(0, (tensor.numel() * tensor.element_size() - 1).bit_length())
+        block = 1 << (tensor.numel() * tensor.element_size() - 1).bit_length()
         if not _take_pinned(block):
             return tensor.to("cpu", copy=True)
         try:
