@@ -11,10 +11,11 @@ import pytest
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.lifecycle import create_job, transition
-from nnqueue.db.models import Job, JobKind, JobStatus
+from nnqueue.db.lifecycle import transition
+from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.workers.job_execution import ProgressBook
+from tests.utils.queued import queue_job
 
 S = JobStatus
 FIRST_S, EVERY_S = 0.2, 0.4
@@ -26,13 +27,7 @@ def sessions(any_database: str) -> sessionmaker[Session]:
 
 
 def running_jobs(sessions: sessionmaker[Session], count: int, worker_id: str = "w") -> list[uuid.UUID]:
-    ids = [uuid.uuid4() for _ in range(count)]
-    with transaction(sessions) as session:
-        for job_id in ids:
-            create_job(
-                session,
-                Job(id=job_id, owner="o", model_key="m", kind=JobKind.TRACE, timeout_s=60.0, meta={}, payload_size=0),
-            )
+    ids = [queue_job(sessions, "m") for _ in range(count)]
     with transaction(sessions) as session:
         for job_id in ids:
             transition(session, job_id, S.RUNNING, worker_id=worker_id)
