@@ -230,9 +230,11 @@ class ProgressBook:
         """Record ``job_id``'s progress (call on the engine loop)."""
         if done >= total:
             return
-        now = asyncio.get_running_loop().time()
-        progress = self._jobs.setdefault(job_id, _Progress(due=now + self.first_s))
-        progress.latest = (done, total)
+        progress = self._jobs.get(job_id)
+        if progress is None:
+            self._jobs[job_id] = _Progress(due=asyncio.get_running_loop().time() + self.first_s, latest=(done, total))
+        else:
+            progress.latest = (done, total)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._write_while_running())
 
@@ -248,7 +250,7 @@ class ProgressBook:
             due = {
                 job_id: progress.latest
                 for job_id, progress in self._jobs.items()
-                if progress.due <= now and progress.latest is not None and progress.latest != progress.written
+                if progress.due <= now and progress.latest != progress.written
             }
             if not due:
                 continue
@@ -279,7 +281,7 @@ class ProgressBook:
 @dataclass
 class _Progress:
     due: float  # loop time from which the next write may be made
-    latest: tuple[int, int] | None = None
+    latest: tuple[int, int]
     written: tuple[int, int] | None = None
 
 
