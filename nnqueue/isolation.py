@@ -133,8 +133,12 @@ def drop_privileges(user: EngineUser | None = None, hand_over: Iterable[Path] = 
     isolation rests on the scrubbed environment and the non-dumpable parent. The HOME it gets is a
     fresh directory owned by the engine user (mode 0700), also set as ``XDG_CACHE_HOME``'s parent,
     so torch's, triton's and vLLM's caches written after the drop land somewhere writable. Triton reads
-    its default home (``~``) once, at import, so ``TRITON_HOME`` names the new one: a kernel first compiled
-    after the drop (a new batch shape) would otherwise fail the engine on root's ``~/.triton``.
+    its default home (``~``) once, at import, so ``TRITON_HOME`` names the new one, and the cache folders
+    that torch's inductor writes into the environment when first used (``TORCHINDUCTOR_CACHE_DIR``,
+    ``/tmp/torchinductor_root``; ``TRITON_CACHE_DIR``, a folder under it), maybe before the drop and
+    inherited by the engine's worker processes, move into the new HOME too: a kernel first compiled after
+    the drop (a new batch shape) would otherwise fail the engine on a folder of root's (seen on the H100
+    with ``~/.triton``, on 2x H200 with ``/tmp/torchinductor_root/triton/1``).
     ``hand_over``: files the process keeps using afterwards, given to the engine user first.
     """
     user = user or engine_user()
@@ -155,6 +159,8 @@ def drop_privileges(user: EngineUser | None = None, hand_over: Iterable[Path] = 
             "HOME": str(home),
             "XDG_CACHE_HOME": str(home / ".cache"),
             "TRITON_HOME": str(home),
+            "TRITON_CACHE_DIR": str(home / ".triton" / "cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(home / "torchinductor"),
             "USER": user.name,
             "LOGNAME": user.name,
         }

@@ -50,20 +50,25 @@ def test_a_folder_its_owner_or_group_may_read_is_readable(base: Path) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping privileges needs root")
-def test_a_kernel_compiled_after_the_drop_has_a_writable_triton_cache() -> None:
-    """Triton fixes its default cache folder (root's ``~/.triton``) when imported, before the drop: the
-    engine user must still be able to create it, or the first new kernel kills the engine (seen on the H100)."""
+def test_a_kernel_compiled_after_the_drop_has_writable_caches() -> None:
+    """Triton fixes its default cache folder (root's ``~/.triton``) when imported, and torch's inductor writes
+    its cache folders into the environment when first used (``/tmp/torchinductor_root``, and
+    ``TRITON_CACHE_DIR`` under it per device), both maybe before the drop: the engine user must still be
+    able to create what a new kernel writes, or it kills the engine (seen on the H100 and on 2x H200)."""
     pytest.importorskip("triton")
     script = textwrap.dedent(
         """
         import os, triton.knobs
+        from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
         from nnqueue.isolation import drop_privileges, engine_user
+        os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(1)  # what inductor's autotuner does, as root
         assert drop_privileges(engine_user("nobody"))
-        folder = triton.knobs.cache.dir
-        os.makedirs(folder, exist_ok=True)
-        print(folder)
+        for folder in (os.path.join(triton.knobs.cache.dir, "kernel"), os.path.join(cache_dir(), "kernel")):
+            os.makedirs(folder)
+            print(folder)
         """
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert not done.stdout.strip().startswith(os.path.expanduser("~")), done.stdout
+    for folder in done.stdout.split():
+        assert not folder.startswith((os.path.expanduser("~"), "/tmp/torchinductor_root")), folder
