@@ -3,15 +3,19 @@
 Every change is a compare-and-set in the database (``UPDATE ... WHERE status IN (allowed sources)``),
 so two processes racing on the same job (a redelivered task and a cancel, say) cannot both win:
 the loser gets :class:`InvalidTransition` and the row is left as the winner wrote it. Each change
-appends a :class:`~nnqueue.db.models.JobEvent` in the same transaction.
+appends a :class:`~nnqueue.db.models.JobEvent` in the same transaction. A worker claims and finishes its
+jobs many at a time (:func:`start_queued`, :func:`finish_held`): the same compare-and-set for each row, a
+few statements for all of them.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from nnqueue.db.models import Job, JobEvent, JobStatus, utcnow
@@ -93,3 +97,77 @@ def transition(
     job = session.get(Job, job_id, populate_existing=True)
     assert job is not None
     return job
+
+
+def start_queued(session: Session, job_ids: Sequence[uuid.UUID], worker_id: str) -> list[uuid.UUID]:
+    """Move those of ``job_ids`` that are still QUEUED to RUNNING under ``worker_id``, in one UPDATE whose
+    guard is each row's status, and return them (the others were meanwhile claimed or cancelled). The caller
+    commits."""
+    if not job_ids:
+        return []
+    started = session.scalars(
+        update(Job)
+        .where(Job.id.in_(job_ids), Job.status == S.QUEUED)
+        .values(status=S.RUNNING, worker_id=worker_id, **_timestamps(S.RUNNING))
+        .returning(Job.id)
+        .execution_options(synchronize_session=False)
+    ).all()
+    _add_events(session, [(job_id, S.QUEUED, S.RUNNING, {"worker": worker_id}) for job_id in started])
+    return list(started)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a worker's job ended: its final status and the fields to set with it."""
+
+    job_id: uuid.UUID
+    target: JobStatus  # COMPLETED or FAILED
+    detail: dict[str, Any] = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def finish_held(session: Session, endings: Sequence[Ending], worker_id: str) -> list[Job | NNqueueError]:
+    """End each job that is RUNNING under ``worker_id`` as its :class:`Ending` says (a compare-and-set on status
+    and holder per row), and return, in order, the ended :class:`Job` or, for a job that is not (any more)
+    RUNNING under this worker, left unchanged, the :class:`InvalidTransition` (or :class:`JobNotFound`) that
+    says why. The caller commits."""
+    results: list[Job | NNqueueError] = []
+    for ending in endings:
+        if ending.target not in (S.COMPLETED, S.FAILED):
+            raise ValueError(f"a held job ends COMPLETED or FAILED, not {ending.target.value}")
+        ended = session.scalar(
+            update(Job)
+            .where(Job.id == ending.job_id, Job.status == S.RUNNING, Job.worker_id == worker_id)
+            .values(status=ending.target, **_timestamps(ending.target), **ending.fields)
+            .returning(Job)
+            .execution_options(synchronize_session=False)
+        )
+        results.append(ended if ended is not None else _not_held(session, ending, worker_id))
+    _add_events(
+        session,
+        [
+            (ending.job_id, S.RUNNING, ending.target, ending.detail)
+            for ending, result in zip(endings, results, strict=True)
+            if isinstance(result, Job)
+        ],
+    )
+    return results
+
+
+def _not_held(session: Session, ending: Ending, worker_id: str) -> NNqueueError:
+    row = session.execute(select(Job.status, Job.worker_id).where(Job.id == ending.job_id)).first()
+    if row is None:
+        return JobNotFound(f"no job {ending.job_id}")
+    current, holder = row
+    reason = "" if current is not S.RUNNING else f" under worker {holder}, not {worker_id}"
+    return InvalidTransition(ending.job_id, current, ending.target, reason)
+
+
+def _add_events(session: Session, changes: Sequence[tuple[uuid.UUID, JobStatus, JobStatus, dict[str, Any]]]) -> None:
+    """Append one event per (job, from, to, detail) change, in one statement."""
+    if changes:
+        rows = [
+            {"job_id": job_id, "from_status": old, "to_status": new, "detail": detail}
+            for job_id, old, new, detail in changes
+        ]
+        session.execute(insert(JobEvent), rows)

@@ -10,15 +10,18 @@ Messages name no job (see :mod:`nnqueue.broker`), so the database decides what r
 On Postgres the candidate row is locked with ``FOR UPDATE SKIP LOCKED``, so concurrent claims take
 different rows without waiting on each other. SQLite has no row locks (and SQLAlchemy renders no
 ``FOR UPDATE`` there); its claim is the compare-and-set of the status change, and a claim that loses
-the race tries the next candidate. A token that finds nothing to claim is simply dropped.
+the race tries the next candidate. A token that finds nothing to claim is simply dropped. A worker claims
+jobs for all its tokens that arrived together in one transaction (:func:`claim_jobs`).
 """
 
 from __future__ import annotations
 
+import uuid
+
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.lifecycle import InvalidTransition, transition
+from nnqueue.db.lifecycle import start_queued
 from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus, utcnow
 from nnqueue.db.session import transaction, updated
 
@@ -29,25 +32,34 @@ MAX_TRIES = 8
 JOB_ORDER = (Job.priority.desc(), Job.queued_at, Job.id)
 
 
-def claim_next_job(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> Job | None:
-    """Move the best QUEUED job of ``model_key`` to RUNNING under ``worker_id``; None if there is none."""
-    candidate = (
+def claim_jobs(sessions: sessionmaker[Session], model_key: str, worker_id: str, limit: int) -> list[Job]:
+    """Move up to ``limit`` of the best QUEUED jobs of ``model_key`` to RUNNING under ``worker_id``, in one
+    transaction, and return them best first (fewer, or none, when fewer are queued)."""
+    candidates = (
         select(Job.id)
         .where(Job.model_key == model_key, Job.status == S.QUEUED)
         .order_by(*JOB_ORDER)
-        .limit(1)
         .with_for_update(skip_locked=True)
     )
-    for _ in range(MAX_TRIES):
-        try:
-            with transaction(sessions) as session:
-                job_id = session.scalar(candidate)
-                if job_id is None:
-                    return None
-                return transition(session, job_id, S.RUNNING, detail={"worker": worker_id}, worker_id=worker_id)
-        except InvalidTransition:
-            continue  # another worker (or a cancel) took it between our read and our write: try the next
-    return None
+    with transaction(sessions) as session:
+        claimed: list[uuid.UUID] = []
+        for _ in range(MAX_TRIES):
+            job_ids = session.scalars(candidates.limit(limit - len(claimed))).all()
+            if not job_ids:
+                break
+            # Those another worker (or a cancel) took between our read and our write are left out: try the next.
+            claimed += start_queued(session, job_ids, worker_id)
+            if len(claimed) == limit:
+                break
+        if not claimed:
+            return []
+        return list(session.scalars(select(Job).where(Job.id.in_(claimed)).order_by(*JOB_ORDER)))
+
+
+def claim_next_job(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> Job | None:
+    """Move the best QUEUED job of ``model_key`` to RUNNING under ``worker_id``; None if there is none."""
+    claimed = claim_jobs(sessions, model_key, worker_id, 1)
+    return claimed[0] if claimed else None
 
 
 def claim_next_chunk(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> HarvestChunk | None:

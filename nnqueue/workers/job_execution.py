@@ -1,6 +1,6 @@
 """Running one job on the worker: claim it, hand it to the engine's executor, record how it ended.
 
-A delivered token names no job: the runner claims the best QUEUED job of its model (:func:`claim_next_job`:
+A delivered token names no job: the runner claims the best QUEUED job of its model (:func:`claim_jobs`:
 highest priority, then oldest), and a token that finds none is dropped. Claims are compare-and-set, so a job
 runs under one worker at a time. Every outcome is a status change with its cause: COMPLETED with the result's key,
 or FAILED with the error's type, message and the user's traceback (and the result, when the trace saved
@@ -10,8 +10,10 @@ looked dead. A worker finishes only a job it still holds (the finishing update i
 
 Running is the executor's (:class:`Executor`): one per engine kind, the vLLM trace executor
 (:mod:`nnqueue.workers.trace_execution`) and the transformers one (:mod:`nnqueue.workers.transformers_execution`). Database calls run in threads (``asyncio.to_thread``) so that
-the engine loop keeps serving the other jobs; progress is written as the executor reports it, throttled,
-in the background, every running job's in one statement (:class:`ProgressBook`), so it never delays a job.
+the engine loop keeps serving the other jobs, and go together: the claims of the tokens that arrive while a
+claim is in flight are one transaction, and so are the ends of jobs that end meanwhile
+(:mod:`nnqueue.workers.grouped_calls`); progress is written as the executor reports it, throttled, in the
+background, every running job's in one statement (:class:`ProgressBook`), so it never delays a job.
 """
 
 from __future__ import annotations
@@ -31,14 +33,15 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
-from nnqueue.db.lifecycle import InvalidTransition, transition
+from nnqueue.db.lifecycle import Ending, InvalidTransition, finish_held
 from nnqueue.db.models import Job, JobStatus, as_utc
 from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
 from nnqueue.logs import job_context
-from nnqueue.scheduler.claim import claim_next_job
+from nnqueue.scheduler.claim import claim_jobs
 from nnqueue.storage.results import StoredResult
 from nnqueue.workers.engine_health import EngineHealth
+from nnqueue.workers.grouped_calls import GroupedCalls
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -96,16 +99,20 @@ class JobRunner:
     # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
     _aborted: dict[uuid.UUID, Outcome] = field(default_factory=dict)
     _progress: ProgressBook = field(init=False)
+    _claims: GroupedCalls[None, Job | None] = field(init=False)
+    _endings: GroupedCalls[Ending, Job] = field(init=False)
 
     def __post_init__(self) -> None:
         self._progress = ProgressBook(self.sessions, self.worker_id)
+        self._claims = GroupedCalls(self._claim)
+        self._endings = GroupedCalls(self._end)
 
     async def run_next(self) -> Outcome:
         """Claim the model's best QUEUED job and run it (what a token asks for)."""
         if self.health is not None and self.health.dead.is_set():
             await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
             return Outcome.SKIPPED
-        job = await asyncio.to_thread(claim_next_job, self.sessions, self.model_key, self.worker_id)
+        job = await self._claims(None)
         if job is None:
             log.info("a token for %s found no queued job; dropped", self.model_key)
             return Outcome.NO_WORK
@@ -159,7 +166,7 @@ class JobRunner:
 
     async def _finish(self, job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], **fields: Any) -> Outcome:
         try:
-            job = await asyncio.to_thread(_transition, self.sessions, job_id, target, detail, self.worker_id, fields)
+            job = await self._endings(Ending(job_id, target, detail, fields))
         except InvalidTransition as lost:
             # Cancelled or taken over while finishing: the other writer's status stands.
             log.info("job %s not marked %s: %s", job_id, target.value, lost)
@@ -180,6 +187,16 @@ class JobRunner:
             error_traceback=failure.traceback,
             **fields,
         )
+
+    def _claim(self, tokens: list[None]) -> list[Job | None]:
+        """A job for each of the tokens that arrived together, in one transaction (None: no more queued)."""
+        jobs: list[Job | None] = list(claim_jobs(self.sessions, self.model_key, self.worker_id, len(tokens)))
+        return jobs + [None] * (len(tokens) - len(jobs))
+
+    def _end(self, endings: list[Ending]) -> list[Job | NNqueueError]:
+        """The jobs that ended together, recorded in one transaction."""
+        with transaction(self.sessions) as session:
+            return finish_held(session, endings, self.worker_id)
 
     def running_jobs(self) -> list[uuid.UUID]:
         return list(self._running)
@@ -283,18 +300,6 @@ class _Progress:
     due: float  # loop time from which the next write may be made
     latest: tuple[int, int]
     written: tuple[int, int] | None = None
-
-
-def _transition(
-    sessions: sessionmaker[Session],
-    job_id: uuid.UUID,
-    target: JobStatus,
-    detail: dict[str, Any],
-    worker_id: str,
-    fields: dict[str, Any],
-) -> Job:
-    with transaction(sessions) as session:
-        return transition(session, job_id, target, detail=detail, held_by=worker_id, **fields)
 
 
 def _seconds(start: datetime | None, end: datetime | None) -> float:

@@ -11,7 +11,15 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db import migrate
-from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, create_job, transition
+from nnqueue.db.lifecycle import (
+    Ending,
+    InvalidTransition,
+    JobNotFound,
+    create_job,
+    finish_held,
+    start_queued,
+    transition,
+)
 from nnqueue.db.models import Job, JobEvent, JobKind, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
 
@@ -22,6 +30,13 @@ S = JobStatus
 def sessions(empty_postgres_url: str) -> Iterator[sessionmaker[Session]]:
     migrate.upgrade(empty_postgres_url)
     engine = make_engine(empty_postgres_url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def any_sessions(any_database: str) -> Iterator[sessionmaker[Session]]:
+    engine = make_engine(any_database)
     yield session_factory(engine)
     engine.dispose()
 
@@ -127,3 +142,56 @@ def test_racing_transitions_have_exactly_one_winner(sessions: sessionmaker[Sessi
     with sessions() as session:
         assert session.get(Job, job_id).attempts == 1
     assert _history(sessions, job_id) == [(None, S.QUEUED), (S.QUEUED, S.RUNNING)]
+
+
+def test_starting_many_starts_only_those_still_queued(any_sessions: sessionmaker[Session]) -> None:
+    queued, cancelled, running = (_new_job(any_sessions) for _ in range(3))
+    with transaction(any_sessions) as session:
+        transition(session, cancelled, S.CANCELLED)
+        transition(session, running, S.RUNNING, worker_id="w1")
+    with transaction(any_sessions) as session:
+        assert start_queued(session, [queued, cancelled, running], "w2") == [queued]
+    with any_sessions() as session:
+        rows = {job.id: (job.status, job.worker_id, job.attempts) for job in session.scalars(select(Job))}
+    assert rows == {queued: (S.RUNNING, "w2", 1), cancelled: (S.CANCELLED, None, 0), running: (S.RUNNING, "w1", 1)}
+    assert _history(any_sessions, queued) == [(None, S.QUEUED), (S.QUEUED, S.RUNNING)]
+    assert _history(any_sessions, running) == [(None, S.QUEUED), (S.QUEUED, S.RUNNING)]  # nothing added
+
+
+def test_finishing_many_ends_the_held_jobs_and_says_why_the_others_were_left(
+    any_sessions: sessionmaker[Session],
+) -> None:
+    done, failed, cancelled, taken = (_new_job(any_sessions) for _ in range(4))
+    with transaction(any_sessions) as session:
+        for job_id in (done, failed, cancelled, taken):
+            transition(session, job_id, S.RUNNING, worker_id="w1")
+        transition(session, cancelled, S.CANCELLED)
+        transition(session, taken, S.QUEUED)
+        transition(session, taken, S.RUNNING, worker_id="w2")
+    endings = [
+        Ending(done, S.COMPLETED, {"result_bytes": 3}, {"result_key": "results/done", "progress_done": 2}),
+        Ending(failed, S.FAILED, {"error": "Boom"}, {"error_type": "Boom", "error_message": "it broke"}),
+        Ending(cancelled, S.COMPLETED, {}, {"result_key": "results/cancelled"}),
+        Ending(taken, S.FAILED, {}, {"error_type": "Late"}),
+        Ending(uuid.uuid4(), S.COMPLETED),
+    ]
+    with transaction(any_sessions) as session:
+        results = finish_held(session, endings, "w1")
+
+    ended, broke, lost_to_cancel, lost_to_w2, unknown = results
+    assert isinstance(ended, Job) and (ended.status, ended.result_key, ended.progress_done) == (
+        S.COMPLETED,
+        "results/done",
+        2,
+    )
+    assert ended.finished_at is not None
+    assert isinstance(broke, Job) and (broke.status, broke.error_message) == (S.FAILED, "it broke")
+    assert isinstance(lost_to_cancel, InvalidTransition) and lost_to_cancel.current is S.CANCELLED
+    assert isinstance(lost_to_w2, InvalidTransition) and "under worker w2, not w1" in str(lost_to_w2)
+    assert isinstance(unknown, JobNotFound)
+    with any_sessions() as session:
+        rows = {job.id: (job.status, job.result_key, job.error_type) for job in session.scalars(select(Job))}
+    assert rows[cancelled] == (S.CANCELLED, None, None) and rows[taken] == (S.RUNNING, None, None)
+    assert _history(any_sessions, done)[-1] == (S.RUNNING, S.COMPLETED)
+    assert _history(any_sessions, failed)[-1] == (S.RUNNING, S.FAILED)
+    assert _history(any_sessions, cancelled)[-1] == (S.RUNNING, S.CANCELLED)  # no event for the refused ending

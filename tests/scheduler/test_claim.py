@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
-from nnqueue.scheduler.claim import claim_next_chunk, claim_next_job
+from nnqueue.scheduler.claim import claim_jobs, claim_next_chunk, claim_next_job
 from nnqueue.scheduler.positions import queue_positions
 from tests.utils.queued import add_harvest, queue_job
 
@@ -78,6 +78,22 @@ def test_concurrent_claims_take_each_job_once(sessions: sessionmaker[Session]) -
     claimed = race(lambda worker: claim_next_job(sessions, MODEL, worker))
     taken = [job_id for job_id in claimed if job_id is not None]
     assert sorted(taken) == sorted(queued) and claimed.count(None) == 3
+
+
+def test_a_claim_for_several_tokens_takes_the_best_jobs_best_first(sessions: sessionmaker[Session]) -> None:
+    low, high, middle, last = (queue_job(sessions, MODEL, priority) for priority in (0, 5, 1, 0))
+    first = claim_jobs(sessions, MODEL, "w", 3)
+    assert [job.id for job in first] == [high, middle, low]
+    assert all(job.status is S.RUNNING and job.worker_id == "w" and job.attempts == 1 for job in first)
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 3)] == [last]  # fewer queued than asked
+    assert claim_jobs(sessions, MODEL, "w", 3) == []
+
+
+def test_concurrent_claims_of_several_jobs_take_each_job_once(sessions: sessionmaker[Session]) -> None:
+    queued = {queue_job(sessions, MODEL) for _ in range(11)}
+    taken: list[Any] = []
+    race(lambda worker: taken.extend(job.id for job in claim_jobs(sessions, MODEL, worker, 2)))
+    assert sorted(taken) == sorted(queued)
 
 
 def test_chunks_are_claimed_fairly_across_owners(sessions: sessionmaker[Session]) -> None:

@@ -1,6 +1,7 @@
 """JobRunner on the session's in-process engine, real Postgres and a local store: a job taken from this
 worker while it runs (requeued because the worker looked dead, then claimed by another) is aborted at the
-next heartbeat's reap, leaves the other worker's claim alone, and writes no result."""
+next heartbeat's reap, leaves the other worker's claim alone, and writes no result; tokens that arrive
+together claim their jobs together."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from sqlalchemy import event, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.lifecycle import create_job, transition
 from nnqueue.db.models import Job, JobKind, JobStatus
@@ -22,7 +26,7 @@ from nnqueue.workers.job_execution import JobRunner, Outcome
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
 from tests.utils.engines import InProcessEngine
-from tests.utils.payloads import slow_payload
+from tests.utils.payloads import slow_payload, two_invoke_payload
 
 S = JobStatus
 
@@ -32,29 +36,8 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
 ) -> None:
     sessions = session_factory(make_engine(database_factory()))
     store = LocalObjectStore(tmp_path)
-    job_id = uuid.uuid4()
-    size = store.put_bytes(payload_key(job_id), slow_payload(client_model, steps=50))  # about 5 s
-    with transaction(sessions) as session:
-        job = Job(
-            id=job_id,
-            owner="alice",
-            model_key="tiny",
-            kind=JobKind.TRACE,
-            timeout_s=120,
-            payload_key=payload_key(job_id),
-            payload_size=size,
-        )
-        create_job(session, job)
-    model = inprocess_engine.model
-    executor = VLLMTraceExecutor(
-        sessions,
-        store,
-        model,
-        ResultSinks(store, tmp_path / ".handoff"),
-        OutboxPoller(model.vllm_entrypoint),
-        BuilderPool("", {}, 0, 0),
-    )
-    runner = JobRunner(sessions, executor, "tiny", "w-looked-dead")
+    [job_id] = _queue(sessions, store, [slow_payload(client_model, steps=50)])  # about 5 s
+    runner = _runner(sessions, store, inprocess_engine, tmp_path, "w-looked-dead")
 
     outcome = asyncio.run_coroutine_threadsafe(runner.run_next(), inprocess_engine.host.loop)
     deadline = time.monotonic() + 30
@@ -73,6 +56,70 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
         assert job is not None and (job.status, job.worker_id, job.result_key) == (S.RUNNING, "w-new", None)
     assert not (tmp_path / "results").exists() and not any((tmp_path / ".handoff").rglob("*.pt"))
     assert _running_requests(inprocess_engine) == 0  # the aborted requests freed the engine
+
+
+def test_tokens_that_arrive_together_claim_their_jobs_in_one_transaction(
+    inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    sessions = session_factory(make_engine(database_factory()))
+    store = LocalObjectStore(tmp_path)
+    job_ids = _queue(sessions, store, [two_invoke_payload(client_model)] * 12)
+    runner = _runner(sessions, store, inprocess_engine, tmp_path, "w")
+    claims: list[str] = []
+    event.listen(
+        sessions.kw["bind"],
+        "before_cursor_execute",
+        lambda *args: (
+            claims.append(args[2])
+            if args[2].startswith("UPDATE jobs SET status") and "started_at=" in args[2]
+            else None
+        ),
+    )
+
+    async def tokens() -> list[Outcome]:
+        return await asyncio.gather(*(runner.run_next() for _ in range(13)))
+
+    outcomes = asyncio.run_coroutine_threadsafe(tokens(), inprocess_engine.host.loop).result(timeout=120)
+    assert sorted(outcomes) == sorted([Outcome.COMPLETED] * 12 + [Outcome.NO_WORK])
+    assert len(claims) <= 3  # the first token's claim, then the others' together (a claim per token: 13)
+    with sessions() as session:
+        rows = session.execute(select(Job.status, Job.worker_id, Job.result_key).where(Job.id.in_(job_ids))).all()
+    assert all(status is S.COMPLETED and worker == "w" and key for status, worker, key in rows) and len(rows) == 12
+
+
+def _queue(sessions: sessionmaker[Session], store: LocalObjectStore, payloads: list[bytes]) -> list[uuid.UUID]:
+    job_ids = []
+    for payload in payloads:
+        job_id = uuid.uuid4()
+        size = store.put_bytes(payload_key(job_id), payload)
+        job = Job(
+            id=job_id,
+            owner="alice",
+            model_key="tiny",
+            kind=JobKind.TRACE,
+            timeout_s=120,
+            payload_key=payload_key(job_id),
+            payload_size=size,
+        )
+        with transaction(sessions) as session:
+            create_job(session, job)
+        job_ids.append(job_id)
+    return job_ids
+
+
+def _runner(
+    sessions: sessionmaker[Session], store: LocalObjectStore, engine: InProcessEngine, tmp_path: Path, worker_id: str
+) -> JobRunner:
+    model = engine.model
+    executor = VLLMTraceExecutor(
+        sessions,
+        store,
+        model,
+        ResultSinks(store, tmp_path / ".handoff"),
+        OutboxPoller(model.vllm_entrypoint),
+        BuilderPool("", {}, 0, 0),
+    )
+    return JobRunner(sessions, executor, "tiny", worker_id)
 
 
 def _running_requests(engine: InProcessEngine) -> int:
