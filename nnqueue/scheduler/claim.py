@@ -56,12 +56,6 @@ def claim_jobs(sessions: sessionmaker[Session], model_key: str, worker_id: str, 
         return list(session.scalars(select(Job).where(Job.id.in_(claimed)).order_by(*JOB_ORDER)))
 
 
-def claim_next_job(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> Job | None:
-    """Move the best QUEUED job of ``model_key`` to RUNNING under ``worker_id``; None if there is none."""
-    claimed = claim_jobs(sessions, model_key, worker_id, 1)
-    return claimed[0] if claimed else None
-
-
 def claim_next_chunk(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> HarvestChunk | None:
     """Move the fairest QUEUED chunk of ``model_key`` to RUNNING under ``worker_id``; None if there is none.
 

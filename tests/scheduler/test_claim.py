@@ -14,9 +14,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
-from nnqueue.scheduler.claim import claim_jobs, claim_next_chunk, claim_next_job
+from nnqueue.scheduler.claim import claim_jobs, claim_next_chunk
 from nnqueue.scheduler.positions import queue_positions
-from tests.utils.queued import add_harvest, queue_job
+from tests.utils.queued import add_harvest, claim_next_job, queue_job
 
 S = JobStatus
 MODEL = "m"

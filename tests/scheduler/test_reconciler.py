@@ -12,12 +12,11 @@ from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name, ready
 from nnqueue.db.models import HarvestChunk, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler import reconciler
-from nnqueue.scheduler.claim import claim_next_job
 from nnqueue.scheduler.enqueue import send_job_tokens
 from nnqueue.scheduler.reconciler import Resent, reconcile
 from nnqueue.settings import Settings
 from tests.utils import servers
-from tests.utils.queued import add_harvest, queue_job
+from tests.utils.queued import add_harvest, claim_next_job, queue_job
 
 MODEL = "m"
 

@@ -22,11 +22,11 @@ from nnqueue.db.models import JobEvent, JobStatus, Worker, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.admission import AdmissionPolicy
-from nnqueue.scheduler.claim import claim_next_job
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import Settings
 from nnqueue.storage.local import LocalObjectStore
+from tests.utils.queued import claim_next_job
 
 S = JobStatus
 STALE_AFTER_S = 30.0

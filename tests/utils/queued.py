@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue.db.lifecycle import create_job
 from nnqueue.db.models import Harvest, HarvestChunk, Job, JobKind, JobStatus, utcnow
 from nnqueue.db.session import transaction
+from nnqueue.scheduler.claim import claim_jobs
 
 
 def queue_job(sessions: sessionmaker[Session], model_key: str, priority: int = 0) -> uuid.UUID:
@@ -27,6 +28,12 @@ def queue_job(sessions: sessionmaker[Session], model_key: str, priority: int = 0
             payload_size=1,
         )
         return create_job(session, job).id
+
+
+def claim_next_job(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> Job | None:
+    """What one token of a worker claims: the best QUEUED job of ``model_key``, or None."""
+    claimed = claim_jobs(sessions, model_key, worker_id, 1)
+    return claimed[0] if claimed else None
 
 
 def add_harvest(
