@@ -131,8 +131,11 @@ def finish_held(session: Session, endings: Sequence[Ending], worker_id: str) -> 
     and holder per row), and return, in order, the ended :class:`Job` or, for a job that is not (any more)
     RUNNING under this worker, left unchanged, the :class:`InvalidTransition` (or :class:`JobNotFound`) that
     says why. The caller commits."""
-    results: list[Job | NNqueueError] = []
-    for ending in endings:
+    results: dict[uuid.UUID, Job | NNqueueError] = {}
+    # Rows are locked in id order, as the progress writer's statement locks them: two transactions that each
+    # hold some of the same jobs never wait for each other in a circle (a deadlock Postgres would break by
+    # failing one).
+    for ending in sorted(endings, key=lambda ending: ending.job_id):
         if ending.target not in (S.COMPLETED, S.FAILED):
             raise ValueError(f"a held job ends COMPLETED or FAILED, not {ending.target.value}")
         ended = session.scalar(
@@ -142,16 +145,16 @@ def finish_held(session: Session, endings: Sequence[Ending], worker_id: str) -> 
             .returning(Job)
             .execution_options(synchronize_session=False)
         )
-        results.append(ended if ended is not None else _not_held(session, ending, worker_id))
+        results[ending.job_id] = ended if ended is not None else _not_held(session, ending, worker_id)
     _add_events(
         session,
         [
             (ending.job_id, S.RUNNING, ending.target, ending.detail)
-            for ending, result in zip(endings, results, strict=True)
-            if isinstance(result, Job)
+            for ending in endings
+            if isinstance(results[ending.job_id], Job)
         ],
     )
-    return results
+    return [results[ending.job_id] for ending in endings]
 
 
 def _not_held(session: Session, ending: Ending, worker_id: str) -> NNqueueError:

@@ -284,7 +284,12 @@ class ProgressBook:
                         progress.written = latest
 
     def _write(self, due: dict[uuid.UUID, tuple[int, int]]) -> None:
-        rows = [{"id": job_id, "progress_done": done, "progress_total": total} for job_id, (done, total) in due.items()]
+        # In id order: the rows are locked in the order of the jobs' ends (lifecycle.finish_held), so that the two
+        # never deadlock.
+        rows = [
+            {"id": job_id, "progress_done": done, "progress_total": total}
+            for job_id, (done, total) in sorted(due.items())
+        ]
         with transaction(self.sessions) as session:
             # An UPDATE by primary key per row, sent together; the extra criteria keep a job that left RUNNING
             # under this worker (finished, cancelled, taken over) as it is.
