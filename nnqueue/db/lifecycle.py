@@ -143,7 +143,7 @@ def finish_held(session: Session, endings: Sequence[Ending], worker_id: str) -> 
             .where(Job.id == ending.job_id, Job.status == S.RUNNING, Job.worker_id == worker_id)
             .values(status=ending.target, **_timestamps(ending.target), **ending.fields)
             .returning(Job)
-            .execution_options(synchronize_session=False)
+            .execution_options(synchronize_session=False, populate_existing=True)
         )
         results[ending.job_id] = ended if ended is not None else _not_held(session, ending, worker_id)
     _add_events(

@@ -193,10 +193,24 @@ class JobRunner:
         jobs: list[Job | None] = list(claim_jobs(self.sessions, self.model_key, self.worker_id, len(tokens)))
         return jobs + [None] * (len(tokens) - len(jobs))
 
-    def _end(self, endings: list[Ending]) -> list[Job | NNqueueError]:
-        """The jobs that ended together, recorded in one transaction."""
-        with transaction(self.sessions) as session:
-            return finish_held(session, endings, self.worker_id)
+    def _end(self, endings: list[Ending]) -> list[Job | Exception]:
+        """The jobs that ended together, recorded in one transaction; if that fails, each in its own, so that one
+        job's bad row (a NUL in an error message, say) cannot fail the others' ends."""
+        try:
+            with transaction(self.sessions) as session:
+                return list(finish_held(session, endings, self.worker_id))
+        except Exception:
+            if len(endings) == 1:
+                raise
+            log.warning("recording %d job ends together failed; recording each alone", len(endings), exc_info=True)
+        return [self._end_alone(ending) for ending in endings]
+
+    def _end_alone(self, ending: Ending) -> Job | Exception:
+        try:
+            with transaction(self.sessions) as session:
+                return finish_held(session, [ending], self.worker_id)[0]
+        except Exception as error:  # noqa: BLE001 - this job's own failure, raised to its caller
+            return error
 
     def running_jobs(self) -> list[uuid.UUID]:
         return list(self._running)
