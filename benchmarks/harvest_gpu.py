@@ -627,7 +627,7 @@ def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any
         "enforce_eager": True,
         "seed": 0,
         "max_model_len": max_model_len,
-        "max_num_seqs": args.max_num_seqs,
+        "max_num_seqs": args.max_num_seqs or None,  # 0: vLLM's default for the device
         "max_num_batched_tokens": max(args.max_num_batched_tokens, max_model_len),
         "enable_prefix_caching": False,
         "enable_chunked_prefill": False,
@@ -692,6 +692,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     shape = "tiny" if args.tiny else args.shape
     model_dir = build_model_dir(work, shape, seeded=False)
     P, L, layer = args.prompts, args.tokens, args.layer
+    from nnqueue.workers.main import engine_max_num_seqs
+
     host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency)
     num_layers = SHAPES[shape]["num_hidden_layers"]
     postgres = None
@@ -886,7 +888,13 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     print(json.dumps(report["profile"]), flush=True)
     # ... the default worker concurrency, and per-job micro costs.
     if args.default_concurrency:
-        run_b(False, args.default_concurrency, 1, f"(b) all-token, K={args.default_concurrency}")
+        k = args.default_concurrency if args.default_concurrency > 0 else engine_max_num_seqs(engine.vllm_entrypoint)
+        run_b(
+            False,
+            k,
+            1,
+            f"(b) all-token, K={k} (the worker's default)" if args.default_concurrency < 0 else f"(b) all-token, K={k}",
+        )
     # What the second copy of each result costs: the same run with saves.pt alone (no saves.safetensors).
     opened = ResultSinks.open
 
@@ -1074,7 +1082,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--layer", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=256, help="jobs in flight (worker threads)")
-    parser.add_argument("--default-concurrency", type=int, default=8, help="also run at this K (0: skip)")
+    parser.add_argument(
+        "--default-concurrency",
+        type=int,
+        default=-1,
+        help="also run at this K (0: skip; -1: the worker's default, the engine's max_num_seqs)",
+    )
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
         "--harvest-only", action="store_true", help="only (a), the harvest variants (h) and their check"
@@ -1105,7 +1118,7 @@ def main() -> None:
     parser.add_argument("--distributed-executor-backend", help="e.g. ray (default: vLLM's choice, mp)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default="dummy")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="0: vLLM's default for the device")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--tolerance", type=float, default=2e-2, help="relative error (bf16 engine vs fp32)")

@@ -135,7 +135,10 @@ def worker(
     ),
     tensor_parallel_size: int = typer.Option(1, help="GPUs the engine spans (vllm)."),
     max_concurrent_jobs: int | None = typer.Option(
-        None, min=1, help="Jobs run at once on the engine (vllm, batched by vLLM: default 8; transformers: 1)."
+        None,
+        min=1,
+        help="Jobs run at once on the engine (vllm, batched by vLLM: default the engine's max_num_seqs, which "
+        "--max-num-seqs sets; transformers: 1).",
     ),
     bulk_slots: int | None = typer.Option(
         None, min=1, help="Harvest chunks run at once beside the jobs (vllm; default NNQUEUE_WORKER_BULK_SLOTS, 1)."
@@ -171,7 +174,7 @@ def worker(
             )
         concurrency, engine_kwargs = 1, engine_args(ctx.args)
     else:
-        concurrency = max_concurrent_jobs or 8
+        concurrency = max_concurrent_jobs
         engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
     try:
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)

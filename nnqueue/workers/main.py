@@ -1,6 +1,7 @@
 """``nnqueue worker``: load one engine (vLLM, or transformers), register, and consume the model's queues until stopped.
 
-Interactive tokens come through Celery's pool (``--max-concurrent-jobs`` slots); on a vLLM worker, bulk tokens
+Interactive tokens come through Celery's pool (``--max-concurrent-jobs`` slots; on a vLLM worker the default is
+the engine's own ``max_num_seqs``, so one-prompt jobs fill the batches vLLM would form); on a vLLM worker, bulk tokens
 (harvest chunks) come through the worker's own consumer with ``--bulk-slots`` slots (:mod:`nnqueue.workers.bulk`),
 so a trace never waits for a slot behind long chunks. Each heartbeat also aborts the work cancelled while
 running here, requeues the model's work that a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`,
@@ -64,21 +65,21 @@ RUNNING_CHUNKS = prometheus_client.Gauge(
 def run_worker(
     model: str,
     model_key: str,
-    max_concurrent_jobs: int,
+    max_concurrent_jobs: int | None,
     engine_kwargs: dict[str, Any],
     engine_kind: EngineKind = EngineKind.VLLM,
     bulk_slots: int | None = None,
 ) -> None:
     """``engine_kind``: a vLLM engine (``engine_kwargs`` go to vLLM's engine arguments; it also runs harvest
     chunks, ``bulk_slots`` at once, default ``NNQUEUE_WORKER_BULK_SLOTS``) or the transformers engine (one job at
-    a time; ``engine_kwargs`` go to the model's ``from_pretrained``)."""
+    a time; ``engine_kwargs`` go to the model's ``from_pretrained``). ``max_concurrent_jobs`` None: the vLLM
+    engine's ``max_num_seqs`` once it is up (one job at a time on the transformers engine)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
     isolate(settings)
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
-    app = create_celery_app(settings, prefetch=max_concurrent_jobs)
     queue = queue_name(model_key)
 
     if settings.worker_metrics_port is not None:
@@ -90,13 +91,17 @@ def run_worker(
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     crash_dir = isolation.engine_writable_dir("nnqueue-crash-", settings.engine_user)
     os.environ[CRASH_DIR_ENV] = str(crash_dir)
-    host = EngineHost(blocking_threads=min(2 * (max_concurrent_jobs + bulk_slots) + 2, 64))
+    host = EngineHost(blocking_threads=min(2 * ((max_concurrent_jobs or 32) + bulk_slots) + 2, 64))
     with sessions() as session:  # fail before loading a model that would then not register
         registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
     executor = host.call(_start_executor(engine_kind, model, engine_kwargs, settings, sessions, store))
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
     freeze_startup_heap()
+    if max_concurrent_jobs is None:
+        max_concurrent_jobs = default_concurrency(executor)
+    log.info("running up to %d jobs at once", max_concurrent_jobs)
+    app = create_celery_app(settings, prefetch=max_concurrent_jobs)
 
     worker_id = registry.new_worker_id()
     health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
@@ -179,6 +184,21 @@ def run_worker(
         shutil.rmtree(crash_dir, ignore_errors=True)
     if health.dead.is_set():
         sys.exit(EXIT_ENGINE_DIED)  # the supervisor starts a fresh worker
+
+
+def default_concurrency(executor: Executor) -> int:
+    """Jobs to run at once when ``--max-concurrent-jobs`` is not given: as many as the vLLM engine schedules in
+    one step (its ``max_num_seqs``: vLLM's default for the device, or the ``--max-num-seqs`` given). Fewer
+    leave its batches short: one-prompt trace jobs ran at 0.45x raw vLLM on the H100 with 8 at once, 0.80x with
+    256. The transformers engine runs one job at a time."""
+    entrypoint = getattr(getattr(executor, "model", None), "vllm_entrypoint", None)
+    return 1 if entrypoint is None else engine_max_num_seqs(entrypoint)
+
+
+def engine_max_num_seqs(entrypoint: Any) -> int:
+    """The most sequences a vLLM engine (an ``AsyncLLM``, or an ``LLM``) schedules in one step."""
+    config = getattr(entrypoint, "vllm_config", None) or entrypoint.llm_engine.vllm_config
+    return int(config.scheduler_config.max_num_seqs)
 
 
 def freeze_startup_heap() -> None:

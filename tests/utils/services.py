@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,20 +102,24 @@ class WorkerProcess:
         services: Services,
         model_path: Path,
         log_path: Path,
-        max_concurrent_jobs: int = 4,
+        max_concurrent_jobs: int | None = 4,
         env: dict[str, str] | None = None,
         *,
+        engine_args: Sequence[str] = (),
         model_key: str = MODEL_KEY,
         engine: str = "vllm",
         cwd: Path | None = None,
         user: str | None = None,
     ) -> None:
         """``engine``: ``vllm`` (the tiny model's engine arguments) or ``transformers`` (one job at a time);
-        ``env`` adds to the module's service settings; ``user`` runs the worker as that account."""
+        ``env`` adds to the module's service settings; ``user`` runs the worker as that account;
+        ``max_concurrent_jobs`` None: the worker's default; ``engine_args`` go after the tiny model's."""
         self.services, self.log_path = services, log_path
         command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", model_key]
         if engine == "vllm":
-            command += ["--max-concurrent-jobs", str(max_concurrent_jobs), *ENGINE_ARGS]
+            if max_concurrent_jobs is not None:
+                command += ["--max-concurrent-jobs", str(max_concurrent_jobs)]
+            command += [*ENGINE_ARGS, *engine_args]
         else:
             command += ["--engine", engine]
         with open(log_path, "ab") as log:
