@@ -4,7 +4,9 @@ Written once, by the worker that completes the harvest's last chunk, from the da
 workers finishing the last chunks at once write the same bytes): the spec; the model key, the model the
 worker loaded and its revision; the versions of nnqueue, vLLM, nnsight and torch; the frozen dataset's
 key and sha256; and per shard its file, rows, bytes, sha256, tokens and the row offsets of its prompts:
-global prompt ``first_prompt + i`` has the shard's rows ``row_offsets[i]:row_offsets[i + 1]``.
+global prompt ``first_prompt + i`` has the shard's rows ``row_offsets[i]:row_offsets[i + 1]``. ``statistics``
+sums the shards' per-capture statistics (count, mean and std per dimension, norm percentiles, NaN/Inf:
+:mod:`nnqueue.enginecore.harvest_stats`); they are what the engine reported, as the rows are.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 from typing import Any
 
 from nnqueue.db.models import Harvest, HarvestChunk
+from nnqueue.enginecore.harvest_stats import merge, summarize
 from nnqueue.storage.keys import shard_name
 
 FORMAT = "nnqueue-harvest/1"
@@ -33,6 +36,7 @@ def build_manifest(harvest: Harvest, chunks: list[HarvestChunk], engine: dict[st
         "rows": sum(chunk.rows or 0 for chunk in chunks),
         "tokens": sum(chunk.tokens or 0 for chunk in chunks),
         "bytes": sum(chunk.bytes or 0 for chunk in chunks),
+        "statistics": summarize(merge([chunk.stats for chunk in chunks if chunk.stats])),
         "shards": [
             {
                 "file": shard_name(chunk.index),

@@ -154,7 +154,7 @@ class ChunkRunner:
             if not committed:
                 await asyncio.to_thread(self.sinks.discard_shard, sink)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
-        output = ChunkOutput(result.rows, result.bytes, result.sha256, result.tokens, offsets)
+        output = ChunkOutput(result.rows, result.bytes, result.sha256, result.tokens, offsets, result.stats)
         if not await asyncio.to_thread(finish_chunk, self.sessions, chunk.id, self.worker_id, output):
             return Outcome.SKIPPED
         metrics.STORE_BYTES_WRITTEN.labels("shard").inc(result.bytes)
