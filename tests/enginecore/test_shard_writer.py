@@ -102,7 +102,9 @@ def test_statistics_add_up_across_shards_and_leave_out_nonfinite_rows(tmp_path: 
     finite = torch.cat([first, second[[i for i in range(200) if i not in (7, 9)]]]).double()
     assert summary["count"] == 498 and summary["nonfinite_rows"] == 2 and summary["width"] == 4
     torch.testing.assert_close(torch.tensor(summary["mean"], dtype=torch.float64), finite.mean(0), atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(torch.tensor(summary["std"], dtype=torch.float64), finite.std(0, correction=0), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(summary["std"], dtype=torch.float64), finite.std(0, correction=0), atol=1e-5, rtol=1e-6
+    )
     norms = finite.norm(dim=1)
     assert summary["norm"]["min"] == pytest.approx(float(norms.min()), rel=1e-6)
     assert summary["norm"]["max"] == pytest.approx(float(norms.max()), rel=1e-6)
