@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     # The largest dataset (its source files together, or an upload) and the most prompts one harvest may have.
     harvest_max_dataset_bytes: int = Field(256 * 1024 * 1024, gt=0)
     harvest_max_prompts: int = Field(1_000_000, gt=0)
+    # The largest harvest output (its shards' estimated bytes, as `nnqueue harvest submit --dry-run` answers) one
+    # harvest may have; unset: no limit. A bigger one is refused (413) with its estimate.
+    harvest_max_output_bytes: int | None = Field(None, gt=0)
     # How often ``nnqueue beat`` looks for schedules that are due.
     beat_interval_s: float = Field(5.0, gt=0)
 

@@ -25,7 +25,7 @@ COMMANDS = {
     (): SERVER_COMMANDS | CLIENT_COMMANDS,
     ("db",): {"upgrade", "downgrade"},
     ("keys",): {"create", "list", "revoke", "scopes"},
-    ("harvest",): {"submit", "status", "list", "cancel", "manifest", "download"},
+    ("harvest",): {"submit", "status", "list", "cancel", "manifest", "inspect", "download", "export"},
     ("schedules",): {"create", "list", "pause", "resume", "delete"},
 }
 

@@ -38,6 +38,7 @@ LAYERS = {
     "embedded": 4,
     "__main__": 4,
     "client": 5,
+    "harvest": 6,  # the streaming reader of harvests (nnqueue.harvest.open), over the client
 }
 # Edges within layer 4 (and up to the client) that the entry points need; no server package is among them.
 ENTRY_POINT_EDGES = {

@@ -185,6 +185,17 @@ class Client:
         )
         return self._harvest(response.json())
 
+    def estimate_harvest(
+        self, spec: dict[str, Any] | str | os.PathLike[str], dataset: str | os.PathLike[str] | None = None
+    ) -> dict[str, Any]:
+        """A dry run of `harvest`: its tokens, rows, bytes, shards and estimated duration; nothing is queued."""
+        files = None
+        if dataset is not None:
+            path = Path(dataset)
+            files = {"dataset": (path.name, path.read_bytes(), "application/octet-stream")}
+        body = {"spec": json.dumps(load_spec(spec), allow_nan=False)}
+        return self.transport.request("POST", "/v1/harvests/estimate", data=body, files=files).json()
+
     def get_harvest(self, harvest_id: str) -> Harvest:
         return self._harvest(self.transport.get_json(f"/v1/harvests/{harvest_id}"))
 

@@ -99,6 +99,17 @@ class Harvest:
         (target / MANIFEST).write_bytes(self.transport.request("GET", f"/v1/harvests/{self.id}/manifest").content)
         return target
 
+    def shard_bytes(self, shard: dict[str, Any]) -> bytes:
+        """One shard (an entry of `shards`) in memory, checked against the sha256 the worker recorded."""
+        digest, pieces = hashlib.sha256(), []
+        with self.transport.download(shard["url"]) as response:
+            for piece in response.iter_bytes(CHUNK_SIZE):
+                digest.update(piece)
+                pieces.append(piece)
+        if digest.hexdigest() != shard["sha256"]:
+            raise APIError(502, f"{shard['name']} arrived with sha256 {digest.hexdigest()}, expected {shard['sha256']}")
+        return b"".join(pieces)
+
     def _fetch(self, shard: dict[str, Any], target: Path) -> None:
         path = target / shard["name"]
         partial = path.with_name(path.name + ".part")

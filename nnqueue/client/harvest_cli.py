@@ -1,9 +1,11 @@
 """``nnqueue harvest ...`` and ``nnqueue schedules ...``: declarative harvests and their recurring schedules.
 
-nnqueue harvest submit spec.yaml [--dataset corpus.jsonl] [--wait]
+nnqueue harvest submit spec.yaml [--dataset corpus.jsonl] [--wait] [--dry-run]
 nnqueue harvest status ID [--wait]          # progress bar: chunks, prompts, tokens/s, ETA
 nnqueue harvest list | cancel ID | manifest ID
+nnqueue harvest inspect ID [--rows 3]       # per-capture statistics, shapes, dtype, a few rows
 nnqueue harvest download ID DIR [--parallel 4]
+nnqueue harvest export ID DEST --format saelens|hf [--context-size 128] [--hook-names module|transformer-lens]
 nnqueue schedules create NAME --cron '0 3 * * *' spec.yaml
 nnqueue schedules list | pause ID | resume ID | delete ID
 """
@@ -21,6 +23,7 @@ from rich.table import Table
 from nnqueue.client.cli import KeyOption, UrlOption, connected, console, local_time, status_text
 from nnqueue.client.errors import HarvestFailed
 from nnqueue.client.harvest import Harvest
+from nnqueue.client.harvest_export import ExportError, export
 
 harvest_app = typer.Typer(help="Declarative activation harvests: submit a spec, follow it, download its shards.")
 schedules_app = typer.Typer(help="Recurring harvests, fired by `nnqueue beat`.")
@@ -32,11 +35,29 @@ def submit(
     spec: Path = SpecArgument,
     dataset: Path | None = typer.Option(None, exists=True, dir_okay=False, help="A local file to upload and harvest."),
     wait: bool = typer.Option(False, "--wait", help="Follow the harvest until it ends."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Only estimate: tokens, rows, bytes, shards and duration; nothing is queued."
+    ),
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
-    """Submit SPEC; print the harvest's id (and follow it with --wait)."""
+    """Submit SPEC; print the harvest's id (and follow it with --wait), or with --dry-run its estimate."""
     with connected(url, api_key) as client:
+        if dry_run:
+            found = client.estimate_harvest(spec, dataset)
+            duration = found["duration_s"]
+            console.print(
+                f"{found['prompts']:,} prompts, {'' if found['tokens_exact'] else '~'}{found['tokens']:,} tokens, "
+                f"{found['rows']:,} rows, {found['bytes']:,} bytes in {found['shards']:,} shards; "
+                + (
+                    f"about {duration:,.0f} s at {found['tokens_per_s']:,.0f} tokens/s"
+                    if duration
+                    else "duration unknown"
+                )
+            )
+            for note in found["notes"]:
+                console.print(f"  {escape(note)}")
+            return
         harvest = client.harvest(spec, dataset)
         console.print(f"harvest {harvest.id} queued: {harvest.info['progress']['chunks_total']} chunks")
         if wait:
@@ -86,6 +107,73 @@ def manifest(harvest_id: str, url: str | None = UrlOption, api_key: str | None =
         typer.echo(json.dumps(client.get_harvest(harvest_id).manifest(), indent=1))
 
 
+@harvest_app.command("inspect")
+def inspect(
+    harvest_id: str,
+    rows: int = typer.Option(3, min=0, help="Rows of the first shard to print."),
+    url: str | None = UrlOption,
+    api_key: str | None = KeyOption,
+) -> None:
+    """Print a completed harvest's per-capture statistics, shapes and dtype, and its first rows."""
+    with connected(url, api_key) as client:
+        harvest = client.get_harvest(harvest_id)
+        manifest = harvest.manifest()
+        shards = harvest.shards()
+        first = harvest.shard_bytes(shards[0]) if rows and shards else None
+    show_manifest(manifest)
+    if first is not None:
+        show_rows(first, rows)
+
+
+def show_manifest(manifest: dict[str, Any]) -> None:
+    """The manifest's provenance and per-capture statistics, as tables."""
+    spec = manifest["spec"]
+    console.print(
+        f"harvest {manifest['harvest_id']}: model {escape(str(manifest.get('model')))} "
+        f"(revision {manifest.get('revision')}), dtype {spec['dtype']}, selection {spec['selection']}"
+    )
+    console.print(
+        f"{manifest['rows']:,} rows from {manifest['tokens']:,} tokens of {manifest['dataset']['prompts']:,} prompts, "
+        f"{manifest['bytes']:,} bytes in {len(manifest['shards'])} shards"
+    )
+    table = Table(
+        "capture", "shape", "dtype", "|mean|", "mean std", "norm p1", "p50", "p99", "max", "NaN", "Inf", "bad rows"
+    )
+    for key, stats in sorted((manifest.get("statistics") or {}).items()):
+        norm, percentiles = stats["norm"], stats["norm"]["percentiles"]
+        width = max(stats["width"], 1)
+        table.add_row(
+            escape(key),
+            f"[{manifest['rows']:,}, {stats['width']}]",
+            spec["dtype"],
+            f"{sum(m * m for m in stats['mean']) ** 0.5:.4g}",
+            f"{sum(stats['std']) / width:.4g}",
+            *(f"{percentiles.get(p, float('nan')):.4g}" for p in ("p1", "p50", "p99")),
+            f"{norm['max']:.4g}",
+            str(stats["nan"]),
+            str(stats["inf"]),
+            str(stats["nonfinite_rows"]),
+        )
+    console.print(table)
+
+
+def show_rows(shard: bytes, count: int) -> None:
+    """The first ``count`` rows of a shard: prompt, position, token and the first values of each capture."""
+    from safetensors.torch import load
+
+    tensors = load(shard)
+    columns = ("prompt_index", "token_position", "token_id")
+    table = Table(*columns, *(escape(name) for name in sorted(tensors) if name not in columns))
+    for row in range(min(count, len(tensors["prompt_index"]))):
+        values = [
+            ", ".join(f"{v:.4g}" for v in tensors[name][row, :4].float().tolist()) + ", ..."
+            for name in sorted(tensors)
+            if name not in columns
+        ]
+        table.add_row(*(str(int(tensors[name][row])) for name in columns), *values)
+    console.print(table)
+
+
 @harvest_app.command("download")
 def download(
     harvest_id: str,
@@ -98,6 +186,41 @@ def download(
     with connected(url, api_key) as client:
         target = client.get_harvest(harvest_id).download(directory, parallel=parallel)
     console.print(f"shards and manifest.json in {target}; load a shard with safetensors.safe_open(path, 'pt')")
+
+
+@harvest_app.command("export")
+def export_command(
+    harvest_id: str,
+    dest: Path = typer.Argument(..., file_okay=False, help="A new or empty local folder."),
+    fmt: str = typer.Option(
+        "saelens", "--format", help="saelens (SAELens's cached activations) or hf (one row per harvested row)."
+    ),
+    context_size: int = typer.Option(128, min=1, help="saelens: tokens per sequence (rows are packed)."),
+    hook_names: str = typer.Option(
+        "module",
+        help="saelens/hf column names: module (model.layers.12) or transformer-lens (blocks.12.hook_resid_post).",
+    ),
+    url: str | None = UrlOption,
+    api_key: str | None = KeyOption,
+) -> None:
+    """Write a completed harvest as a Hugging Face datasets folder (datasets.load_from_disk opens it)."""
+    if fmt not in ("saelens", "hf") or hook_names not in ("module", "transformer-lens"):
+        raise typer.BadParameter("--format is saelens or hf; --hook-names is module or transformer-lens")
+    with connected(url, api_key) as client:
+        try:
+            report = export(client.get_harvest(harvest_id), dest, fmt, context_size, hook_names)  # type: ignore[arg-type]
+        except ExportError as error:
+            console.print(f"[red]{escape(str(error))}[/red]")
+            raise typer.Exit(1) from None
+    columns = ", ".join(f"{key} -> {column}" for key, column in report.columns.items())
+    console.print(f"{report.rows:,} rows in {dest} ({fmt}); columns {escape(columns)}")
+    if fmt == "saelens":
+        console.print(
+            f"{report.sequences:,} sequences of {context_size} tokens; {report.dropped_rows} rows left over at the "
+            f"end were dropped; token sequences for SAELens's dataset in {dest / 'tokens'}"
+        )
+    if report.dtype["harvested"] != report.dtype["exported"]:
+        console.print(f"{report.dtype['harvested']} stored as {report.dtype['exported']} (Arrow has no bfloat16)")
 
 
 @schedules_app.command("create")

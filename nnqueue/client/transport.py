@@ -43,6 +43,11 @@ class Transport:
         )
         self._plain: httpx.Client | None = None
 
+    def auth_headers(self) -> dict[str, str]:
+        """The headers that authorize a request to the API (for readers that make their own connections)."""
+        authorization = self._http.headers.get("Authorization")
+        return {"Authorization": authorization} if authorization else {}
+
     def close(self) -> None:
         self._http.close()
         if self._plain is not None:

@@ -275,6 +275,8 @@ class HarvestChunk(Base):
     tokens: Mapped[int | None] = mapped_column(BigInteger)
     # Row offset of each of its prompts in the shard, plus the end: prompt i's rows are [o[i], o[i+1]).
     offsets: Mapped[list[int] | None] = mapped_column(JSON)
+    # Per capture, the shard's mergeable statistics (nnqueue.enginecore.harvest_stats); summed into the manifest.
+    stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)
     queued_at: Mapped[datetime | None] = mapped_column(Timestamp)
     started_at: Mapped[datetime | None] = mapped_column(Timestamp)

@@ -123,10 +123,11 @@ def replicated(module: Any, io: str, decoder: bool) -> bool:
 
 
 def capture_points(model: Any, tp_size: int = 1) -> list[dict[str, Any]]:
-    """Every capturable point of ``model``: ``{"module", "io", "parts"}``, in module order.
+    """Every capturable point of ``model``: ``{"module", "io", "parts", "width"}``, in module order.
 
     ``parts`` lists the decoder-layer parts a capture may name (``residual_stream`` first, the
     default), or is empty for a plain tensor. The first decoder layer's input has no residual.
+    ``width`` is the value's features where the module says (`width`), else None: for size estimates.
     """
     points: list[dict[str, Any]] = []
     first_decoder = True
@@ -142,9 +143,24 @@ def capture_points(model: Any, tp_size: int = 1) -> list[dict[str, Any]]:
             parts: list[str] = []
             if read.decoder:
                 parts = [p for p in DECODER_PARTS if not (io == "input" and first_decoder and p == "residual")]
-            points.append({"module": name, "io": io, "parts": parts})
+            points.append({"module": name, "io": io, "parts": parts, "width": width(module, io, read.decoder)})
         first_decoder = first_decoder and not read.decoder
     return points
+
+
+def width(module: Any, io: str, decoder: bool) -> int | None:
+    """The features of a module's value as its attributes name them (vLLM's layers: ``hidden_size``,
+    ``input_size``/``output_size``; torch's ``in_features``/``out_features``, ``embedding_dim``), else None."""
+    names: tuple[str, ...] = ("hidden_size",) if decoder else ()
+    if io == "output":
+        names += ("output_size", "out_features", "embedding_dim", "hidden_size")
+    else:
+        names += ("input_size", "in_features", "hidden_size")
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def check_against(captures: list[Capture], points: list[dict[str, Any]]) -> None:

@@ -108,15 +108,16 @@ class Step:
 
 def selected(selection: Selection, position: np.ndarray, length: np.ndarray) -> np.ndarray:
     """Which tokens (``position`` in a prompt of ``length``) ``selection`` keeps; vectorized."""
-    if selection.kind in ("all", "mean"):
-        return np.ones(position.shape, bool)
+    kept = position >= selection.skip
     if selection.kind == "first":
-        return position < selection.n
+        return kept & (position < selection.skip + selection.n)
     if selection.kind == "last":
-        return position >= length - selection.n
-    targets = np.asarray(selection.positions, np.int64)
-    resolved = np.where(targets < 0, length[:, None] + targets, targets)
-    return (position[:, None] == resolved).any(axis=1)
+        return kept & (position >= length - selection.n)
+    if selection.kind == "positions":
+        targets = np.asarray(selection.positions, np.int64)
+        resolved = np.where(targets < 0, length[:, None] + targets, targets)
+        return kept & (position[:, None] == resolved).any(axis=1)
+    return kept  # all, mean
 
 
 class HarvestCapture:

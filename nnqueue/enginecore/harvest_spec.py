@@ -85,11 +85,16 @@ class Selection:
             have are skipped, so such a prompt has fewer rows).
         n: for ``first`` / ``last``; default 1.
         positions: for ``positions``; rows come out in position order, each position once.
+        skip: positions ``0 .. skip - 1`` of every prompt are never rows (e.g. an attention sink at
+            position 0, whose norm dwarfs the others'); the selection applies to the positions after them:
+            ``first`` counts from ``skip``, ``mean`` averages positions from ``skip`` on, and ``last`` /
+            ``positions`` drop what falls before it. A prompt of ``skip`` tokens or fewer has no rows.
     """
 
     kind: SelectionKind = "all"
     n: int = 1
     positions: tuple[int, ...] = ()
+    skip: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in ("all", "first", "last", "mean", "positions"):
@@ -102,15 +107,29 @@ class Selection:
             raise SpecError(f"positions are only for a 'positions' selection, not {self.kind!r}")
         if not all(isinstance(p, int) for p in self.positions):
             raise SpecError("selection positions must be integers")
+        if not isinstance(self.skip, int) or self.skip < 0:
+            raise SpecError(f"selection skip must be a non-negative integer, not {self.skip!r}")
+
+    def max_rows(self, length: int) -> int:
+        """At most the rows this selection takes of a prompt of ``length`` tokens (exact but for ``positions``
+        that a prompt lists twice, negative and positive)."""
+        length = max(length - self.skip, 0)
+        if self.kind == "all":
+            return length
+        if self.kind == "mean":
+            return min(1, length)
+        if self.kind in ("first", "last"):
+            return min(self.n, length)
+        return min(len(set(self.positions)), length)
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "n": self.n, "positions": list(self.positions)}
+        return {"kind": self.kind, "n": self.n, "positions": list(self.positions), "skip": self.skip}
 
     @classmethod
     def from_json(cls, data: Any) -> Selection:
-        if not isinstance(data, dict) or set(data) - {"kind", "n", "positions"}:
-            raise SpecError(f"a selection is {{'kind', 'n', 'positions'}}, not {data!r}")
-        return cls(data.get("kind", "all"), data.get("n", 1), tuple(data.get("positions") or ()))
+        if not isinstance(data, dict) or set(data) - {"kind", "n", "positions", "skip"}:
+            raise SpecError(f"a selection is {{'kind', 'n', 'positions', 'skip'}}, not {data!r}")
+        return cls(data.get("kind", "all"), data.get("n", 1), tuple(data.get("positions") or ()), data.get("skip", 0))
 
 
 def check_dtype(dtype: str) -> str:

@@ -5,7 +5,8 @@ step that had rows of it: host copies of each capture plus the rows' prompt inde
 token id) once all its prompts are captured. The writer orders the rows by prompt index, then
 position, and streams the safetensors file (header, then each tensor's bytes, read straight out of
 the blocks: no concatenated copy) to the chunk's sink, so a re-run of a chunk writes the same bytes.
-When done it posts the shard's size, sha256 and per-prompt row ranges to the outbox (an entry of kind
+When done it posts the shard's size, sha256, per-prompt row ranges and per-capture statistics
+(`nnqueue.enginecore.shard_stats`, taken from the same host rows) to the outbox (an entry of kind
 `SHARD_ENTRY` whose id is the chunk's key on the engine); tensors never leave the process.
 """
 
@@ -25,6 +26,7 @@ import torch
 
 from nnqueue.enginecore import outbox, sink
 from nnqueue.enginecore.harvest_spec import PROMPT_INDEX, SHARD_FORMAT, TOKEN_ID, TOKEN_POSITION
+from nnqueue.enginecore.shard_stats import shard_stats
 from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
@@ -140,6 +142,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     runs = _runs(order, np.cumsum([0] + [len(b.prompt) for b in blocks]))
     rows = len(order)
     widths = {key: _width(blocks, key) for key in job.keys}
+    stats = shard_stats(job.keys, widths, blocks)
 
     names = sorted([*job.keys, *columns])
     header: dict[str, Any] = {"__metadata__": {**job.metadata, "format": SHARD_FORMAT}}
@@ -180,6 +183,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
         "tokens": job.tokens,
         "steps": len(job.blocks),
         "prompts": [[int(p), int(a), int(b - a)] for p, a, b in zip(job.prompts, first_rows, last_rows, strict=True)],
+        "stats": stats,
     }
 
 

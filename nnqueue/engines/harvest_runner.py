@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
+from nnqueue.enginecore import harvest_stats
 from nnqueue.enginecore.harvest_capture import TAG
 from nnqueue.enginecore.harvest_spec import Capture, Selection, check_captures, check_dtype
 from nnqueue.enginecore.shard_writer import SHARD_ENTRY
@@ -94,6 +95,7 @@ class ChunkResult:
         parts: for a multipart sink, ``{"part_number", "etag"}`` of each part, to complete the upload.
         steps: engine steps that captured rows of the chunk (how its prompts were batched).
         seconds: wall time of the chunk on the engine, from begin to the shard written.
+        stats: per capture key, the shard's mergeable statistics (`nnqueue.enginecore.harvest_stats`).
     """
 
     chunk_id: str
@@ -105,6 +107,7 @@ class ChunkResult:
     parts: tuple[dict[str, Any], ...]
     steps: int
     seconds: float
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 async def run_chunk(llm: Any, work: ChunkWork) -> ChunkResult:
@@ -218,6 +221,10 @@ def _result(work: ChunkWork, entry: dict[str, Any], seconds: float) -> ChunkResu
         for p in parts
     ):
         raise HarvestError(f"the engine reported invalid upload parts for chunk {work.chunk_id}")
+    try:
+        stats = harvest_stats.check(entry.get("stats"), [capture.key for capture in work.captures])
+    except (ValueError, TypeError) as error:
+        raise HarvestError(f"the engine reported invalid statistics for chunk {work.chunk_id}: {error}") from None
     return ChunkResult(
         chunk_id=work.chunk_id,
         rows=rows,
@@ -228,4 +235,5 @@ def _result(work: ChunkWork, entry: dict[str, Any], seconds: float) -> ChunkResu
         parts=tuple({"part_number": p["part_number"], "etag": p["etag"]} for p in parts),
         steps=integer(entry.get("steps"), "step count"),
         seconds=seconds,
+        stats=stats,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from celery import Celery
 from sqlalchemy import func, select, update
@@ -29,13 +30,15 @@ OPEN = (S.QUEUED, S.RUNNING)
 
 @dataclass(frozen=True)
 class ChunkOutput:
-    """What a finished chunk wrote: its shard's rows, bytes and sha256, the tokens it ran, per-prompt offsets."""
+    """What a finished chunk wrote: its shard's rows, bytes and sha256, the tokens it ran, per-prompt offsets,
+    and its per-capture statistics (`nnqueue.enginecore.harvest_stats`)."""
 
     rows: int
     bytes: int
     sha256: str
     tokens: int
     offsets: list[int]
+    stats: dict[str, Any] | None = None
 
 
 def finish_chunk(sessions: sessionmaker[Session], chunk_id: int, worker_id: str, output: ChunkOutput) -> bool:
@@ -53,6 +56,7 @@ def finish_chunk(sessions: sessionmaker[Session], chunk_id: int, worker_id: str,
                 sha256=output.sha256,
                 tokens=output.tokens,
                 offsets=output.offsets,
+                stats=output.stats,
                 error=None,
             ),
         )

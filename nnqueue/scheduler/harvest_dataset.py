@@ -150,10 +150,10 @@ def _read_file(store: ObjectStore, key: str, spec: DatasetSpec, limits: Limits) 
         raise HarvestRejected(
             413, f"{key!r} is {size} bytes; the limit is {limits.max_bytes} (NNQUEUE_HARVEST_MAX_DATASET_BYTES)"
         )
-    return parse(store.get_bytes(key), spec.format or _format_of(key), spec.field, repr(key)), size
+    return parse(store.get_bytes(key), spec.format or format_of(key), spec.field, repr(key)), size
 
 
-def _format_of(key: str) -> str:
+def format_of(key: str) -> str:
     lowered = key.lower()
     if lowered.endswith((".jsonl", ".json", ".ndjson")):
         return "jsonl"

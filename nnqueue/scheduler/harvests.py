@@ -1,4 +1,4 @@
-"""Accepting a harvest: check the spec against the world, freeze its dataset, split it into chunks.
+"""Accepting a harvest: check the spec against the world, freeze its dataset, split it into chunks; or, for a dry run, estimate it (:func:`estimate_harvest`).
 
 The order makes an accepted harvest durable before any worker can run it, as for jobs: the uploaded file
 and the frozen dataset go to the object store first, then the QUEUED harvest and its chunk rows are
@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from celery import Celery
 from pydantic import Field
@@ -26,7 +26,8 @@ from nnqueue.db.session import transaction
 from nnqueue.enginecore.capture_points import check_against
 from nnqueue.enginecore.harvest_spec import SpecError
 from nnqueue.scheduler.enqueue import send_chunk_tokens
-from nnqueue.scheduler.harvest_dataset import Limits, freeze, load_examples, upload_key
+from nnqueue.scheduler.harvest_dataset import Limits, format_of, freeze, load_examples, parse, upload_key
+from nnqueue.scheduler.harvest_estimate import HarvestEstimate, estimate, refusal
 from nnqueue.scheduler.harvest_spec import HarvestRejected, HarvestSpec
 from nnqueue.scheduler.registry import live_capture_points, live_workers
 from nnqueue.storage.keys import DATASET_FILE, harvest_key, shard_name
@@ -52,16 +53,23 @@ class Submission:
     api_key_id: int | None = None
     upload: Upload | None = None
     schedule_id: int | None = None
+    max_output_bytes: int | None = None  # NNQUEUE_HARVEST_MAX_OUTPUT_BYTES
 
 
 def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, submission: Submission) -> Harvest:
     """Check the spec, store its dataset frozen, and add the QUEUED harvest and its chunks to the caller's
     transaction; raises :class:`HarvestRejected`. The caller commits, then calls :func:`queue_harvest`."""
-    check_captures(session, spec, submission.stale_after_s)
+    points = check_captures(session, spec, submission.stale_after_s)
     harvest_id = uuid.uuid4()
     if submission.upload is not None:
         spec = _with_upload(store, spec, submission, harvest_id)
-    frozen = freeze(load_examples(store, spec.dataset, submission.owner, submission.limits))
+    examples = load_examples(store, spec.dataset, submission.owner, submission.limits)
+    limit = submission.max_output_bytes
+    if limit is not None:
+        guess = estimate(session, spec, examples, points)
+        if guess.bytes > limit:
+            raise HarvestRejected(413, refusal(guess, limit))
+    frozen = freeze(examples)
     dataset_key = harvest_key(harvest_id, DATASET_FILE)
     store.put_bytes(dataset_key, frozen.data)
 
@@ -103,6 +111,27 @@ def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, subm
     return harvest
 
 
+def estimate_harvest(
+    session: Session, store: ObjectStore, spec: HarvestSpec, submission: Submission
+) -> HarvestEstimate:
+    """What accepting ``spec`` would harvest (:mod:`nnqueue.scheduler.harvest_estimate`), checked as
+    :func:`accept_harvest` checks it, with nothing stored or queued; raises :class:`HarvestRejected`."""
+    points = check_captures(session, spec, submission.stale_after_s)
+    upload = submission.upload
+    if upload is None:
+        examples = load_examples(store, spec.dataset, submission.owner, submission.limits)
+    else:
+        if spec.dataset.inline is not None or spec.dataset.path or spec.dataset.prefix:
+            raise HarvestRejected(422, "a file was uploaded, so the spec's dataset must not name another source")
+        fmt = spec.dataset.format or format_of(upload.filename)
+        parsed = parse(upload.data, fmt, spec.dataset.field, repr(upload.filename))
+        inline = spec.dataset.model_copy(update={"prompts": None, "token_ids": None})
+        examples = load_examples(
+            store, inline.model_copy(update={"token_ids": parsed}), submission.owner, submission.limits
+        )
+    return estimate(session, spec, examples, points)
+
+
 def queue_harvest(app: Celery, harvest: Harvest) -> None:
     """Send a committed harvest's chunk tokens; a failed send is logged, and the reconciler sends them later."""
     try:
@@ -121,9 +150,9 @@ def create_harvest(
     return harvest
 
 
-def check_captures(session: Session, spec: HarvestSpec, stale_after_s: float) -> None:
+def check_captures(session: Session, spec: HarvestSpec, stale_after_s: float) -> list[dict[str, Any]]:
     """Refuse a model no live worker serves (400), one whose workers run no harvests (400), and captures its
-    workers did not publish as capturable (422, naming the capturable modules)."""
+    workers did not publish as capturable (422, naming the capturable modules); returns the capture points."""
     points = live_capture_points(session, spec.model_key, stale_after_s)
     if points is None:
         live = sorted({worker.model_key for worker in live_workers(session, stale_after_s)})
@@ -138,6 +167,7 @@ def check_captures(session: Session, spec: HarvestSpec, stale_after_s: float) ->
         check_against(spec.captures, points)
     except SpecError as error:
         raise HarvestRejected(422, f"{spec.model_key!r}: {error}") from None
+    return points
 
 
 def _with_upload(store: ObjectStore, spec: HarvestSpec, submission: Submission, harvest_id: uuid.UUID) -> HarvestSpec:

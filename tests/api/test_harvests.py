@@ -14,7 +14,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from nnqueue.broker import bulk_queue_name, ready_messages
 from nnqueue.db.models import HarvestChunk, HarvestSchedule, JobStatus
@@ -245,3 +245,53 @@ def test_harvest_routes_need_the_harvest_scope_and_other_owners_need_admin(api: 
     assert api.http.post(f"/v1/schedules/{schedule['id']}/pause", headers=admin).json()["paused"] is True
     assert api.http.post(f"/v1/harvests/{harvest['id']}/cancel", headers=admin).json()["status"] == "cancelled"
     assert submit_harvest(api.http, admin, spec()).status_code == 403
+
+
+WIDE_POINTS = [
+    {"module": "model.layers.0", "io": "output", "parts": ["residual_stream", "hidden", "residual"], "width": 64},
+    {"module": "model.layers.0.mlp", "io": "output", "parts": [], "width": None},
+]
+
+
+def test_a_dry_run_estimates_without_queueing_and_a_limit_refuses_with_the_estimate(
+    api: Api, services: Services
+) -> None:
+    register_worker(services.sessions, "wide-model", capture_points=WIDE_POINTS)
+    alice = api.new_key("alice", HARVEST)
+    body = spec(
+        model_key="wide-model",
+        dataset={"token_ids": [[1] * 10, [2] * 3, [3] * 40]},
+        captures=[{"module": "model.layers.0"}, {"module": "model.layers.0.mlp"}],
+        selection={"kind": "all", "skip": 2},
+        dtype="bfloat16",
+        max_length=32,
+    )
+    with services.sessions() as session:
+        chunks_before = session.scalar(select(func.count()).select_from(HarvestChunk))
+    response = api.http.post("/v1/harvests/estimate", headers=alice, data={"spec": json.dumps(body)})
+    assert response.status_code == 200, response.text
+    found = response.json()
+    rows = 8 + 1 + 30  # skip 2 of 10, 3 and 40 cut at 32 tokens
+    assert (found["prompts"], found["tokens"], found["tokens_exact"], found["rows"]) == (3, 45, True, rows)
+    # The mlp's width is not published: counted at the model's widest (64); bfloat16, plus three int64 columns.
+    assert found["widths"] == {"model.layers.0.output": 64, "model.layers.0.mlp.output": 64}
+    assert found["bytes"] == rows * (2 * 64 * 2 + 24) + 2 * 1024 and found["shards"] == 2
+    assert found["duration_s"] is None and any("no chunk" in note for note in found["notes"])
+    with services.sessions() as session:
+        assert session.scalar(select(func.count()).select_from(HarvestChunk)) == chunks_before
+
+    text = spec(model_key="wide-model", dataset={"prompts": ["x" * 100]}, captures=[{"module": "model.layers.0"}])
+    guessed = api.http.post("/v1/harvests/estimate", headers=alice, data={"spec": json.dumps(text)}).json()
+    assert guessed["tokens"] == 30 and guessed["tokens_exact"] is False
+    unknown = api.http.post(
+        "/v1/harvests/estimate", headers=alice, data={"spec": json.dumps(spec(captures=[{"module": "nope"}]))}
+    )
+    assert unknown.status_code == 422 and "nope" in unknown.text
+
+    with api_client(services, worker_stale_after_s=3600, harvest_max_output_bytes=10_000) as limited:
+        refused = submit_harvest(limited.http, alice, body)
+        assert refused.status_code == 413, refused.text
+        assert "would write about" in refused.text and f"{rows:,} rows" in refused.text
+        assert (
+            submit_harvest(limited.http, alice, {**body, "captures": [{"module": "model.layers.0"}]}).status_code == 201
+        )

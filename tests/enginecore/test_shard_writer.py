@@ -83,3 +83,53 @@ def test_cancelled_write_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(Cancelled):
         write_shard(cancelled)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_statistics_add_up_across_shards_and_leave_out_nonfinite_rows(tmp_path: Path) -> None:
+    from nnqueue.enginecore.harvest_stats import check, merge, summarize
+
+    generator = torch.Generator().manual_seed(0)
+    first = torch.randn(300, 4, generator=generator) * torch.tensor([1.0, 2.0, 3.0, 4.0]) + 5
+    second = torch.randn(200, 4, generator=generator) * 10
+    second[7, 1], second[9] = float("nan"), float("inf")
+    entries = []
+    for name, values in (("s1", first), ("s2", second)):
+        rows = values.shape[0]
+        step = Block(np.zeros(rows, np.int64) + 1, np.arange(rows), np.arange(rows), values={"a": values, "b": values})
+        entries.append(write_shard(job(tmp_path, [step], name)))
+    assert entries[1]["stats"]["a"]["nan"] == 1 and entries[1]["stats"]["a"]["inf"] == 4
+    summary = summarize(merge([check(entry["stats"], ["b", "a"]) for entry in entries]))["a"]
+    finite = torch.cat([first, second[[i for i in range(200) if i not in (7, 9)]]]).double()
+    assert summary["count"] == 498 and summary["nonfinite_rows"] == 2 and summary["width"] == 4
+    torch.testing.assert_close(torch.tensor(summary["mean"], dtype=torch.float64), finite.mean(0), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(summary["std"], dtype=torch.float64), finite.std(0, correction=0), atol=1e-5, rtol=1e-6
+    )
+    norms = finite.norm(dim=1)
+    assert summary["norm"]["min"] == pytest.approx(float(norms.min()), rel=1e-6)
+    assert summary["norm"]["max"] == pytest.approx(float(norms.max()), rel=1e-6)
+    for name, p in (("p5", 0.05), ("p50", 0.5), ("p95", 0.95)):
+        exact = float(norms.quantile(p))
+        assert summary["norm"]["percentiles"][name] == pytest.approx(exact, rel=0.08), name
+    assert sum(summary["norm"]["histogram"]["counts"]) == 498
+
+
+def test_reported_statistics_are_checked() -> None:
+    from nnqueue.enginecore.harvest_stats import check
+
+    entry = write_stats_entry()
+    assert check({"a": entry}, ["a"]) == {"a": entry}
+    with pytest.raises(ValueError, match="histogram"):
+        check({"a": {**entry, "count": 3}}, ["a"])
+    with pytest.raises(ValueError, match="statistics for"):
+        check({"b": entry}, ["a"])
+    with pytest.raises(ValueError, match="widths"):
+        check({"a": {**entry, "sum": "AAAAAAAAAAA="}}, ["a"])
+
+
+def write_stats_entry() -> dict:
+    from nnqueue.enginecore.shard_stats import Accumulator
+
+    accumulator = Accumulator(2)
+    accumulator.add(torch.tensor([[3.0, 4.0], [0.0, 0.0]]))
+    return accumulator.to_json()

@@ -58,6 +58,13 @@ SELECTIONS = {
     "last4": Selection("last", n=4),
     "mean": Selection("mean"),
     "positions": Selection("positions", positions=(0, 2, -1, -6, 30)),
+    # Attention sinks left out: the first positions of every prompt are never rows (the 5-token prompt has none
+    # with skip=6).
+    "all_skip1": Selection("all", skip=1),
+    "first3_skip2": Selection("first", n=3, skip=2),
+    "last40_skip6": Selection("last", n=40, skip=6),
+    "mean_skip6": Selection("mean", skip=6),
+    "positions_skip3": Selection("positions", positions=(0, 2, -1, -6, 30), skip=3),
 }
 
 
@@ -149,17 +156,17 @@ async def batched(llm: Any, *awaitables: Awaitable[Any], requests: int) -> list[
 
 
 def expected_rows(values: torch.Tensor, selection: Selection) -> tuple[torch.Tensor, list[int]]:
-    length = values.shape[0]
+    length, skip = values.shape[0], selection.skip
     if selection.kind == "mean":
-        return values.mean(0, keepdim=True), [-1]
+        return (values[skip:].mean(0, keepdim=True), [-1]) if length > skip else (values[:0], [])
     if selection.kind == "all":
-        positions = list(range(length))
+        positions = list(range(skip, length))
     elif selection.kind == "first":
-        positions = list(range(min(selection.n, length)))
+        positions = list(range(skip, min(skip + selection.n, length)))
     elif selection.kind == "last":
-        positions = list(range(max(0, length - selection.n), length))
+        positions = list(range(max(skip, length - selection.n), length))
     else:
-        positions = sorted({p + length if p < 0 else p for p in selection.positions} & set(range(length)))
+        positions = sorted({p + length if p < 0 else p for p in selection.positions} & set(range(skip, length)))
     return values[positions], positions
 
 
@@ -190,7 +197,7 @@ def check_shard(
         for capture in chunk.captures:
             values, positions = expected_rows(expected[capture.key], chunk.selection)
             assert shard["token_position"][span].tolist() == positions
-            wanted_ids = [-1] if chunk.selection.kind == "mean" else [ids[p] for p in positions]
+            wanted_ids = [-1] * len(positions) if chunk.selection.kind == "mean" else [ids[p] for p in positions]
             assert shard["token_id"][span].tolist() == wanted_ids
             torch.testing.assert_close(shard[capture.key][span], values, atol=1e-4, rtol=1e-4, msg=capture.key)
 
@@ -334,7 +341,7 @@ def chunked_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
         yield engine
 
 
-@pytest.mark.parametrize("name", ["all", "mean", "last4", "positions"])
+@pytest.mark.parametrize("name", ["all", "mean", "last4", "positions", "all_skip1", "mean_skip6"])
 def test_chunked_prefill(chunked_engine, tmp_path, prompts, reference, name) -> None:
     llm = chunked_engine.model.vllm_entrypoint
     chunk = work(tmp_path, prompts, SELECTIONS[name], f"chunked-{name}")

@@ -5,7 +5,8 @@ the ``admin`` scope; submitting needs the ``harvest`` scope (a default key's), t
 a multipart form: ``spec`` (the JSON :class:`~nnqueue.scheduler.harvest_spec.HarvestSpec`) and optionally
 ``dataset``, a file stored under the caller's prefix and harvested. Every refusal is a 4xx with its reason:
 422 (bad spec, unknown module with the valid ones, empty dataset, missing column), 400 (no live worker),
-403 (a file outside the caller's prefix), 404 (no such file), 413 (too large). A submission is one
+403 (a file outside the caller's prefix), 404 (no such file), 413 (too large). ``POST /v1/harvests/estimate``
+takes the same form and answers the harvest's estimated size and duration, storing and queueing nothing. A submission is one
 transaction on the request's session (the harvest and its chunks), then its chunk tokens.
 """
 
@@ -36,8 +37,18 @@ from nnqueue.api.schemas import HarvestListResponse, HarvestResponse, ShardFile,
 from nnqueue.db.models import Harvest, HarvestChunk, JobStatus
 from nnqueue.scheduler.chunks import cancel_harvest
 from nnqueue.scheduler.harvest_dataset import Limits
+from nnqueue.scheduler.harvest_estimate import HarvestEstimate
 from nnqueue.scheduler.harvest_spec import HarvestRejected, HarvestSpec
-from nnqueue.scheduler.harvests import Submission, Upload, accept_harvest, progress, queue_harvest, recent_harvests
+from nnqueue.scheduler.harvests import (
+    Submission,
+    Upload,
+    accept_harvest,
+    estimate_harvest,
+    progress,
+    queue_harvest,
+    recent_harvests,
+)
+from nnqueue.settings import Settings
 from nnqueue.storage.keys import harvest_key, shard_name
 from nnqueue.storage.object_store import PresignUnsupported
 
@@ -49,8 +60,9 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     403: {"description": "The dataset names a file outside the caller's prefix users/<owner>/."},
     404: {"description": "The dataset's file is not in the object store."},
     413: {
-        "description": "The dataset is over NNQUEUE_HARVEST_MAX_DATASET_BYTES or NNQUEUE_HARVEST_MAX_PROMPTS, or "
-        "the upload over NNQUEUE_MAX_PAYLOAD_BYTES."
+        "description": "The dataset is over NNQUEUE_HARVEST_MAX_DATASET_BYTES or NNQUEUE_HARVEST_MAX_PROMPTS, "
+        "the upload over NNQUEUE_MAX_PAYLOAD_BYTES, or the estimated output over NNQUEUE_HARVEST_MAX_OUTPUT_BYTES "
+        "(the reason gives the estimate)."
     },
 }
 
@@ -69,13 +81,7 @@ def submit(
     upload = None
     if dataset is not None:
         upload = Upload(dataset.filename or "dataset", dataset.file.read(settings.harvest_max_dataset_bytes + 1))
-    submission = Submission(
-        owner=caller.owner,
-        limits=Limits.of(settings),
-        stale_after_s=settings.worker_stale_after_s,
-        api_key_id=caller.key_id,
-        upload=upload,
-    )
+    submission = _submission(caller, settings, upload)
     try:
         harvest = accept_harvest(session, resources.store, harvest_spec, submission)
     except HarvestRejected as rejected:
@@ -85,6 +91,38 @@ def submit(
     queue_harvest(resources.celery, harvest)
     metrics.HARVESTS_SUBMITTED.labels(harvest.model_key).inc()
     return view
+
+
+@router.post("/estimate", responses=SUBMIT_ERRORS)
+def estimate(
+    caller: HarvestCallerDep,
+    resources: ResourcesDep,
+    session: SessionDep,
+    spec: Annotated[str, Form(description="The harvest spec, a JSON object, as for a submission.")],
+    dataset: Annotated[UploadFile | None, File(description="A JSONL, Parquet or text file to harvest.")] = None,
+) -> HarvestEstimate:
+    """A dry run: the tokens, rows, bytes, shards and duration the harvest would take, checked as a submission
+    is, with nothing stored or queued."""
+    settings = resources.settings
+    harvest_spec = parse_spec_field(spec, HarvestSpec)
+    upload = None
+    if dataset is not None:
+        upload = Upload(dataset.filename or "dataset", dataset.file.read(settings.harvest_max_dataset_bytes + 1))
+    try:
+        return estimate_harvest(session, resources.store, harvest_spec, _submission(caller, settings, upload))
+    except HarvestRejected as rejected:
+        raise HTTPException(rejected.status, rejected.reason) from None
+
+
+def _submission(caller: Caller, settings: Settings, upload: Upload | None) -> Submission:
+    return Submission(
+        owner=caller.owner,
+        limits=Limits.of(settings),
+        stale_after_s=settings.worker_stale_after_s,
+        api_key_id=caller.key_id,
+        upload=upload,
+        max_output_bytes=settings.harvest_max_output_bytes,
+    )
 
 
 @router.get("", responses={403: {"description": "`owner` names another owner and the key is not an admin."}})
