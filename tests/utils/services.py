@@ -136,7 +136,7 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_registered(self, timeout: float = 180) -> Worker:
+    def wait_registered(self, timeout: float = 420) -> Worker:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
