@@ -37,7 +37,8 @@ another rank's shard is put back and logged there, and the job fails only if ran
 rotary cache's dtype, say), module structure and hooks (a trace replacing a submodule or registering a
 hook): the protected environment (:mod:`nnqueue.enginecore.protected`) is what keeps those out of reach.
 
-``NNQUEUE_WEIGHTS_GUARD=false`` turns it off (a private engine whose traces may edit weights for good).
+``NNQUEUE_WEIGHTS_GUARD=false`` (``Settings.weights_guard``) turns it off on vLLM engines (a private engine whose
+traces may edit the weights for good); the transformers engine always puts the weights back after a job.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def enabled() -> bool:
 class _Held:
     module: torch.nn.Module  # the module that owns the parameter
     attribute: str  # its name there
-    parameter: torch.Tensor  # the object the module held
+    parameter: torch.nn.Parameter  # the object the module held
     storage: torch.Tensor  # an alias of its original storage (put back if ``.data`` was swapped)
     host: torch.Tensor  # its content, in host memory
     requires_grad: bool
