@@ -9,11 +9,11 @@ JSON file in ``$NNQUEUE_CRASH_REPORT_DIR`` before the exception goes on to kill 
 process reads it (:mod:`nnqueue.workers.engine_health`) to fail the job that crashed the engine and
 no other.
 
-The report also says what failed (`cause`): ``"trace"`` when a frame of the error's traceback is the
+The report also says what failed (`cause`): ``"host"`` when the error, or one it was raised from, is the
+host's set-up failing (a file it may not read, a module it cannot import, torch's compiler failing:
+`HOST_ERRORS`) raised outside a trace's own code; ``"trace"`` when a frame of the error's traceback is the
 code of a trace in the step (nnsight compiles a trace's block under its author's file name, kept on its
-mediator's ``code``), ``"host"`` when the error, or one it was raised from, is the host's set-up failing
-(a file it may not read, a module it cannot import, torch's compiler failing: `HOST_ERRORS`) and no
-trace frame is on its way, else ``"engine"`` (vLLM's or torch's own code failed on what the step's traces
+mediator's ``code``); else ``"engine"`` (vLLM's or torch's own code failed on what the step's traces
 gave it: a ``.skip()`` value of the wrong shape, say).
 
 The report comes from a process that runs users' code, so the worker treats it as a claim, not a fact:
@@ -65,16 +65,20 @@ def write_report(request_ids: list[str], error: BaseException, files: frozenset[
 
 
 def classify(error: BaseException, trace_files: frozenset[str]) -> tuple[str, str | None]:
-    """``(cause, where)``: ``("trace", "file:line")`` when a trace's own frame raised or called into the
-    failure, ``("host", "<error>")`` when a host error (`HOST_ERRORS`) is in the chain, else ``("engine", None)``."""
+    """``(cause, where)``: ``("host", "<error>")`` when a host error (`HOST_ERRORS`) in the chain was raised
+    outside a trace's code (a module a library imports, a file torch's compiler reads: a trace's own ``import``
+    or ``open`` is the trace's), else ``("trace", "file:line")`` when a trace's frame raised or called into the
+    failure, else ``("engine", None)``."""
     chain = list(_chain(error))
+    for each in chain:
+        if isinstance(each, HOST_ERRORS) or type(each).__name__ in HOST_ERROR_NAMES:
+            frames = traceback.extract_tb(each.__traceback__)
+            if not frames or frames[-1].filename not in trace_files:
+                return "host", f"{type(each).__name__}: {each}"[:2000]
     for each in chain:
         frames = [frame for frame in traceback.extract_tb(each.__traceback__) if frame.filename in trace_files]
         if frames:  # the innermost: the line of the trace that raised or called into the failure
             return "trace", f"{frames[-1].filename}:{frames[-1].lineno}"
-    for each in chain:
-        if isinstance(each, HOST_ERRORS) or type(each).__name__ in HOST_ERROR_NAMES:
-            return "host", f"{type(each).__name__}: {each}"[:2000]
     return "engine", None
 
 

@@ -36,6 +36,16 @@ def missing_module() -> None:
     import nnsight.intervention.no_such_module  # type: ignore[import-not-found]  # noqa: F401
 
 
+def trace_imports_a_missing_module() -> None:
+    code = compile("import no_such_module_of_alice\n", TRACE_FILE, "exec")
+    exec(code, {})
+
+
+def trace_calls_a_library_that_cannot_import() -> None:
+    code = compile("missing()\n", TRACE_FILE, "exec")
+    exec(code, {"missing": missing_module})
+
+
 def trace_code() -> None:
     code = compile("def block():\n    raise ValueError('my trace is wrong')\nblock()\n", TRACE_FILE, "exec")
     exec(code, {})  # stands for nnsight running a trace's compiled block
@@ -55,6 +65,17 @@ def test_a_host_problem_is_not_the_jobs_fault(make: object, tmp_path: Path, monk
     why = report_for(tmp_path, monkeypatch, raised(make))
     assert "not in this job's code" in why and "this job's trace crashed" not in why, why
     assert ("InductorError" in why) or ("No module named 'nnsight.intervention.no_such_module'" in why), why
+
+
+def test_a_traces_own_import_is_the_trace_and_a_librarys_is_the_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    own = report_for(tmp_path, monkeypatch, raised(trace_imports_a_missing_module))
+    assert f"its code at {TRACE_FILE}:1 raised" in own and "no_such_module_of_alice" in own, own
+    for path in tmp_path.glob("crash-*.json"):
+        path.unlink()
+    library = report_for(tmp_path, monkeypatch, raised(trace_calls_a_library_that_cannot_import))
+    assert "not in this job's code" in library and "nnsight.intervention.no_such_module" in library, library
 
 
 def test_the_jobs_own_code_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
