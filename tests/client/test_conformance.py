@@ -549,7 +549,7 @@ def test_a_prompt_over_max_model_len_is_vllms_validation_error_through_the_queue
 
     error = a_prompt_longer_than_max_model_len(client_model, queue_backend)["error"]
     assert isinstance(error, VLLMValidationError), repr(error)
-    assert "longer than the maximum model length of 256" in str(error) and "Intervention traceback" not in str(error)
+    assert "maximum context length is 256" in str(error) and "Intervention traceback" not in str(error)
 
 
 def test_through_remote_true_an_error_in_the_trace_is_nnsights_remote_error(
