@@ -72,8 +72,8 @@ def classify(error: BaseException, trace_files: frozenset[str]) -> tuple[str, st
     chain = list(_chain(error))
     for each in chain:
         if isinstance(each, HOST_ERRORS) or type(each).__name__ in HOST_ERROR_NAMES:
-            frames = traceback.extract_tb(each.__traceback__)
-            if not frames or frames[-1].filename not in trace_files:
+            stack = traceback.extract_tb(each.__traceback__)
+            if not stack or stack[-1].filename not in trace_files:
                 return "host", f"{type(each).__name__}: {each}"[:2000]
     for each in chain:
         frames = [frame for frame in traceback.extract_tb(each.__traceback__) if frame.filename in trace_files]
