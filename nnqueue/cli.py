@@ -260,6 +260,41 @@ def demo(
         raise typer.Exit(130) from None
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def up(
+    ctx: typer.Context,
+    model: str = typer.Option(..., help="Hugging Face id or local directory of the model to serve."),
+    model_key: str | None = typer.Option(None, help="The name clients submit jobs for (default: --model)."),
+    data_dir: Path | None = typer.Option(
+        None, help="Where the database, results, harvests, logs and key live (default NNQUEUE_DATA_DIR, .nnqueue)."
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address the API listens on."),
+    port: int = typer.Option(8000, help="Port the API listens on."),
+    max_concurrent_jobs: int = typer.Option(8, min=1, help="Jobs run at once on the engine."),
+) -> None:
+    """Keep the embedded stack (Redis, SQLite, local store, API, one worker for MODEL) running until Ctrl-C or
+    SIGTERM, printing its URL and a key: the queue, the CLI, remote=True and the status page with nothing else
+    to set up. State stays in the data directory across restarts. Extra --options go to vLLM's engine arguments."""
+    from nnqueue.demo import DemoError
+    from nnqueue.embedded import EmbeddedServerError
+    from nnqueue.up import run_up
+
+    try:
+        run_up(
+            model,
+            data_dir or Settings().data_dir,
+            model_key=model_key,
+            host=host,
+            port=port,
+            engine_kwargs=engine_args(ctx.args),
+            max_concurrent_jobs=max_concurrent_jobs,
+            console=console,
+        )
+    except (DemoError, EmbeddedServerError) as error:
+        console.print(f"[red]{type(error).__name__}:[/red] {error}", markup=True, highlight=False)
+        raise typer.Exit(1) from None
+
+
 def _redacted(url: str) -> str:
     from sqlalchemy.engine import make_url
 

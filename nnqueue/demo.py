@@ -168,22 +168,39 @@ class EmbeddedStack:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for a demo
         return env
 
-    def start_services(self) -> None:
-        """Migrate the database, start Redis and the API, and create an API key."""
-        from nnqueue.api import auth
+    def start_services(self, *, host: str = "127.0.0.1", port: int | None = None, key_file: Path | None = None) -> None:
+        """Migrate the database, start Redis and the API (on ``port``, default a free one), and create an API key;
+        with ``key_file``, the key kept there is used again while it is valid (a new one is written there if not)."""
         from nnqueue.db import migrate
-        from nnqueue.db.session import make_engine, session_factory, transaction
 
         self.data_dir.mkdir(parents=True, exist_ok=True)
         migrate.upgrade(self.database_url)
         self.redis = EmbeddedRedis(self.data_dir / "redis")
-        self.api = ApiServer(self.settings())
+        self.api = ApiServer(self.settings(), host=host, port=port)
+        self.api_key = self._api_key(key_file)
+
+    def _api_key(self, key_file: Path | None) -> str:
+        from nnqueue.api import auth
+        from nnqueue.db.session import make_engine, session_factory, transaction
+
         engine = make_engine(self.database_url)
         try:
             with transaction(session_factory(engine)) as session:
-                _, self.api_key = auth.create_key(session, "demo", ["trace", "harvest"])
+                if key_file is not None and key_file.is_file():
+                    kept = key_file.read_text().strip()
+                    try:
+                        auth.authenticate(session, kept)
+                        return kept
+                    except auth.AuthenticationFailed:
+                        pass  # revoked, or the database was reset: a new key
+                _, secret = auth.create_key(session, "demo", ["trace", "harvest"])
         finally:
             engine.dispose()
+        if key_file is not None:
+            key_file.touch(mode=0o600)
+            key_file.chmod(0o600)  # only its owner reads the key
+            key_file.write_text(secret + "\n")
+        return secret
 
     def start_worker(self) -> ChildProcess:
         command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(self.model_dir)]

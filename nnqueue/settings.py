@@ -93,6 +93,9 @@ class Settings(BaseSettings):
     protected_environment: bool = True
     # Modules (and their submodules) allowed beside the built-in list, comma-separated.
     allowed_modules: Annotated[list[str], NoDecode] = []
+    # The weights guard: a trace's write to a parameter is put back and fails the job (nnqueue.enginecore.weights_guard).
+    # Off only for a private engine whose traces may change the weights for every later job.
+    weights_guard: bool = True
 
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"
@@ -165,6 +168,7 @@ class Settings(BaseSettings):
             "NNQUEUE_SECRET_ENV_PATTERNS": ",".join(self.secret_env_patterns),
             "NNQUEUE_PROTECTED_ENVIRONMENT": "true" if self.protected_environment else "false",
             "NNQUEUE_ALLOWED_MODULES": ",".join(self.allowed_modules),
+            "NNQUEUE_WEIGHTS_GUARD": "true" if self.weights_guard else "false",
         }
 
     @property

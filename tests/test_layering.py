@@ -36,6 +36,7 @@ LAYERS = {
     "cli": 4,
     "demo": 4,
     "embedded": 4,
+    "up": 4,
     "__main__": 4,
     "client": 5,
     "harvest": 6,  # the streaming reader of harvests (nnqueue.harvest.open), over the client
@@ -52,6 +53,9 @@ ENTRY_POINT_EDGES = {
     ("demo", "embedded"),
     ("demo", "client"),
     ("embedded", "api"),
+    ("cli", "up"),
+    ("up", "demo"),
+    ("up", "client"),
 }
 # Standard-library-only modules of the server that the client imports too: the prebuilt trace format,
 # which the client writes and the worker reads.

@@ -5,7 +5,10 @@ the shape of nnsight's ``raise_deferred``: ``"<Type>: <message>"``, then the wor
 under ``Intervention traceback:``. Code that already matches nnsight's errors from a vLLM engine (which
 ``raise_deferred`` re-raises as ``RuntimeError``) matches these too. When the original type is a Python
 built-in exception, the error is also an instance of it: a ``TypeError`` in intervention code can be
-caught with ``except TypeError`` as well as ``except RuntimeError``. Code that wants the parts reads
+caught with ``except TypeError`` as well as ``except RuntimeError``. An error vLLM itself raised for the
+request (``VLLMValidationError`` for a prompt longer than ``max_model_len``, say: vLLM's request checks, which
+a local run raises as they are, not through ``raise_deferred``) is an instance of that ``vllm.exceptions``
+class, when vLLM is installed here, and reads as vLLM's message alone, as it does locally. Code that wants the parts reads
 ``type_name``, ``error_message`` and ``traceback``; ``saves`` holds what the trace's other invokes saved.
 """
 
@@ -130,14 +133,31 @@ class JobFailed(NNqueueError, RuntimeError):
 
 @functools.cache
 def failure_class(type_name: str) -> type[JobFailed]:
-    """JobFailed, also an instance of the built-in exception ``type_name`` when there is one."""
+    """JobFailed, also an instance of the built-in exception ``type_name`` when there is one, or of vLLM's
+    error class of that name (``vllm.exceptions``, whose instances then read as their message alone)."""
+    namespace: dict[str, Any] = {"__module__": __name__}
     original = getattr(builtins, type_name, None)
+    if original is None and (original := _vllm_error(type_name)) is not None:
+        # Attributes vLLM's constructor would set (not run here), and vLLM's reading of the error.
+        namespace.update(parameter=None, value=None, __str__=lambda self: self.error_message)
     if not isinstance(original, type) or not issubclass(original, Exception) or issubclass(JobFailed, original):
         return JobFailed
     try:
-        return type(f"JobFailed[{type_name}]", (JobFailed, original), {"__module__": __name__})
+        return type(f"JobFailed[{type_name}]", (JobFailed, original), namespace)
     except TypeError:  # an incompatible layout
         return JobFailed
+
+
+def _vllm_error(type_name: str) -> type[BaseException] | None:
+    """vLLM's exception class ``type_name`` (``vllm.exceptions``), if vLLM is installed and has it."""
+    if not type_name.startswith("VLLM"):
+        return None
+    try:
+        from vllm import exceptions
+    except ImportError:
+        return None
+    found = getattr(exceptions, type_name, None)
+    return found if isinstance(found, type) and issubclass(found, exceptions.VLLMError) else None
 
 
 class JobCancelled(NNqueueError):

@@ -20,6 +20,7 @@ from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
+from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
 class NNsightCPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner, CPUModelRunner):
@@ -30,8 +31,9 @@ class NNsightCPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner, CPUModelR
     """
 
 
-class NNsightCPUWorker(SandboxedWorker, CrashReportingWorker, NNqueueRPC, CPUWorker):
-    """vLLM's CPU worker, with nnsight's model runner and RPC methods and nnqueue's, sandboxed (see enginecore.sandbox)."""
+class NNsightCPUWorker(SandboxedWorker, CrashReportingWorker, WeightsGuardWorker, NNqueueRPC, CPUWorker):
+    """vLLM's CPU worker, with nnsight's model runner and RPC methods and nnqueue's, sandboxed (see enginecore.sandbox),
+    its weights guarded (enginecore.weights_guard)."""
 
     def init_device(self) -> None:
         super().init_device()

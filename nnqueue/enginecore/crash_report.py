@@ -9,8 +9,15 @@ JSON file in ``$NNQUEUE_CRASH_REPORT_DIR`` before the exception goes on to kill 
 process reads it (:mod:`nnqueue.workers.engine_health`) to fail the job that crashed the engine and
 no other.
 
+The report also says what failed (`cause`): ``"host"`` when the error, or one it was raised from, is the
+host's set-up failing (a file it may not read, a module it cannot import, torch's compiler failing:
+`HOST_ERRORS`) raised outside a trace's own code; ``"trace"`` when a frame of the error's traceback is the
+code of a trace in the step (nnsight compiles a trace's block under its author's file name, kept on its
+mediator's ``code``); else ``"engine"`` (vLLM's or torch's own code failed on what the step's traces
+gave it: a ``.skip()`` value of the wrong shape, say).
+
 The report comes from a process that runs users' code, so the worker treats it as a claim, not a fact:
-it only narrows down which of the worker's own running jobs were in the step.
+it only narrows down which of the worker's own running jobs were in the step, and words the error.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,22 +35,72 @@ else:
     _Worker = object
 
 CRASH_DIR_ENV = "NNQUEUE_CRASH_REPORT_DIR"
+# Errors that say the host's set-up failed, not the code a trace brought: by class, and by name for those
+# whose class lives in a package this module does not import (torch._inductor's InductorError, dynamo's
+# BackendCompilerFailed wrap the compiler's own error).
+HOST_ERRORS: tuple[type[BaseException], ...] = (PermissionError, ImportError, MemoryError)
+HOST_ERROR_NAMES = frozenset({"InductorError", "BackendCompilerFailed", "OutOfMemoryError"})
 
 
-def write_report(request_ids: list[str], error: BaseException) -> None:
-    """Write ``crash-<pid>.json`` (atomically) into the crash report directory, if one is configured."""
+def write_report(request_ids: list[str], error: BaseException, files: frozenset[str] = frozenset()) -> None:
+    """Write ``crash-<pid>.json`` (atomically) into the crash report directory, if one is configured.
+
+    ``files``: the file names the step's traces were compiled under (`trace_files`).
+    """
     directory = os.environ.get(CRASH_DIR_ENV)
     if not directory:
         return
+    cause, where = classify(error, files)
     report = {
         "request_ids": request_ids,
         "error": f"{type(error).__name__}: {error}"[:2000],
+        "cause": cause,
+        "where": where,
         "traceback": "".join(traceback.format_exception(error))[-8000:],
     }
     path = Path(directory) / f"crash-{os.getpid()}.json"
     staging = path.with_suffix(".tmp")
     staging.write_text(json.dumps(report))
     staging.replace(path)
+
+
+def classify(error: BaseException, trace_files: frozenset[str]) -> tuple[str, str | None]:
+    """``(cause, where)``: ``("host", "<error>")`` when a host error (`HOST_ERRORS`) in the chain was raised
+    outside a trace's code (a module a library imports, a file torch's compiler reads: a trace's own ``import``
+    or ``open`` is the trace's), else ``("trace", "file:line")`` when a trace's frame raised or called into the
+    failure, else ``("engine", None)``."""
+    chain = list(_chain(error))
+    for each in chain:
+        if isinstance(each, HOST_ERRORS) or type(each).__name__ in HOST_ERROR_NAMES:
+            stack = traceback.extract_tb(each.__traceback__)
+            if not stack or stack[-1].filename not in trace_files:
+                return "host", f"{type(each).__name__}: {each}"[:2000]
+    for each in chain:
+        frames = [frame for frame in traceback.extract_tb(each.__traceback__) if frame.filename in trace_files]
+        if frames:  # the innermost: the line of the trace that raised or called into the failure
+            return "trace", f"{frames[-1].filename}:{frames[-1].lineno}"
+    return "engine", None
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the errors it was raised from or during, innermost last (each once)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def trace_files(runner: Any) -> frozenset[str]:
+    """The file names the code of the traces on ``runner`` (nnsight's model runner) was compiled under."""
+    requests = getattr(getattr(runner, "nnsight_requests", None), "requests", {})
+    files = set()
+    for request in list(requests.values()):
+        code = getattr(getattr(request, "mediator", None), "code", None)
+        if code is not None:
+            files.add(code.co_filename)
+    return frozenset(files)
 
 
 class CrashReportingWorker(_Worker):
@@ -55,12 +113,12 @@ class CrashReportingWorker(_Worker):
         try:
             return super().execute_model(scheduler_output, *args, **kwargs)
         except Exception as error:
-            write_report(list(self._nnqueue_step), error)
+            write_report(list(self._nnqueue_step), error, trace_files(getattr(self, "model_runner", None)))
             raise
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().sample_tokens(*args, **kwargs)
         except Exception as error:
-            write_report(list(self._nnqueue_step), error)
+            write_report(list(self._nnqueue_step), error, trace_files(getattr(self, "model_runner", None)))
             raise

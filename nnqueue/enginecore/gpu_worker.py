@@ -1,5 +1,5 @@
 """nnsight's CUDA worker, sandboxed (:mod:`nnqueue.enginecore.sandbox`), with nnqueue's stall watchdog
-(:mod:`nnqueue.enginecore.stall_watchdog`), crash reports, harvest capture (:mod:`nnqueue.enginecore.harvest_capture`)
+(:mod:`nnqueue.enginecore.stall_watchdog`), crash reports, weights guard (:mod:`nnqueue.enginecore.weights_guard`), harvest capture (:mod:`nnqueue.enginecore.harvest_capture`)
 and RPC methods (:mod:`nnqueue.enginecore.rpc`)."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
+from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
 class NNqueueGPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner):
     """nnqueue's harvest capture over nnsight's runner; adds no constructor state (re-classed in place)."""
 
 
-class NNqueueGPUWorker(SandboxedWorker, CrashReportingWorker, NNqueueRPC, NNsightGPUWorker):
+class NNqueueGPUWorker(SandboxedWorker, CrashReportingWorker, WeightsGuardWorker, NNqueueRPC, NNsightGPUWorker):
     def init_device(self) -> None:
         super().init_device()  # checks the runner is vLLM's V1 GPUModelRunner, re-classes it to nnsight's
         self.model_runner.__class__ = NNqueueGPUModelRunner

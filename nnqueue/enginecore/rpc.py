@@ -8,7 +8,10 @@ writes, and the others return None, as nnsight's ``collect_nnsight`` does under 
   this process (:mod:`nnqueue.enginecore.trace_collect`), starts their copies to host memory (without
   waiting on the GPU: `trace_results.HostCopies`), and hands them to the result writer threads; returns at
   once. The outcome arrives through the outbox.
-* ``nnqueue_discard_trace``: frees the state of requests that were aborted, cancelled or timed out.
+  A trace's code runs here too (``tracer.result``, a block's unwinding): the weights guard then checks the
+  weights (:mod:`nnqueue.enginecore.weights_guard`), and a trace that changed them fails with ``WeightsModified``.
+* ``nnqueue_discard_trace``: frees the state of requests that were aborted, cancelled or timed out (and checks
+  the weights after their blocks' unwinding).
 * ``nnqueue_outbox``: the queued completions (:mod:`nnqueue.enginecore.outbox`).
 * ``nnqueue_harvest_begin`` / ``nnqueue_harvest_abort``: start or drop a harvest chunk
   (:mod:`nnqueue.enginecore.harvest_capture`); ``nnqueue_harvest_stats``: what the capture path holds;
@@ -20,9 +23,10 @@ from __future__ import annotations
 
 import logging
 import pickle
+from collections.abc import Callable
 from typing import Any
 
-from nnqueue.enginecore import outbox, trace_collect, trace_results
+from nnqueue.enginecore import outbox, trace_collect, trace_results, weights_guard
 
 log = logging.getLogger(__name__)
 _writer: list[trace_results.ResultWriter] = []
@@ -39,6 +43,7 @@ class NNqueueRPC:
     """RPC methods for a vLLM worker whose ``model_runner`` is nnsight's runner with `HarvestRunnerMixin`."""
 
     model_runner: Any
+    nnqueue_check_weights: Callable[[], list[str]]  # weights_guard.WeightsGuardWorker's
 
     def nnqueue_finish_trace(
         self, trace_id: str, request_ids: list[str], outputs: bytes | None, sinks: dict[str, Any]
@@ -53,8 +58,11 @@ class NNqueueRPC:
         try:
             finished = pickle.loads(outputs) if outputs else None
             collected = trace_collect.collect_trace(self.model_runner, list(request_ids), finished)
+            changed = self.nnqueue_check_weights()
             if not reporting:
                 return None
+            if changed and (collected.error is None or collected.error.get("is_control_flow")):
+                collected.error = weights_guard.error(changed, 1)
             collected.saves = trace_results.snapshot(collected.saves, copies)
             copies.seal()
             _result_writer().submit(trace_id, collected, sinks, copies)
@@ -77,6 +85,7 @@ class NNqueueRPC:
 
     def nnqueue_discard_trace(self, request_ids: list[str]) -> None:
         trace_collect.release(self.model_runner, list(request_ids))
+        self.nnqueue_check_weights()
 
     def nnqueue_outbox(self) -> list[dict[str, Any]] | None:
         return outbox.drain() if reporting_rank() else None

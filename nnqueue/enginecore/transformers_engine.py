@@ -14,7 +14,10 @@ different users' traces in one forward would make them share it (one trace's ``t
 ends everyone's forward, and a ``backward()`` walks the others' graph).
 
 Each job reads its own payload's source, never an earlier job's, in a trace scope of its own
-(:mod:`nnqueue.enginecore.payload_scope`). Intervention code that runs ``NNQUEUE_ENGINE_STALL_TIMEOUT_S``
+(:mod:`nnqueue.enginecore.payload_scope`). A job may edit the weights (weight-editing research runs here:
+the job runs alone, so its edits reach only its own forward passes), but not the next job's: after each job
+the weights guard (:mod:`nnqueue.enginecore.weights_guard`) puts back every parameter it changed, from a
+copy kept in host memory, and drops the gradients it left. Intervention code that runs ``NNQUEUE_ENGINE_STALL_TIMEOUT_S``
 without handing control back to the model is stopped by the stall watchdog
 (:mod:`nnqueue.enginecore.stall_watchdog`), failing the job; a job the worker gives up on (timeout, cancel)
 is ended by killing this process.
@@ -86,7 +89,10 @@ class Engine:
     """The loaded model and what running one job on it takes."""
 
     def __init__(self, model: Any) -> None:
+        from nnqueue.enginecore.weights_guard import WeightsGuard
+
         self.model = model
+        self.guard = WeightsGuard(model._module)
         self.persistent = model._remoteable_persistent_objects()
         self.default_attention = model.attn_implementation
         self.loaded = False  # whether the current job's payload was rebuilt (else its error is a rebuild error)
@@ -100,13 +106,24 @@ class Engine:
 
         self.loaded = False
         try:
-            saves = self.execute(payload, header.get("env") or {})
+            saves = snapshot(self.execute(payload, header.get("env") or {}))  # copied before the weights go back
         except Exception as error:  # noqa: BLE001 - the trace's error, whatever it is, is the job's
             # As a local trace re-raises it: the user's frames, not nnsight's (Tracer.__exit__).
             cleaned = clean_traceback(getattr(error, "__intervention_tb__", None) or error.__traceback__)
             setattr(error, "__intervention_tb__", cleaned)  # noqa: B010 - nnsight's attribute, not the class's
             return {"objects": {}, "error": capture_exception(error), "load_failed": not self.loaded}
-        return {"objects": write_saves(snapshot(saves), header["sinks"]), "error": None, "load_failed": False}
+        finally:
+            self.restore_weights(header.get("job"))
+        return {"objects": write_saves(saves, header["sinks"]), "error": None, "load_failed": False}
+
+    def restore_weights(self, job: Any) -> None:
+        """Put back what the job changed of the weights (its edits lasted for its own run only)."""
+        changed = self.guard.check()
+        if changed:
+            print(
+                f"nnqueue: job {job}'s changes to {len(changed)} parameter(s) {changed[:10]} were undone",
+                file=sys.stderr,
+            )
 
     def execute(self, payload: bytes, env: dict[str, Any]) -> dict[str, Any]:
         """Rebuild and run the trace; its saved values by name (what a local run pushes into the caller's frame)."""

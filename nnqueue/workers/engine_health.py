@@ -7,7 +7,9 @@ first job to see that calls :meth:`EngineHealth.engine_died`, which, once for th
 1. stops this worker taking work: later tokens are sent again, unclaimed, for another worker;
 2. reads the engine's crash report (:mod:`nnqueue.enginecore.crash_report`): the jobs in the fatal step;
 3. settles the jobs this worker holds. A job alone in the fatal step crashed the engine: it fails with
-   the engine's error. Jobs in a fatal step with others cannot be told apart: each is requeued marked
+   the engine's error, worded by the report's cause (`blame`): its own code raised it, vLLM's code failed
+   on what its trace gave it, or the host's set-up failed (a permission, a module outside the job's code,
+   torch's compiler), which is said not to be the job's doing. Jobs in a fatal step with others cannot be told apart: each is requeued marked
    ``run_alone`` with its crash count in ``job.meta["engine_crashes"]``, so that next time it runs with
    no other job on its engine (:class:`EngineGate`) and, if it is the culprit, is the only job in the
    step it kills. A job that has crashed an engine :data:`MAX_ENGINE_CRASHES` times fails whatever the
@@ -67,10 +69,27 @@ def job_ids_in(request_ids: list[str]) -> set[uuid.UUID]:
     return jobs
 
 
+CAUSES = frozenset({"trace", "engine", "host"})
+
+
 @dataclass(frozen=True)
 class CrashReport:
     jobs: set[uuid.UUID]
     error: str
+    cause: str = "engine"  # see nnqueue.enginecore.crash_report: "trace", "engine" or "host"
+    where: str | None = None  # the trace's file:line, or the host error
+
+
+def blame(report: CrashReport) -> str:
+    """What a job alone in the fatal step is told: what failed, and whether its own code raised it."""
+    if report.cause == "trace":
+        return f"this job's trace crashed the engine (its code at {report.where} raised): {report.error}"
+    if report.cause == "host":
+        return (
+            "the engine crashed on a problem of this host's set-up, not in this job's code "
+            f"({report.where}); the operator must fix it (see the worker's log): {report.error}"
+        )
+    return f"this job's trace crashed the engine, alone in the step that failed (vLLM's code raised): {report.error}"
 
 
 def read_crash_report(directory: Path, wait_s: float = REPORT_WAIT_S) -> CrashReport | None:
@@ -81,7 +100,14 @@ def read_crash_report(directory: Path, wait_s: float = REPORT_WAIT_S) -> CrashRe
             try:
                 report = json.loads(path.read_text())
                 request_ids = [str(each) for each in report.get("request_ids", [])][:10_000]
-                return CrashReport(job_ids_in(request_ids), str(report.get("error", ""))[:2000])
+                cause = report.get("cause") if report.get("cause") in CAUSES else "engine"
+                where = report.get("where")
+                return CrashReport(
+                    job_ids_in(request_ids),
+                    str(report.get("error", ""))[:2000],
+                    cause,
+                    None if where is None else str(where)[:2000],
+                )
             except (OSError, ValueError, AttributeError, TypeError):
                 log.warning("unreadable crash report %s", path)
         if time.monotonic() > deadline:
@@ -175,9 +201,11 @@ class EngineHealth:
             return
         crashes = int(meta.get("engine_crashes", 0)) + 1
         if len(in_step) == 1 and report is not None:
-            why = f"this job's trace crashed the engine, alone in the step that failed: {error}"
+            why = blame(report)
         elif crashes >= MAX_ENGINE_CRASHES:
             why = f"this job was running each of the {crashes} times an engine crashed, the last time: {error}"
+            if report is not None and report.cause == "host":
+                why += f" (a problem of this host's set-up, not this job's code: {report.where})"
         else:
             self._requeue(
                 job_id, {**meta, "engine_crashes": crashes, "run_alone": True}, "in a step that crashed the engine"

@@ -6,7 +6,8 @@ The engine runs the requests and writes the result to the sinks this worker hand
 (:mod:`nnqueue.engines.trace_runner`, :mod:`nnqueue.workers.sinks`); this process never unpickles a save.
 The job fails with the trace's first error (nnsight's type, message and traceback), keeping the other
 invokes' saves as its result; a payload that cannot be rebuilt fails naming both sides' versions when
-they differ.
+they differ; a request vLLM refuses (``VLLMValidationError``: a prompt over ``max_model_len``) fails with
+vLLM's type and message, which the client raises as that type (:mod:`nnqueue.client.errors`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import nnsight
 from sqlalchemy.orm import Session, sessionmaker
+from vllm.exceptions import VLLMClientError
 
 from nnqueue import trace_payload
 from nnqueue.db.models import Job
@@ -52,14 +54,17 @@ class VLLMTraceExecutor:
         sinks = await asyncio.to_thread(self.sinks.open, job.id, job.attempts, job.timeout_s)
         committed = False
         try:
-            report = await trace_runner.run_trace(
-                self.model,
-                requests,
-                trace_id=f"{job.id}-{job.attempts}",
-                sinks=sinks.specs,
-                outbox=self.outbox,
-                on_finished=lambda done: progress(done, total),
-            )
+            try:
+                report = await trace_runner.run_trace(
+                    self.model,
+                    requests,
+                    trace_id=f"{job.id}-{job.attempts}",
+                    sinks=sinks.specs,
+                    outbox=self.outbox,
+                    on_finished=lambda done: progress(done, total),
+                )
+            except VLLMClientError as refused:  # vLLM's checks of a request (a prompt over max_model_len)
+                raise JobFailure(type(refused).__name__, str(refused)) from None
             failure = _failure(report, job, trace)
             if report.write_error is not None and failure is None:
                 raise JobFailure("ResultWriteFailed", f"the engine could not write the result: {report.write_error}")

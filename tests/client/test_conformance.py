@@ -13,6 +13,12 @@ What cannot match, and is checked to fail clearly instead:
   a session can each use the nnqueue backend, and then only their saved values come back.
 * Tracebacks name the engine's copy of a block (``<edit-...>`` with an object id), so they are compared
   with those ids taken out.
+* Through nnsight's own ``remote=True`` client, an error in the trace is nnsight's ``RemoteError`` (its
+  message is ``"<Type>: <message>"`` and the traceback), where a local run raises the original type. The
+  client raises ``RemoteError`` for every ERROR status (``RemoteBackend.note``) and has no other error
+  channel: the only thing a server could do is send a result whose unpickling (``torch.load(...,
+  weights_only=False)``) raises, which would be the server running code of its choice in the client;
+  nnqueue does not. The nnqueue client backend raises the original type.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import nnsight
@@ -27,9 +34,10 @@ import pytest
 import torch
 
 from nnqueue.client import Client
+from nnqueue.embedded import ApiServer
 from tests.utils.engines import InProcessEngine
 from tests.utils.reference import InProcessBackend
-from tests.utils.services import MODEL_KEY, WorkerProcess
+from tests.utils.services import WorkerProcess
 
 pytestmark = pytest.mark.slow  # end to end: a real worker process behind a real API server
 
@@ -421,7 +429,16 @@ def client_side_refusals(model: Any, backend: Any) -> dict[str, Any]:
     return refused
 
 
+@feature
+def a_prompt_longer_than_max_model_len(model: Any, backend: Any) -> dict[str, Any]:
+    with catching() as caught:  # vLLM's own check of the request: VLLMValidationError, raised as it is
+        with model.trace(" word" * 300, temperature=0.0, max_tokens=1, backend=backend):
+            model.logits.save()
+    return {"error": caught.error}
+
+
 ERROR_FEATURES = {
+    "a_prompt_longer_than_max_model_len",
     "type_error",
     "errors_of_several_types",
     "an_error_in_one_of_two_invokes_keeps_the_others_saves",
@@ -475,8 +492,14 @@ def _normalized(message: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def queue_backend(client: Client, worker: WorkerProcess) -> Any:
-    return client.backend(model_key=MODEL_KEY, progress=False, wait_timeout=120)
+def worker(start_worker: Callable[..., WorkerProcess], tiny_model_path: Path) -> WorkerProcess:
+    """Served under the key nnsight's own remote client sends for ``VLLM(<path>)`` (the path)."""
+    return start_worker(max_concurrent_jobs=4, model_key=str(tiny_model_path))
+
+
+@pytest.fixture(scope="module")
+def queue_backend(client: Client, worker: WorkerProcess, tiny_model_path: Path) -> Any:
+    return client.backend(model_key=str(tiny_model_path), progress=False, wait_timeout=120)
 
 
 @pytest.mark.parametrize("name", list(FEATURES))
@@ -505,7 +528,7 @@ def test_errors_from_the_queue_are_also_their_original_type(client_model: Any, q
 
 def test_a_session_cannot_run_as_one_job_and_says_so(client: Client, client_model: Any) -> None:
     with pytest.raises(NotImplementedError, match=r"model\.session"):
-        with client_model.session(backend=client.backend(model_key=MODEL_KEY)):
+        with client_model.session(backend=client.backend(model_key="any")):
             with client_model.trace(P0, temperature=0.0, max_tokens=1):
                 logits = client_model.logits.save()
 
@@ -517,3 +540,32 @@ def test_traces_inside_a_session_can_each_be_a_job(client_model: Any, queue_back
         with client_model.trace(P1, temperature=0.0, max_tokens=1, backend=queue_backend):
             also = nnsight.save(client_model.logits.argmax(-1))
     assert top.shape == also.shape == (1,)
+
+
+def test_a_prompt_over_max_model_len_is_vllms_validation_error_through_the_queue(
+    client_model: Any, queue_backend: Any
+) -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    error = a_prompt_longer_than_max_model_len(client_model, queue_backend)["error"]
+    assert isinstance(error, VLLMValidationError), repr(error)
+    assert "maximum context length is 256" in str(error) and "Intervention traceback" not in str(error)
+
+
+def test_through_remote_true_an_error_in_the_trace_is_nnsights_remote_error(
+    monkeypatch: pytest.MonkeyPatch, api_server: ApiServer, secret: str, client_model: Any, worker: WorkerProcess
+) -> None:
+    """A documented difference (see the module doc): nnsight's remote client raises RemoteError for every
+    failed job; what nnqueue sends is the original type and message, first in its description."""
+    from nnsight import CONFIG
+    from nnsight.intervention.backends.remote import RemoteError
+
+    monkeypatch.setattr(CONFIG.API, "HOST", f"{api_server.url}/ndif")
+    monkeypatch.setattr(CONFIG.API, "APIKEY", secret)
+    monkeypatch.setattr(CONFIG.APP, "REMOTE_LOGGING", False)
+    with pytest.raises(RemoteError) as raised:
+        with client_model.trace(P0, temperature=0.0, max_tokens=1, remote=True):
+            logits = client_model.logits
+            raise ValueError(f"bad logits of shape {tuple(logits.shape)}")
+    assert not isinstance(raised.value, ValueError)
+    assert str(raised.value).startswith("ValueError: bad logits of shape (1, "), str(raised.value)

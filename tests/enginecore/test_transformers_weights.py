@@ -1,0 +1,45 @@
+"""On the transformers engine a job may edit the weights for its own run (weight-editing research), never into
+the next job's (nnqueue.enginecore.transformers_engine with nnqueue.enginecore.weights_guard), in process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nnqueue.enginecore.transformers_engine import Engine, load_model
+from nnqueue.storage.results import load_result
+from tests.utils.payloads import PayloadBackend
+
+PROMPT = "The Eiffel Tower is in"
+
+
+def run(engine: Engine, payload: bytes, directory: Path, name: str) -> dict[str, Any]:
+    sinks = {kind: {"kind": "handoff", "path": str(directory / f"{name}-{kind}")} for kind in ("torch", "safetensors")}
+    answer = engine.run({"job": name, "sinks": sinks}, payload)
+    assert answer["error"] is None, answer["error"]
+    return load_result(Path(sinks["torch"]["path"]).read_bytes())
+
+
+def test_a_jobs_weight_edit_lasts_for_that_job_only(tiny_model_path: Path, tmp_path: Path) -> None:
+    from nnsight import LanguageModel
+
+    engine = Engine(load_model(str(tiny_model_path), {}))
+    meta = LanguageModel(str(tiny_model_path))
+
+    def logits(edit: bool) -> bytes:
+        backend = PayloadBackend()
+        with meta.trace(PROMPT, backend=backend):
+            if edit:
+                with torch.no_grad():  # the edit, before the forward reaches the norm
+                    meta.model.norm.weight[:] = 0
+            out = meta.lm_head.output.save()
+        return backend.payload
+
+    before = run(engine, logits(edit=False), tmp_path, "before")["out"]
+    edited = run(engine, logits(edit=True), tmp_path, "edited")["out"]
+    after = run(engine, logits(edit=False), tmp_path, "after")["out"]
+    assert before.abs().sum() > 0
+    assert torch.equal(edited, torch.zeros_like(edited)), "the edit did not hold for its own job"
+    assert torch.equal(after, before), "the edit reached the next job"

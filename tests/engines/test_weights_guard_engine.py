@@ -1,0 +1,121 @@
+"""A trace that writes to the engine's weights (nnqueue.enginecore.weights_guard, on the CPU engine with nnqueue's
+worker class): the job fails with ``WeightsModified`` and the next job, of anyone, runs on the original weights;
+in a step shared by several traces each of them fails; a write made while a trace is finished is that trace's."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+from nnsight.modeling.vllm import VLLM
+
+from nnqueue import trace_payload
+from nnqueue.engines.outbox import OutboxPoller
+from nnqueue.engines.prebuilt import to_requests
+from nnqueue.engines.trace_runner import TraceReport, run_trace
+from nnqueue.storage.results import load_result
+from tests.utils.engines import InProcessEngine
+from tests.utils.payloads import PROMPTS, PrebuiltBackend
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="module")
+def outbox(inprocess_engine: InProcessEngine) -> OutboxPoller:
+    return OutboxPoller(inprocess_engine.model.vllm_entrypoint)
+
+
+def run(engine: InProcessEngine, awaitable: Awaitable[T]) -> T:
+    async def wrap() -> T:
+        return await awaitable
+
+    return engine.run(wrap())
+
+
+async def run_prebuilt(engine: InProcessEngine, outbox: OutboxPoller, payload: bytes, trace_id: str) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as directory:
+        sinks = {name: {"kind": "handoff", "path": f"{directory}/{name}"} for name in ("torch", "safetensors")}
+        requests = to_requests(trace_payload.decode(payload), trace_id)
+        report = await run_trace(engine.model, requests, trace_id=trace_id, sinks=sinks, outbox=outbox)
+        written = Path(sinks["torch"]["path"])
+        return {"report": report, "saves": load_result(written.read_bytes()) if written.exists() else {}}
+
+
+def logits_payload(client: VLLM) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[1], temperature=0.0, max_tokens=1, backend=backend):
+        logits = client.logits.save()
+    return backend.payload
+
+
+def zeroing_payload(client: VLLM, **sampling: Any) -> bytes:
+    """Zeroes the final norm's weight at the start of its step (what the issue's hostile trace did)."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, backend=backend, **{"max_tokens": 1, **sampling}):
+        client.model.norm.weight.zero_()
+        logits = client.logits.save()
+    return backend.payload
+
+
+def clean(engine: InProcessEngine, outbox: OutboxPoller, client: VLLM, name: str) -> torch.Tensor:
+    result = run(engine, run_prebuilt(engine, outbox, logits_payload(client), name))
+    assert result["report"].error is None
+    return result["saves"]["logits"]
+
+
+def assert_weights_modified(report: TraceReport, says: str) -> None:
+    assert report.error is not None, "the trace that changed the weights did not fail"
+    assert report.error["type_name"] == "WeightsModified", report.error
+    assert "model.norm.weight" in report.error["message"] and says in report.error["message"], report.error
+
+
+def test_a_trace_that_zeroes_a_weight_fails_and_the_next_job_runs_on_the_original_weights(
+    inprocess_engine: InProcessEngine, outbox: OutboxPoller, client_model: VLLM
+) -> None:
+    before = clean(inprocess_engine, outbox, client_model, "guard-before")
+    assert before.abs().sum() > 0
+    zeroing = run(inprocess_engine, run_prebuilt(inprocess_engine, outbox, zeroing_payload(client_model), "guard-0"))
+    assert_weights_modified(zeroing["report"], "this trace changed")
+    after = clean(inprocess_engine, outbox, client_model, "guard-after")
+    assert torch.equal(after, before), "a later job ran on the changed weights"
+
+
+def test_a_write_made_while_the_trace_is_finished_is_put_back(
+    inprocess_engine: InProcessEngine, outbox: OutboxPoller, client_model: VLLM
+) -> None:
+    before = clean(inprocess_engine, outbox, client_model, "guard-finish-before")
+    backend = PrebuiltBackend()
+    with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        result = tracer.result  # served in the finish RPC, after the last step
+        client_model.model.norm.weight.data.mul_(0.5)  # outside the step: not under inference mode
+    finished = run(inprocess_engine, run_prebuilt(inprocess_engine, outbox, backend.payload, "guard-finish"))
+    assert_weights_modified(finished["report"], "this trace changed")
+    assert torch.equal(clean(inprocess_engine, outbox, client_model, "guard-finish-after"), before)
+
+
+def test_in_a_step_shared_by_two_traces_both_fail_saying_the_writer_is_unknown(
+    inprocess_engine: InProcessEngine, outbox: OutboxPoller, client_model: VLLM
+) -> None:
+    before = clean(inprocess_engine, outbox, client_model, "guard-shared-before")
+    backend = PrebuiltBackend()
+    with client_model.trace(PROMPTS[1], temperature=0.0, max_tokens=24, ignore_eos=True, backend=backend):
+        logits = client_model.logits.save()
+    innocent = backend.payload
+    writer = zeroing_payload(client_model)
+
+    async def both() -> list[dict[str, Any]]:
+        # The innocent trace decodes for many steps, so the writer, right behind it, shares a step with it.
+        first = asyncio.ensure_future(run_prebuilt(inprocess_engine, outbox, innocent, "guard-innocent"))
+        await asyncio.sleep(0.05)
+        second = await run_prebuilt(inprocess_engine, outbox, writer, "guard-writer")
+        return [await first, second]
+
+    innocent_result, writer_result = run(inprocess_engine, both())
+    assert_weights_modified(writer_result["report"], "cannot be told")
+    assert_weights_modified(innocent_result["report"], "cannot be told")
+    assert torch.equal(clean(inprocess_engine, outbox, client_model, "guard-shared-after"), before)
