@@ -21,7 +21,7 @@ from pydantic import Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.models import Harvest, HarvestChunk, JobStatus, as_utc, utcnow
+from nnqueue.db.models import Harvest, HarvestChunk, JobStatus, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.enginecore.capture_points import check_against
 from nnqueue.enginecore.harvest_spec import SpecError
@@ -202,7 +202,7 @@ def progress(session: Session, harvests: list[Harvest]) -> dict[uuid.UUID, Harve
 
 
 def _progress(harvest: Harvest, chunks: int, prompts: int, tokens: int, size: int) -> HarvestProgress:
-    started, finished = as_utc(harvest.started_at), as_utc(harvest.finished_at)
+    started, finished = harvest.started_at, harvest.finished_at
     elapsed = None if started is None else max(((finished or utcnow()) - started).total_seconds(), 1e-6)
     rate = tokens / elapsed if elapsed and tokens else None
     eta = None
