@@ -26,7 +26,7 @@ from nnqueue.db.session import transaction
 from nnqueue.enginecore.capture_points import check_against
 from nnqueue.enginecore.harvest_spec import SpecError
 from nnqueue.scheduler.enqueue import send_chunk_tokens
-from nnqueue.scheduler.harvest_dataset import Limits, freeze, load_examples, upload_key
+from nnqueue.scheduler.harvest_dataset import Example, Limits, freeze, load_examples, upload_key, uploaded_examples
 from nnqueue.scheduler.harvest_spec import HarvestRejected, HarvestSpec
 from nnqueue.scheduler.registry import live_capture_points, live_workers
 from nnqueue.storage.keys import DATASET_FILE, harvest_key, shard_name
@@ -60,8 +60,10 @@ def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, subm
     check_captures(session, spec, submission.stale_after_s)
     harvest_id = uuid.uuid4()
     if submission.upload is not None:
-        spec = _with_upload(store, spec, submission, harvest_id)
-    frozen = freeze(load_examples(store, spec.dataset, submission.owner, submission.limits))
+        spec, examples = _with_upload(store, spec, submission, harvest_id)
+    else:
+        examples = load_examples(store, spec.dataset, submission.owner, submission.limits)
+    frozen = freeze(examples)
     dataset_key = harvest_key(harvest_id, DATASET_FILE)
     store.put_bytes(dataset_key, frozen.data)
 
@@ -140,8 +142,11 @@ def check_captures(session: Session, spec: HarvestSpec, stale_after_s: float) ->
         raise HarvestRejected(422, f"{spec.model_key!r}: {error}") from None
 
 
-def _with_upload(store: ObjectStore, spec: HarvestSpec, submission: Submission, harvest_id: uuid.UUID) -> HarvestSpec:
-    """The spec reading the uploaded file, stored under the owner's prefix."""
+def _with_upload(
+    store: ObjectStore, spec: HarvestSpec, submission: Submission, harvest_id: uuid.UUID
+) -> tuple[HarvestSpec, list[Example]]:
+    """The uploaded file's examples, parsed from the request's bytes, and the spec naming the file, which is
+    kept under the owner's prefix (once it parsed) so that later specs can read it too."""
     upload, limit = submission.upload, submission.limits.max_bytes
     assert upload is not None
     if spec.dataset.inline is not None or spec.dataset.path or spec.dataset.prefix:
@@ -151,8 +156,9 @@ def _with_upload(store: ObjectStore, spec: HarvestSpec, submission: Submission, 
             413, f"the upload is {len(upload.data)} bytes; the limit is {limit} (NNQUEUE_HARVEST_MAX_DATASET_BYTES)"
         )
     key = upload_key(submission.owner, str(harvest_id), upload.filename)
+    examples = uploaded_examples(upload.data, key, spec.dataset, submission.limits)
     store.put_bytes(key, upload.data)
-    return spec.model_copy(update={"dataset": spec.dataset.model_copy(update={"path": key})})
+    return spec.model_copy(update={"dataset": spec.dataset.model_copy(update={"path": key})}), examples
 
 
 def recent_harvests(session: Session, owner: str | None, status: JobStatus | None, limit: int) -> list[Harvest]:
