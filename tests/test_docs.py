@@ -54,7 +54,8 @@ def test_every_setting_is_in_the_configuration_reference() -> None:
     expected = {f"NNQUEUE_{name.upper()}" for name in Settings.model_fields if name != "s3"}
     expected |= {f"NNQUEUE_S3__{name.upper()}" for name in S3Settings.model_fields}
     assert variables == expected
-    assert "| `NNQUEUE_WORKER_STALE_AFTER_S` | `float` | `30` | > 0 | A worker silent for this long" in table
+    assert "| `NNQUEUE_WORKER_STALE_AFTER_S` | float, > 0 | `30` | A worker silent for this long" in table
+    assert "| `NNQUEUE_DATABASE_URL` | str or None | unset | " in table and "&lt;data_dir&gt;/nnqueue.db" in table
 
 
 def test_a_setting_without_its_comment_fails_the_reference() -> None:

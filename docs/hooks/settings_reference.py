@@ -103,11 +103,15 @@ def rows(source: str | None = None) -> list[tuple[str, str, str, str, str]]:
 
 def markdown_table() -> str:
     def cell(text: str) -> str:
-        return re.sub(r"``(.+?)``", r"`\1`", text).replace("|", "\\|")
+        # reST's double backticks become Markdown's; outside code spans, <placeholders> are not HTML tags.
+        parts = re.sub(r"``(.+?)``", r"`\1`", text).split("`")
+        parts[::2] = [part.replace("<", "&lt;").replace(">", "&gt;") for part in parts[::2]]
+        return "`".join(parts).replace("|", "\\|")
 
-    out = ["| variable | type | default | bounds | meaning |", "| --- | --- | --- | --- | --- |"]
+    out = ["| variable | type | default | meaning |", "| --- | --- | --- | --- |"]
     for variable, annotation, default, bounds, meaning in rows():
-        out.append(f"| `{variable}` | `{cell(annotation)}` | {cell(default)} | {bounds} | {cell(meaning)} |")
+        kind = cell(annotation.replace(" | ", " or ")) + (f", {bounds}" if bounds else "")  # bounds: "> 0"
+        out.append(f"| `{variable}` | {kind} | {cell(default)} | {cell(meaning)} |")
     return "\n".join(out)
 
 
