@@ -22,13 +22,18 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 class S3Settings(BaseModel):
     """An S3-compatible object store. Credentials may also come from boto3's usual chain when unset."""
 
+    # The store's S3 endpoint (MinIO, SeaweedFS, ...). Unset: AWS S3 itself.
     endpoint_url: str | None = None
     # The address that clients reach the store at, when it differs from ``endpoint_url`` (the API and workers
     # behind a Docker network, say): presigned download URLs name it. Unset: ``endpoint_url``.
     public_endpoint_url: str | None = None
+    # The bucket that holds payloads, results, datasets and shards.
     bucket: str = "nnqueue"
+    # The region requests are signed for.
     region: str = "us-east-1"
+    # The store's credentials; unset: boto3's usual chain (environment, instance profile, ...).
     access_key_id: str | None = None
+    # The secret key that goes with ``access_key_id``.
     secret_access_key: SecretStr | None = None
 
 
@@ -38,6 +43,7 @@ class Settings(BaseSettings):
         env_prefix="NNQUEUE_", env_nested_delimiter="__", env_file=".env", extra="ignore", hide_input_in_errors=True
     )
 
+    # Where the embedded defaults live (the SQLite file, the local object-store folder).
     data_dir: Path = Path(".nnqueue")
     # SQLAlchemy URL; Postgres in production (postgresql+psycopg://...). Unset: the embedded SQLite file
     # <data_dir>/nnqueue.db (filled in when the settings are built).
@@ -48,14 +54,18 @@ class Settings(BaseSettings):
     # ``s3.endpoint_url`` that is AWS itself, with boto3's usual credential chain), otherwise the local folder
     # ``store_dir`` (default ``<data_dir>/objects``, filled in when the settings are built).
     s3: S3Settings | None = None
+    # The local object-store folder (when no S3 is set). With a Postgres database the default folder makes
+    # ``/readyz`` 503 (each host would have its own): set S3, or this to a folder every process mounts.
     store_dir: Path | None = None
 
     # Workers. A job's task message stays unacknowledged while it runs; Redis hands it to another
     # worker once this long has passed, so it must exceed the longest job timeout.
     broker_visibility_timeout_s: float = Field(7200.0, gt=0)
+    # How often each worker reports that it is alive (its row in the database).
     worker_heartbeat_s: float = Field(5.0, gt=0)
     # A worker silent for this long is taken for dead: its RUNNING jobs may be taken over.
     worker_stale_after_s: float = Field(30.0, gt=0)
+    # A job's run-time limit when its submission names none.
     default_job_timeout_s: float = Field(600.0, gt=0)
     # How often each worker compares the broker's tokens with the database's queued work and re-sends the
     # missing ones (after Redis restarted empty, say). Its first heartbeat always does.
@@ -74,6 +84,7 @@ class Settings(BaseSettings):
     worker_bulk_slots: int = Field(1, ge=1)
     # The largest dataset (its source files together, or an upload) and the most prompts one harvest may have.
     harvest_max_dataset_bytes: int = Field(256 * 1024 * 1024, gt=0)
+    # The most prompts one harvest may have (413 beyond).
     harvest_max_prompts: int = Field(1_000_000, gt=0)
     # The largest harvest output (its shards' estimated bytes, as `nnqueue harvest submit --dry-run` answers) one
     # harvest may have; unset: no limit. A bigger one is refused (413) with its estimate.
@@ -99,6 +110,7 @@ class Settings(BaseSettings):
 
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"
+    # The port ``nnqueue serve-api`` listens on (``api_host`` above: its address).
     api_port: int = Field(8000, ge=0, le=65535)
     # API processes that `nnqueue serve-api` starts on that port (uvicorn workers).
     api_workers: int = Field(1, ge=1)

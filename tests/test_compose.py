@@ -1,4 +1,4 @@
-"""docker-compose.yml: Compose accepts it with .env.example, it holds the deployment the README describes, and
+"""docker-compose.yml: Compose accepts it with .env.example, it holds the deployment docs/operator/compose.md describes, and
 each of its command lines works: run against the suite's Postgres, Redis and S3 (no Docker engine runs here).
 
 Compose is Debian's ``docker-compose`` (1.29, which validates against the Compose schema without a daemon);

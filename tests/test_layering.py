@@ -227,6 +227,23 @@ def test_no_import_time_cycles_between_modules() -> None:
     assert cycles(graph) == []
 
 
+def test_no_import_circles_between_the_client_modules() -> None:
+    """In the client, counting every import (in functions and under ``TYPE_CHECKING`` too), no two modules use
+    each other: a piece two modules share sits in a module below both (``waiting``, ``cli_common``) or is
+    named by a protocol (``errors.Followed``, ``backend.Submitter``). The package's ``__init__`` re-exports
+    its modules, so it is left out (none of them imports it)."""
+    client = PACKAGE / "client"
+    modules = {module_name(path): path for path in client.rglob("*.py") if path.name != "__init__.py"}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for target, _ in imports(path.read_text(), name):
+            assert target != "nnqueue.client", f"{name} imports the package nnqueue.client: import the module instead"
+            if target in modules and target != name:
+                graph.setdefault(name, set()).add(target)
+    assert len(graph) >= 5
+    assert cycles(graph) == []
+
+
 def test_the_parser_resolves_every_import_form() -> None:
     # The checks above can fail only if these forms are seen.
     source = """

@@ -8,7 +8,7 @@ plain SQLAlchemy session so that the CLI and the HTTP layer share them.
 Scopes say what a key may do (checked by :func:`nnqueue.api.deps.require_scope`):
 
 * ``trace``: submit traces, i.e. run arbitrary nnsight (Python) code on the workers: give it only
-  to people trusted with that (see the README's trust model);
+  to people trusted with that (see the trust model, docs/operator/security.md);
 * ``harvest``: submit declarative harvest specs (no code);
 * ``admin``: see, cancel and download every owner's jobs.
 

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nnqueue.api.routing import strict_loads
-from nnqueue.db.models import Harvest, HarvestSchedule, Job, JobKind, JobStatus, as_utc
+from nnqueue.db.models import Harvest, HarvestSchedule, Job, JobKind, JobStatus
 from nnqueue.scheduler.harvest_spec import HarvestSpec
 from nnqueue.scheduler.harvests import HarvestProgress
 
@@ -121,11 +121,11 @@ class JobResponse(BaseModel):
             timeout_s=job.timeout_s,
             metadata=job.meta.get("metadata", {}),
             attempts=job.attempts,
-            created_at=as_utc(job.created_at),
-            queued_at=as_utc(job.queued_at),
-            started_at=as_utc(job.started_at),
-            finished_at=as_utc(job.finished_at),
-            purged_at=as_utc(job.purged_at),
+            created_at=job.created_at,
+            queued_at=job.queued_at,
+            started_at=job.started_at,
+            finished_at=job.finished_at,
+            purged_at=job.purged_at,
             queue_position=queue_position,
             progress=Progress(done=job.progress_done, total=job.progress_total),
             error=_error(job),
@@ -208,9 +208,9 @@ class HarvestResponse(BaseModel):
             spec=harvest.spec,
             dataset_digest=harvest.dataset_digest,
             schedule_id=harvest.schedule_id,
-            created_at=as_utc(harvest.created_at),
-            started_at=as_utc(harvest.started_at),
-            finished_at=as_utc(harvest.finished_at),
+            created_at=harvest.created_at,
+            started_at=harvest.started_at,
+            finished_at=harvest.finished_at,
             progress=progress,
             error=error,
             manifest_key=harvest.manifest_key,
@@ -267,12 +267,12 @@ class ScheduleResponse(BaseModel):
             cron=schedule.cron,
             spec=schedule.spec,
             paused=schedule.paused,
-            next_run_at=as_utc(schedule.next_run_at),
-            last_run_at=as_utc(schedule.last_run_at),
+            next_run_at=schedule.next_run_at,
+            last_run_at=schedule.last_run_at,
             last_harvest_id=schedule.last_harvest_id,
             last_error=schedule.last_error,
             runs=schedule.runs,
-            created_at=as_utc(schedule.created_at),
+            created_at=schedule.created_at,
         )
 
 

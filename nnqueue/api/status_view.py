@@ -14,7 +14,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import Harvest, Job, JobStatus, Worker, as_utc, utcnow
+from nnqueue.db.models import Harvest, Job, JobStatus, Worker, utcnow
 from nnqueue.scheduler.harvests import HarvestProgress, progress, recent_harvests
 from nnqueue.scheduler.overview import ModelLoad, model_loads
 from nnqueue.scheduler.positions import queue_positions
@@ -108,7 +108,7 @@ def _workers(session: Session, stale_after_s: float, now: datetime) -> list[Work
         ).all()
     )
     return [
-        WorkerRow(worker, running.get(worker.id, 0), (now - (as_utc(worker.heartbeat_at) or now)).total_seconds())
+        WorkerRow(worker, running.get(worker.id, 0), (now - (worker.heartbeat_at or now)).total_seconds())
         for worker in live_workers(session, stale_after_s)
     ]
 

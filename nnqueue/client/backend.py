@@ -25,7 +25,7 @@ unset, and ``backend.job`` is the :class:`~nnqueue.client.job.Job` to wait on an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nnsight.tracing.backend import Backend
 
@@ -34,8 +34,25 @@ from nnqueue.client.errors import JobFailed
 if TYPE_CHECKING:
     from nnsight.tracing.tracer import Tracer
 
-    from nnqueue.client.client import Client
     from nnqueue.client.job import Job
+
+
+class Submitter(Protocol):
+    """What the backend needs of :class:`~nnqueue.client.client.Client` (which builds it with
+    ``client.backend()``): a protocol, so that this module does not import the client back."""
+
+    url: str
+
+    def submit(
+        self,
+        model_key: str,
+        payload: bytes,
+        *,
+        timeout_s: float | None = ...,
+        priority: int = ...,
+        metadata: dict[str, Any] | None = ...,
+        kind: str = ...,
+    ) -> Job: ...
 
 
 class NNqueueBackend(Backend):
@@ -43,7 +60,7 @@ class NNqueueBackend(Backend):
 
     def __init__(
         self,
-        client: Client,
+        client: Submitter,
         model_key: str | None = None,
         blocking: bool = True,
         *,

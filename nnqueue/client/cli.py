@@ -21,40 +21,27 @@ import os
 import runpy
 import sys
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from nnqueue.client.client import Client, submit_hooks
-from nnqueue.client.errors import JobCancelled, JobFailed, NNqueueError
-from nnqueue.client.job import Job
-
-console = Console()
-err_console = Console(stderr=True)
-
-UrlOption = typer.Option(None, "--url", envvar="NNQUEUE_URL", help="The API's URL (NNQUEUE_URL).", show_default=False)
-KeyOption = typer.Option(
-    None, "--api-key", envvar="NNQUEUE_API_KEY", help="Your API key (NNQUEUE_API_KEY).", show_default=False
+from nnqueue.client.cli_common import (
+    KeyOption,
+    UrlOption,
+    connected,
+    console,
+    err_console,
+    local_time,
+    status_text,
 )
-STATUS_STYLE = {"queued": "yellow", "running": "cyan", "completed": "green", "failed": "red", "cancelled": "magenta"}
-
-
-@contextmanager
-def connected(url: str | None, api_key: str | None) -> Iterator[Client]:
-    """The API's client; an nnqueue error in the block (HTTP, connection, job) exits 1 with its message."""
-    try:
-        with Client.from_env(url=url, api_key=api_key) as client:
-            yield client
-    except NNqueueError as error:
-        err_console.print(f"[red]{type(error).__name__}:[/red] {escape(str(error))}", highlight=False)
-        raise typer.Exit(1) from None
+from nnqueue.client.client import submit_hooks
+from nnqueue.client.errors import JobCancelled, JobFailed
+from nnqueue.client.harvest_cli import harvest_app, schedules_app
+from nnqueue.client.job import Job
 
 
 def submit(
@@ -215,8 +202,6 @@ COMMANDS: dict[str, Callable[..., None]] = {
 
 def register(app: typer.Typer) -> None:
     """Add the client commands to the ``nnqueue`` app (the harvest and schedule groups too)."""
-    from nnqueue.client.harvest_cli import harvest_app, schedules_app
-
     for name, command in COMMANDS.items():
         app.command(name)(command)
     app.add_typer(harvest_app, name="harvest")
@@ -224,21 +209,6 @@ def register(app: typer.Typer) -> None:
 
 
 # -- rendering ------------------------------------------------------------------------------------
-
-
-def status_text(info: dict[str, Any]) -> str:
-    value = str(info.get("status"))
-    style = STATUS_STYLE.get(value, "")
-    return f"[{style}]{value}[/{style}]" if style else value
-
-
-def local_time(value: str | None) -> str:
-    if not value:
-        return ""
-    try:
-        return datetime.fromisoformat(value).astimezone().strftime("%Y-%m-%d %H:%M:%S")
-    except ValueError:
-        return value
 
 
 def _progress(info: dict[str, Any]) -> str:

@@ -16,11 +16,18 @@ from __future__ import annotations
 
 import builtins
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from nnqueue.client.harvest import Harvest
-    from nnqueue.client.job import Job
+
+class Followed(Protocol):
+    """What an error says about a job or a harvest (:class:`~nnqueue.client.job.Job`,
+    :class:`~nnqueue.client.harvest.Harvest`): its id and the API's last answer about it. A protocol, so that
+    this module, which they import, imports neither of them."""
+
+    info: dict[str, Any]
+
+    @property
+    def id(self) -> str: ...
 
 
 class NNqueueError(Exception):
@@ -100,7 +107,7 @@ def format_detail(detail: Any) -> str:
 class JobFailed(NNqueueError, RuntimeError):
     """The job ended FAILED: the worker's error type, message and traceback, as nnsight re-raises them."""
 
-    def __init__(self, job: Job | None, type_name: str, message: str, traceback: str = "") -> None:
+    def __init__(self, job: Followed | None, type_name: str, message: str, traceback: str = "") -> None:
         self.job = job
         self.type_name = type_name
         self.error_message = message
@@ -116,7 +123,7 @@ class JobFailed(NNqueueError, RuntimeError):
         return str(self.args[0]) if self.args else ""
 
     @classmethod
-    def from_job(cls, job: Job) -> JobFailed:
+    def from_job(cls, job: Followed) -> JobFailed:
         error = job.info.get("error") or {}
         type_name = error.get("type") or "JobFailed"
         arguments = (
@@ -163,7 +170,7 @@ def _vllm_error(type_name: str) -> type[BaseException] | None:
 class JobCancelled(NNqueueError):
     """The job ended CANCELLED, so it has no result."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Followed) -> None:
         self.job = job
         super().__init__(f"job {job.id} was cancelled")
 
@@ -171,7 +178,7 @@ class JobCancelled(NNqueueError):
 class WaitTimeout(NNqueueError, TimeoutError):
     """``Job.wait(timeout=...)`` (or ``Harvest.wait``) gave up; the job itself goes on (cancel it to stop it)."""
 
-    def __init__(self, job: Job | Harvest, timeout: float) -> None:
+    def __init__(self, job: Followed, timeout: float) -> None:
         self.job = job
         super().__init__(f"job {job.id} still {job.info.get('status')} after waiting {timeout:g} s")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,10 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from nnqueue.client.errors import APIError, HarvestFailed, WaitTimeout
-from nnqueue.client.job import TERMINAL
+from nnqueue.client.errors import APIError, HarvestFailed
 from nnqueue.client.transport import Transport
+from nnqueue.client.waiting import TERMINAL, wait_until_ended
 
-POLL_S = 1.0
 CHUNK_SIZE = 1 << 20
 MANIFEST = "manifest.json"
 
@@ -56,20 +54,16 @@ class Harvest:
         self.info = self.transport.request("POST", f"/v1/harvests/{self.id}/cancel").json()
         return self
 
-    def wait(self, timeout: float | None = None, progress: bool = True) -> Harvest:
+    def wait(
+        self, timeout: float | None = None, progress: bool = True, *, poll_interval: float | None = None
+    ) -> Harvest:
         """Poll until it ends, with a progress bar (chunks, prompts, tokens/s, ETA) while ``progress``.
 
-        Returns it once COMPLETED; raises :class:`HarvestFailed` (failed or cancelled) or :class:`WaitTimeout`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        Returns it once COMPLETED; raises :class:`HarvestFailed` (failed or cancelled) or :class:`WaitTimeout`.
+        Transient poll failures (a 502 from a proxy, the API restarting) do not end the wait
+        (:func:`nnqueue.client.waiting.wait_until_ended`)."""
         with _ProgressBar(self, enabled=progress) as bar:
-            while True:
-                self.refresh()
-                bar.update(self.info)
-                if self.done:
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise WaitTimeout(self, timeout or 0.0)
-                time.sleep(POLL_S)
+            wait_until_ended(self, timeout, bar.update, poll_interval=poll_interval)
         if self.status != "completed":
             raise HarvestFailed(self.info)
         return self

@@ -20,7 +20,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from nnqueue.client.cli import KeyOption, UrlOption, connected, console, local_time, status_text
+from nnqueue.client.cli_common import KeyOption, UrlOption, connected, console, local_time, status_text
 from nnqueue.client.errors import HarvestFailed
 from nnqueue.client.harvest import Harvest
 from nnqueue.client.harvest_export import ExportError, export

@@ -22,20 +22,15 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from nnqueue.client.errors import APIConnectionError, APIError, JobCancelled, JobFailed, WaitTimeout
+from nnqueue.client.errors import APIError, JobCancelled, JobFailed
+from nnqueue.client.waiting import TERMINAL, wait_until_ended
 
 if TYPE_CHECKING:
     import httpx
 
     from nnqueue.client.transport import Transport
 
-TERMINAL = frozenset({"completed", "failed", "cancelled"})
 CHUNK_SIZE = 1 << 20
-# Polling backs off from the first to the last interval while nothing changes.
-FIRST_POLL_S = 0.2
-MAX_POLL_S = 2.0
-# Consecutive failed polls (API unreachable or 5xx) a wait tolerates before it gives up.
-MAX_POLL_FAILURES = 10
 
 
 class Job:
@@ -102,30 +97,8 @@ class Job:
         Returns the job once COMPLETED. Raises :class:`JobFailed` (the worker's error type, message and
         traceback) or :class:`JobCancelled`, and :class:`WaitTimeout` after ``timeout`` seconds.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        first = poll_interval or FIRST_POLL_S
-        longest = poll_interval or MAX_POLL_S
-        interval, failures, last_seen = first, 0, None
         with _WaitDisplay(self, self.console, enabled=progress) as display:
-            while True:
-                try:
-                    self.refresh()
-                    failures = 0
-                except (APIConnectionError, APIError) as error:
-                    transient = isinstance(error, APIConnectionError) or error.status_code >= 500
-                    failures += 1
-                    if not transient or failures > MAX_POLL_FAILURES:
-                        raise
-                display.update(self.info)
-                if self.done:
-                    break
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise WaitTimeout(self, timeout or 0.0)
-                seen = (self.info.get("status"), self.info.get("queue_position"), str(self.info.get("progress")))
-                interval = first if seen != last_seen else min(interval * 1.5, longest)
-                last_seen = seen
-                pause = interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic()))
-                time.sleep(pause)
+            wait_until_ended(self, timeout, display.update, poll_interval=poll_interval)
         self.raise_for_status()
         return self
 

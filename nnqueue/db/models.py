@@ -24,20 +24,15 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     text,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-def as_utc(moment: datetime | None) -> datetime | None:
-    """A timestamp read back in UTC: SQLite returns them without a zone, though they were written in UTC."""
-    if moment is None or moment.tzinfo is not None:
-        return moment
-    return moment.replace(tzinfo=UTC)
 
 
 class Base(DeclarativeBase):
@@ -88,7 +83,28 @@ def _enum_column(enum_cls: type[enum.Enum], name: str) -> Enum:
     )
 
 
-Timestamp = DateTime(timezone=True)
+class UTCDateTime(TypeDecorator[datetime]):
+    """A moment in time, written and read back as an aware UTC ``datetime`` on every database.
+
+    Postgres keeps the zone (``timestamptz``); SQLite keeps none and hands back the naive UTC value that was
+    written. Converting here, at the column, means no reader has to know which database it reads.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None or value.tzinfo is None:  # a naive value is taken to be UTC already, as SQLite's are
+            return value
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+Timestamp = UTCDateTime()
 
 
 class ApiKey(Base):

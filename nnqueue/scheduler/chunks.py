@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue.db.models import Harvest, HarvestChunk, JobStatus, utcnow
 from nnqueue.db.session import transaction, updated
 from nnqueue.scheduler.enqueue import send_chunk_tokens
-from nnqueue.scheduler.registry import live_worker_ids
+from nnqueue.scheduler.registry import orphaned
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -107,13 +107,7 @@ def requeue_orphan_chunks(
 ) -> list[int]:
     """Requeue (or fail, when out of attempts) ``model_key``'s RUNNING chunks whose worker is not live."""
     with sessions() as session:
-        orphans = session.execute(
-            select(HarvestChunk.id, HarvestChunk.worker_id).where(
-                HarvestChunk.model_key == model_key,
-                HarvestChunk.status == S.RUNNING,
-                HarvestChunk.worker_id.not_in(live_worker_ids(stale_after_s)),
-            )
-        ).all()
+        orphans = orphaned(session, HarvestChunk, model_key, stale_after_s)
     handled = []
     for chunk_id, dead_worker in orphans:
         if retry_or_fail_chunk(sessions, app, chunk_id, dead_worker, f"worker {dead_worker} lost", max_attempts):

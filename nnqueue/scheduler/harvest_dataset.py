@@ -73,6 +73,17 @@ def load_examples(store: ObjectStore, spec: DatasetSpec, owner: str, limits: Lim
             budget -= size
     else:
         raise HarvestRejected(422, "the dataset has no source: give prompts, token_ids or path, or upload a file")
+    return _selected(examples, spec, limits)
+
+
+def uploaded_examples(data: bytes, key: str, spec: DatasetSpec, limits: Limits) -> list[Example]:
+    """The examples of a file uploaded with the harvest (to be kept at ``key``), parsed from the bytes in hand
+    rather than read back from the store; raises :class:`HarvestRejected`."""
+    return _selected(parse(data, spec.format or format_of(key), spec.field, repr(key)), spec, limits)
+
+
+def _selected(examples: list[Example], spec: DatasetSpec, limits: Limits) -> list[Example]:
+    """The examples after offset and limit, checked: not empty, not over the prompt limit."""
     end = None if spec.limit is None else spec.offset + spec.limit
     selected = examples[spec.offset : end]
     if not selected:

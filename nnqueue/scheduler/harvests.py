@@ -21,12 +21,12 @@ from pydantic import Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.models import Harvest, HarvestChunk, JobStatus, as_utc, utcnow
+from nnqueue.db.models import Harvest, HarvestChunk, JobStatus, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.enginecore.capture_points import check_against
 from nnqueue.enginecore.harvest_spec import SpecError
 from nnqueue.scheduler.enqueue import send_chunk_tokens
-from nnqueue.scheduler.harvest_dataset import Limits, format_of, freeze, load_examples, parse, upload_key
+from nnqueue.scheduler.harvest_dataset import Example, Limits, freeze, load_examples, upload_key, uploaded_examples
 from nnqueue.scheduler.harvest_estimate import HarvestEstimate, estimate, refusal
 from nnqueue.scheduler.harvest_spec import HarvestRejected, HarvestSpec
 from nnqueue.scheduler.registry import live_capture_points, live_workers
@@ -62,13 +62,18 @@ def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, subm
     points = check_captures(session, spec, submission.stale_after_s)
     harvest_id = uuid.uuid4()
     if submission.upload is not None:
-        spec = _with_upload(store, spec, submission, harvest_id)
-    examples = load_examples(store, spec.dataset, submission.owner, submission.limits)
+        upload_at = upload_key(submission.owner, str(harvest_id), submission.upload.filename)
+        examples = _upload_examples(spec, submission, upload_at)
+    else:
+        examples = load_examples(store, spec.dataset, submission.owner, submission.limits)
     limit = submission.max_output_bytes
     if limit is not None:
         guess = estimate(session, spec, examples, points)
         if guess.bytes > limit:
             raise HarvestRejected(413, refusal(guess, limit))
+    if submission.upload is not None:  # kept under the owner's prefix (once it parsed and fits), for later specs
+        store.put_bytes(upload_at, submission.upload.data)
+        spec = spec.model_copy(update={"dataset": spec.dataset.model_copy(update={"path": upload_at})})
     frozen = freeze(examples)
     dataset_key = harvest_key(harvest_id, DATASET_FILE)
     store.put_bytes(dataset_key, frozen.data)
@@ -117,18 +122,10 @@ def estimate_harvest(
     """What accepting ``spec`` would harvest (:mod:`nnqueue.scheduler.harvest_estimate`), checked as
     :func:`accept_harvest` checks it, with nothing stored or queued; raises :class:`HarvestRejected`."""
     points = check_captures(session, spec, submission.stale_after_s)
-    upload = submission.upload
-    if upload is None:
+    if submission.upload is None:
         examples = load_examples(store, spec.dataset, submission.owner, submission.limits)
     else:
-        if spec.dataset.inline is not None or spec.dataset.path or spec.dataset.prefix:
-            raise HarvestRejected(422, "a file was uploaded, so the spec's dataset must not name another source")
-        fmt = spec.dataset.format or format_of(upload.filename)
-        parsed = parse(upload.data, fmt, spec.dataset.field, repr(upload.filename))
-        inline = spec.dataset.model_copy(update={"prompts": None, "token_ids": None})
-        examples = load_examples(
-            store, inline.model_copy(update={"token_ids": parsed}), submission.owner, submission.limits
-        )
+        examples = _upload_examples(spec, submission, submission.upload.filename)
     return estimate(session, spec, examples, points)
 
 
@@ -170,8 +167,8 @@ def check_captures(session: Session, spec: HarvestSpec, stale_after_s: float) ->
     return points
 
 
-def _with_upload(store: ObjectStore, spec: HarvestSpec, submission: Submission, harvest_id: uuid.UUID) -> HarvestSpec:
-    """The spec reading the uploaded file, stored under the owner's prefix."""
+def _upload_examples(spec: HarvestSpec, submission: Submission, key: str) -> list[Example]:
+    """The examples of the file uploaded with ``spec`` (to be kept at ``key``), parsed from the request's bytes."""
     upload, limit = submission.upload, submission.limits.max_bytes
     assert upload is not None
     if spec.dataset.inline is not None or spec.dataset.path or spec.dataset.prefix:
@@ -180,9 +177,7 @@ def _with_upload(store: ObjectStore, spec: HarvestSpec, submission: Submission, 
         raise HarvestRejected(
             413, f"the upload is {len(upload.data)} bytes; the limit is {limit} (NNQUEUE_HARVEST_MAX_DATASET_BYTES)"
         )
-    key = upload_key(submission.owner, str(harvest_id), upload.filename)
-    store.put_bytes(key, upload.data)
-    return spec.model_copy(update={"dataset": spec.dataset.model_copy(update={"path": key})})
+    return uploaded_examples(upload.data, key, spec.dataset, submission.limits)
 
 
 def recent_harvests(session: Session, owner: str | None, status: JobStatus | None, limit: int) -> list[Harvest]:
@@ -232,7 +227,7 @@ def progress(session: Session, harvests: list[Harvest]) -> dict[uuid.UUID, Harve
 
 
 def _progress(harvest: Harvest, chunks: int, prompts: int, tokens: int, size: int) -> HarvestProgress:
-    started, finished = as_utc(harvest.started_at), as_utc(harvest.finished_at)
+    started, finished = harvest.started_at, harvest.finished_at
     elapsed = None if started is None else max(((finished or utcnow()) - started).total_seconds(), 1e-6)
     rate = tokens / elapsed if elapsed and tokens else None
     eta = None

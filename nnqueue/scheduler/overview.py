@@ -12,7 +12,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import Job, JobStatus, as_utc
+from nnqueue.db.models import Job, JobStatus
 from nnqueue.scheduler.registry import live_workers
 
 
@@ -40,7 +40,7 @@ def model_loads(session: Session, stale_after_s: float) -> list[ModelLoad]:
     for model_key, status, count, oldest in in_flight:
         load = loads.setdefault(model_key, ModelLoad(model_key))
         if status is JobStatus.QUEUED:
-            load.queued, load.oldest_queued_at = count, as_utc(oldest)
+            load.queued, load.oldest_queued_at = count, oldest
         else:
             load.running = count
     for worker in live_workers(session, stale_after_s):

@@ -16,14 +16,13 @@ import logging
 import uuid
 
 from celery import Celery
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.enqueue import send_job_tokens
-from nnqueue.scheduler.registry import live_worker_ids
+from nnqueue.scheduler.registry import orphaned
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +32,9 @@ def requeue_orphans(
 ) -> list[uuid.UUID]:
     """Requeue ``model_key``'s RUNNING jobs whose worker is not live; returns the jobs put back."""
     with sessions() as session:
-        orphans = session.execute(
-            select(Job.id, Job.worker_id).where(
-                Job.model_key == model_key,
-                Job.status == JobStatus.RUNNING,
-                Job.worker_id.not_in(live_worker_ids(stale_after_s)),
-            )
-        ).all()
+        orphans = orphaned(session, Job, model_key, stale_after_s)
     requeued = []
     for job_id, dead_worker in orphans:
-        if dead_worker is None:
-            continue  # not a RUNNING job's (its worker is set when claimed), and NULL is in no NOT IN list
         if _requeue(sessions, job_id, dead_worker) is not None:
             requeued.append(job_id)
     try:

@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import Select, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.models import EngineKind, Worker, utcnow
+from nnqueue.db.models import EngineKind, HarvestChunk, Job, JobStatus, Worker, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
 
@@ -95,6 +95,21 @@ def _live(stale_after_s: float) -> Select[Worker]:
 def live_worker_ids(stale_after_s: float) -> Select[str]:
     """A query of the live workers' ids, for use as a subquery."""
     return _live(stale_after_s).with_only_columns(Worker.id)
+
+
+def orphaned(
+    session: Session, held: type[Job] | type[HarvestChunk], model_key: str, stale_after_s: float
+) -> list[tuple[Any, str]]:
+    """``model_key``'s RUNNING jobs or chunks (``held``) whose worker is not live: (id, that worker) each."""
+    rows = session.execute(
+        select(held.id, held.worker_id).where(
+            held.model_key == model_key,
+            held.status == JobStatus.RUNNING,
+            held.worker_id.is_not(None),  # NULL is in no NOT IN list; a RUNNING row's worker is set when claimed
+            held.worker_id.not_in(live_worker_ids(stale_after_s)),
+        )
+    )
+    return [(row_id, str(worker_id)) for row_id, worker_id in rows]
 
 
 def live_workers(session: Session, stale_after_s: float) -> list[Worker]:

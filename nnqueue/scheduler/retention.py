@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.models import ENDED, Job, JobPayload, utcnow
 from nnqueue.db.session import transaction
-from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
+from nnqueue.storage.keys import results_prefix
 from nnqueue.storage.object_store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ def purge_expired(
 ) -> PurgeReport:
     """Delete the payload and results of every job that ended more than ``older_than`` ago and is not yet purged."""
     cutoff = utcnow() - older_than
-    expired = select(Job.id, Job.payload_key, Job.attempts).where(
+    expired = select(Job.id, Job.payload_key).where(
         Job.status.in_(ENDED), Job.purged_at.is_(None), Job.finished_at < cutoff
     )
     if dry_run:
@@ -56,14 +56,13 @@ def purge_expired(
             batch = session.execute(expired.order_by(Job.finished_at).limit(batch_size)).all()
         if not batch:
             break
-        for job_id, payload_key, attempts in batch:
+        for job_id, payload_key in batch:
             if payload_key is not None:  # None: the payload is in the database
                 store.delete(payload_key)
-            # Each attempt's result (a lost attempt may have left one), and the per-job keys of older versions.
-            for attempt in [None, *range(1, attempts + 1)]:
-                for name in (TORCH_FILE, SAFETENSORS_FILE):
-                    store.delete(result_key(job_id, name, attempt))
-        ids = [job_id for job_id, _, _ in batch]
+            # Every attempt's results (a lost attempt may have left some), and the per-job keys of older
+            # versions: whatever is under the job's folder, found by one listing.
+            store.delete_prefix(results_prefix(job_id))
+        ids = [job_id for job_id, _ in batch]
         with transaction(sessions) as session:
             session.execute(delete(JobPayload).where(JobPayload.job_id.in_(ids)))
             session.execute(

@@ -25,6 +25,11 @@ def result_key(job_id: str | int | UUID, name: str, attempt: int | None = None) 
     return f"results/{where}/{_segment(name, 'result name')}"
 
 
+def results_prefix(job_id: str | int | UUID) -> str:
+    """``results/<job>/``: the folder holding every result of every attempt of a job."""
+    return f"results/{_segment(str(job_id), 'job id')}/"
+
+
 def sibling_key(key: str, name: str) -> str:
     """The key of the object ``name`` beside ``key`` (the safetensors copy of a ``saves.pt``)."""
     return f"{key.rsplit('/', 1)[0]}/{_segment(name, 'result name')}"

@@ -113,6 +113,21 @@ class ObjectStore(ABC):
     def list_keys(self, prefix: str) -> list[str]:
         """The keys that start with ``prefix`` (a plain string prefix, as S3's), in sorted order."""
 
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every object under the folder ``prefix`` (it ends with ``/``), found by one listing; how many.
+
+        For retention: a job's results are whatever its attempts left under ``results/<job>/``, so one LIST
+        finds them all, where deleting each possible key would cost a request per attempt and name.
+        """
+        keys = self.list_keys(_folder(prefix))
+        self.delete_keys(keys)
+        return len(keys)
+
+    def delete_keys(self, keys: list[str]) -> None:
+        """Remove these objects (missing ones are not an error)."""
+        for key in keys:
+            self.delete(key)
+
     @abstractmethod
     def presigned_get_url(self, key: str, expires_in: int) -> str:
         """A URL that lets anyone holding it GET the object for ``expires_in`` seconds.
@@ -148,6 +163,13 @@ class MultipartUpload:
     key: str
     upload_id: str
     urls: list[str]
+
+
+def _folder(prefix: str) -> str:
+    """A prefix that names a folder: never empty (the whole store) and ending with ``/`` (not a sibling's start)."""
+    if not prefix.endswith("/") or not prefix.strip("/"):
+        raise ValueError(f"invalid folder prefix {prefix!r}: must be non-empty and end with '/'")
+    return prefix
 
 
 def validate_key(key: str) -> str:

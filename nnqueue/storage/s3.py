@@ -17,6 +17,7 @@ from nnqueue.storage.object_store import (
     ObjectNotFound,
     ObjectReader,
     ObjectStore,
+    ObjectStoreError,
     validate_expiry,
     validate_key,
     validate_range,
@@ -29,6 +30,8 @@ MULTIPART_THRESHOLD = 16 * MiB
 MIN_PART_SIZE = 8 * MiB
 MAX_PARTS = 9_000
 S3_MAX_PARTS = 10_000
+# The most keys one DeleteObjects request may name.
+S3_MAX_DELETE_KEYS = 1000
 # s3transfer buffers up to ~10 parts of a non-seekable stream, so memory use is bounded by
 # about 10 x part size, never the whole object.
 MAX_CONCURRENCY = 4
@@ -95,6 +98,18 @@ class S3ObjectStore(ObjectStore):
         self._ensure_bucket()
         pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
         return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+    def delete_keys(self, keys: list[str]) -> None:
+        # One DeleteObjects request per 1,000 keys (S3's limit) instead of one request per key.
+        for start in range(0, len(keys), S3_MAX_DELETE_KEYS):
+            batch = [{"Key": validate_key(key)} for key in keys[start : start + S3_MAX_DELETE_KEYS]]
+            self._ensure_bucket()
+            answer = self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+            if answer.get("Errors"):
+                first = answer["Errors"][0]
+                raise ObjectStoreError(
+                    f"could not delete {len(answer['Errors'])} object(s), e.g. {first.get('Key')}: {first.get('Message')}"
+                )
 
     def presigned_get_url(self, key: str, expires_in: int) -> str:
         # For clients: signed for the public endpoint when one is configured.

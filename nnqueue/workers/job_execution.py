@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
 from nnqueue.db.lifecycle import Ending, InvalidTransition, finish_held
-from nnqueue.db.models import Job, JobStatus, as_utc
+from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
 from nnqueue.logs import job_context
@@ -323,5 +323,4 @@ class _Progress:
 
 def _seconds(start: datetime | None, end: datetime | None) -> float:
     """Seconds from ``start`` to ``end`` (0 when either is unknown)."""
-    start, end = as_utc(start), as_utc(end)
     return 0.0 if start is None or end is None else max(0.0, (end - start).total_seconds())

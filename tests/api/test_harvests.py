@@ -111,6 +111,20 @@ def test_files_from_the_store_jsonl_parquet_text_and_uploads(api: Api, services:
     uploaded = submit_harvest(api.http, carol, spec(dataset={}), upload=("mine.txt", b"u1\nu2\nu3\n"))
     assert uploaded.status_code == 201, uploaded.text
     assert uploaded.json()["spec"]["dataset"]["path"].startswith("users/carol/uploads/")
+    kept = uploaded.json()["spec"]["dataset"]["path"]
+    assert services.store.get_bytes(kept) == b"u1\nu2\nu3\n"  # kept, so that later specs can name it
+
+
+def test_an_upload_that_does_not_parse_is_refused_and_not_kept(api: Api, services: Services) -> None:
+    dave = api.new_key("dave", HARVEST)
+    for name, data, reason in (
+        ("bad.jsonl", b'{"text": "x"}\nnot json\n', "line 2 is not JSON"),
+        ("bad.txt", b"\xff\xfe not utf-8", "is not UTF-8"),
+        ("empty.txt", b"\n\n", "the dataset is empty"),
+    ):
+        response = submit_harvest(api.http, dave, spec(dataset={}), upload=(name, data))
+        assert response.status_code == 422 and reason in response.text, response.text
+    assert services.store.list_keys("users/dave/") == []  # parsed from the request's bytes before any PUT
 
 
 @pytest.mark.parametrize(

@@ -199,7 +199,8 @@ def test_the_workers_metrics_and_json_logs_follow_its_jobs(
 def test_the_dashboard_and_readme_queries_name_exported_series(
     api: Api, worker: WorkerProcess, worker_metrics_port: int, completed: dict[str, Any]
 ) -> None:
-    """Every series that docker/grafana-dashboard.json and the README's PromQL use is exported by the API or a worker."""
+    """Every series that docker/grafana-dashboard.json, the metrics page's PromQL and the runbook's alert rules use
+    is exported by the API or a worker."""
     exported = {
         name
         for text in (api.http.get("/metrics").text, httpx.get(f"http://127.0.0.1:{worker_metrics_port}/metrics").text)
@@ -208,7 +209,8 @@ def test_the_dashboard_and_readme_queries_name_exported_series(
     root = Path(__file__).resolve().parents[2]
     dashboard = json.loads((root / "docker" / "grafana-dashboard.json").read_text())
     queries = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
-    [readme_block] = re.findall(r"```promql\n(.*?)```", (root / "README.md").read_text(), re.S)
-    queries += [line.split("#")[0] for line in readme_block.splitlines()]
+    [promql] = re.findall(r"```promql\n(.*?)```", (root / "docs" / "operator" / "metrics.md").read_text(), re.S)
+    [alerts] = re.findall(r"```yaml\n(.*?)```", (root / "docs" / "operator" / "runbook.md").read_text(), re.S)
+    queries += [line.split("#")[0] for line in promql.splitlines() + alerts.splitlines()]
     used = {name for query in queries for name in re.findall(r"\b(?:nnqueue_|vllm:)[A-Za-z0-9_:]+", query)}
     assert len(used) >= 10 and used <= exported, used - exported

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
@@ -71,3 +72,24 @@ def test_drift_is_detected_when_models_and_migrations_disagree(empty_postgres_ur
     migrate.upgrade(empty_postgres_url)
     migrate.downgrade(empty_postgres_url, "base")
     assert any(op[0] == "add_table" for op in _drift(empty_postgres_url))
+
+
+def test_upgrade_repairs_the_stamp_of_the_old_purged_at_numbering(empty_database_url: str) -> None:
+    """A checkout between the two numberings of the purged_at migration (0006, then 0004) stamped 0006 after
+    running it; upgrading must still run today's 0005 (job_payloads) and 0006 (workers.engine)."""
+    migrate.upgrade(empty_database_url, "0004")  # 0001-0003 and the purged_at migration, as that checkout ran them
+    command.stamp(migrate.alembic_config(empty_database_url), "0006", purge=True)  # the stamp it left
+    assert "job_payloads" not in _tables(empty_database_url)
+
+    migrate.upgrade(empty_database_url)
+
+    assert _tables(empty_database_url) == TABLES
+    assert _drift(empty_database_url) == []
+    migrate.require_head(empty_database_url)
+
+
+def test_a_database_at_todays_0006_is_not_restamped(empty_database_url: str) -> None:
+    migrate.upgrade(empty_database_url, "0006")
+    assert not migrate.repair_old_stamp(empty_database_url)
+    migrate.upgrade(empty_database_url)
+    assert _drift(empty_database_url) == []

@@ -1,7 +1,8 @@
-"""A dead worker's RUNNING jobs go back on their queue at a live worker's heartbeat, on real Postgres and
-Redis: the job row, its history and the new token are read back; live workers' and other models' jobs
-stay as they are; of the two tokens a requeued job then has, only one runs it. (The whole path with
-worker processes: tests/workers/test_redelivery.py.)"""
+"""A dead worker's RUNNING jobs and harvest chunks go back on their queue at a live worker's heartbeat, on real
+Postgres and Redis: the job row, its history and the new token are read back; live workers' and other
+models' jobs stay as they are; of the two tokens a requeued job then has, only one runs it; a chunk out of
+attempts fails its harvest instead. (The whole path with worker processes: tests/workers/test_redelivery.py,
+tests/workers/test_harvest.py.)"""
 
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.broker import RUN_JOB_TASK, create_celery_app, queue_name
 from nnqueue.db.lifecycle import transition
-from nnqueue.db.models import JobEvent, JobStatus, Worker, utcnow
+from nnqueue.db.models import Harvest, HarvestChunk, JobEvent, JobStatus, Worker, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.admission import AdmissionPolicy
+from nnqueue.scheduler.chunks import requeue_orphan_chunks
+from nnqueue.scheduler.claim import claim_next_chunk
 from nnqueue.scheduler.recovery import requeue_orphans
 from nnqueue.scheduler.submission import submit_job
 from nnqueue.settings import Settings
 from nnqueue.storage.local import LocalObjectStore
-from tests.utils.queued import claim_next_job
+from tests.utils.queued import add_harvest, claim_next_job
 
 S = JobStatus
 STALE_AFTER_S = 30.0
@@ -129,3 +132,27 @@ def test_after_a_requeue_only_the_first_of_two_tokens_runs_the_job(queue: Queue)
     with sessions() as session:
         history = session.execute(select(JobEvent.to_status).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
         assert list(history.scalars()) == [S.QUEUED, S.RUNNING, S.QUEUED, S.RUNNING]
+
+
+def test_a_dead_workers_running_chunks_are_requeued_or_fail_their_harvest(queue: Queue) -> None:
+    sessions, app = queue.sessions, queue.app
+    model = f"m-{uuid.uuid4().hex[:8]}"
+    dead = new_worker(sessions, model, silent_for_s=2 * STALE_AFTER_S)
+    alive = new_worker(sessions, model)
+    [first] = add_harvest(sessions, model, "alice", 1)
+    [second] = add_harvest(sessions, model, "bob", 1)
+    [healthy] = add_harvest(sessions, model, "carol", 1)
+    held = {claim_next_chunk(sessions, model, worker).id: worker for worker in (dead, dead, alive)}  # type: ignore[union-attr]
+    assert held == {first: dead, second: dead, healthy: alive}
+    with transaction(sessions) as session:  # bob's chunk has used its last attempt
+        session.execute(update(HarvestChunk).where(HarvestChunk.id == second).values(attempts=2))
+
+    handled = requeue_orphan_chunks(sessions, app, model, STALE_AFTER_S, max_attempts=2)
+
+    assert sorted(handled) == sorted([first, second])
+    with sessions() as session:
+        chunks = {chunk.id: chunk for chunk in session.scalars(select(HarvestChunk))}
+        harvest = session.get_one(Harvest, chunks[second].harvest_id)
+    assert chunks[first].status is S.QUEUED and chunks[healthy].status is S.RUNNING
+    assert harvest.status is S.FAILED and f"worker {dead} lost" in (harvest.error_message or "")
+    assert requeue_orphan_chunks(sessions, app, model, STALE_AFTER_S, max_attempts=2) == []

@@ -67,10 +67,15 @@ def test_ended_jobs_older_than_the_retention_lose_their_objects_and_keep_their_r
     assert purge_expired(sessions, store, timedelta(days=7), dry_run=True).jobs == 3
     assert objects(store, old[S.COMPLETED]) == [True, True, True]  # a dry run deletes nothing
 
+    # Whatever else the job's attempts left in its results folder goes too (found by listing it).
+    left_behind = result_key(old[S.FAILED], "saves.pt", 9)
+    store.put_bytes(left_behind, b"an attempt's partial result")
+
     report = purge_expired(sessions, store, timedelta(days=7), batch_size=2)  # two batches
     assert report.jobs == 3
     for job_id in old.values():
         assert objects(store, job_id) == [False, False, False]
+    assert not store.exists(left_behind)
     assert objects(store, recent) == [True, True, True] and objects(store, queued) == [True, False, False]
     with sessions() as session:
         rows = {job_id: session.get(Job, job_id) for job_id in [*old.values(), recent, queued]}

@@ -144,6 +144,20 @@ def test_delete_is_idempotent(store: ObjectStore, key: str) -> None:
     store.delete(f"{key}-never-existed")
 
 
+def test_delete_prefix_removes_the_folder_and_nothing_beside_it(store: ObjectStore) -> None:
+    base = f"tests/{uuid.uuid4().hex}"
+    inside = [f"{base}/job/saves.pt", f"{base}/job/1/saves.pt", f"{base}/job/2/saves.safetensors"]
+    beside = [f"{base}/job2/saves.pt", f"{base}/jo"]
+    for key in inside + beside:
+        store.put_bytes(key, b"x")
+    assert store.delete_prefix(f"{base}/job/") == 3
+    assert [store.exists(key) for key in inside + beside] == [False, False, False, True, True]
+    assert store.delete_prefix(f"{base}/job/") == 0  # nothing left: not an error
+    for bad in ("", "/", f"{base}/job"):
+        with pytest.raises(ValueError, match="folder prefix"):
+            store.delete_prefix(bad)
+
+
 RANGES = [(None, None), (0, 10), (10, 20), (None, 7), (1000, None), (1020, 5000), (1024, None), (2000, 3000), (5, 5)]
 
 

@@ -72,7 +72,7 @@ def submit(
     caller: HarvestCallerDep,
     resources: ResourcesDep,
     session: SessionDep,
-    spec: Annotated[str, Form(description="The harvest spec, a JSON object (see the README).")],
+    spec: Annotated[str, Form(description="The harvest spec, a JSON object (see docs/user/harvests.md).")],
     dataset: Annotated[UploadFile | None, File(description="A JSONL, Parquet or text file to harvest.")] = None,
 ) -> HarvestResponse:
     """Check the spec, freeze the dataset, and queue the harvest's chunks on the model's bulk queue."""

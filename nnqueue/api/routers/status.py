@@ -29,7 +29,7 @@ from nnqueue.api.deps import SessionDep, SettingsDep, StoreDep
 from nnqueue.api.routers.jobs import result_response
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.status_view import ADMIN_SCOPE, Viewer, status_view, visible
-from nnqueue.db.models import Job, JobStatus, as_utc
+from nnqueue.db.models import Job, JobStatus
 
 router = APIRouter(prefix="/status", include_in_schema=False, route_class=ReleasingRoute)
 COOKIE = "nnqueue_status"
@@ -55,7 +55,6 @@ def _age(seconds: float) -> str:
 
 
 def _since(moment: datetime | None, now: datetime) -> str:
-    moment = as_utc(moment)
     return "" if moment is None else _age((now - moment).total_seconds())
 
 

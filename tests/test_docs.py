@@ -1,0 +1,95 @@
+"""The README and the documentation site: the README's budget and commands, and the site's generated parts.
+
+The README's test command is exactly what CI runs (``.ci/run``), the configuration reference covers every
+setting (it is generated from nnqueue/settings.py by docs/hooks/settings_reference.py, and a setting without
+its comment fails), the metrics page names every series nnqueue exports, and ``mkdocs build --strict`` passes
+(a broken link, a missing page or a page left out of the navigation fails it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from nnqueue.settings import S3Settings, Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def settings_reference() -> ModuleType:
+    path = ROOT / "docs" / "hooks" / "settings_reference.py"
+    spec = importlib.util.spec_from_file_location("settings_reference", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)\n```", text, re.S)
+
+
+def test_the_readme_fits_its_budget() -> None:
+    assert len(README.splitlines()) <= 200
+
+
+def test_the_readme_test_command_is_exactly_what_ci_runs() -> None:
+    quick_start = README.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    demo, tests = bash_blocks(quick_start)
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert tests == ci
+    assert demo.endswith("&& .venv/bin/nnqueue demo") and "mkdocs build --strict" in tests
+
+
+def test_every_setting_is_in_the_configuration_reference() -> None:
+    table = settings_reference().markdown_table()
+    variables = set(re.findall(r"^\| `(NNQUEUE_[A-Z0-9_]+)`", table, re.M))
+    expected = {f"NNQUEUE_{name.upper()}" for name in Settings.model_fields if name != "s3"}
+    expected |= {f"NNQUEUE_S3__{name.upper()}" for name in S3Settings.model_fields}
+    assert variables == expected
+    assert "| `NNQUEUE_WORKER_STALE_AFTER_S` | float, > 0 | `30` | A worker silent for this long" in table
+    assert "| `NNQUEUE_DATABASE_URL` | str or None | unset | " in table and "&lt;data_dir&gt;/nnqueue.db" in table
+
+
+def test_a_setting_without_its_comment_fails_the_reference() -> None:
+    reference = settings_reference()
+    source = (ROOT / "nnqueue" / "settings.py").read_text()
+    undocumented = re.sub(r"\n *# How often ``nnqueue beat`` looks for schedules that are due\.\n", "\n", source)
+    assert undocumented != source
+    with pytest.raises(reference.UndocumentedSetting, match="NNQUEUE_BEAT_INTERVAL_S"):
+        reference.rows(undocumented)
+
+
+def test_the_metrics_page_explains_every_series() -> None:
+    page = (ROOT / "docs" / "operator" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `(nnqueue_[a-z_]+?)(?:_total)?[{`]", page, re.M))
+    documented |= set(re.findall(r", `(nnqueue_[a-z_]+?)(?:_total)?[{`]", page))
+    defined = set()
+    for path in (ROOT / "nnqueue").rglob("*.py"):
+        defined |= set(
+            re.findall(r"(?:Counter|Gauge|Histogram|GaugeMetricFamily)\(\s*\"(nnqueue_[a-z_]+)\"", path.read_text())
+        )
+        defined |= set(re.findall(r"^\s+\"(nnqueue_[a-z_]+)\": \(", path.read_text(), re.M))
+    assert len(defined) >= 15
+    assert defined - documented == set()
+
+
+def test_the_site_builds_strictly(tmp_path: Path) -> None:
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-5000:]
+    configuration = (tmp_path / "site" / "operator" / "configuration" / "index.html").read_text()
+    assert "NNQUEUE_HARVEST_CHUNK_ATTEMPTS" in configuration and "settings-reference" not in configuration
+    assert "The path of a trace job" in (tmp_path / "site" / "architecture" / "index.html").read_text()
