@@ -27,7 +27,7 @@ from pydantic import Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import HarvestChunk, JobStatus, as_utc, utcnow
+from nnqueue.db.models import HarvestChunk, JobStatus, utcnow
 from nnqueue.scheduler.harvest_dataset import Example
 from nnqueue.scheduler.harvest_spec import HarvestSpec
 
@@ -109,7 +109,7 @@ def measured_rate(session: Session, model_key: str) -> float | None:
     ).one()
     if not tokens or first is None or last is None:
         return None
-    elapsed = (as_utc(last) - as_utc(first)).total_seconds()  # type: ignore[operator]
+    elapsed = (last - first).total_seconds()  # min and max read back as the column type: aware UTC
     return int(tokens) / elapsed if elapsed > 0 else None
 
 
