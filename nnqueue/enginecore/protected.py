@@ -1,46 +1,62 @@
 """The protected environment: what intervention code may import and call, where it is unpickled and run.
 
 Modelled on NDIF's sandbox (ndif-team/ndif, ``services/ray/nn/security``): an allow-list of modules and
-builtins, enforced at the two places a trace's code enters a process:
+builtins, enforced at the places a trace's code enters a process:
 
-* **Deserialization.** nnsight payloads are cloudpickle. :class:`RestrictedUnpickler` (also installed
-  as ``find_class`` of nnsight's ``CustomCloudUnpickler`` by :func:`install`) resolves only globals of
-  allow-listed modules, hands back guarded versions of the few loaders that can reach anything
-  (cloudpickle's ``subimport``, ``builtins.getattr``, nnsight's ``_load_function``, torch's
-  ``_load_from_bytes``), and refuses bytecode functions (nnsight serializes code by source).
+* **Deserialization.** nnsight payloads are cloudpickle, and a pickle can call whatever global it names.
+  :func:`find_class` (:class:`RestrictedUnpickler`'s, and nnsight's ``CustomCloudUnpickler``'s once
+  :func:`install` ran) resolves only globals of allow-listed modules, with no private part but
+  :data:`PRIVATE_GLOBALS`, no module reached through an attribute path (``torch.serialization.os.system``),
+  nothing defined outside the allowed modules, and none of the stdlib's code generators; it hands back
+  guarded versions of the few loaders that can reach anything (cloudpickle's ``subimport``,
+  ``builtins.getattr``, nnsight's ``_load_function``, torch's ``_load_from_bytes``) and refuses bytecode
+  functions (nnsight serializes code by source). A mediator must load as an nnsight ``Mediator``
+  (:func:`load_mediator`, also what nnsight's vLLM runner loads requests with once installed).
 * **Execution.** Every captured block nnsight runs executes in a ``nnsight.tracing.util.Scope``
   (``Mediator._run``, ``VLLMTracer.prepare``, ``tracer.iter``); :func:`install` puts
   :data:`SAFE_BUILTINS` in each scope, so the block's ``import`` goes through :func:`guarded_import` and
   only allow-listed builtins resolve (no ``open``, ``exec``, ``eval``, ``compile``...). Modules reach user
   code wrapped in :class:`ProtectedModule` (no non-allow-listed submodules, no private attributes, no
-  file I/O such as ``torch.load``, no ``operator.attrgetter``, read-only). Before a block or a deserialized function first runs, its
-  code is refused if it names introspection attributes that lead out of the sandbox (``__globals__``,
-  ``__subclasses__``, ``f_back``, ...). While intervention code runs (a mediator's greenlet), an audit
-  hook refuses process creation, sockets, ctypes and signals.
+  file I/O such as ``torch.load``, no ``operator.attrgetter``, no code generators such as
+  ``typing.ForwardRef``, read-only). Before a block or a deserialized function first runs, its code is
+  refused if it names attributes that lead out of the sandbox (``__globals__``, ``f_back``, ``from_file``,
+  ``ctypes``...) or reads ``.format``/``.format_map`` (format strings follow attribute paths).
+* **The audit hook** (:func:`install`, process-wide). While intervention code runs (a mediator's greenlet,
+  a payload being unpickled or rebuilt (:func:`running_user_code`), or any frame of users' code on the
+  stack, which also finds hooks and callbacks it left behind), it refuses :data:`USER_EVENTS` (processes,
+  sockets, ctypes, signals, the file system), any ``open`` but reading the Python installation, and
+  ``compile``/``exec`` from anywhere but nnsight and the import system (typing's, dataclasses' and
+  namedtuple's ``eval`` of strings with the real builtins); intervention code cannot start threads.
+  Once :func:`lock_down` ran (the engine is up), :data:`LOCKDOWN_EVENTS` are refused in every thread.
 
 A refused import fails the job with ``ImportError: module 'os' is not allowed in intervention code...``.
 
 This is defence in depth, not a security boundary: Python cannot be sandboxed from inside (C
-extensions, ``str.format`` reaching attributes, bugs in the allow-listed libraries). The boundary is
-the process isolation of :mod:`nnqueue.isolation`: no secrets in the process, an unprivileged user.
+extensions, bugs in the allow-listed libraries, native code that opens files without an audit event).
+The boundary is the process isolation of :mod:`nnqueue.isolation`: no secrets in the process, an
+unprivileged user. docs/operator/protected-environment.md says what each layer stops.
 
 nnsight internals relied on (0.8.1): ``serialization.CustomCloudUnpickler`` and ``_load_function``,
-``tracing.util.Scope``, ``intervention.interleaver.Mediator._run`` (checked, then run) and the
-``mediator`` attribute nnsight sets on a mediator's greenlet.
+``tracing.util.Scope``, ``intervention.interleaver.Mediator._run`` (checked, then run), the
+``mediator`` attribute nnsight sets on a mediator's greenlet, and ``loads`` as the name
+``modeling.vllm.model_runners.GPUModelRunner`` loads requests' mediators with (``Requests.add``).
 
 Use in a process that unpickles or runs payloads (an engine, a trace builder)::
 
     protected.install(extra_modules)          # once, before the first payload
+    protected.lock_down()                     # once the process is up
     RequestModel.deserialize(payload, objects, unpickler=protected.RestrictedUnpickler)
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
 import dis
 import io
 import os
 import pickle
+import symtable
 import sys
 import threading
 import types
@@ -413,7 +429,8 @@ INTROSPECTION_EVENTS = frozenset(
     }
 )
 # ``compile`` and ``exec`` (of source or code objects) while intervention code runs: allowed only from nnsight
-# (which compiles the user's blocks, run with the protected builtins) and the import system. Refused from
+# (which compiles the user's blocks, run with the protected builtins), ``ast``/``symtable`` (trees, never code)
+# and the import system. Refused from
 # anywhere else: the stdlib's code generators (typing's ``ForwardRef``/``get_type_hints``, ``dataclasses``,
 # ``collections.namedtuple``) ``eval`` strings with the real builtins.
 CODE_EVENTS = frozenset({"compile", "exec"})
@@ -822,7 +839,8 @@ class InvalidMediator(NNqueueError, TypeError):
 
 def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None) -> Any:
     """A request's mediator bytes (``extra_args["nnsight_mediator"]``) loaded as nnsight's runner loads them
-    (``Requests.add``: nnsight's ``loads``), checked: an nnsight ``Mediator`` whose code passes `check_code`.
+    (``Requests.add``: nnsight's ``loads``), checked: an nnsight ``Mediator``, whose code passes `check_code`
+    when the protected environment is installed.
 
     Anything else (``pickle.dumps(1)``) would be taken for a mediator by the runner and fail inside
     ``execute_model``, which kills the engine every job shares."""
@@ -834,7 +852,8 @@ def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None)
         raise InvalidMediator(
             f"the request's nnsight_mediator holds a {type(mediator).__name__}, not an nnsight Mediator"
         )
-    check_code(mediator.code)
+    if _done:  # the protected environment is on in this process
+        check_code(mediator.code)
     return mediator
 
 
@@ -847,7 +866,7 @@ _auditing = threading.local()  # active: the hook is looking at the stack (its o
 _locked: list[bool] = []
 _code_roots: list[str] = []  # what intervention code may read: the Python installation's folders
 _trusted_code: list[str] = []  # code allowed what `lock_down` refuses: compilers, nnqueue's result upload
-_nnsight_roots: list[str] = []  # nnsight's code, which compiles and runs users' blocks
+_nnsight_roots: list[str] = []  # nnsight's code, which compiles and runs users' blocks, and ast.parse
 
 
 @contextmanager
@@ -884,7 +903,7 @@ def install(extra_modules: Iterable[str] = ()) -> None:
             with running_user_code():
                 return unpickler_load(self)
 
-        CustomCloudUnpickler.load = load  # type: ignore[method-assign]
+        CustomCloudUnpickler.load = load
 
         runner = sys.modules.get("nnsight.modeling.vllm.model_runners.GPUModelRunner")
         if runner is not None:  # an engine: the module that loads requests' mediators (Requests.add)
@@ -907,6 +926,8 @@ def install(extra_modules: Iterable[str] = ()) -> None:
         Mediator._run = checked_run
         _code_roots.extend(_installation_folders())
         _nnsight_roots.append(os.path.dirname(os.path.realpath(sys.modules["nnsight"].__file__ or "")))
+        # ast.parse and symtable.symtable compile to a tree or a symbol table, never to code.
+        _nnsight_roots.extend(os.path.realpath(module.__file__) for module in (ast, symtable))
         _guard_threads()
         sys.addaudithook(_audit)
 
@@ -949,7 +970,7 @@ def _guard_threads() -> None:
             raise refused("starting a thread")
         return start(function, args) if kwargs is None else start(function, args, kwargs)
 
-    _thread.start_new_thread = _thread.start_new = start_new_thread  # type: ignore[attr-defined]
+    _thread.start_new_thread = _thread.start_new = start_new_thread
     threading._start_new_thread = start_new_thread  # type: ignore[attr-defined]
 
 
@@ -957,7 +978,7 @@ def _stack_holds(test: Any) -> bool:
     """Whether a frame of this thread's stack (above the caller) passes ``test``; audit events of its own pass."""
     _auditing.active = True
     try:
-        frame = sys._getframe(2)
+        frame: types.FrameType | None = sys._getframe(2)
         while frame is not None:
             if test(frame):
                 return True
@@ -971,7 +992,7 @@ def _in_user_code() -> bool:
     """Whether intervention code is running: a mediator's greenlet, a payload being unpickled or rebuilt, or a
     frame of users' code (its builtins are :data:`SAFE_BUILTINS`) anywhere on this thread's stack, which also
     finds a hook or callback the user's code left to be called later."""
-    if getattr(getcurrent(), "mediator", None) is not None or getattr(_region, "depth", 0):
+    if getattr(getcurrent(), "mediator", None) is not None or getattr(_region, "depth", 0) > 0:
         return True
     return _stack_holds(lambda frame: frame.f_builtins is SAFE_BUILTINS)
 
@@ -982,7 +1003,7 @@ def _importing() -> bool:
     code does then (read its files, define namedtuples and dataclasses) is the installed module's, not the user's."""
     _auditing.active = True
     try:
-        frame = sys._getframe(2)
+        frame: types.FrameType | None = sys._getframe(2)
         while frame is not None:
             if frame.f_builtins is SAFE_BUILTINS:
                 return False
