@@ -927,7 +927,7 @@ def install(extra_modules: Iterable[str] = ()) -> None:
         _code_roots.extend(_installation_folders())
         _nnsight_roots.append(os.path.dirname(os.path.realpath(sys.modules["nnsight"].__file__ or "")))
         # ast.parse and symtable.symtable compile to a tree or a symbol table, never to code.
-        _nnsight_roots.extend(os.path.realpath(module.__file__) for module in (ast, symtable))
+        _nnsight_roots.extend(os.path.realpath(module.__file__ or "") for module in (ast, symtable))
         _guard_threads()
         sys.addaudithook(_audit)
 
