@@ -765,7 +765,9 @@ PRIVATE_GLOBALS = frozenset(
         ),
         ("enum", "Enum.__new__"),
         ("nnsight.intervention.serialization", "_fill"),
-        ("nnsight.modeling.vllm.vllm", "VLLM._call"),
+        ("nnsight.modeling.vllm.vllm", "VLLM._call"),  # the function a trace calls, by reference
+        ("nnsight.modeling.vllm.vllm", "VLLM._generate"),
+        ("nnsight.modeling.transformers", "TransformersModel._call"),
     }
 )
 
