@@ -1,48 +1,67 @@
 """The protected environment: what intervention code may import and call, where it is unpickled and run.
 
 Modelled on NDIF's sandbox (ndif-team/ndif, ``services/ray/nn/security``): an allow-list of modules and
-builtins, enforced at the two places a trace's code enters a process:
+builtins, enforced at the places a trace's code enters a process:
 
-* **Deserialization.** nnsight payloads are cloudpickle. :class:`RestrictedUnpickler` (also installed
-  as ``find_class`` of nnsight's ``CustomCloudUnpickler`` by :func:`install`) resolves only globals of
-  allow-listed modules, hands back guarded versions of the few loaders that can reach anything
-  (cloudpickle's ``subimport``, ``builtins.getattr``, nnsight's ``_load_function``, torch's
-  ``_load_from_bytes``), and refuses bytecode functions (nnsight serializes code by source).
+* **Deserialization.** nnsight payloads are cloudpickle, and a pickle can call whatever global it names.
+  :func:`find_class` (:class:`RestrictedUnpickler`'s, and nnsight's ``CustomCloudUnpickler``'s once
+  :func:`install` ran) resolves only globals of allow-listed modules, with no private part but
+  :data:`PRIVATE_GLOBALS`, no module reached through an attribute path (``torch.serialization.os.system``),
+  nothing defined outside the allowed modules, and none of the stdlib's code generators; it hands back
+  guarded versions of the few loaders that can reach anything (cloudpickle's ``subimport``,
+  ``builtins.getattr``, nnsight's ``_load_function``, torch's ``_load_from_bytes``) and refuses bytecode
+  functions (nnsight serializes code by source). A mediator must load as an nnsight ``Mediator``
+  (:func:`load_mediator`, also what nnsight's vLLM runner loads requests with once installed).
 * **Execution.** Every captured block nnsight runs executes in a ``nnsight.tracing.util.Scope``
   (``Mediator._run``, ``VLLMTracer.prepare``, ``tracer.iter``); :func:`install` puts
   :data:`SAFE_BUILTINS` in each scope, so the block's ``import`` goes through :func:`guarded_import` and
   only allow-listed builtins resolve (no ``open``, ``exec``, ``eval``, ``compile``...). Modules reach user
   code wrapped in :class:`ProtectedModule` (no non-allow-listed submodules, no private attributes, no
-  file I/O such as ``torch.load``, no ``operator.attrgetter``, read-only). Before a block or a deserialized function first runs, its
-  code is refused if it names introspection attributes that lead out of the sandbox (``__globals__``,
-  ``__subclasses__``, ``f_back``, ...). While intervention code runs (a mediator's greenlet), an audit
-  hook refuses process creation, sockets, ctypes and signals.
+  file I/O such as ``torch.load``, no ``operator.attrgetter``, no code generators such as
+  ``typing.ForwardRef``, read-only). Before a block or a deserialized function first runs, its code is
+  refused if it names attributes that lead out of the sandbox (``__globals__``, ``f_back``, ``from_file``,
+  ``ctypes``...) or reads ``.format``/``.format_map`` (format strings follow attribute paths).
+* **The audit hook** (:func:`install`, process-wide). While intervention code runs (a mediator's greenlet,
+  a payload being unpickled or rebuilt (:func:`running_user_code`), or any frame of users' code on the
+  stack, which also finds hooks and callbacks it left behind), it refuses :data:`USER_EVENTS` (processes,
+  sockets, ctypes, signals, the file system), any ``open`` but reading the Python installation, and
+  ``compile``/``exec`` from anywhere but nnsight and the import system (typing's, dataclasses' and
+  namedtuple's ``eval`` of strings with the real builtins); intervention code cannot start threads.
+  Once :func:`lock_down` ran (the engine is up), :data:`LOCKDOWN_EVENTS` are refused in every thread.
 
 A refused import fails the job with ``ImportError: module 'os' is not allowed in intervention code...``.
 
 This is defence in depth, not a security boundary: Python cannot be sandboxed from inside (C
-extensions, ``str.format`` reaching attributes, bugs in the allow-listed libraries). The boundary is
-the process isolation of :mod:`nnqueue.isolation`: no secrets in the process, an unprivileged user.
+extensions, bugs in the allow-listed libraries, native code that opens files without an audit event).
+The boundary is the process isolation of :mod:`nnqueue.isolation`: no secrets in the process, an
+unprivileged user. docs/operator/protected-environment.md says what each layer stops.
 
 nnsight internals relied on (0.8.1): ``serialization.CustomCloudUnpickler`` and ``_load_function``,
-``tracing.util.Scope``, ``intervention.interleaver.Mediator._run`` (checked, then run) and the
-``mediator`` attribute nnsight sets on a mediator's greenlet.
+``tracing.util.Scope``, ``intervention.interleaver.Mediator._run`` (checked, then run), the
+``mediator`` attribute nnsight sets on a mediator's greenlet, and ``loads`` as the name
+``modeling.vllm.model_runners.GPUModelRunner`` loads requests' mediators with (``Requests.add``).
 
 Use in a process that unpickles or runs payloads (an engine, a trace builder)::
 
     protected.install(extra_modules)          # once, before the first payload
+    protected.lock_down()                     # once the process is up
     RequestModel.deserialize(payload, objects, unpickler=protected.RestrictedUnpickler)
 """
 
 from __future__ import annotations
 
+import ast
 import builtins
+import dis
 import io
+import os
 import pickle
+import symtable
 import sys
 import threading
 import types
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from greenlet import getcurrent
@@ -99,10 +118,24 @@ BLOCKED_SUBMODULES = frozenset(
         "torch._dynamo",
         "torch._inductor",
         "torch.compiler",
+        "torch.jit",
+        "torch.fx",
+        "torch.export",
+        "torch.onnx",
+        "torch.profiler",
+        "torch.autograd.profiler",
+        "torch.serialization",
+        "torch.library",
+        "torch.utils.tensorboard",
+        "torch.utils.benchmark",
+        "torch.cuda.memory",
         "numpy.ctypeslib",
         "numpy.distutils",
         "numpy.f2py",
         "numpy.testing",
+        "numpy.lib.npyio",
+        "numpy.lib.format",
+        "numpy.lib._datasource",
         "nnsight.ndif",
         "nnsight.intervention.backends",
         "nnsight.modeling.vllm.serve",
@@ -114,15 +147,55 @@ DESERIALIZATION_MODULES = frozenset(
 )
 # Single globals a payload may name (the engine's model class: a trace's model call is its bound method).
 DESERIALIZATION_GLOBALS = frozenset({("nnqueue.engines.platform", "EngineVLLM")})
-# Attributes of allowed modules that read or write files, or reach any attribute by name.
+# Attributes of allowed modules that read or write files, reach any attribute by name, or read raw memory.
 HIDDEN_ATTRIBUTES = {
     "operator": frozenset({"attrgetter", "methodcaller"}),
     "_operator": frozenset({"attrgetter", "methodcaller"}),
-    "torch": frozenset({"load", "save", "from_file"}),
+    "torch": frozenset({"load", "save", "from_file", "load_library"}),
     "numpy": frozenset(
-        {"load", "save", "savez", "savez_compressed", "savetxt", "loadtxt", "genfromtxt", "fromfile", "memmap"}
+        {
+            "load",
+            "save",
+            "savez",
+            "savez_compressed",
+            "savetxt",
+            "loadtxt",
+            "genfromtxt",
+            "fromfile",
+            "fromregex",
+            "memmap",
+            "open_memmap",
+            "DataSource",
+            "as_strided",
+        }
     ),
 }
+# Attribute names refused wherever intervention code names them (code, getattr, unpickled references), on any
+# object: native constructors that open a file by name, which no audit event reports (torch's
+# ``UntypedStorage.from_file``, ``torch.ops.load_library``), raw memory (numpy's array interfaces, an array's
+# ``ctypes``), and typing's evaluators (``ForwardRef._evaluate``: ``eval`` with the real builtins).
+NATIVE_ATTRIBUTES = frozenset(
+    {
+        "from_file",
+        "load_library",
+        "_new_shared_filename_cpu",
+        "_new_using_filename_cpu",
+        "_share_filename_cpu_",
+        "_new_with_file",
+        "_set_from_file",
+        "__array_interface__",
+        "__array_struct__",
+        "__cuda_array_interface__",
+        "ctypes",
+        "_ctypes",
+        "_evaluate",
+        "_eval_type",
+    }
+)
+# Attribute names refused when intervention code reads them as attributes (not as names): ``str.format`` and
+# ``format_map`` follow ``{0.attr[key]}`` paths with the real ``getattr``, so a format string reaches what the
+# attribute checks refuse (``"{0.__init__.__globals__}".format(x)``). f-strings and ``format()`` do not.
+FORMAT_ATTRIBUTES = frozenset({"format", "format_map", "vformat"})
 # Attribute names that lead from an object to interpreter internals (globals of other modules,
 # frames, code): refused in intervention code, in getattr/setattr and in unpickled references.
 BLOCKED_ATTRIBUTES = frozenset(
@@ -248,8 +321,9 @@ ALLOWED_BUILTINS = frozenset(
         "zip",
     }
 )
-# Audit events refused anywhere in a mediator's greenlet (intervention code and what it calls).
-PROCESS_EVENTS = frozenset(
+# Audit events refused while intervention code runs (see `_in_user_code`): processes, sockets, native code,
+# signals, the environment, the file system beyond reading the Python installation, other threads' frames.
+USER_EVENTS = frozenset(
     {
         "os.system",
         "os.exec",
@@ -265,19 +339,82 @@ PROCESS_EVENTS = frozenset(
         "os.chown",
         "os.remove",
         "os.rename",
+        "os.listdir",
+        "os.scandir",
+        "os.mkdir",
+        "os.rmdir",
+        "os.symlink",
+        "os.link",
+        "os.truncate",
+        "os.utime",
+        "os.chdir",
+        "os.setxattr",
+        "os.removexattr",
+        "os.listxattr",
+        "os.getxattr",
+        "shutil.copyfile",
+        "shutil.copymode",
+        "shutil.copystat",
+        "shutil.copytree",
+        "shutil.rmtree",
+        "shutil.move",
+        "shutil.chown",
+        "shutil.make_archive",
+        "shutil.unpack_archive",
+        "glob.glob",
+        "glob.glob/2",
+        "tempfile.mkstemp",
+        "tempfile.mkdtemp",
+        "mmap.__new__",
         "subprocess.Popen",
         "pty.spawn",
         "socket.connect",
         "socket.bind",
         "socket.sendto",
         "socket.sendmsg",
+        "socket.getaddrinfo",
+        "socket.gethostbyname",
+        "socket.gethostbyaddr",
+        "urllib.Request",
+        "http.client.connect",
         "ctypes.dlopen",
         "ctypes.dlsym",
         "ctypes.call_function",
         "ctypes.string_at",
+        "ctypes.wstring_at",
         "ctypes.PyObj_FromPtr",
+        "ctypes.addressof",
+        "sys._current_frames",
+        "sys._current_exceptions",
+        "sys.addaudithook",
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
     }
 )
+# Audit events refused in every thread once `lock_down` ran (the engine is up, users' code may run): a thread
+# or callback that intervention code left behind must not start programs, load native code or reach the
+# network. Sockets of the AF_UNIX family stay allowed (vLLM's and torch's local IPC); so is what the compilers
+# torch and Triton run (a kernel first compiled for a new shape) and nnqueue's result upload
+# (:mod:`nnqueue.enginecore.sink`) do, when no intervention code is on the stack (`_trusted_code`).
+LOCKDOWN_EVENTS = frozenset(
+    {
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "pty.spawn",
+        "subprocess.Popen",
+        "ctypes.dlopen",
+        "socket.connect",
+        "socket.bind",
+        "socket.sendto",
+        "socket.sendmsg",
+    }
+)
+SOCKET_EVENTS = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"})
 # Audit events refused when raised directly by intervention code (its innermost frame): CPython raises
 # these for the introspection attributes (``__code__``, ``f_back``, ``tb_frame``...), which nnsight's
 # own code may use, so they are refused only when the user's code asks, e.g. through operator.attrgetter.
@@ -291,6 +428,13 @@ INTROSPECTION_EVENTS = frozenset(
         "code.__new__",
     }
 )
+# ``compile`` and ``exec`` (of source or code objects) while intervention code runs: allowed only from nnsight
+# (which compiles the user's blocks, run with the protected builtins), ``ast``/``symtable`` (trees, never code)
+# and the import system. Refused from
+# anywhere else: the stdlib's code generators (typing's ``ForwardRef``/``get_type_hints``, ``dataclasses``,
+# ``collections.namedtuple``) ``eval`` strings with the real builtins.
+CODE_EVENTS = frozenset({"compile", "exec"})
+_WATCHED_EVENTS = USER_EVENTS | LOCKDOWN_EVENTS | INTROSPECTION_EVENTS | CODE_EVENTS | {"open"}
 
 
 class ProtectedEnvironmentError(NNqueueError, ImportError):
@@ -313,7 +457,45 @@ def is_allowed_module(name: str, deserializing: bool = False) -> bool:
 
 
 def is_blocked_attribute(name: str) -> bool:
-    return name in BLOCKED_ATTRIBUTES
+    return name in BLOCKED_ATTRIBUTES or name in NATIVE_ATTRIBUTES
+
+
+def is_refused_attribute(name: str) -> bool:
+    """Whether ``getattr(x, name)`` is refused to intervention code (and to a payload's references)."""
+    return is_blocked_attribute(name) or name in FORMAT_ATTRIBUTES
+
+
+def _code_generators() -> dict[int, str]:
+    """The callables of allowed modules that ``eval``/``exec`` strings with the real builtins (or format them
+    with the real ``getattr``), by ``id``: refused as module attributes, through ``getattr`` and in payloads
+    whatever they are reached as. enum's functional API and functools do not generate code (Python 3.11)."""
+    import collections
+    import dataclasses
+    import string
+    import typing
+
+    named = {
+        "typing.ForwardRef": typing.ForwardRef,
+        "typing.get_type_hints": typing.get_type_hints,
+        "typing.NamedTuple": typing.NamedTuple,
+        "typing.TypedDict": typing.TypedDict,
+        "collections.namedtuple": collections.namedtuple,
+        "dataclasses.dataclass": dataclasses.dataclass,
+        "dataclasses.make_dataclass": dataclasses.make_dataclass,
+        "string.Formatter": string.Formatter,
+        "str.format": str.format,
+        "str.format_map": str.format_map,
+    }
+    return {id(value): name for name, value in named.items()}
+
+
+_CODE_GENERATORS = _code_generators()
+
+
+def _refuse_code_generator(value: Any) -> None:
+    name = _CODE_GENERATORS.get(id(value))
+    if name is not None:
+        raise refused(f"{name} (it evaluates or formats strings outside the protected environment)")
 
 
 def refused(what: str) -> ProtectedEnvironmentError:
@@ -349,6 +531,7 @@ class ProtectedModule(types.ModuleType):
         if name in HIDDEN_ATTRIBUTES.get(package, ()):
             raise refused(f"{module.__name__}.{name}")
         value = getattr(module, name)
+        _refuse_code_generator(value)
         return protect(value) if isinstance(value, types.ModuleType) else value
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -418,9 +601,10 @@ def guarded_import(
 
 
 def guarded_getattr(obj: Any, name: str, *default: Any) -> Any:
-    if isinstance(name, str) and is_blocked_attribute(name):
+    if isinstance(name, str) and is_refused_attribute(name):
         raise AttributeError(f"attribute {name!r} is not available in intervention code")
     value = getattr(obj, name, *default)
+    _refuse_code_generator(value)
     return protect(value) if isinstance(value, types.ModuleType) else value
 
 
@@ -464,12 +648,22 @@ def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _code_objects(const)
 
 
+_ATTRIBUTE_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
+
+
 def check_code(code: types.CodeType) -> None:
-    """Refuse code that names an attribute leading out of the sandbox (``x.__globals__``, ``f.f_back``)."""
+    """Refuse code that names an attribute leading out of the sandbox (``x.__globals__``, ``f.f_back``,
+    ``s.format``). Names that are refused only as attributes are looked for in the bytecode's attribute
+    instructions (``dis``), so the ``format()`` builtin stays allowed."""
     for each in _code_objects(code):
         for name in each.co_names:
             if is_blocked_attribute(name):
                 raise refused(f"the attribute {name!r}")
+        if FORMAT_ATTRIBUTES.isdisjoint(each.co_names):
+            continue
+        for instruction in dis.get_instructions(each):
+            if instruction.opname in _ATTRIBUTE_OPS and instruction.argval in FORMAT_ATTRIBUTES:
+                raise refused(f"the attribute {instruction.argval!r} (use an f-string)")
 
 
 # --- deserialization ---------------------------------------------------------------------------
@@ -525,8 +719,68 @@ _REPLACED: dict[tuple[str, str], Any] = {
 }
 
 
+# Globals with a private part (``torch._utils``, ``VLLM._call``) a payload may name: torch's and numpy's rebuild
+# functions, pickle's and cloudpickle's reconstructors, nnsight's own. Any other private name is refused.
+PRIVATE_GLOBALS = frozenset(
+    {
+        *(
+            ("torch._utils", name)
+            for name in (
+                "_rebuild_tensor",
+                "_rebuild_tensor_v2",
+                "_rebuild_parameter",
+                "_rebuild_parameter_with_state",
+                "_rebuild_device_tensor_from_numpy",
+                "_rebuild_meta_tensor_no_storage",
+                "_rebuild_wrapper_subclass",
+                "_rebuild_sparse_tensor",
+                "_rebuild_nested_tensor",
+                "_rebuild_qtensor",
+            )
+        ),
+        ("torch._tensor", "_rebuild_from_type"),
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        *(
+            (package, name)
+            for package in ("numpy._core.multiarray", "numpy.core.multiarray")
+            for name in ("_reconstruct", "scalar")
+        ),
+        ("copyreg", "_reconstructor"),
+        ("copyreg", "__newobj__"),
+        ("copyreg", "__newobj_ex__"),
+        ("_codecs", "encode"),
+        *(
+            ("cloudpickle.cloudpickle", name)
+            for name in (
+                "_make_skeleton_class",
+                "_make_skeleton_enum",
+                "_class_setstate",
+                "_enum_setstate",
+                "_make_cell",
+                "_make_empty_cell",
+                "_make_dict_keys",
+                "_make_dict_values",
+                "_make_dict_items",
+            )
+        ),
+        ("enum", "Enum.__new__"),
+        ("nnsight.intervention.serialization", "_fill"),
+        ("nnsight.modeling.vllm.vllm", "VLLM._call"),  # the function a trace calls, by reference
+        ("nnsight.modeling.vllm.vllm", "VLLM._generate"),
+        ("nnsight.modeling.transformers", "TransformersModel._call"),
+    }
+)
+
+
 def find_class(module: str, name: str) -> Any:
-    """The global a payload names, if the protected environment allows it (see the module doc)."""
+    """The global a payload names, if the protected environment allows it (see the module doc).
+
+    A payload can call whatever it names (pickle's REDUCE), so besides the module's allow-list: no private
+    part but :data:`PRIVATE_GLOBALS`, no refused attribute on the way, no module reached through attributes
+    (``torch.serialization.os.system``), the value defined in an allowed module (re-exported callables of
+    other modules are refused), only classes from the deserialization-only modules (vLLM's, copyreg's,
+    cloudpickle's), and none of typing's, dataclasses' or collections' code generators.
+    """
     replaced = _REPLACED.get((module, name))
     if replaced is not None:
         return replaced
@@ -534,22 +788,33 @@ def find_class(module: str, name: str) -> Any:
         if name not in SAFE_BUILTINS:
             raise refused(f"the builtin {name!r}")
         return SAFE_BUILTINS[name]
-    allowed = (
-        is_allowed_module(module, deserializing=True) or (module, name.split(".", 1)[0]) in DESERIALIZATION_GLOBALS
-    )
-    if not allowed or any(map(is_blocked_attribute, name.split("."))):
+    parts = name.split(".")
+    package = module.split(".", 1)[0]
+    explicit = (module, name) in PRIVATE_GLOBALS or (module, parts[0]) in DESERIALIZATION_GLOBALS
+    private = any(part.startswith("_") for part in module.split(".")[1:] + parts)
+    if not explicit and (private or not is_allowed_module(module, deserializing=True)):
         raise refused(f"{module}.{name}")
-    if name in HIDDEN_ATTRIBUTES.get(module.split(".", 1)[0], ()):
+    if any(is_refused_attribute(part) or part in HIDDEN_ATTRIBUTES.get(package, ()) for part in parts):
         raise refused(f"{module}.{name}")
     __import__(module)
-    value = sys.modules[module]
-    for part in name.split("."):
+    value: Any = sys.modules[module]
+    for part in parts:
         value = getattr(value, part)
+        if isinstance(value, types.ModuleType):
+            raise refused(f"{module}.{name} (a module reached through attributes)")
+    _refuse_code_generator(value)
+    if not explicit:
+        defined_in = getattr(value, "__module__", None)
+        if isinstance(defined_in, str) and not is_allowed_module(defined_in, deserializing=True):
+            raise refused(f"{module}.{name} (defined in {defined_in})")
+        if not is_allowed_module(module) and not isinstance(value, type):
+            raise refused(f"{module}.{name} (only classes of {module} may be named)")
     return value
 
 
 class RestrictedUnpickler(pickle.Unpickler):
-    """nnsight's unpickler (persistent ids from a map) with the protected environment's globals."""
+    """nnsight's unpickler (persistent ids from a map) with the protected environment's globals; what it runs
+    while loading counts as intervention code (`running_user_code`)."""
 
     def __init__(self, file: Any, persistent_objects: dict[Any, Any] | None = None) -> None:
         super().__init__(file)
@@ -565,18 +830,64 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         return find_class(module, name)
 
+    def load(self) -> Any:
+        with running_user_code():
+            return super().load()
+
+
+class InvalidMediator(NNqueueError, TypeError):
+    """A request's mediator bytes loaded, but not as an nnsight ``Mediator``."""
+
+
+def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None) -> Any:
+    """A request's mediator bytes (``extra_args["nnsight_mediator"]``) loaded as nnsight's runner loads them
+    (``Requests.add``: nnsight's ``loads``), checked: an nnsight ``Mediator``, whose code passes `check_code`
+    when the protected environment is installed.
+
+    Anything else (``pickle.dumps(1)``) would be taken for a mediator by the runner and fail inside
+    ``execute_model``, which kills the engine every job shares."""
+    from nnsight.intervention.interleaver import Mediator
+    from nnsight.intervention.serialization import loads
+
+    mediator = loads(data, persistent_objects=persistent_objects)
+    if type(mediator) is not Mediator:
+        raise InvalidMediator(
+            f"the request's nnsight_mediator holds a {type(mediator).__name__}, not an nnsight Mediator"
+        )
+    if _done:  # the protected environment is on in this process
+        check_code(mediator.code)
+    return mediator
+
 
 # --- installing it in a process ----------------------------------------------------------------
 
 _installed = threading.Lock()
 _done: list[bool] = []
+_region = threading.local()  # depth: how many `running_user_code` blocks this thread is in
+_auditing = threading.local()  # active: the hook is looking at the stack (its own events pass)
+_locked: list[bool] = []
+_code_roots: list[str] = []  # what intervention code may read: the Python installation's folders
+_trusted_code: list[str] = []  # code allowed what `lock_down` refuses: compilers, nnqueue's result upload
+_nnsight_roots: list[str] = []  # nnsight's code, which compiles and runs users' blocks, and ast.parse
+
+
+@contextmanager
+def running_user_code() -> Iterator[None]:
+    """Mark this thread as running a payload's code (unpickling it, rebuilding it): the audit hook then refuses
+    what intervention code may not do (:data:`USER_EVENTS`), whatever greenlet or frame it is in."""
+    _region.depth = getattr(_region, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _region.depth -= 1
 
 
 def install(extra_modules: Iterable[str] = ()) -> None:
     """Protect every nnsight payload this process unpickles and every block it runs; idempotent.
 
     For processes that run only users' code besides vLLM's and nnsight's own (the engine, a trace
-    builder): it changes nnsight's classes process-wide.
+    builder): it changes nnsight's classes process-wide, checks every mediator nnsight's vLLM runner loads
+    (`load_mediator`), refuses threads started by intervention code, and adds the audit hook.
     """
     with _installed:
         _extra_modules.update(name.strip() for name in extra_modules if name.strip())
@@ -588,6 +899,17 @@ def install(extra_modules: Iterable[str] = ()) -> None:
         from nnsight.tracing.util import Scope
 
         CustomCloudUnpickler.find_class = lambda self, module, name: find_class(module, name)
+        unpickler_load = pickle.Unpickler.load
+
+        def load(self: CustomCloudUnpickler) -> Any:
+            with running_user_code():
+                return unpickler_load(self)
+
+        CustomCloudUnpickler.load = load
+
+        runner = sys.modules.get("nnsight.modeling.vllm.model_runners.GPUModelRunner")
+        if runner is not None:  # an engine: the module that loads requests' mediators (Requests.add)
+            runner.loads = lambda data, persistent_objects=None: load_mediator(data, persistent_objects)  # type: ignore[attr-defined]
 
         scope_init = Scope.__init__
 
@@ -604,21 +926,152 @@ def install(extra_modules: Iterable[str] = ()) -> None:
             run(self)
 
         Mediator._run = checked_run
+        _code_roots.extend(_installation_folders())
+        _nnsight_roots.append(os.path.dirname(os.path.realpath(sys.modules["nnsight"].__file__ or "")))
+        # ast.parse and symtable.symtable compile to a tree or a symbol table, never to code.
+        _nnsight_roots.extend(os.path.realpath(module.__file__ or "") for module in (ast, symtable))
+        _guard_threads()
         sys.addaudithook(_audit)
 
 
-_auditing = threading.local()
+def lock_down() -> None:
+    """From now on, refuse :data:`LOCKDOWN_EVENTS` in every thread of this process, not only while intervention
+    code runs. Call it once the process is up (an engine: model loaded, sockets connected, graphs compiled)
+    and before the first payload; :func:`install` must have run."""
+    import importlib.util
+
+    for name in ("triton", "torch._inductor", "torch.utils.cpp_extension", "nnqueue.enginecore.sink"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None:
+            paths = spec.submodule_search_locations or ([spec.origin] if spec.origin else [])
+            _trusted_code.extend(os.path.realpath(path) for path in paths)
+    _locked.append(True)
+
+
+def _installation_folders() -> list[str]:
+    """The folders of the Python installation, its packages and nnqueue's: code, which imports read."""
+    import sysconfig
+
+    import nnqueue
+
+    folders = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(nnqueue.__file__)}
+    folders.update(sysconfig.get_paths().get(key, sys.prefix) for key in ("stdlib", "platstdlib", "purelib", "platlib"))
+    return sorted({os.path.realpath(folder) for folder in folders})
+
+
+def _guard_threads() -> None:
+    """Refuse to start a thread from intervention code: the thread would run outside the mediator's greenlet
+    and the frames the audit hook recognises. ``threading``, ``concurrent.futures`` and ``_thread`` all start
+    threads through ``_thread.start_new_thread``."""
+    import _thread
+
+    start = _thread.start_new_thread
+
+    def start_new_thread(function: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> int:
+        if _in_user_code():
+            raise refused("starting a thread")
+        return start(function, args) if kwargs is None else start(function, args, kwargs)
+
+    _thread.start_new_thread = _thread.start_new = start_new_thread
+    threading._start_new_thread = start_new_thread  # type: ignore[attr-defined]
+
+
+def _stack_holds(test: Any) -> bool:
+    """Whether a frame of this thread's stack (above the caller) passes ``test``; audit events of its own pass."""
+    _auditing.active = True
+    try:
+        frame: types.FrameType | None = sys._getframe(2)
+        while frame is not None:
+            if test(frame):
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        _auditing.active = False
+
+
+def _in_user_code() -> bool:
+    """Whether intervention code is running: a mediator's greenlet, a payload being unpickled or rebuilt, or a
+    frame of users' code (its builtins are :data:`SAFE_BUILTINS`) anywhere on this thread's stack, which also
+    finds a hook or callback the user's code left to be called later."""
+    if getattr(getcurrent(), "mediator", None) is not None or getattr(_region, "depth", 0) > 0:
+        return True
+    return _stack_holds(lambda frame: frame.f_builtins is SAFE_BUILTINS)
+
+
+def _importing() -> bool:
+    """Whether the import system is loading a module for intervention code (an allowed import, or one torch
+    makes lazily): its frames are more recent on the stack than any frame of users' code. What the module's own
+    code does then (read its files, define namedtuples and dataclasses) is the installed module's, not the user's."""
+    _auditing.active = True
+    try:
+        frame: types.FrameType | None = sys._getframe(2)
+        while frame is not None:
+            if frame.f_builtins is SAFE_BUILTINS:
+                return False
+            if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+                return True
+            frame = frame.f_back
+        return False
+    finally:
+        _auditing.active = False
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == root or path.startswith(root + os.sep) for root in roots)
 
 
 def _audit(event: str, args: tuple[Any, ...]) -> None:
-    if event in PROCESS_EVENTS:
-        if getattr(getcurrent(), "mediator", None) is not None:
+    if event not in _WATCHED_EVENTS or getattr(_auditing, "active", False):
+        return
+    if event in INTROSPECTION_EVENTS:
+        if _caller().f_builtins is SAFE_BUILTINS:
             raise refused(f"the operation {event!r}")
-    elif event in INTROSPECTION_EVENTS and not getattr(_auditing, "active", False):
-        _auditing.active = True  # sys._getframe raises an event of its own
-        try:
-            caller = sys._getframe(1)
-        finally:
-            _auditing.active = False
-        if caller.f_builtins is SAFE_BUILTINS:
-            raise refused(f"the operation {event!r}")
+        return
+    user = _in_user_code()
+    if (
+        _locked
+        and event in LOCKDOWN_EVENTS
+        and not user
+        and not _unix_socket(event, args)
+        and not _stack_holds(lambda frame: _under(frame.f_code.co_filename, _trusted_code))
+    ):
+        raise refused(f"the operation {event!r} in this process (it runs users' code)")
+    if not user:
+        return
+    if _importing():
+        return  # an installed module being imported (its own code generators included)
+    caller = _caller().f_code.co_filename
+    if event in CODE_EVENTS:
+        if not _under(caller, _nnsight_roots):
+            raise refused(f"{event} from {caller} (code generated from strings runs with the real builtins)")
+    elif event == "open":
+        if not _readable_code(*args):
+            raise refused(f"opening {args[0]!r}")
+    elif event in USER_EVENTS:
+        raise refused(f"the operation {event!r}")
+
+
+def _caller() -> Any:
+    """The frame that raised the audit event being handled."""
+    _auditing.active = True
+    try:
+        return sys._getframe(2)
+    finally:
+        _auditing.active = False
+
+
+def _unix_socket(event: str, args: tuple[Any, ...]) -> bool:
+    import socket
+
+    return event in SOCKET_EVENTS and getattr(args[0], "family", None) == socket.AF_UNIX
+
+
+def _readable_code(path: Any, mode: Any, flags: Any) -> bool:
+    """Whether an ``open`` (builtin, ``os.open`` or ``io.open_code``) only reads a file of the Python installation."""
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    if (isinstance(flags, int) and flags & writes) or (isinstance(mode, str) and set(mode) & set("wax+")):
+        return False
+    if not isinstance(path, (str, bytes)):
+        return False  # a file descriptor
+    return _under(os.path.realpath(os.fsdecode(path)), _code_roots)

@@ -3,7 +3,7 @@
 Mixed into both engine worker classes (``cpu_worker``, ``gpu_worker``), first in their bases:
 
 * ``init_device``: the protected environment (:mod:`nnqueue.enginecore.protected`) is installed before
-  any payload can arrive;
+  any payload can arrive (it refuses what intervention code may not do while it runs);
 * the first ``execute_model``: a root engine switches to the engine user
   (:func:`nnqueue.isolation.drop_privileges`). Users' code arrives only with requests (nnsight's runner
   unpickles a request's mediator inside ``execute_model``), and by then the engine is entirely up: model
@@ -11,7 +11,9 @@ Mixed into both engine worker classes (``cpu_worker``, ``gpu_worker``), first in
   Earlier is too early: vLLM's engine core connects its input and output sockets (``ipc://`` files the
   root frontend created) only after ``compile_or_warm_up_model`` returns (vLLM 0.32 and 0.24). The one file
   the process still opens afterwards, the ``file://`` rendezvous of torch.distributed's ``FileStore``
-  (CPU platform), is handed to the engine user first.
+  (CPU platform), is handed to the engine user first. Then the protected environment's lock-down starts
+  (``protected.lock_down``): from there on no thread of the process may start a program, load a native library
+  through ctypes or open a non-unix socket (the compilers torch and Triton run for a new shape excepted).
 
 Settings come from the environment only (:class:`EngineConfig`): ``.env`` is never read here.
 """
@@ -80,6 +82,7 @@ def enter_child_sandbox() -> EngineConfig:
     config = EngineConfig.from_environment()
     if config.protected_environment:
         protected.install(config.allowed_modules)
+        protected.lock_down()
     return config
 
 
@@ -104,5 +107,7 @@ class SandboxedWorker(_Worker):
         rendezvous = Path(init_method.removeprefix("file://"))
         hand_over = [rendezvous] if init_method.startswith("file://") and rendezvous.exists() else []
         isolation.enter_sandbox(hand_over=hand_over)
+        if EngineConfig.from_environment().protected_environment:
+            protected.lock_down()
         self._nnqueue_sandboxed = True
         log.info("engine process %d runs users' code as uid %d", os.getpid(), os.getuid())

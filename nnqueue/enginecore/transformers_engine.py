@@ -42,6 +42,7 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
+from nnqueue.enginecore import protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 
@@ -131,7 +132,7 @@ class Engine:
         from nnsight.tracing.tracer import _saves
 
         self.model._remoteable_set_env({"attn_implementation": self.default_attention, **env})
-        with payload_scope(self.model) as registered:
+        with payload_scope(self.model) as registered, protected.running_user_code():
             tracer = RequestModel.deserialize(payload, self.persistent)
             self.loaded = True
             registered(tracer.info.frame.f_code.co_filename)

@@ -6,8 +6,10 @@ is ``python -m nnqueue.engines.trace_builder`` (:mod:`nnqueue.engines.trace_buil
 environment from which those credentials are removed, holding a meta ``VLLM`` of the worker's model. Its
 output is untrusted: the worker parses it with the same safe parser as a client's payload.
 
-Builders start on first use (a worker that only sees prebuilt payloads never pays for them), up to
-``size`` at once, and are reused. A build that fails returns the builder's error; a builder that dies,
+Builders also check prebuilt payloads (`BuilderPool.check`): they load each mediator as the engine will, so
+one the engine cannot load fails its job at claim instead of reaching the engine.
+
+Builders start on first use, up to ``size`` at once, and are reused. A build that fails returns the builder's error; a builder that dies,
 or whose build is cancelled (the job timed out or was cancelled: its user code may be stuck), is killed
 and replaced by a fresh one on the next build.
 """
@@ -82,13 +84,23 @@ class BuilderPool:
         self._all: set[_Builder] = set()
 
     async def build(self, payload: bytes) -> bytes:
-        """The prebuilt payload for a raw one; raises :class:`BuildFailed`."""
+        """The prebuilt payload for a raw one (its mediators checked as `check` does); raises :class:`BuildFailed`."""
         if self.size < 1:
             raise BuildFailed(
                 "RawPayloadRefused",
                 "this worker has no trace builders (NNQUEUE_TRACE_BUILDERS=0), so it runs only payloads"
                 " prebuilt by the nnqueue client",
             )
+        return await self._call(payload)
+
+    async def check(self, payload: bytes) -> None:
+        """Load a prebuilt payload's mediators in a builder as the engine will; raises :class:`BuildFailed` naming
+        the invoke whose mediator cannot be loaded. Without builders (``size`` 0) it checks nothing: the engine
+        then fails such a request alone (``protected.load_mediator``)."""
+        if self.size >= 1:
+            await self._call(payload)
+
+    async def _call(self, payload: bytes) -> bytes:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.size)
         async with self._slots:

@@ -15,8 +15,13 @@ its parsed ``with`` blocks per process (``SOURCES`` / ``BLOCKS`` in ``nnsight.tr
 so two users (or two versions of one script) with the same filename would otherwise share code. Both
 caches and the ``linecache`` entry are cleared around every build.
 
+A builder also checks prebuilt payloads (`check_prebuilt`): it loads each mediator as the engine will, so a
+malformed one fails its job at claim instead of reaching the engine. Loading user pickles is as unsafe as
+rebuilding, so it happens here too, never in the worker.
+
 Run as ``python -m nnqueue.engines.trace_builder --model M --engine-kwargs JSON``: it loads the meta model,
-writes a ready frame, then answers one build per request frame on its stdin/stdout (see `main`). What the
+writes a ready frame, then answers one request frame at a time on its stdin/stdout (see `main`): a raw
+payload is rebuilt (the answer is the prebuilt payload), a prebuilt one checked (the answer is empty). What the
 user's code prints goes to stderr (the worker's log), never into the protocol.
 """
 
@@ -32,6 +37,7 @@ import traceback
 from typing import Any, BinaryIO
 
 from nnqueue import trace_payload
+from nnqueue.enginecore import protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 
@@ -39,11 +45,44 @@ FRAME_HEADER = 8
 OK, FAILED, READY = 0, 1, 2
 
 
+class MediatorRejected(Exception):
+    """An invoke's mediator could not be loaded; reported under the type of the error that loading raised."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(f"invoke {index}'s mediator cannot be loaded: {error}")
+        self.type_name = type(error).__name__
+
+
 def build_prebuilt(model: Any, payload: bytes) -> bytes:
-    """The prebuilt payload for the raw nnsight payload ``payload``, built against meta model ``model``."""
+    """The prebuilt payload for the raw nnsight payload ``payload``, built against meta model ``model``, and
+    checked as a client's prebuilt payload is (`check_prebuilt`)."""
+    built = _build(model, payload)
+    check_prebuilt(model, built)
+    return built
+
+
+def check_prebuilt(model: Any, payload: bytes) -> None:
+    """Load each of a prebuilt payload's mediators as the engine will (``protected.load_mediator``), so that
+    one the engine cannot load, or that is no nnsight ``Mediator`` (``pickle.dumps(1)``), fails its job here
+    instead of reaching the engine. Raises what the load raised, naming the invoke."""
+    trace = trace_payload.decode(payload)
+    persistent = model._remoteable_persistent_objects()
+    known = set(linecache.cache)
+    try:
+        for index, invoke in enumerate(trace.invokes):
+            try:
+                protected.load_mediator(invoke.mediator, persistent)
+            except Exception as error:  # noqa: BLE001 - whatever loading raised is the job's error
+                raise MediatorRejected(index, error) from None
+    finally:
+        for filename in set(linecache.cache) - known:  # what Mediator.__setstate__ and _load_function registered
+            linecache.cache.pop(filename, None)
+
+
+def _build(model: Any, payload: bytes) -> bytes:
     from nnsight.schema.request import RequestModel
 
-    with payload_scope(model) as registered:
+    with payload_scope(model) as registered, protected.running_user_code():
         tracer = RequestModel.deserialize(
             payload, model._remoteable_persistent_objects(), compress=payload.startswith(trace_payload.ZSTD_MAGIC)
         )
@@ -88,7 +127,7 @@ def read_frame(source: BinaryIO) -> bytes | None:
 def failure(error: BaseException) -> bytes:
     return json.dumps(
         {
-            "type_name": type(error).__name__,
+            "type_name": getattr(error, "type_name", type(error).__name__),
             "message": str(error),
             "traceback": "".join(traceback.format_exception(error)),
         }
@@ -117,7 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     requests = sys.stdin.buffer
     while (payload := read_frame(requests)) is not None:
         try:
-            built = build_prebuilt(model, payload)
+            if payload.startswith(trace_payload.MAGIC):
+                check_prebuilt(model, payload)
+                built = b""
+            else:
+                built = build_prebuilt(model, payload)
         except Exception as error:  # noqa: BLE001 - the build's error, whatever it is, goes to the worker
             write_frame(protocol, FAILED, failure(error))
         else:

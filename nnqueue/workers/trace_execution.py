@@ -1,7 +1,8 @@
 """The vLLM trace executor: a claimed trace job's payload, run on the worker's engine, its result committed.
 
 The payload is parsed without unpickling (:mod:`nnqueue.trace_payload`, :mod:`nnqueue.engines.prebuilt`);
-a raw nnsight payload is first prebuilt by a sandboxed builder process (:mod:`nnqueue.engines.builders`).
+a raw nnsight payload is first prebuilt by a sandboxed builder process (:mod:`nnqueue.engines.builders`), and a
+prebuilt one's mediators are loaded there once as a check, so one the engine could not load fails its job here.
 The engine runs the requests and writes the result to the sinks this worker hands it
 (:mod:`nnqueue.engines.trace_runner`, :mod:`nnqueue.workers.sinks`); this process never unpickles a save.
 The job fails with the trace's first error (nnsight's type, message and traceback), keeping the other
@@ -97,17 +98,25 @@ class VLLMTraceExecutor:
             )
         if kind == "nnsight":
             try:
-                payload = await self.builders.build(payload)
+                payload = await self.builders.build(payload)  # its mediators checked too
             except BuildFailed as failed:
                 raise JobFailure(failed.type_name, rebuild_message(failed.message, job), failed.traceback) from None
         trace = None
         try:
             trace = trace_payload.decode(payload)
-            return trace, prebuilt.to_requests(trace, f"{job.id}-{job.attempts}")
+            requests = prebuilt.to_requests(trace, f"{job.id}-{job.attempts}")
         except trace_payload.PayloadError as error:
             raise JobFailure(
                 "InvalidPayload", rebuild_message(str(error), job, trace), traceback.format_exc()
             ) from None
+        if kind == "prebuilt":
+            try:
+                await self.builders.check(payload)
+            except BuildFailed as failed:
+                raise JobFailure(
+                    failed.type_name, rebuild_message(failed.message, job, trace), failed.traceback
+                ) from None
+        return trace, requests
 
 
 def _failure(report: trace_runner.TraceReport, job: Job, trace: trace_payload.PrebuiltTrace) -> JobFailure | None:

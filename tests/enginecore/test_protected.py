@@ -118,3 +118,97 @@ def test_a_protected_module_is_sent_on_as_a_module() -> None:
 def test_tensors_and_plain_data_load() -> None:
     value = load(dumps({"t": torch.arange(3), "x": [1, 2.5, "s"]}))
     assert torch.equal(value["t"], torch.arange(3)) and value["x"] == [1, 2.5, "s"]
+
+
+# --- issue 21: the escapes found (typing's evaluators, str.format, native file readers, payload globals) ---
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        ("import typing\nr = typing.ForwardRef(\"__import__('os').getcwd()\")", "typing.ForwardRef"),
+        ("from typing import get_type_hints", "typing.get_type_hints"),
+        ("import typing\nclass P(typing.NamedTuple):\n    a: int", "typing.NamedTuple"),
+        ("import collections\nP = collections.namedtuple('P', 'a b')", "collections.namedtuple"),
+        ("import dataclasses\nD = dataclasses.make_dataclass('D', ['x'])", "dataclasses.make_dataclass"),
+        ("from dataclasses import dataclass", "dataclasses.dataclass"),
+        ("import string\nf = string.Formatter()", "string.Formatter"),
+        ("import random\ns = '{0.__init__.__globals__[_os].environ}'.format(random.Random())", "'format'"),
+        ("s = '{0.real}'.format_map({'0': 1})", "'format_map'"),
+        ("f = str.format", "'format'"),
+        ("f = getattr('{0.real}', 'form' + 'at')", "'format'"),
+        ("import torch\ns = torch.UntypedStorage.from_file('/etc/hostname', False, 1)", "'from_file'"),
+        ("import torch\nf = getattr(torch.UntypedStorage, 'from_' + 'file')", "'from_file'"),
+        ("import torch\ntorch.ops.load_library('/x.so')", "'load_library'"),
+        ("import numpy\nd = numpy.lib.npyio.DataSource(None)", "numpy.lib.npyio"),
+        ("from numpy.lib._datasource import DataSource", "numpy.lib._datasource"),
+        ("import numpy\nf = numpy.fromregex", "numpy.fromregex"),
+        ("from numpy.lib.format import open_memmap", "numpy.lib.format"),
+        ("import numpy\nf = numpy.lib.stride_tricks.as_strided", "as_strided"),
+        ("import numpy\np = numpy.zeros(1).ctypes", "'ctypes'"),
+        ("class A:\n    __array_interface__ = {}", "'__array_interface__'"),
+    ],
+)
+def test_the_escapes_found_are_refused(source: str, named: str) -> None:
+    with pytest.raises((ProtectedEnvironmentError, AttributeError), match=named.replace(".", r"\.")):
+        run(source)
+
+
+def test_format_builtin_and_f_strings_still_work() -> None:
+    scope = run("x = 2.5\na = format(x, '.2f')\nb = f'{x:.1f} {x!r}'\nc = '%s' % x")
+    assert (scope["a"], scope["b"], scope["c"]) == ("2.50", "2.5 2.5", "2.5")
+
+
+def _marker_pickle(global_: str, path: Any) -> bytes:
+    """A pickle that calls ``global_`` (module and name on two lines) with ``touch path``: it ran when it exists."""
+    return b"c" + global_.encode() + b"\n(S'touch " + str(path).encode() + b"'\ntR."
+
+
+@pytest.mark.parametrize(
+    "global_",
+    [
+        "torch\nserialization.os.system",  # an attribute path through a module the payload may name
+        "numpy\nlib.npyio.os.system",
+        "collections\nabc.sys.modules",
+    ],
+)
+def test_attribute_paths_do_not_lead_out_of_allowed_modules(global_: str, tmp_path: Any) -> None:
+    with pytest.raises(ProtectedEnvironmentError, match="not allowed"):
+        load(_marker_pickle(global_, tmp_path / "ran"))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_payload_of_allowed_globals_cannot_evaluate_strings(tmp_path: Any) -> None:
+    # typing.ForwardRef(code)._evaluate({}, {}, frozenset()): eval with the real builtins, as reported.
+    marker = tmp_path / "ran"
+    code = f"__import__('os').system('touch {marker}')"
+    data = (
+        b"cbuiltins\ngetattr\n(ctyping\nForwardRef\n(S" + repr(code).encode() + b"\ntRS'_evaluate'\ntR"
+        b"(}}cbuiltins\nfrozenset\n)RtR."
+    )
+    with pytest.raises(ProtectedEnvironmentError, match=r"typing\.ForwardRef"):
+        load(data)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("numpy.lib._datasource", "DataSource"),  # a private module
+        ("torch._C", "_get_tracing_state"),
+        ("typing", "get_type_hints"),
+        ("dataclasses", "make_dataclass"),
+        ("string", "Formatter"),
+        ("torch", "serialization"),  # a module named as an attribute
+        ("cloudpickle.cloudpickle", "dumps"),  # only classes from deserialization-only modules
+        ("torch", "UntypedStorage.from_file"),
+    ],
+)
+def test_payload_globals_outside_the_rules_are_refused(module: str, name: str) -> None:
+    with pytest.raises(ProtectedEnvironmentError):
+        protected.find_class(module, name)
+
+
+def test_a_mediator_blob_must_be_an_nnsight_mediator() -> None:
+    with pytest.raises(protected.InvalidMediator, match="holds a int, not an nnsight Mediator"):
+        protected.load_mediator(pickle.dumps(1))
