@@ -46,6 +46,7 @@ class Drain:
         self._started: float | None = None
         self._lock = threading.Lock()
         self._timer: threading.Thread | None = None
+        self._handler: Callable[..., None] | None = None
 
     def connect(self) -> None:
         """Begin when this process's Celery worker starts its warm shutdown (there is one per worker process)."""
@@ -53,7 +54,8 @@ class Drain:
         def shutting_down(**_: Any) -> None:
             self.begin()
 
-        signals.worker_shutting_down.connect(shutting_down, weak=False, dispatch_uid="nnqueue-drain")
+        self._handler = shutting_down
+        signals.worker_shutting_down.connect(shutting_down, weak=False)
 
     def begin(self) -> None:
         """Stop taking work and start the clock (once; later signals change nothing). Safe in a signal handler:
@@ -74,6 +76,8 @@ class Drain:
     def finish(self) -> None:
         """After Celery's pool has stopped: wait out the drain for the chunks still running (Celery waits only
         for its jobs) and the hand-back of what is left. Begins the drain if no signal did."""
+        if self._handler is not None:
+            signals.worker_shutting_down.disconnect(self._handler)
         self.begin()
         if self._timer is not None:
             self._timer.join()

@@ -50,3 +50,17 @@ def test_without_a_limit_it_waits_for_the_work_to_end() -> None:
     started = time.monotonic()
     drain.finish()  # also begins it: no signal came
     assert time.monotonic() - started >= 1.0 and work.stops == 1 and work.handed_back == []
+
+
+def test_celerys_shutdown_signal_begins_it_and_is_let_go_when_it_finished() -> None:
+    from celery import signals
+
+    receivers = len(signals.worker_shutting_down.receivers)
+    work = Work(running=0)
+    drain = Drain(None, work.stop, lambda: work.running, work.hand_back)
+    drain.connect()
+    assert len(signals.worker_shutting_down.receivers) == receivers + 1
+    signals.worker_shutting_down.send(sender="nnqueue-x@host", sig="SIGTERM", how="Warm", exitcode=0)
+    assert work.stops == 1
+    drain.finish()
+    assert len(signals.worker_shutting_down.receivers) == receivers
