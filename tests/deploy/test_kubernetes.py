@@ -51,7 +51,11 @@ SCALED_OBJECT = {
                     "type": "object",
                     "required": ["name"],
                     "additionalProperties": False,
-                    "properties": {"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "name": {"type": "string"}},
+                    "properties": {
+                        "apiVersion": {"type": "string"},
+                        "kind": {"type": "string"},
+                        "name": {"type": "string"},
+                    },
                 },
                 "minReplicaCount": {"type": "integer", "minimum": 0},
                 "maxReplicaCount": {"type": "integer", "minimum": 1},
@@ -133,7 +137,9 @@ def workers(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed: the renderer is compared where it is")
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl is not installed: the renderer is compared where it is"
+)
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_renderer_renders_what_kubectl_kustomize_does(overlay: str) -> None:
     printed = subprocess.run(
@@ -151,7 +157,16 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered: list[di
             continue  # a CRD's: checked below
         kubernetes_validate.validate(obj, version, strict=True)
         kinds.add(obj["kind"])
-    expected = {"Namespace", "ConfigMap", "Secret", "Job", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}
+    expected = {
+        "Namespace",
+        "ConfigMap",
+        "Secret",
+        "Job",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    }
     assert expected <= kinds
 
 
@@ -171,7 +186,9 @@ def test_each_worker_is_scaled_by_keda_on_its_own_models_queue(rendered: list[di
     assert len(scaled) == len(workers(rendered)) >= 1
     for obj in scaled:
         jsonschema.validate(obj, SCALED_OBJECT)
-        target = one(rendered, obj["spec"]["scaleTargetRef"].get("kind", "Deployment"), obj["spec"]["scaleTargetRef"]["name"])
+        target = one(
+            rendered, obj["spec"]["scaleTargetRef"].get("kind", "Deployment"), obj["spec"]["scaleTargetRef"]["name"]
+        )
         key = worker_settings(rendered, target)["NNQUEUE_MODEL_KEY"]
         queries = [trigger["metadata"]["query"] for trigger in obj["spec"]["triggers"]]
         metrics = {name for query in queries for name in re.findall(r"(nnqueue_\w+)\{", query)}
@@ -319,7 +336,9 @@ def test_a_workers_gpus_equal_its_tensor_parallelism_and_its_grace_outlasts_its_
         assert pod["terminationGracePeriodSeconds"] >= float(env["NNQUEUE_WORKER_DRAIN_S"]) + 60
         assert pod["containers"][0]["command"] == ["nnqueue", "worker"]  # supervised: SIGTERM is passed on
     gpu = render(KUBERNETES / "overlays" / "gpu")
-    assert all("nvidia.com/gpu" in w["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] for w in workers(gpu))
+    assert all(
+        "nvidia.com/gpu" in w["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"] for w in workers(gpu)
+    )
 
 
 def test_the_secrets_hold_only_placeholders(rendered: list[dict[str, Any]]) -> None:
