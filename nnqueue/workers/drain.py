@@ -45,14 +45,18 @@ class Drain:
         self.drain_s, self._stop_taking, self._running, self._hand_back = drain_s, stop_taking, running, hand_back
         self._started: float | None = None
         self._lock = threading.Lock()
-        self._timer: threading.Thread | None = None
+        self._cut = threading.Event()
+        self._clock: threading.Thread | None = None
         self._handler: Callable[..., None] | None = None
 
     def connect(self) -> None:
-        """Begin when this process's Celery worker starts its warm shutdown (there is one per worker process)."""
+        """Begin when this process's Celery worker starts its warm shutdown (there is one per worker process); a
+        cold shutdown (a second Ctrl-C, SIGQUIT) ends the drain at once."""
 
-        def shutting_down(**_: Any) -> None:
+        def shutting_down(how: str = "Warm", **_: Any) -> None:
             self.begin()
+            if how == "Cold":
+                self._cut.set()
 
         self._handler = shutting_down
         signals.worker_shutting_down.connect(shutting_down, weak=False)
@@ -69,9 +73,8 @@ class Drain:
             "as long as they take" if self.drain_s is None else f"{self.drain_s:g} s",
         )
         self._stop_taking()
-        if self.drain_s is not None:
-            self._timer = threading.Thread(target=self._expire, name="nnqueue-drain", daemon=True)
-            self._timer.start()
+        self._clock = threading.Thread(target=self._wait, name="nnqueue-drain", daemon=True)
+        self._clock.start()
 
     def finish(self) -> None:
         """After Celery's pool has stopped: wait out the drain for the chunks still running (Celery waits only
@@ -79,16 +82,16 @@ class Drain:
         if self._handler is not None:
             signals.worker_shutting_down.disconnect(self._handler)
         self.begin()
-        if self._timer is not None:
-            self._timer.join()
-            return
-        while self._running():
-            time.sleep(POLL_S)
+        assert self._clock is not None
+        self._clock.join()
 
-    def _expire(self) -> None:
+    def _wait(self) -> None:
         """The drain's clock: hand back what still runs when it ends (work only ends meanwhile: none is taken)."""
-        assert self._started is not None and self.drain_s is not None
-        while self._running() and time.monotonic() - self._started < self.drain_s:
+        assert self._started is not None
+        while self._running() and not self._cut.is_set():
+            if self.drain_s is not None and time.monotonic() - self._started >= self.drain_s:
+                break
             time.sleep(POLL_S)
         if self._running():
-            self._hand_back(f"the worker stopped; not finished within its drain of {self.drain_s:g} s")
+            why = "cold shutdown" if self._cut.is_set() else f"not finished within its drain of {self.drain_s:g} s"
+            self._hand_back(f"the worker stopped; {why}")

@@ -156,7 +156,12 @@ def run_worker(
     drain = Drain(
         settings.worker_drain_s,
         stop_taking=bulk.stop if bulk is not None else lambda: None,
-        running=lambda: len(runner.running_jobs()) + (len(chunks.running_chunks()) if chunks is not None else 0),
+        # A dead engine's work is settled by EngineHealth (jobs) and by live workers (chunks): nothing to wait for.
+        running=lambda: (
+            0
+            if health.dead.is_set()
+            else len(runner.running_jobs()) + (len(chunks.running_chunks()) if chunks is not None else 0)
+        ),
         hand_back=hand_back,
     )
     drain.connect()

@@ -64,3 +64,18 @@ def test_celerys_shutdown_signal_begins_it_and_is_let_go_when_it_finished() -> N
     assert work.stops == 1
     drain.finish()
     assert len(signals.worker_shutting_down.receivers) == receivers
+
+
+def test_a_cold_shutdown_hands_back_at_once() -> None:
+    from celery import signals
+
+    work = Work(running=1)
+    drain = Drain(None, work.stop, lambda: work.running, work.hand_back)
+    drain.connect()
+    signals.worker_shutting_down.send(sender="nnqueue-x@host", sig="SIGTERM", how="Warm", exitcode=0)
+    time.sleep(0.5)
+    assert work.handed_back == []  # no limit: it waits
+    signals.worker_shutting_down.send(sender="nnqueue-x@host", sig="SIGQUIT", how="Cold", exitcode=1)
+    started = time.monotonic()
+    drain.finish()
+    assert time.monotonic() - started < 2 and work.handed_back == ["the worker stopped; cold shutdown"]
