@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     worker_stale_after_s: float = Field(30.0, gt=0)
     # A job's run-time limit when its submission names none.
     default_job_timeout_s: float = Field(600.0, gt=0)
+    # How long a SIGTERMed worker lets its running jobs and harvest chunks finish before it hands them back to
+    # the queue (nnqueue.workers.drain). Unset: until they end. Keep it below the orchestrator's kill grace
+    # (Kubernetes' terminationGracePeriodSeconds, Slurm's --signal lead) less the engine's shutdown.
+    worker_drain_s: float | None = Field(None, ge=0)
     # How often each worker compares the broker's tokens with the database's queued work and re-sends the
     # missing ones (after Redis restarted empty, say). Its first heartbeat always does.
     reconcile_interval_s: float = Field(30.0, gt=0)

@@ -44,6 +44,32 @@ def requeue_orphans(
     return requeued
 
 
+def requeue_held(
+    sessions: sessionmaker[Session], app: Celery, model_key: str, worker_id: str, job_ids: list[uuid.UUID], reason: str
+) -> list[uuid.UUID]:
+    """Put the ``job_ids`` that ``worker_id`` still holds back to QUEUED, a token each (the worker is stopping:
+    :mod:`nnqueue.workers.drain`); returns the jobs put back."""
+    requeued = []
+    for job_id in job_ids:
+        try:
+            with transaction(sessions) as session:
+                transition(
+                    session,
+                    job_id,
+                    JobStatus.QUEUED,
+                    detail={"reason": f"worker {worker_id} stopped: {reason}"},
+                    held_by=worker_id,
+                )
+        except (InvalidTransition, JobNotFound):
+            continue  # it ended, was cancelled or was taken over meanwhile
+        requeued.append(job_id)
+    try:
+        send_job_tokens(app, model_key, len(requeued))
+    except Exception:  # the reconciler sends them at a later heartbeat
+        log.exception("requeued jobs %s, but could not send their tokens; the reconciler will", requeued)
+    return requeued
+
+
 def requeue_lost(session: Session, job_id: uuid.UUID, dead_worker: str) -> Job:
     """Put a job RUNNING under ``dead_worker`` back to QUEUED, recording why. The caller commits.
 

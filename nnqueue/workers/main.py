@@ -8,7 +8,9 @@ running here, requeues the model's work that a dead worker left RUNNING (:mod:`n
 :func:`nnqueue.scheduler.chunks.requeue_orphan_chunks`) and, every ``NNQUEUE_RECONCILE_INTERVAL_S``, re-sends
 the tokens the broker lost (:mod:`nnqueue.scheduler.reconciler`). If the engine dies, the worker settles its
 jobs and exits with EXIT_ENGINE_DIED (:mod:`nnqueue.workers.engine_health`); ``nnqueue worker`` runs this
-under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`).
+under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`). SIGTERM is a warm shutdown whose wait
+for running work is bounded by ``NNQUEUE_WORKER_DRAIN_S``; what is still held then goes back to the queue
+(:mod:`nnqueue.workers.drain`).
 
 The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
 the engine's processes run users' code (traces) and capture harvests, and must find no secret in their
@@ -39,14 +41,15 @@ from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.harvest_runner import capture_points
 from nnqueue.engines.outbox import poller
 from nnqueue.scheduler import registry
-from nnqueue.scheduler.chunks import requeue_orphan_chunks
+from nnqueue.scheduler.chunks import requeue_orphan_chunks, retry_or_fail_chunk
 from nnqueue.scheduler.reconciler import reconcile
-from nnqueue.scheduler.recovery import requeue_orphans
+from nnqueue.scheduler.recovery import requeue_held, requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.bulk import BulkConsumer
 from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
+from nnqueue.workers.drain import Drain
 from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
@@ -144,6 +147,30 @@ def run_worker(
         bulk = BulkConsumer(app, bulk_queue_name(model_key), bulk_slots, host.loop, chunks.run_next)
         bulk.start()
 
+    def hand_back(reason: str) -> None:
+        jobs = requeue_held(sessions, app, model_key, worker_id, runner.running_jobs(), reason)
+        runner.reap_lost()  # aborts the jobs just requeued
+        held = chunks.running_chunks() if chunks is not None else []
+        for chunk_id in held:
+            cause = f"worker {worker_id} stopped: {reason}"
+            retry_or_fail_chunk(sessions, app, chunk_id, worker_id, cause, settings.harvest_chunk_attempts)
+        if chunks is not None:
+            chunks.reap_lost()
+        log.info("handed back %d jobs and %d harvest chunks: %s", len(jobs), len(held), reason)
+
+    drain = Drain(
+        settings.worker_drain_s,
+        stop_taking=bulk.stop if bulk is not None else lambda: None,
+        # A dead engine's work is settled by EngineHealth (jobs) and by live workers (chunks): nothing to wait for.
+        running=lambda: (
+            0
+            if health.dead.is_set()
+            else len(runner.running_jobs()) + (len(chunks.running_chunks()) if chunks is not None else 0)
+        ),
+        hand_back=hand_back,
+    )
+    drain.connect()
+
     next_reconcile = 0.0
 
     def on_beat() -> None:
@@ -175,6 +202,7 @@ def run_worker(
             ]
         )
     finally:
+        drain.finish()  # the heartbeat goes on meanwhile: the chunks still running here are not taken as lost
         if bulk is not None:
             bulk.stop()
         beat.stop()

@@ -1,0 +1,128 @@
+"""deploy/slurm/nnqueue-worker.sbatch run as Slurm runs a batch script (bash, SLURM_* set, SIGTERM to the script
+alone as ``--signal=B:TERM`` sends it) against the test servers: the worker it starts takes a trace and a harvest
+chunk; on SIGTERM it hands both back to the queue after its drain, the script exits 0 and asks Slurm to requeue
+the batch job (``scontrol``, a recording stand-in: there is no Slurm here), and another worker completes both."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from nnsight.modeling.vllm import VLLM
+from sqlalchemy import select
+
+from nnqueue.db.models import JobEvent, JobStatus, Worker
+from tests.utils.payloads import slow_payload
+from tests.utils.services import ENGINE_ARGS, MODEL_KEY, Services, WorkerProcess
+from tests.workers.test_harvest import check_every_prompt_once, chunks_of, harvest, prompts, wait_chunk, wait_harvest
+
+pytestmark = pytest.mark.slow  # worker processes
+
+S = JobStatus
+SBATCH = Path(__file__).resolve().parents[2] / "deploy" / "slurm" / "nnqueue-worker.sbatch"
+JOB_ID = "4242"
+
+
+@pytest.fixture(scope="module")
+def services(services: Services) -> Services:
+    """Redis redelivers an unacknowledged token only after an hour: only the hand-back can bring the work back."""
+    services.env["NNQUEUE_BROKER_VISIBILITY_TIMEOUT_S"] = "3600"
+    return services
+
+
+def start_batch_job(services: Services, model_path: Path, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """The sbatch script under bash as slurmstepd starts it, with ``scontrol`` recording its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol-calls"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    scontrol.chmod(0o755)
+    env = {
+        **os.environ,
+        **services.env,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": JOB_ID,
+        "NNQUEUE_COMMAND": f"{sys.executable} -m nnqueue",
+        "NNQUEUE_MODEL": str(model_path),
+        "NNQUEUE_MODEL_KEY": MODEL_KEY,
+        "NNQUEUE_MAX_CONCURRENT_JOBS": "2",
+        "NNQUEUE_ENGINE_ARGS": " ".join(ENGINE_ARGS),
+        "NNQUEUE_WORKER_DRAIN_S": "2",
+    }
+    with open(tmp_path / "batch.log", "ab") as log:
+        batch = subprocess.Popen(
+            ["bash", str(SBATCH)], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    return batch, calls
+
+
+def wait_registered(services: Services, batch: subprocess.Popen[bytes], log: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert batch.poll() is None, f"the batch script exited with {batch.returncode}:\n{log.read_text()[-5000:]}"
+        with services.sessions() as session:
+            if session.scalar(select(Worker.id).where(Worker.model_key == MODEL_KEY, Worker.stopped_at.is_(None))):
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"the batch job's worker did not register in {timeout} s:\n{log.read_text()[-5000:]}")
+
+
+def test_slurms_sigterm_hands_the_jobs_and_chunks_back_and_requeues_the_batch_job(
+    services: Services,
+    client_model: VLLM,
+    tiny_model_path: Path,
+    tmp_path: Path,
+) -> None:
+    batch, calls = start_batch_job(services, tiny_model_path, tmp_path)
+    try:
+        wait_registered(services, batch, tmp_path / "batch.log")
+        job = services.submit(slow_payload(client_model, steps=150))  # 15 s of decoding: still running at SIGTERM
+        running = services.wait_for(job.id, {S.RUNNING}, timeout=240)
+        token_ids = prompts(800, 200, seed=3)
+        harvest_id = harvest(services, token_ids, prompts_per_chunk=400)
+        held = wait_chunk(services, harvest_id, lambda chunk: chunk.status is S.RUNNING)
+        assert held.worker_id == running.worker_id
+
+        signalled = time.monotonic()
+        batch.send_signal(signal.SIGTERM)  # the batch shell only, as --signal=B:TERM@180 does
+        assert batch.wait(timeout=120) == 0, (tmp_path / "batch.log").read_text()[-5000:]
+        print(f"the batch script exited 0, {time.monotonic() - signalled:.1f} s after SIGTERM")
+    finally:
+        if batch.poll() is None:
+            os.killpg(batch.pid, signal.SIGKILL)
+            batch.wait()
+    assert calls.read_text().split() == ["requeue", JOB_ID]
+    with services.sessions() as session:
+        stopped = session.get(Worker, running.worker_id)
+        assert stopped is not None and stopped.stopped_at is not None
+    handed_back = services.job(job.id)
+    assert handed_back.status is S.QUEUED, handed_back.status  # not left RUNNING under a stopped worker
+    chunk = next(c for c in chunks_of(services, harvest_id) if c.index == held.index)
+    assert chunk.status is S.QUEUED and chunk.error and f"worker {running.worker_id} stopped" in chunk.error
+
+    # Started here, not with start_worker: its engine may take minutes to load on a busy machine.
+    second = WorkerProcess(services, tiny_model_path, tmp_path / "second.log", 2)
+    try:
+        second_id = second.wait_registered(timeout=600).id
+        done = services.wait_for(job.id, {S.COMPLETED, S.FAILED}, timeout=240)
+        assert done.status is S.COMPLETED, (done.error_type, done.error_message)
+        assert done.worker_id == second_id and done.attempts == 2
+        finished = wait_harvest(services, harvest_id)
+    finally:
+        second.stop()
+    with services.sessions() as session:
+        history = session.execute(
+            select(JobEvent.to_status, JobEvent.detail).where(JobEvent.job_id == job.id).order_by(JobEvent.id)
+        ).all()
+    assert [status for status, _ in history] == [S.QUEUED, S.RUNNING, S.QUEUED, S.RUNNING, S.COMPLETED]
+    assert history[2].detail["reason"].startswith(f"worker {running.worker_id} stopped: ")
+    assert finished.status is S.COMPLETED, (finished.error_type, finished.error_message)
+    check_every_prompt_once(services, finished, token_ids)
+    rerun = next(c for c in chunks_of(services, harvest_id) if c.index == held.index)
+    assert rerun.worker_id == second_id and rerun.attempts == 2
