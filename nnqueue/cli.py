@@ -167,6 +167,7 @@ def worker(
     from nnqueue.workers.supervisor import exit_with_supervisor
 
     exit_with_supervisor()
+    concurrency: int | None = max_concurrent_jobs  # None: the vLLM engine's max_num_seqs (run_worker)
     if kind.value == "transformers":
         if max_concurrent_jobs not in (None, 1):
             raise typer.BadParameter(
@@ -174,7 +175,6 @@ def worker(
             )
         concurrency, engine_kwargs = 1, engine_args(ctx.args)
     else:
-        concurrency = max_concurrent_jobs
         engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
     try:
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
