@@ -15,6 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nnqueue.api.deps import Caller, HarvestCallerDep, HarvestReaderDep, SessionDep
+from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import ScheduleCreate, ScheduleListResponse, ScheduleResponse
 from nnqueue.db.models import HarvestSchedule
@@ -56,7 +57,7 @@ def list_schedules(
 
 @router.get("/{schedule_id}", responses=NOT_YOURS)
 def get_schedule(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> ScheduleResponse:
-    return ScheduleResponse.of(_owned(session, schedule_id, caller))
+    return ScheduleResponse.of(owned_or_404(session, HarvestSchedule, schedule_id, caller))
 
 
 @router.post("/{schedule_id}/pause", responses=NOT_YOURS)
@@ -72,20 +73,13 @@ def resume(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> S
 @router.delete("/{schedule_id}", status_code=status.HTTP_204_NO_CONTENT, responses=NOT_YOURS)
 def delete(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> None:
     """Delete the schedule; harvests it already started go on."""
-    session.delete(_owned(session, schedule_id, caller, for_update=True))
+    session.delete(owned_or_404(session, HarvestSchedule, schedule_id, caller, for_update=True))
     session.commit()
 
 
 def _set_paused(session: Session, schedule_id: int, caller: Caller, paused: bool) -> ScheduleResponse:
-    schedule = _owned(session, schedule_id, caller, for_update=True)
+    schedule = owned_or_404(session, HarvestSchedule, schedule_id, caller, for_update=True)
     set_paused(session, schedule, paused)
     response = ScheduleResponse.of(schedule)
     session.commit()
     return response
-
-
-def _owned(session: Session, schedule_id: int, caller: Caller, for_update: bool = False) -> HarvestSchedule:
-    schedule = session.get(HarvestSchedule, schedule_id, populate_existing=True, with_for_update=for_update)
-    if schedule is None or not caller.may_see(schedule.owner):
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no schedule {schedule_id}")
-    return schedule
