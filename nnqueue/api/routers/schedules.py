@@ -3,7 +3,7 @@
 Create, list, show, pause, resume and delete; each caller sees only their own schedules (404 otherwise)
 unless the key has the ``admin`` scope; creating one needs the ``harvest`` scope (a default key's), the other routes ``harvest`` or ``admin``.
 The spec is checked as a harvest's would be when it fires, not now (its files may not exist yet); a bad
-cron expression is a 422 at once. Each change is one transaction on the request's session.
+cron expression is a 422 at once, a dataset outside the caller's prefix a 403, a key over its schedules 429. Each change is one transaction on the request's session.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nnqueue.api.deps import Caller, HarvestCallerDep, HarvestReaderDep, SessionDep
+from nnqueue.api.deps import Caller, HarvestCallerDep, HarvestReaderDep, SessionDep, SettingsDep
 from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import ScheduleCreate, ScheduleListResponse, ScheduleResponse
@@ -27,10 +27,20 @@ NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such sche
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create(body: ScheduleCreate, caller: HarvestCallerDep, session: SessionDep) -> ScheduleResponse:
+def create(
+    body: ScheduleCreate, caller: HarvestCallerDep, session: SessionDep, settings: SettingsDep
+) -> ScheduleResponse:
+    """Create a schedule: 422 for a bad cron expression, 403 for a dataset outside the caller's prefix, 429 over
+    NNQUEUE_MAX_SCHEDULES_PER_KEY."""
     try:
         schedule = create_schedule(
-            session, owner=caller.owner, api_key_id=caller.key_id, name=body.name, cron=body.cron, spec=body.spec
+            session,
+            owner=caller.owner,
+            api_key_id=caller.key_id,
+            name=body.name,
+            cron=body.cron,
+            spec=body.spec,
+            max_per_key=settings.max_schedules_per_key,
         )
     except HarvestRejected as rejected:
         raise HTTPException(rejected.status, rejected.reason) from None
