@@ -130,14 +130,10 @@ def live_engines(session: Session, model_key: str, stale_after_s: float) -> set[
     return set(session.scalars(query))
 
 
-def live_capture_points(
-    session: Session, model_key: str, stale_after_s: float, grace_s: float = 0.0
-) -> list[dict[str, Any]] | None:
-    """The capture points that ``model_key``'s live workers (or those live within the last ``grace_s``) published
-    (the first that published any; empty when none did, as workers that run no harvests), or None when no such
-    worker serves the model."""
-    query = _recent(stale_after_s, grace_s).where(Worker.model_key == model_key)
-    query = query.with_only_columns(Worker.capture_points).order_by(Worker.heartbeat_at.desc())
+def live_capture_points(session: Session, model_key: str, stale_after_s: float) -> list[dict[str, Any]] | None:
+    """The capture points that ``model_key``'s live workers published (the first that published any; empty when
+    none did, as workers that run no harvests), or None when no live worker serves the model."""
+    query = _live(stale_after_s).where(Worker.model_key == model_key).with_only_columns(Worker.capture_points)
     published = list(session.scalars(query))
     if not published:
         return None

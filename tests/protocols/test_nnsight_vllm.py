@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import websocket
 from nnsight.intervention.backends.remote import AsyncRemoteBackend, RemoteBackend, RemoteError
 
 from nnqueue.client import Client
@@ -168,7 +169,8 @@ def test_a_bad_key_an_unserved_model_and_a_language_model_are_refused_with_reaso
 ) -> None:
     model = client_model
     ndif.API.APIKEY = "nnq_not-a-key"
-    with pytest.raises(RemoteError, match="Failed to send request: unknown API key"):
+    # Refused at the subscription's handshake, before the trace is sent; the client shows the server's reason.
+    with pytest.raises(websocket.WebSocketBadStatusException, match=r"401 Unauthorized.*unknown API key"):
         with model.trace(PROMPT, remote=True, max_tokens=1):
             logits = model.logits.save()
     ndif.API.APIKEY = secret
