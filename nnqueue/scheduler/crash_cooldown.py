@@ -5,16 +5,19 @@ costs every user of the model the worker's restart (the engine loads again). So 
 failed with ``EngineCrash`` within ``window_s`` of each other, that key's new traces are refused (429, with
 ``Retry-After``) until ``cooldown_s`` after the last of them. Harvests (declarative, no user code) are not.
 
-Read at each trace submission of a key that has no cool-down remembered: one lookup in a partial index of the
-crashed jobs (``ix_jobs_engine_crashes``), at most ``limit`` rows. A key found cooling is remembered until its
-cool-down ends, so a client retrying in a loop costs no query.
+Read at a key's trace submission at most every ``max_age_s`` (one lookup in a partial index of the crashed jobs,
+``ix_jobs_engine_crashes``, at most ``limit`` rows): a key found clear is taken for clear that long (so a crash
+is acted on up to ``max_age_s`` late), and a key found cooling is remembered until its cool-down ends, so
+neither a busy key nor a client retrying in a loop costs a query per submission.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -39,8 +42,11 @@ class CrashCooldowns:
     limit: int
     window_s: float
     cooldown_s: float
+    max_age_s: float = 1.0
     # Keys found cooling, and until when (UTC): refused again without a query.
     _until: dict[int, datetime] = field(default_factory=dict)
+    # Keys found clear, and when (monotonic): taken for clear for ``max_age_s`` without a query.
+    _clear: dict[int, float] = field(default_factory=dict)
 
     def check(self, session: Session, api_key_id: int) -> None:
         """Raise :class:`CrashCooldown` if the key is cooling down after ``limit`` engine crashes."""
@@ -48,12 +54,13 @@ class CrashCooldowns:
         until = self._until.get(api_key_id)
         if until is None or until <= now:
             self._until.pop(api_key_id, None)
+            if time.monotonic() - self._clear.get(api_key_id, -math.inf) < self.max_age_s:
+                return
             until = self._cooling_until(session, api_key_id, now)
             if until is None:
+                _remember(self._clear, api_key_id, time.monotonic())
                 return
-            if len(self._until) >= 10_000:
-                self._until.clear()
-            self._until[api_key_id] = until
+            _remember(self._until, api_key_id, until)
         wait = (until - now).total_seconds()
         raise CrashCooldown(
             f"traces of this API key crashed the engine {self.limit} times within {self.window_s:g} s; it may "
@@ -77,3 +84,9 @@ class CrashCooldowns:
             return None
         until = crashes[0] + timedelta(seconds=self.cooldown_s)
         return until if until > now else None
+
+
+def _remember(memo: dict[int, Any], api_key_id: int, value: object) -> None:
+    if len(memo) >= 10_000:  # bounded: forgetting only costs a query
+        memo.clear()
+    memo[api_key_id] = value

@@ -9,6 +9,7 @@ and tests/workers/test_engine_crash.py does both with a real engine crash.
 
 from __future__ import annotations
 
+import time
 import uuid
 from datetime import timedelta
 
@@ -45,6 +46,10 @@ def test_a_model_whose_worker_is_restarting_takes_jobs_and_queues_them(services:
         assert refused.status_code == 400, "with no grace, a model without a live worker is refused"
 
 
+# The API takes a key it found clear of crashes for clear this long (CrashCooldowns.max_age_s), and more.
+CLEAR_FOR_S = 1.1
+
+
 def crash(services: Services, job_id: str, ago_s: float = 0.0) -> None:
     """End the job as a worker ends the one whose trace crashed its engine."""
     with transaction(services.sessions) as session:
@@ -69,6 +74,7 @@ def test_a_key_whose_traces_crash_engines_cools_down_with_429(services: Services
         crash(services, first)
         second = api.submit_ok(mallory, model_key="crashy")["id"]  # one crash is not enough
         crash(services, second)
+        time.sleep(CLEAR_FOR_S)
 
         refused = api.submit(mallory, model_key="crashy")
         assert refused.status_code == 429, refused.text
@@ -81,8 +87,10 @@ def test_a_key_whose_traces_crash_engines_cools_down_with_429(services: Services
         spread = api.new_key("mallory")
         for ago in (0, 700):
             crash(services, api.submit_ok(spread, model_key="crashy")["id"], ago_s=ago)
+        time.sleep(CLEAR_FOR_S)
         assert api.submit(spread, model_key="crashy").status_code == 201
         cooled = api.new_key("mallory")
         for ago in (400, 350):
             crash(services, api.submit_ok(cooled, model_key="crashy")["id"], ago_s=ago)
+        time.sleep(CLEAR_FOR_S)
         assert api.submit(cooled, model_key="crashy").status_code == 201
