@@ -310,3 +310,17 @@ def test_a_job_cancelled_while_running_is_aborted(
     assert services.job(job_id).result_key is None
     # The engine is free again for the next job.
     assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[1], max_tokens=1)))
+
+
+def test_a_remote_control_shutdown_neither_stops_nor_restarts_the_worker(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    """Celery's remote-control ``shutdown``, published on the broker as a trace that reached it would: the
+    worker does not listen (remote control is off), so it neither exits nor is restarted."""
+    before = worker.wait_registered()
+    services.celery.control.broadcast("shutdown")
+    time.sleep(5)  # a worker that obeys exits within a second or two
+    assert worker.process.poll() is None, worker.log()[-3000:]
+    assert "starting it again" not in worker.log()
+    assert worker.wait_registered().id == before.id
+    assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[0], max_tokens=1)))
