@@ -104,11 +104,12 @@ def test_the_model_and_gpus_come_from_env(tmp_path: Path) -> None:
 
 
 @needs_compose
-def test_a_missing_secret_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("secret", ["POSTGRES_PASSWORD", "REDIS_PASSWORD"])
+def test_a_missing_secret_is_named(tmp_path: Path, secret: str) -> None:
     env_file = tmp_path / ".env"
-    env_file.write_text(re.sub(r"(?m)^POSTGRES_PASSWORD=.*$", "", (ROOT / ".env.example").read_text()))
+    env_file.write_text(re.sub(rf"(?m)^{secret}=.*$", "", (ROOT / ".env.example").read_text()))
     result = compose_config(env_file)
-    assert result.returncode != 0 and "set POSTGRES_PASSWORD in .env" in result.stderr
+    assert result.returncode != 0 and f"set {secret} in .env" in result.stderr
 
 
 @needs_compose
