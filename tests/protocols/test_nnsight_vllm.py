@@ -273,15 +273,21 @@ def test_a_client_that_leaves_cancels_its_job(
 def test_a_subscription_ends_when_its_models_workers_are_gone(
     ndif: Any, services: Services, worker: WorkerProcess, client: Client, client_model: Any
 ) -> None:
-    # A worker row nobody keeps fresh: the model is live at submit, then its heartbeat goes stale (3 s).
+    # A worker row nobody keeps fresh: the model is served at submit, then its heartbeat goes stale (3 s); an API
+    # that waits 10 s for a restarted worker (NNQUEUE_WORKER_RESTART_GRACE_S) then cancels the job.
+    impatient = ApiServer(Settings(_env_file=None, **{**services.settings.model_dump(), "worker_restart_grace_s": 10}))
     registry.register(services.sessions, registry.new_worker_id(), "ghost-model", "nobody-consumes-this", 1)
     started = time.monotonic()
-    with pytest.raises(RemoteError, match=r"JobCancelled: .* no live worker has served model 'ghost-model'"):
-        with client_model.trace(
-            PROMPT, backend=RemoteBackend("nnsight.modeling.vllm.vllm.VLLM:ghost-model"), max_tokens=1
-        ):
-            logits = client_model.logits.save()
-    assert time.monotonic() - started < 30
+    try:
+        ndif.API.HOST = f"{impatient.url}/ndif"
+        with pytest.raises(RemoteError, match=r"JobCancelled: .* no live worker has served model 'ghost-model'"):
+            with client_model.trace(
+                PROMPT, backend=RemoteBackend("nnsight.modeling.vllm.vllm.VLLM:ghost-model"), max_tokens=1
+            ):
+                logits = client_model.logits.save()
+    finally:
+        impatient.stop()
+    assert time.monotonic() - started < 60
     with services.sessions() as session:
         [job] = session.query(Job).filter(Job.model_key == "ghost-model").all()
         assert job.status is JobStatus.CANCELLED
