@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]  # the checkout whose nnqueue the supervisor runs
 SUPERVISE = "import sys; from nnqueue.workers.supervisor import Supervisor; sys.exit(Supervisor(sys.argv[1:]).run())"
 
 
@@ -19,7 +20,7 @@ def supervise(child: str, runs: Path) -> subprocess.Popen[bytes]:
     script = f"open({str(runs)!r}, 'a').write('run\\n'); {child}"
     return subprocess.Popen(
         [sys.executable, "-c", SUPERVISE, sys.executable, "-c", script],
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         start_new_session=True,
     )
 
