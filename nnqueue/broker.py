@@ -78,6 +78,10 @@ def create_celery_app(settings: Settings, *, prefetch: int = 1) -> Celery:
         result_backend=None,
         task_ignore_result=True,
         worker_hijack_root_logger=False,
+        # No remote control: a worker would otherwise obey any broker client's broadcast (``shutdown``,
+        # ``pool_restart``, ...), and nnqueue never sends one. With mingle and gossip off too
+        # (nnqueue.workers.main), a worker reads nothing from the broker but its own queues.
+        worker_enable_remote_control=False,
     )
     return app
 

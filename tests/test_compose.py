@@ -104,11 +104,12 @@ def test_the_model_and_gpus_come_from_env(tmp_path: Path) -> None:
 
 
 @needs_compose
-def test_a_missing_secret_is_named(tmp_path: Path) -> None:
+@pytest.mark.parametrize("secret", ["POSTGRES_PASSWORD", "REDIS_PASSWORD"])
+def test_a_missing_secret_is_named(tmp_path: Path, secret: str) -> None:
     env_file = tmp_path / ".env"
-    env_file.write_text(re.sub(r"(?m)^POSTGRES_PASSWORD=.*$", "", (ROOT / ".env.example").read_text()))
+    env_file.write_text(re.sub(rf"(?m)^{secret}=.*$", "", (ROOT / ".env.example").read_text()))
     result = compose_config(env_file)
-    assert result.returncode != 0 and "set POSTGRES_PASSWORD in .env" in result.stderr
+    assert result.returncode != 0 and f"set {secret} in .env" in result.stderr
 
 
 @needs_compose
@@ -202,13 +203,19 @@ def test_the_beat_command_starts(config: dict[str, Any], env: dict[str, str], tm
 
 
 @needs_compose
-def test_the_redis_command_keeps_an_append_only_file(config: dict[str, Any], tmp_path: Path) -> None:
-    line = command(config["services"]["redis"])
+def test_the_redis_command_keeps_an_append_only_file_behind_a_password(config: dict[str, Any], tmp_path: Path) -> None:
+    service = config["services"]["redis"]
+    line = command(service)
+    password = service["environment"]["REDISCLI_AUTH"]
+    assert password == "change-me-redis" and line[line.index("--requirepass") + 1] == password
+    urls = {config["services"][name]["environment"]["NNQUEUE_BROKER_URL"] for name in OUR_SERVICES}
+    assert urls == {f"redis://:{password}@redis:6379/0"}
+    assert f"--broker=redis://:{password}@redis:6379/0" in command(config["services"]["flower"])
     [port] = free_ports(1)
     argv = [str(redis_server_binary()), *line[1:], "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        client = redis.Redis(port=port)
+        client = redis.Redis(port=port, password=password)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -217,9 +224,13 @@ def test_the_redis_command_keeps_an_append_only_file(config: dict[str, Any], tmp
             except redis.ConnectionError:
                 assert process.poll() is None and time.monotonic() < deadline, "redis did not start"
                 time.sleep(0.1)
-        assert client.config_get("appendonly") == {"appendonly": "yes"}
-        assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
+        persistence = client.info("persistence")
+        assert persistence["aof_enabled"] == 1
+        with pytest.raises(redis.ResponseError, match="unknown command"):
+            client.config_get("dir")  # renamed away: no CONFIG SET dir + SAVE
         client.close()
+        with redis.Redis(port=port) as anonymous, pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=30)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
 
+import psutil
 import pytest
 import redis
 import sqlalchemy as sa
 from botocore.exceptions import ClientError
 
-from nnqueue.embedded import MIN_REDIS_VERSION
+from nnqueue.embedded import MIN_REDIS_VERSION, EmbeddedRedis
 from nnqueue.settings import S3Settings
 from tests.utils import servers
 
@@ -33,6 +38,48 @@ def test_redis_pings_and_stores(redis_url: str) -> None:
         assert client.get(key) == b"value"
         major, minor = (int(part) for part in client.info("server")["redis_version"].split(".")[:2])
         assert (major, minor) >= MIN_REDIS_VERSION
+
+
+def test_redis_refuses_a_client_without_the_password(redis_url: str) -> None:
+    """The suite's broker, like a deployment's, has a password: a trace that reaches it cannot send to it."""
+    if "NNQUEUE_TEST_REDIS_URL" in os.environ:
+        pytest.skip("an external Redis: its password is its operator's business")
+    url = urlsplit(redis_url)
+    assert url.password, "the test broker has no password"
+    with redis.Redis(host=url.hostname or "", port=url.port or 0) as client:
+        with pytest.raises(redis.AuthenticationError):
+            client.ping()
+        with pytest.raises(redis.AuthenticationError):
+            client.publish("celery.pidbox", b"{}")
+    with redis.Redis(host=url.hostname or "", port=url.port or 0, password="wrong") as client:
+        with pytest.raises(redis.AuthenticationError):
+            client.ping()
+
+
+def test_the_embedded_broker_has_a_private_password_per_data_dir(tmp_path: Path) -> None:
+    first = EmbeddedRedis(tmp_path / "redis")
+    try:
+        password = urlsplit(first.url).password
+        assert password and password not in first.display_url
+        assert stat.S_IMODE((tmp_path / "redis").stat().st_mode) == 0o700
+        assert stat.S_IMODE((tmp_path / "redis" / "redis.conf").stat().st_mode) == 0o600
+        assert all(password not in part for part in psutil.Process(first.process.pid).cmdline())
+        with redis.Redis(port=first.port) as client, pytest.raises(redis.AuthenticationError):
+            client.ping()
+        with redis.Redis.from_url(first.url) as client:
+            assert client.ping() is True
+    finally:
+        first.stop()
+    again = EmbeddedRedis(tmp_path / "redis")
+    try:
+        assert urlsplit(again.url).password == password  # the data dir keeps its password
+    finally:
+        again.stop()
+    other = EmbeddedRedis(tmp_path / "other")
+    try:
+        assert urlsplit(other.url).password != password
+    finally:
+        other.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import BodySizeLimit
 from nnqueue.api.routers import harvests, health, jobs, metrics, models, ndif, ndif_serve, schedules
 from nnqueue.api.routers import status as status_page
+from nnqueue.api.subscriptions import Subscriptions
 from nnqueue.broker import create_celery_app
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.scheduler.admission import AdmissionPolicy
@@ -53,6 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.resources = resources
     app.state.job_watcher = watcher
+    app.state.subscriptions = Subscriptions(settings.ndif_subscriptions_per_key, settings.ndif_subscriptions_max)
     app.add_middleware(BodySizeLimit, max_payload_bytes=settings.max_payload_bytes)
     app.add_exception_handler(OperationalError, _broker_unreachable)
     app.add_exception_handler(PoolTimeout, _database_busy)

@@ -111,9 +111,13 @@ async def get_caller(
     bearer: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)],
     ndif_key: Annotated[str | None, Security(_ndif_header)],
 ) -> Caller:
-    """The key's owner. A key found valid is remembered for NNQUEUE_AUTH_CACHE_S (no database round trip, no
-    worker thread); a revoked key is therefore refused within that time."""
-    secret = bearer.credentials if bearer is not None else ndif_key
+    """The key's owner (:func:`caller_of`)."""
+    return await caller_of(resources, bearer.credentials if bearer is not None else ndif_key)
+
+
+async def caller_of(resources: Resources, secret: str | None) -> Caller:
+    """The owner of the key ``secret``, or 401. A key found valid is remembered for NNQUEUE_AUTH_CACHE_S (no
+    database round trip, no worker thread); a revoked key is therefore refused within that time."""
     if not secret:
         raise _unauthorized("missing API key: send 'Authorization: Bearer <key>' or 'ndif-api-key: <key>'")
     caller = resources.callers.get(secret)

@@ -92,5 +92,5 @@ class JobWatcher:
             if not jobs:
                 return {}
             positions = queue_positions(session, jobs)
-            live = LiveModels(self.stale_after_s, max_age_s=0).read(session)
+            live = LiveModels(self.stale_after_s, max_age_s=0).read(session)  # live now, no grace
         return {job.id: Seen(job, positions.get(job.id), job.model_key in live) for job in jobs}

@@ -5,8 +5,8 @@ Shared by the ``remote=True`` routes (:mod:`nnqueue.api.routers.ndif`) and the `
 payload, row, queue), after the checks of :mod:`nnqueue.api.nnsight_protocol`. :func:`follow` waits on the
 :class:`~nnqueue.api.job_watch.JobWatcher` until the job ends, and ends it itself when nothing else will:
 a client that leaves cancels its job (nobody can receive its result), and a job whose model has had no live
-worker for ``NNQUEUE_WORKER_STALE_AFTER_S`` (on top of the silence that marked the workers dead) is
-cancelled, so that a waiting client always hears COMPLETED or ERROR.
+worker for ``NNQUEUE_WORKER_RESTART_GRACE_S`` (:func:`orphan_grace_s`: time for a crashed worker to come back)
+is cancelled, so that a waiting client always hears COMPLETED or ERROR.
 """
 
 from __future__ import annotations
@@ -27,14 +27,10 @@ from nnqueue.api.job_watch import JobWatcher, Seen
 from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
 from nnqueue.db.models import ENDED, Job, JobKind, JobStatus
 from nnqueue.db.session import transaction
-from nnqueue.scheduler.registry import live_engines
-from nnqueue.scheduler.submission import submit_job
+from nnqueue.scheduler.admission import EngineNotServed
+from nnqueue.scheduler.submission import accept_job, queue_job
 from nnqueue.settings import Settings
 from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
-
-
-class SessionTaken(protocol.ProtocolError):
-    """A job already exists for this session id (a 409)."""
 
 
 @dataclass(frozen=True)
@@ -53,52 +49,60 @@ class NnsightRequest:
 def submit_nnsight(
     resources: Resources, caller: Caller, request: NnsightRequest, job_id: uuid.UUID | None = None
 ) -> Job:
-    """Check and submit the request; raises :class:`~nnqueue.api.nnsight_protocol.ProtocolError` (and
-    ``submit_job``'s admission errors) without storing anything when it cannot run here."""
-    settings, sessions = resources.settings, resources.sessions
+    """Check and submit the request, in one transaction (admission checks the model is served by the engine
+    the trace needs); raises :class:`~nnqueue.api.nnsight_protocol.ProtocolError` and admission's refusals
+    (:mod:`nnqueue.api.refusals` answers them) without storing anything when it cannot run here."""
+    settings = resources.settings
     if request.nnsight_key is not None:
         target = protocol.resolve_model(request.nnsight_key)
     else:
         target = protocol.Target(request.model_key or "", protocol.EngineKind.VLLM, "VLLM")
     payload = protocol.decompress(request.blob, request.compress, settings.max_payload_bytes)
     protocol.check_runnable(target, protocol.tracer_class(payload))
-    env = protocol.check_env(target, request.env)
-    with sessions() as session:
-        engines = live_engines(session, target.model_key, settings.worker_stale_after_s)
-        if engines and target.engine.value not in engines:
-            raise protocol.ProtocolError(
-                f"model {target.model_key!r} is served here by a {' and a '.join(sorted(engines))} engine, which "
-                f"cannot run nnsight {target.what} traces: those need a {target.engine.value} engine"
-                f" (nnqueue worker --engine {target.engine.value})"
-            )
-        if job_id is not None and session.get(Job, job_id) is not None:
-            raise SessionTaken("a request was already sent for this session id; subscribe again for a new one")
     meta: dict[str, Any] = {
         "metadata": {},
         "ndif": {
             "protocol": request.protocol,
             "compress": request.compress,
-            "env": env,
+            "env": protocol.check_env(target, request.env),
             "url_key": protocol.new_signing_key(),
         },
     }
     if request.versions is not None:
         meta["client"] = request.versions
-    return submit_job(
-        sessions,
-        resources.store,
-        resources.celery,
-        admission=resources.admission,
-        inline_payload_max_bytes=settings.inline_payload_max_bytes,
-        owner=caller.owner,
-        api_key_id=caller.key_id,
-        model_key=target.model_key,
-        payload=payload,
-        kind=JobKind.TRACE,
-        timeout_s=settings.default_job_timeout_s,
-        meta=meta,
-        job_id=job_id,
-    )
+    with transaction(resources.sessions) as session:
+        if job_id is not None and session.get(Job, job_id) is not None:
+            raise protocol.SessionTaken("a request was already sent for this session id; subscribe again for a new one")
+        try:
+            accepted = accept_job(
+                session,
+                resources.store,
+                admission=resources.admission,
+                inline_payload_max_bytes=settings.inline_payload_max_bytes,
+                owner=caller.owner,
+                api_key_id=caller.key_id,
+                model_key=target.model_key,
+                payload=payload,
+                kind=JobKind.TRACE,
+                timeout_s=settings.default_job_timeout_s,
+                meta=meta,
+                job_id=job_id,
+                engine=target.engine,
+            )
+        except EngineNotServed as refused:
+            raise protocol.ProtocolError(
+                f"model {target.model_key!r} is served here by a {' and a '.join(sorted(refused.engines))} engine, "
+                f"which cannot run nnsight {target.what} traces: those need a {target.engine.value} engine"
+                f" (nnqueue worker --engine {target.engine.value})"
+            ) from None
+    queue_job(resources.sessions, resources.celery, accepted.job)
+    return accepted.job
+
+
+def orphan_grace_s(settings: Settings) -> float:
+    """How long a followed job may wait with no live worker for its model before it is cancelled: the restart
+    grace (a crashed worker comes back meanwhile), and never less than the silence that marks a worker dead."""
+    return max(settings.worker_stale_after_s, settings.worker_restart_grace_s)
 
 
 async def follow(

@@ -62,6 +62,10 @@ class PayloadTooLarge(ProtocolError):
     """The payload, once decompressed, is over the limit (a 413)."""
 
 
+class SessionTaken(ProtocolError):
+    """A job already exists for this session id (a 409)."""
+
+
 @dataclass(frozen=True)
 class Target:
     """Where an nnsight model key runs here: nnqueue's model key and the engine kind it needs."""

@@ -31,6 +31,10 @@ class Viewer:
     key_prefix: str
     is_admin: bool
 
+    def may_see(self, owner: str) -> bool:
+        """Whether this viewer may see ``owner``'s jobs: their own, or anyone's for an admin."""
+        return self.is_admin or owner == self.owner
+
 
 @dataclass(frozen=True)
 class WorkerRow:
@@ -95,10 +99,6 @@ def status_view(
         job_counts=_job_counts(session, viewer),
         harvests=_harvests(session, viewer),
     )
-
-
-def visible(job: Job, viewer: Viewer) -> bool:
-    return viewer.is_admin or job.owner == viewer.owner
 
 
 def _workers(session: Session, stale_after_s: float, now: datetime) -> list[WorkerRow]:

@@ -139,6 +139,14 @@ class Job(Base):
             postgresql_where=text("status = 'queued'"),
             sqlite_where=text("status = 'queued'"),
         ),
+        # A key's engine crashes, newest first (nnqueue.scheduler.crash_cooldown), read at each of its submissions.
+        Index(
+            "ix_jobs_engine_crashes",
+            "api_key_id",
+            "finished_at",
+            postgresql_where=text("error_type = 'EngineCrash'"),
+            sqlite_where=text("error_type = 'EngineCrash'"),
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
@@ -317,3 +325,15 @@ class HarvestSchedule(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     runs: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+
+
+class StatusSession(Base):
+    """A browser signed in to the status page: its cookie holds a random session id, never the API key; the
+    database keeps the id's sha256, the key it was opened with, and when it ends (nnqueue.api.routers.status)."""
+
+    __tablename__ = "status_sessions"
+
+    id_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    api_key_id: Mapped[int] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(Timestamp)

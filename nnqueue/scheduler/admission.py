@@ -1,11 +1,13 @@
 """Admission: whether a new job may be accepted, checked by :func:`nnqueue.scheduler.submission.accept_job`
 for every submitter (the API, the CLI, schedules), before anything is stored.
 
-Two rules: some live worker serves the job's model (else :class:`ModelNotServed`: nothing would ever run it),
+Two rules: some worker serves the job's model, live now or less than ``NNQUEUE_WORKER_RESTART_GRACE_S`` ago (a
+crashed worker being restarted: its jobs queue meanwhile; else :class:`ModelNotServed`: nothing would run it),
 and the submitting API key has fewer than its limit of jobs queued or running (else
 :class:`TooManyJobsInFlight`). The count is read as the job is added (by the same statement on Postgres, see
 :mod:`nnqueue.scheduler.intake`), so submissions racing each other may pass it together: it bounds a key's load,
-it is not an exact quota.
+it is not an exact quota. A trace is also refused while its key cools down after crashing engines
+(:mod:`nnqueue.scheduler.crash_cooldown`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from dataclasses import dataclass
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.models import EngineKind, Job, JobStatus
 from nnqueue.errors import NNqueueError
+from nnqueue.scheduler.crash_cooldown import CrashCooldowns
 from nnqueue.scheduler.registry import LiveModels
 from nnqueue.settings import Settings
 
@@ -39,6 +42,14 @@ class ModelNotServed(AdmissionRefused):
     """No live worker serves the job's model; the message names the live models."""
 
 
+class EngineNotServed(ModelNotServed):
+    """The model is served, but by engines of other kinds than the job needs (``engines``)."""
+
+    def __init__(self, message: str, engines: frozenset[str]) -> None:
+        super().__init__(message)
+        self.engines = engines
+
+
 class TooManyJobsInFlight(AdmissionRefused):
     """The submitting API key already has its limit of jobs queued or running."""
 
@@ -51,19 +62,32 @@ class AdmissionPolicy:
     max_jobs_in_flight_per_key: int
     # The live models, remembered between submissions (the API keeps one); None: read for every job.
     live_models: LiveModels | None = None
+    # A model still counts as served this long after its last live worker (one being restarted).
+    restart_grace_s: float = 0.0
+    # Keys whose traces crashed engines too often submit no traces for a while; None: no cool-down.
+    crash_cooldowns: CrashCooldowns | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, *, remember_live_models: bool = False) -> AdmissionPolicy:
-        live = LiveModels(settings.worker_stale_after_s) if remember_live_models else None
-        return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key, live)
+        grace = settings.worker_restart_grace_s
+        live = LiveModels(settings.worker_stale_after_s, grace_s=grace) if remember_live_models else None
+        cooldowns = CrashCooldowns(
+            settings.engine_crash_limit, settings.engine_crash_window_s, settings.engine_crash_cooldown_s
+        )
+        return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key, live, grace, cooldowns)
 
 
-def require_served(session: Session, policy: AdmissionPolicy, model_key: str) -> None:
-    """Return if some live worker serves ``model_key``, else raise :class:`ModelNotServed` naming the live models."""
-    live = policy.live_models or LiveModels(policy.stale_after_s, max_age_s=0)
-    if not live.serves(session, model_key):
+def require_served(session: Session, policy: AdmissionPolicy, model_key: str, engine: EngineKind | None = None) -> None:
+    """Return if some worker serves ``model_key`` (live, or within the restart grace) with an ``engine`` (any
+    when None), else raise :class:`ModelNotServed` naming the served models, or :class:`EngineNotServed`."""
+    live = policy.live_models or LiveModels(policy.stale_after_s, max_age_s=0, grace_s=policy.restart_grace_s)
+    engines = live.engines(session, model_key)
+    if not engines:
         served = ", ".join(repr(key) for key in sorted(live.read(session))) or "none"
         raise ModelNotServed(f"no live worker serves model {model_key!r}; live models: {served}")
+    if engine is not None and engine.value not in engines:
+        kinds = " and a ".join(sorted(engines))
+        raise EngineNotServed(f"model {model_key!r} is served here by a {kinds} engine, not {engine.value}", engines)
 
 
 def refuse_if_full(in_flight: int, limit: int) -> None:

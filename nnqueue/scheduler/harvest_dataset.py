@@ -30,10 +30,16 @@ Example = str | list[int]
 class Limits:
     max_bytes: int  # of a dataset's source files together
     max_prompts: int
+    # Harvests one API key may have queued or running at once (None: no cap).
+    max_in_flight_per_key: int | None = None
 
     @classmethod
     def of(cls, settings: Settings) -> Limits:
-        return cls(max_bytes=settings.harvest_max_dataset_bytes, max_prompts=settings.harvest_max_prompts)
+        return cls(
+            max_bytes=settings.harvest_max_dataset_bytes,
+            max_prompts=settings.harvest_max_prompts,
+            max_in_flight_per_key=settings.max_harvests_in_flight_per_key,
+        )
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,15 @@ def freeze(examples: list[Example]) -> FrozenDataset:
 def read_slice(data: bytes) -> list[Example]:
     """The examples of a byte range of a frozen dataset (whole lines)."""
     return [json.loads(line) for line in data.decode().splitlines()]
+
+
+def check_readable(spec: DatasetSpec, owner: str) -> None:
+    """Raise :class:`HarvestRejected` (403, 422) if the spec names files ``owner`` may not read, without reading
+    them (a schedule's may not exist yet when it is created)."""
+    if spec.path is not None:
+        _own_key(spec.path, owner)
+    elif spec.prefix is not None:
+        _own_key(spec.prefix, owner, prefix=True)
 
 
 def _own_key(key: str, owner: str, *, prefix: bool = False) -> str:

@@ -60,6 +60,7 @@ def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, subm
     """Check the spec, store its dataset frozen, and add the QUEUED harvest and its chunks to the caller's
     transaction; raises :class:`HarvestRejected`. The caller commits, then calls :func:`queue_harvest`."""
     points = check_captures(session, spec, submission.stale_after_s)
+    _refuse_if_full(session, submission)
     harvest_id = uuid.uuid4()
     if submission.upload is not None:
         upload_at = upload_key(submission.owner, str(harvest_id), submission.upload.filename)
@@ -145,6 +146,24 @@ def create_harvest(
         harvest = accept_harvest(session, store, spec, submission)
     queue_harvest(app, harvest)
     return harvest
+
+
+def _refuse_if_full(session: Session, submission: Submission) -> None:
+    """429 if the submitting key has its limit of harvests queued or running (``Limits.max_in_flight_per_key``)."""
+    limit = submission.limits.max_in_flight_per_key
+    if limit is None or submission.api_key_id is None:
+        return
+    in_flight = session.scalar(
+        select(func.count())
+        .select_from(Harvest)
+        .where(Harvest.api_key_id == submission.api_key_id, Harvest.status.in_((S.QUEUED, S.RUNNING)))
+    )
+    if (in_flight or 0) >= limit:
+        raise HarvestRejected(
+            429,
+            f"this API key already has {in_flight} harvests queued or running; the limit is {limit} "
+            "(NNQUEUE_MAX_HARVESTS_IN_FLIGHT_PER_KEY): wait for some to finish",
+        )
 
 
 def check_captures(session: Session, spec: HarvestSpec, stale_after_s: float) -> list[dict[str, Any]]:

@@ -6,6 +6,10 @@ what capture points they publish); the heartbeat thread that keeps a worker's ro
 
 The API lists models from live rows. A job RUNNING under a worker whose heartbeat went stale was
 orphaned by a dead process: live workers of its model requeue it (nnqueue.scheduler.recovery).
+
+Admission asks a looser question, "is the model *served*?": a model whose last live worker went away less
+than ``NNQUEUE_WORKER_RESTART_GRACE_S`` ago still is (:func:`served_model_keys`), so that the jobs submitted
+while its supervisor restarts a crashed worker are queued for the fresh one rather than refused.
 """
 
 from __future__ import annotations
@@ -92,6 +96,24 @@ def _live(stale_after_s: float) -> Select[Worker]:
     return select(Worker).where(Worker.stopped_at.is_(None), Worker.heartbeat_at >= cutoff)
 
 
+def _recent(stale_after_s: float, grace_s: float) -> Select[Worker]:
+    """Workers live now, or live less than ``grace_s`` ago (stopped or silent since): their last heartbeat is
+    at most ``stale_after_s + grace_s`` old. With no grace, the live workers."""
+    if grace_s <= 0:
+        return _live(stale_after_s)
+    return select(Worker).where(Worker.heartbeat_at >= utcnow() - timedelta(seconds=stale_after_s + grace_s))
+
+
+def served_engines(session: Session, stale_after_s: float, grace_s: float = 0.0) -> dict[str, frozenset[str]]:
+    """The models with a worker live now or within the last ``grace_s`` (see the module's doc), each with the
+    engine kinds of those workers."""
+    query = _recent(stale_after_s, grace_s).with_only_columns(Worker.model_key, Worker.engine).distinct()
+    engines: dict[str, set[str]] = {}
+    for model_key, engine in session.execute(query):
+        engines.setdefault(model_key, set()).add(engine)
+    return {model_key: frozenset(kinds) for model_key, kinds in engines.items()}
+
+
 def live_worker_ids(stale_after_s: float) -> Select[str]:
     """A query of the live workers' ids, for use as a subquery."""
     return _live(stale_after_s).with_only_columns(Worker.id)
@@ -134,28 +156,31 @@ def live_capture_points(session: Session, model_key: str, stale_after_s: float) 
 
 
 class LiveModels:
-    """The keys of the models with live workers, read at most every ``max_age_s`` to answer "is it served?".
+    """The served models and their engines (:func:`served_engines`, with ``grace_s``), read at most every
+    ``max_age_s`` to answer "is it served, and by which engines?".
 
     A model not in the remembered set is looked up again before the answer is no, so a worker that has just
-    registered is found at once; a model whose last worker just died may be taken for live ``max_age_s``
+    registered is found at once; a model whose last worker just died may be taken for served ``max_age_s``
     longer (its jobs then wait in the queue, as any job does whose workers die after it was accepted).
     """
 
-    def __init__(self, stale_after_s: float, max_age_s: float = 1.0) -> None:
-        self.stale_after_s, self.max_age_s = stale_after_s, max_age_s
-        self._keys: frozenset[str] = frozenset()
+    def __init__(self, stale_after_s: float, max_age_s: float = 1.0, grace_s: float = 0.0) -> None:
+        self.stale_after_s, self.max_age_s, self.grace_s = stale_after_s, max_age_s, grace_s
+        self._engines: dict[str, frozenset[str]] = {}
         self._read_at = -math.inf
 
-    def serves(self, session: Session, model_key: str) -> bool:
-        if model_key in self._keys and time.monotonic() - self._read_at < self.max_age_s:
-            return True
-        return model_key in self.read(session)
+    def engines(self, session: Session, model_key: str) -> frozenset[str]:
+        """The engine kinds serving ``model_key`` (empty: it is not served)."""
+        if model_key in self._engines and time.monotonic() - self._read_at < self.max_age_s:
+            return self._engines[model_key]
+        return self.read(session).get(model_key, frozenset())
 
-    def read(self, session: Session) -> frozenset[str]:
-        """The live models now, remembered for the next ``max_age_s``."""
+    def serves(self, session: Session, model_key: str) -> bool:
+        return bool(self.engines(session, model_key))
+
+    def read(self, session: Session) -> dict[str, frozenset[str]]:
+        """The served models now and their engines, remembered for the next ``max_age_s``."""
         read_at = time.monotonic()
-        self._keys = frozenset(
-            session.scalars(_live(self.stale_after_s).with_only_columns(Worker.model_key).distinct())
-        )
+        self._engines = served_engines(session, self.stale_after_s, self.grace_s)
         self._read_at = read_at
-        return self._keys
+        return self._engines

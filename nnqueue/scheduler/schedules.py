@@ -15,12 +15,12 @@ from datetime import datetime
 
 from celery import Celery
 from croniter import croniter
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.models import HarvestSchedule, utcnow
 from nnqueue.db.session import transaction, updated
-from nnqueue.scheduler.harvest_dataset import Limits
+from nnqueue.scheduler.harvest_dataset import Limits, check_readable
 from nnqueue.scheduler.harvest_spec import HarvestRejected, HarvestSpec
 from nnqueue.scheduler.harvests import Submission, create_harvest
 from nnqueue.storage.object_store import ObjectStore
@@ -36,11 +36,30 @@ def next_time(cron: str, after: datetime) -> datetime:
 
 
 def create_schedule(
-    session: Session, *, owner: str, api_key_id: int | None, name: str, cron: str, spec: HarvestSpec
+    session: Session,
+    *,
+    owner: str,
+    api_key_id: int | None,
+    name: str,
+    cron: str,
+    spec: HarvestSpec,
+    max_per_key: int | None = None,
 ) -> HarvestSchedule:
-    """Add a schedule to the caller's transaction (the caller commits); raises :class:`HarvestRejected` (422) for
-    a bad cron expression. The spec is checked against the world when it fires, not now (its files may not exist
-    yet)."""
+    """Add a schedule to the caller's transaction (the caller commits); raises :class:`HarvestRejected`: 422 for a
+    bad cron expression, 403 for a dataset outside the owner's prefix, 429 when the key already keeps
+    ``max_per_key`` schedules. The rest of the spec is checked against the world when it fires, not now (its
+    files may not exist yet, its model's workers may not run)."""
+    check_readable(spec.dataset, owner)
+    if max_per_key is not None and api_key_id is not None:
+        kept = session.scalar(
+            select(func.count()).select_from(HarvestSchedule).where(HarvestSchedule.api_key_id == api_key_id)
+        )
+        if (kept or 0) >= max_per_key:
+            raise HarvestRejected(
+                429,
+                f"this API key already keeps {kept} schedules; the limit is {max_per_key} "
+                "(NNQUEUE_MAX_SCHEDULES_PER_KEY): delete one first",
+            )
     schedule = HarvestSchedule(
         owner=owner,
         api_key_id=api_key_id,

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
 from nnqueue.db.lifecycle import transition
-from nnqueue.db.models import Job, JobKind, JobStatus, utcnow
+from nnqueue.db.models import EngineKind, Job, JobKind, JobStatus, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.admission import AdmissionPolicy, require_served
 from nnqueue.scheduler.enqueue import send_job_tokens
@@ -44,6 +44,9 @@ class JobFields(TypedDict, total=False):
     meta: dict[str, Any]
     api_key_id: int | None  # the submitting API key, which admission limits; None: not counted
     job_id: uuid.UUID | None  # the new job's id when the submitter derives it (it must not exist yet); default: uuid4
+    engine: (
+        EngineKind | None
+    )  # the engine kind the job needs (admission refuses a model served by others); default: any
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,14 @@ def accept_job(
     ``inline_payload_max_bytes`` (a larger one goes to the object store, after the row and before the caller
     commits); raises :class:`~nnqueue.scheduler.admission.AdmissionRefused`, adding and storing nothing.
     The caller commits, then calls :func:`queue_job`."""
-    require_served(session, admission, fields["model_key"])
+    require_served(session, admission, fields["model_key"], fields.get("engine"))
+    key_id = fields.get("api_key_id")
+    if (
+        admission.crash_cooldowns is not None
+        and key_id is not None
+        and fields.get("kind", JobKind.TRACE) is JobKind.TRACE
+    ):
+        admission.crash_cooldowns.check(session, key_id)
     payload = fields["payload"]
     job = _new_job(fields, inline_payload_max_bytes)
     position = add_job(session, job, payload if job.payload_key is None else None, admission.max_jobs_in_flight_per_key)

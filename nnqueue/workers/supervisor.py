@@ -6,8 +6,10 @@ that holds no engine: it runs the worker (``nnqueue worker --no-supervise ...``)
 own, waits for it, kills whatever the worker left behind in that session (engine processes), and starts
 it again after a backoff (1 s, doubling up to a minute; back to 1 s once a worker has run for five
 minutes). SIGTERM and SIGINT are passed to the worker, which shuts down warmly; the supervisor then
-exits with the worker's status. A worker that exits 0 was stopped on purpose, one that exits 2 was
-misconfigured: neither is restarted.
+exits with the worker's status. Any other exit is one the supervisor did not ask for, and is restarted,
+exit 0 included: a worker can be made to exit 0 from outside (Celery's remote-control ``shutdown``, were
+it on; a trace that reached the broker). The one exception is a worker whose very first start exits 2:
+it was misconfigured (a bad option, a conflicting engine), and starting it again would not help.
 
 If the supervisor itself is killed, the kernel kills the worker (``PR_SET_PDEATHSIG``, set by the
 worker at start), and the worker's engine processes follow it (:mod:`nnqueue.enginecore.lifetime`).
@@ -46,14 +48,15 @@ class Supervisor:
             self.child.send_signal(signum)
 
     def run(self) -> int:
-        """Run the worker until it exits 0 or the supervisor is told to stop; returns the exit status."""
+        """Run the worker, and again whenever it exits, until the supervisor is told to stop (or the first start
+        exits with :data:`CONFIGURATION_ERROR`); returns the worker's last exit status."""
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self._forward)
         backoff = FIRST_BACKOFF_S
         while True:
             started = time.monotonic()
             code = self._run_once()
-            if self.stopping.is_set() or code in (0, CONFIGURATION_ERROR):
+            if self.stopping.is_set() or (code == CONFIGURATION_ERROR and self.restarts == 0):
                 return code
             if time.monotonic() - started > HEALTHY_AFTER_S:
                 backoff = FIRST_BACKOFF_S

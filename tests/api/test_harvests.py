@@ -309,3 +309,34 @@ def test_a_dry_run_estimates_without_queueing_and_a_limit_refuses_with_the_estim
         assert (
             submit_harvest(limited.http, alice, {**body, "captures": [{"module": "model.layers.0"}]}).status_code == 201
         )
+
+
+def test_a_schedule_naming_another_owners_files_is_refused_at_creation(api: Api) -> None:
+    mallory = api.new_key("mallory", HARVEST)
+    for dataset in ({"prefix": "users/alice/"}, {"path": "users/alice/secret.jsonl"}):
+        body = {"name": "theirs", "cron": "0 3 * * *", "spec": spec(dataset=dataset)}
+        refused = api.http.post("/v1/schedules", headers=mallory, json=body)
+        assert refused.status_code == 403, refused.text
+        assert "is not under your prefix 'users/mallory/'" in refused.json()["detail"]
+    assert api.http.get("/v1/schedules", headers=mallory).json()["schedules"] == []
+    # Files of one's own that do not exist yet are fine: they are read when the schedule fires.
+    mine = {"name": "mine", "cron": "0 3 * * *", "spec": spec(dataset={"prefix": "users/mallory/later/"})}
+    assert api.http.post("/v1/schedules", headers=mallory, json=mine).status_code == 201
+
+
+def test_harvests_in_flight_and_schedules_kept_are_capped_per_key(services: Services) -> None:
+    with api_client(
+        services, worker_stale_after_s=3600, max_harvests_in_flight_per_key=2, max_schedules_per_key=1
+    ) as api:
+        ivan, judy = api.new_key("ivan", HARVEST), api.new_key("judy", HARVEST)
+        for _ in range(2):
+            assert submit_harvest(api.http, ivan, spec()).status_code == 201
+        over = submit_harvest(api.http, ivan, spec())
+        assert over.status_code == 429 and "NNQUEUE_MAX_HARVESTS_IN_FLIGHT_PER_KEY" in over.json()["detail"]
+        assert submit_harvest(api.http, judy, spec()).status_code == 201  # per key
+
+        body = {"name": "nightly", "cron": "0 3 * * *", "spec": spec()}
+        assert api.http.post("/v1/schedules", headers=ivan, json=body).status_code == 201
+        over = api.http.post("/v1/schedules", headers=ivan, json=body)
+        assert over.status_code == 429 and "NNQUEUE_MAX_SCHEDULES_PER_KEY" in over.json()["detail"]
+        assert api.http.post("/v1/schedules", headers=judy, json=body).status_code == 201

@@ -300,6 +300,7 @@ def test_another_owners_job_is_404_everywhere(api: Api, services: Services) -> N
             response = api.http.request(method, f"/v1/jobs/{job_id}{path}", headers=alice)
             assert response.status_code == 404, (method, path)
             assert response.json()["detail"] == f"no job {job_id}"
+        assert api.http.get(f"/ndif/response/{job_id}", headers=alice).json()["detail"] == f"no job {job_id}"
     listed = {job["id"] for job in api.http.get("/v1/jobs?limit=200", headers=alice).json()["jobs"]}
     assert queued not in listed and completed not in listed
     assert services.job(uuid.UUID(queued)).status is S.QUEUED  # alice's cancel did nothing

@@ -13,7 +13,8 @@ from tests.utils.services import Services
 
 def test_models_lists_live_workers_and_drops_one_that_stops_heartbeating(services: Services) -> None:
     stale_after_s = 1.5
-    with api_client(services, worker_stale_after_s=stale_after_s) as api:
+    # No restart grace: a model whose workers went silent is refused at once (the grace: test_restart_grace_...).
+    with api_client(services, worker_stale_after_s=stale_after_s, worker_restart_grace_s=0) as api:
         headers = {"ndif-api-key": create_secret(services.sessions, "alice")}
 
         def models() -> dict[str, tuple[int, int]]:

@@ -62,6 +62,9 @@ def test_an_admin_sees_and_cancels_every_owners_jobs_others_see_their_own(api: A
     only_alice = api.http.get("/v1/jobs", headers=admin, params={"owner": "alice"}).json()["jobs"]
     assert only_alice and {each["owner"] for each in only_alice} == {"alice"}
     assert api.http.get(f"/v1/jobs/{job['id']}", headers=admin).json()["owner"] == "alice"
+    # nnsight's status route too (it answered an admin 404 once); another owner still gets 404.
+    assert api.http.get(f"/ndif/response/{job['id']}", headers=admin).json()["id"] == job["id"]
+    assert api.http.get(f"/ndif/response/{job['id']}", headers=bob).status_code == 404
     cancelled = api.http.post(f"/v1/jobs/{job['id']}/cancel", headers=admin)
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
 

@@ -233,6 +233,9 @@ def test_the_sign_in_cookie_is_safe_and_only_for_the_status_page(
     [cookie] = page.context.cookies()
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict" and cookie["path"] == "/status"
     assert jobs["bob"] not in page.url
+    # The cookie holds a session id, not the key: it is no API key, and it dies with its session.
+    assert jobs["bob"] not in cookie["value"] and cookie["value"] not in jobs["bob"]
+    assert httpx.get(f"{server}/v1/jobs", headers={"Authorization": f"Bearer {cookie['value']}"}).status_code == 401
     policy = page.context.request.get(f"{server}/status").headers["content-security-policy"]
     assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy
     # The JSON API does not take the cookie, and another site cannot post the forms.
@@ -244,9 +247,13 @@ def test_the_sign_in_cookie_is_safe_and_only_for_the_status_page(
     other = httpx.get(f"{server}/status/jobs/{jobs['completed']}/result", cookies=cookies)
     assert other.status_code == 404
 
+    assert httpx.get(f"{server}/status", cookies=cookies).status_code == 200
     page.click("text=Sign out")
     page.wait_for_load_state()
     assert page.url == f"{server}/status/sign-in" and page.context.cookies() == []
+    # Signed out on the server: a copy of the cookie opens nothing any more.
+    copied = httpx.get(f"{server}/status", cookies=cookies)
+    assert copied.status_code == 303 and copied.headers["location"] == "/status/sign-in"
 
 
 def test_a_wrong_key_is_refused_with_a_reason(browser: Any, server: str) -> None:

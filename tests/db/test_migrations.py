@@ -20,6 +20,7 @@ TABLES = {
     "job_events",
     "job_payloads",
     "workers",
+    "status_sessions",
     "harvests",
     "harvest_chunks",
     "harvest_schedules",

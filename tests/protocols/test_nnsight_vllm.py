@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+import websocket
 from nnsight.intervention.backends.remote import AsyncRemoteBackend, RemoteBackend, RemoteError
 
 from nnqueue.client import Client
@@ -168,7 +169,8 @@ def test_a_bad_key_an_unserved_model_and_a_language_model_are_refused_with_reaso
 ) -> None:
     model = client_model
     ndif.API.APIKEY = "nnq_not-a-key"
-    with pytest.raises(RemoteError, match="Failed to send request: unknown API key"):
+    # Refused at the subscription's handshake, before the trace is sent; the client shows the server's reason.
+    with pytest.raises(websocket.WebSocketBadStatusException, match=r"401 Unauthorized.*unknown API key"):
         with model.trace(PROMPT, remote=True, max_tokens=1):
             logits = model.logits.save()
     ndif.API.APIKEY = secret
@@ -271,15 +273,21 @@ def test_a_client_that_leaves_cancels_its_job(
 def test_a_subscription_ends_when_its_models_workers_are_gone(
     ndif: Any, services: Services, worker: WorkerProcess, client: Client, client_model: Any
 ) -> None:
-    # A worker row nobody keeps fresh: the model is live at submit, then its heartbeat goes stale (3 s).
+    # A worker row nobody keeps fresh: the model is served at submit, then its heartbeat goes stale (3 s); an API
+    # that waits 10 s for a restarted worker (NNQUEUE_WORKER_RESTART_GRACE_S) then cancels the job.
+    impatient = ApiServer(Settings(_env_file=None, **{**services.settings.model_dump(), "worker_restart_grace_s": 10}))
     registry.register(services.sessions, registry.new_worker_id(), "ghost-model", "nobody-consumes-this", 1)
     started = time.monotonic()
-    with pytest.raises(RemoteError, match=r"JobCancelled: .* no live worker has served model 'ghost-model'"):
-        with client_model.trace(
-            PROMPT, backend=RemoteBackend("nnsight.modeling.vllm.vllm.VLLM:ghost-model"), max_tokens=1
-        ):
-            logits = client_model.logits.save()
-    assert time.monotonic() - started < 30
+    try:
+        ndif.API.HOST = f"{impatient.url}/ndif"
+        with pytest.raises(RemoteError, match=r"JobCancelled: .* no live worker has served model 'ghost-model'"):
+            with client_model.trace(
+                PROMPT, backend=RemoteBackend("nnsight.modeling.vllm.vllm.VLLM:ghost-model"), max_tokens=1
+            ):
+                logits = client_model.logits.save()
+    finally:
+        impatient.stop()
+    assert time.monotonic() - started < 60
     with services.sessions() as session:
         [job] = session.query(Job).filter(Job.model_key == "ghost-model").all()
         assert job.status is JobStatus.CANCELLED

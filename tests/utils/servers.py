@@ -34,7 +34,7 @@ import redis
 from botocore import UNSIGNED
 from botocore.config import Config
 
-from nnqueue.embedded import ChildProcess, EmbeddedServerError, redis_server_binary
+from nnqueue.embedded import ChildProcess, EmbeddedServerError, redis_server_binary, write_private
 from nnqueue.settings import S3Settings
 
 # The user PostgreSQL runs as when the suite runs as root: initdb and postgres refuse root.
@@ -194,7 +194,9 @@ def _initdb(bin_dir: Path, workdir: Path, user: str | None, password: str) -> No
 @dataclass
 class RedisServer:
     process: ServerProcess
-    url: str
+    url: str  # with the password: redis://:<password>@127.0.0.1:<port>/0
+    password: str
+    port: int
 
     def stop(self) -> None:
         self.process.stop()
@@ -216,15 +218,20 @@ def redis_database_url(redis_url: str) -> str:
     return redis_url.rsplit("/", 1)[0] + f"/{number}"
 
 
-def start_redis(timeout: float = 30, port: int | None = None) -> RedisServer:
-    """A Redis without persistence; on ``port`` when given (a restarted server: empty, at the same URL)."""
+def start_redis(timeout: float = 30, port: int | None = None, password: str | None = None) -> RedisServer:
+    """A Redis without persistence that refuses clients without its password (``requirepass``, in a
+    configuration file only the suite's user reads, so it is not on the command line); on ``port`` with
+    ``password`` when given (a restarted server: empty, at the same URL)."""
     binary = redis_server_binary()
     workdir = _workdir("redis")
     [port] = [port] if port else free_ports(1)
+    password = password or secrets.token_hex(16)
+    config = write_private(workdir / "redis.conf", f"requirepass {password}\n")
     process = ServerProcess(
         "redis",
         [
             str(binary),
+            str(config),
             "--port",
             str(port),
             "--bind",
@@ -240,21 +247,21 @@ def start_redis(timeout: float = 30, port: int | None = None) -> RedisServer:
         ],
         workdir,
     )
-    url = f"redis://127.0.0.1:{port}/0"
+    url = f"redis://:{password}@127.0.0.1:{port}/0"
 
     def ping() -> None:
         with redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=2) as client:
             client.ping()
 
     process.wait_ready(ping, timeout)
-    return RedisServer(process, url)
+    return RedisServer(process, url, password, port)
 
 
 def restart_redis_empty(server: RedisServer) -> RedisServer:
-    """Stop ``server`` and start an empty one on its port, as a Redis without persistence comes back."""
-    port = int(server.url.rsplit(":", 1)[1].split("/")[0])
+    """Stop ``server`` and start an empty one on its port with its password, as a Redis without persistence
+    comes back."""
     server.stop()
-    return start_redis(port=port)
+    return start_redis(port=server.port, password=server.password)
 
 
 # --- S3 (SeaweedFS) -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from sqlalchemy import select
 
 from nnqueue import trace_payload
 from nnqueue.db.lifecycle import InvalidTransition
-from nnqueue.db.models import JobEvent, JobStatus
+from nnqueue.db.models import JobEvent, JobStatus, Worker
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.enqueue import send_job_tokens
@@ -317,3 +317,22 @@ def test_a_job_cancelled_while_running_is_aborted(
     assert services.job(job_id).result_key is None
     # The engine is free again for the next job.
     assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[1], max_tokens=1)))
+
+
+def test_a_remote_control_shutdown_neither_stops_nor_restarts_the_worker(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    """Celery's remote-control ``shutdown``, published on the broker as a trace that reached it would: the
+    worker does not listen (remote control is off), so it neither stops (a warm shutdown, then its supervisor's
+    restart) nor is its registration ended, and the next job runs on it."""
+    before = worker.wait_registered()
+    worker.wait_log(" ready.", timeout=120)  # Celery's consumer is up: a broadcast now reaches a listening worker
+    services.celery.control.broadcast("shutdown")
+    assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[0], max_tokens=1)))
+    time.sleep(3)  # a worker that obeyed logs it at once, and ends its registration as it stops
+    log = worker.log()
+    assert "shutdown from remote" not in log and "starting it again" not in log, log[-3000:]
+    with services.sessions() as session:
+        row = session.get(Worker, before.id)
+        assert row is not None and row.stopped_at is None
+    assert worker.process.poll() is None

@@ -32,6 +32,7 @@ from nnqueue.api.deps import (
     StoreDep,
 )
 from nnqueue.api.downloads import stream_object
+from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import HarvestListResponse, HarvestResponse, ShardFile, ShardList, parse_spec_field
 from nnqueue.db.models import Harvest, HarvestChunk, JobStatus
@@ -143,7 +144,7 @@ def list_harvests(
 
 @router.get("/{harvest_id}", responses=NOT_YOURS)
 def get_harvest(harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep) -> HarvestResponse:
-    return _view(session, _owned(session, harvest_id, caller))
+    return _view(session, owned_or_404(session, Harvest, harvest_id, caller))
 
 
 @router.post("/{harvest_id}/cancel", responses={**NOT_YOURS, 409: {"description": "The harvest has ended."}})
@@ -151,13 +152,13 @@ def cancel(
     harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, sessions: SessionsDep
 ) -> HarvestResponse:
     """Cancel the harvest: queued chunks never run, running ones are aborted by their workers within a heartbeat."""
-    harvest = _owned(session, harvest_id, caller)
+    harvest = owned_or_404(session, Harvest, harvest_id, caller)
     session.commit()
     if not cancel_harvest(sessions, harvest_id):
         raise HTTPException(
             status.HTTP_409_CONFLICT, f"harvest {harvest_id} is {harvest.status.value}; it cannot be cancelled"
         )
-    return _view(session, _owned(session, harvest_id, caller))
+    return _view(session, owned_or_404(session, Harvest, harvest_id, caller))
 
 
 @router.get("/{harvest_id}/manifest", responses={**NOT_YOURS, **NOT_COMPLETED})
@@ -232,15 +233,8 @@ def shard(
     return stream_object(store, key, filename=shard_name(index), what="the shard")
 
 
-def _owned(session: Session, harvest_id: uuid.UUID, caller: Caller) -> Harvest:
-    harvest = session.get(Harvest, harvest_id, populate_existing=True)
-    if harvest is None or not caller.may_see(harvest.owner):
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no harvest {harvest_id}")
-    return harvest
-
-
 def _completed(session: Session, harvest_id: uuid.UUID, caller: Caller) -> Harvest:
-    harvest = _owned(session, harvest_id, caller)
+    harvest = owned_or_404(session, Harvest, harvest_id, caller)
     if harvest.status is not JobStatus.COMPLETED or harvest.manifest_key is None:
         raise HTTPException(
             status.HTTP_409_CONFLICT,

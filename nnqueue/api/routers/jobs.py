@@ -22,7 +22,6 @@ from sqlalchemy.orm import Session
 
 from nnqueue import trace_payload
 from nnqueue.api.deps import (
-    Caller,
     CallerDep,
     ResourcesDep,
     SessionDep,
@@ -33,12 +32,13 @@ from nnqueue.api.deps import (
 )
 from nnqueue.api.downloads import stream_object
 from nnqueue.api.job_body import OPENAPI_BODY, Submission, read_submission
+from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
+from nnqueue.api.refusals import refusals_as_http
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec, parse_spec_field
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
-from nnqueue.scheduler.admission import ModelNotServed, TooManyJobsInFlight
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import accept_job, queue_job
@@ -52,7 +52,10 @@ SUBMIT_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "No live worker serves the model; the detail names the live models."},
     403: {"description": "The key lacks the scope of the job's kind (`trace`)."},
     413: {"description": "The payload is over NNQUEUE_MAX_PAYLOAD_BYTES."},
-    429: {"description": "The key has NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY jobs queued or running."},
+    429: {
+        "description": "The key has NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY jobs queued or running, or its traces crashed"
+        " engines NNQUEUE_ENGINE_CRASH_LIMIT times (a cool-down; Retry-After says how long)."
+    },
     503: {"description": "The broker is unreachable; the job was not queued."},
 }
 
@@ -86,7 +89,7 @@ def submit(
     meta: dict[str, Any] = {"metadata": job_spec.metadata}
     if job_spec.client is not None:
         meta["client"] = job_spec.client.model_dump()
-    try:
+    with refusals_as_http():
         accepted = accept_job(
             session,
             resources.store,
@@ -101,10 +104,6 @@ def submit(
             meta=meta,
             inline_payload_max_bytes=settings.inline_payload_max_bytes,
         )
-    except ModelNotServed as refused:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(refused)) from None
-    except TooManyJobsInFlight as refused:
-        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(refused)) from None
     session.commit()
     queue_job(resources.sessions, resources.celery, accepted.job)
     # Serialized here, in this thread: FastAPI would validate the model again in another thread hop.
@@ -148,13 +147,13 @@ def list_jobs(
 
 @router.get("/{job_id}", responses=NOT_YOURS)
 def get_job(job_id: uuid.UUID, caller: CallerDep, session: SessionDep) -> JobResponse:
-    return _view(session, _owned(session, job_id, caller))
+    return _view(session, owned_or_404(session, Job, job_id, caller))
 
 
 @router.post("/{job_id}/cancel", responses={**NOT_YOURS, 409: {"description": "The job has already ended."}})
 def cancel(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, sessions: SessionsDep) -> JobResponse:
     """Cancel a queued or running job (a running one is aborted by its worker within a heartbeat)."""
-    _owned(session, job_id, caller)
+    owned_or_404(session, Job, job_id, caller)
     try:
         job = cancel_job(sessions, job_id, by=caller.owner)
     except InvalidTransition as refused:
@@ -192,7 +191,7 @@ def download_result(
     ``torch`` is ``torch.save({name: value})``; ``safetensors`` exists when every saved value is a tensor.
     A failed trace job has a result too when its other invokes saved values before the error.
     """
-    return result_response(_owned(session, job_id, caller), format, store, settings, inline=inline)
+    return result_response(owned_or_404(session, Job, job_id, caller), format, store, settings, inline=inline)
 
 
 def result_response(
@@ -229,14 +228,6 @@ def _require_trace(data: bytes) -> None:
             " (RequestModel.serialize: pickle protocol 4, or zstd-compressed)",
             None,
         )
-
-
-def _owned(session: Session, job_id: uuid.UUID, caller: Caller) -> Job:
-    """The caller's job, freshly read; 404 for a job that is missing or another owner's (unless an admin asks)."""
-    job = session.get(Job, job_id, populate_existing=True)
-    if job is None or not caller.may_see(job.owner):
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
-    return job
 
 
 def _view(session: Session, job: Job) -> JobResponse:

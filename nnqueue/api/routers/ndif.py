@@ -5,8 +5,10 @@ What nnsight 0.8.1's ``RemoteBackend`` speaks (see ``shared/docs/nnsight-remote-
 * ``WS /ndif/subscribe``: the first frame is ``{"session_id": ...}``; then the client POSTs its request with
   that id, and gets its job's status updates (nnsight's ``ResponseModel`` as JSON text frames) until
   COMPLETED (``data``: a URL of the result) or ERROR. Every subscription ends in one of them
-  (:func:`nnqueue.api.nnsight_jobs.follow`). Not authenticated: the POST is (a refused handshake would reach
-  the user as an opaque 403), and the session id is the subscription's only handle.
+  (:func:`nnqueue.api.nnsight_jobs.follow`). The handshake carries the key (``ndif-api-key``, which nnsight's
+  client sends whenever ``NDIF_API_KEY`` is set): a missing or unknown key, one without the ``trace`` scope,
+  and a key or server over its limit of open subscriptions (:mod:`nnqueue.api.subscriptions`) are refused
+  with 401, 403 or 429 and a JSON ``detail`` (the client shows it in its ``WebSocketBadStatusException``).
 * ``POST /ndif/request``: multipart, ``data`` (JSON ``RequestModel``: model key, session id, compress, env) and
   ``blob`` (the serialized trace), the key in ``ndif-api-key``. Answers RECEIVED with the job id, or an error
   whose ``detail`` nnsight shows (``RemoteError: Failed to send request: <detail>``).
@@ -25,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import IO, Annotated, Any, cast
 
 from fastapi import APIRouter, File, Form, Header, HTTPException, Request, UploadFile, WebSocket, status
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
 from nnqueue.api import nnsight_protocol as protocol
@@ -38,14 +40,18 @@ from nnqueue.api.deps import (
     SettingsDep,
     StoreDep,
     TraceCallerDep,
+    caller_of,
+    check_scope,
 )
 from nnqueue.api.downloads import STREAM_CHUNK, read_chunks
 from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import payload_too_large
-from nnqueue.api.nnsight_jobs import NnsightRequest, SessionTaken, follow, result_url, submit_nnsight
+from nnqueue.api.nnsight_jobs import NnsightRequest, follow, orphan_grace_s, result_url, submit_nnsight
+from nnqueue.api.ownership import owned_or_404
+from nnqueue.api.refusals import refusals_as_http
 from nnqueue.api.routing import ReleasingRoute
+from nnqueue.api.subscriptions import Subscriptions
 from nnqueue.db.models import Job, JobStatus
-from nnqueue.scheduler.admission import ModelNotServed, TooManyJobsInFlight
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.storage.object_store import ObjectNotFound, ObjectReader
 
@@ -80,17 +86,9 @@ def submit_request(
         versions=protocol.client_versions(nnsight_version, python_version),
         protocol="remote",
     )
-    try:
+    with refusals_as_http():
         job_id = protocol.job_id_for_session(session_id) if session_id else None
         job = submit_nnsight(resources, caller, request, job_id)
-    except protocol.PayloadTooLarge as refused:
-        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(refused)) from None
-    except SessionTaken as refused:
-        raise HTTPException(status.HTTP_409_CONFLICT, str(refused)) from None
-    except (protocol.ProtocolError, ModelNotServed) as refused:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(refused)) from None
-    except TooManyJobsInFlight as refused:
-        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(refused)) from None
     return protocol.response(job, status="RECEIVED", description=f"queued for {job.model_key}")
 
 
@@ -109,7 +107,10 @@ def _envelope(data: str) -> dict[str, Any]:
     return {"model_key": raw["model_key"], "session_id": session_id, "compress": compress, "env": env}
 
 
-@router.get("/response/{job_id}", responses={404: {"description": "No such job (yet), or another owner's."}})
+@router.get(
+    "/response/{job_id}",
+    responses={404: {"description": "No such job (yet), or another owner's (unless an admin asks)."}},
+)
 def get_response(
     job_id: uuid.UUID,
     request: Request,
@@ -120,9 +121,7 @@ def get_response(
     store: StoreDep,
 ) -> dict[str, Any]:
     """The job's status as nnsight's ResponseModel; COMPLETED carries the result URL."""
-    job = session.get(Job, job_id, populate_existing=True)
-    if job is None or job.owner != caller.owner:
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
+    job = owned_or_404(session, Job, job_id, caller)
     if job.status is JobStatus.COMPLETED:
         url = result_url(str(request.base_url), store, sessions, settings, job)
         return protocol.response(job, data=url)
@@ -173,8 +172,32 @@ def _compressed(reader: ObjectReader, size: int) -> Iterator[bytes]:
 
 @router.websocket("/subscribe")
 async def subscribe(websocket: WebSocket) -> None:
-    """Hand out a session id, then stream the status of the job POSTed with it until it ends."""
+    """Check the key, hand out a session id, then stream the status of the job POSTed with it until it ends."""
     resources: Resources = websocket.app.state.resources
+    try:
+        caller = await caller_of(resources, websocket.headers.get("ndif-api-key"))
+        check_scope(caller, "trace")
+    except HTTPException as refused:
+        await _deny(websocket, refused.status_code, str(refused.detail))
+        return
+    subscriptions: Subscriptions = websocket.app.state.subscriptions
+    with subscriptions.hold(caller.key_id) as refusal:
+        if refusal is not None:
+            await _deny(websocket, status.HTTP_429_TOO_MANY_REQUESTS, refusal)
+            return
+        await _subscribed(websocket, resources)
+
+
+async def _deny(websocket: WebSocket, status_code: int, detail: str) -> None:
+    """Refuse the handshake with ``status_code`` and ``{"detail": ...}`` (a plain 403 where the server cannot
+    send a response to a websocket handshake)."""
+    try:
+        await websocket.send_denial_response(JSONResponse({"detail": detail}, status_code=status_code))
+    except RuntimeError:
+        await websocket.close(status.WS_1008_POLICY_VIOLATION, detail[:120])
+
+
+async def _subscribed(websocket: WebSocket, resources: Resources) -> None:
     watcher: JobWatcher = websocket.app.state.job_watcher
     await websocket.accept()
     session_id = protocol.new_session_id()
@@ -214,7 +237,7 @@ async def _stream(
         watcher,
         resources.sessions,
         job_id,
-        orphan_grace_s=settings.worker_stale_after_s,
+        orphan_grace_s=orphan_grace_s(settings),
         left=left,
         arrival_timeout_s=ARRIVAL_TIMEOUT_S,
     )

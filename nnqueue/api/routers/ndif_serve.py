@@ -27,11 +27,11 @@ from nnqueue.api.deps import ResourcesDep, SessionDep, SettingsDep, TraceCallerD
 from nnqueue.api.downloads import read_chunks
 from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import payload_too_large
-from nnqueue.api.nnsight_jobs import NnsightRequest, follow, submit_nnsight
+from nnqueue.api.nnsight_jobs import NnsightRequest, follow, orphan_grace_s, submit_nnsight
+from nnqueue.api.refusals import refusals_as_http
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.serve_reply import UnexpectedResult, serve_reply
 from nnqueue.db.models import ENDED, EngineKind
-from nnqueue.scheduler.admission import ModelNotServed, TooManyJobsInFlight
 from nnqueue.scheduler.registry import live_engines
 
 router = APIRouter(prefix="/ndif/serve", tags=["nnsight serve"], route_class=ReleasingRoute)
@@ -74,19 +74,13 @@ async def generate(
         versions=protocol.client_versions(nnsight_version, None),
         protocol="serve",
     )
-    try:
+    with refusals_as_http():
         job = await run_in_threadpool(submit_nnsight, resources, caller, nnsight_request)
-    except protocol.PayloadTooLarge as refused:
-        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(refused)) from None
-    except (protocol.ProtocolError, ModelNotServed) as refused:
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(refused)) from None
-    except TooManyJobsInFlight as refused:
-        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(refused)) from None
 
     watcher: JobWatcher = request.app.state.job_watcher
     ended = None
     updates = follow(
-        watcher, resources.sessions, job.id, orphan_grace_s=settings.worker_stale_after_s, left=request.is_disconnected
+        watcher, resources.sessions, job.id, orphan_grace_s=orphan_grace_s(settings), left=request.is_disconnected
     )
     async for seen in updates:
         if seen is not None and seen.job.status in ENDED:

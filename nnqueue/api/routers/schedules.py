@@ -3,7 +3,7 @@
 Create, list, show, pause, resume and delete; each caller sees only their own schedules (404 otherwise)
 unless the key has the ``admin`` scope; creating one needs the ``harvest`` scope (a default key's), the other routes ``harvest`` or ``admin``.
 The spec is checked as a harvest's would be when it fires, not now (its files may not exist yet); a bad
-cron expression is a 422 at once. Each change is one transaction on the request's session.
+cron expression is a 422 at once, a dataset outside the caller's prefix a 403, a key over its schedules 429. Each change is one transaction on the request's session.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from fastapi import APIRouter, HTTPException, Query, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nnqueue.api.deps import Caller, HarvestCallerDep, HarvestReaderDep, SessionDep
+from nnqueue.api.deps import Caller, HarvestCallerDep, HarvestReaderDep, SessionDep, SettingsDep
+from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import ScheduleCreate, ScheduleListResponse, ScheduleResponse
 from nnqueue.db.models import HarvestSchedule
@@ -26,10 +27,20 @@ NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such sche
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create(body: ScheduleCreate, caller: HarvestCallerDep, session: SessionDep) -> ScheduleResponse:
+def create(
+    body: ScheduleCreate, caller: HarvestCallerDep, session: SessionDep, settings: SettingsDep
+) -> ScheduleResponse:
+    """Create a schedule: 422 for a bad cron expression, 403 for a dataset outside the caller's prefix, 429 over
+    NNQUEUE_MAX_SCHEDULES_PER_KEY."""
     try:
         schedule = create_schedule(
-            session, owner=caller.owner, api_key_id=caller.key_id, name=body.name, cron=body.cron, spec=body.spec
+            session,
+            owner=caller.owner,
+            api_key_id=caller.key_id,
+            name=body.name,
+            cron=body.cron,
+            spec=body.spec,
+            max_per_key=settings.max_schedules_per_key,
         )
     except HarvestRejected as rejected:
         raise HTTPException(rejected.status, rejected.reason) from None
@@ -56,7 +67,7 @@ def list_schedules(
 
 @router.get("/{schedule_id}", responses=NOT_YOURS)
 def get_schedule(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> ScheduleResponse:
-    return ScheduleResponse.of(_owned(session, schedule_id, caller))
+    return ScheduleResponse.of(owned_or_404(session, HarvestSchedule, schedule_id, caller))
 
 
 @router.post("/{schedule_id}/pause", responses=NOT_YOURS)
@@ -72,20 +83,13 @@ def resume(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> S
 @router.delete("/{schedule_id}", status_code=status.HTTP_204_NO_CONTENT, responses=NOT_YOURS)
 def delete(schedule_id: int, caller: HarvestReaderDep, session: SessionDep) -> None:
     """Delete the schedule; harvests it already started go on."""
-    session.delete(_owned(session, schedule_id, caller, for_update=True))
+    session.delete(owned_or_404(session, HarvestSchedule, schedule_id, caller, for_update=True))
     session.commit()
 
 
 def _set_paused(session: Session, schedule_id: int, caller: Caller, paused: bool) -> ScheduleResponse:
-    schedule = _owned(session, schedule_id, caller, for_update=True)
+    schedule = owned_or_404(session, HarvestSchedule, schedule_id, caller, for_update=True)
     set_paused(session, schedule, paused)
     response = ScheduleResponse.of(schedule)
     session.commit()
     return response
-
-
-def _owned(session: Session, schedule_id: int, caller: Caller, for_update: bool = False) -> HarvestSchedule:
-    schedule = session.get(HarvestSchedule, schedule_id, populate_existing=True, with_for_update=for_update)
-    if schedule is None or not caller.may_see(schedule.owner):
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no schedule {schedule_id}")
-    return schedule

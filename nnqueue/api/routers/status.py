@@ -1,11 +1,12 @@
 """``/status``: a server-rendered status page for browsers (Jinja2, no JavaScript at all).
 
-Signing in: the viewer pastes an API key into a form; the key goes into a cookie that is ``HttpOnly`` (no
-script can read it), ``SameSite=Strict`` (no other site's page can make the browser send it), ``Secure``
-when the page was served over HTTPS, and scoped to ``Path=/status`` (the JSON API under ``/v1`` never
-accepts it, so it cannot be used to submit or cancel). It lasts ``NNQUEUE_STATUS_SESSION_S``; the key is
-checked again on every request, so revoking it ends the session. Keys never appear in URLs (which end up in
-logs and browser history). POSTs must come from this page (their ``Origin``, when sent, must be this host),
+Signing in: the viewer pastes an API key into a form; the server opens a session (a ``status_sessions`` row:
+the sha256 of a random session id, the key, when it ends) and the cookie holds the session id, never the key.
+The cookie is ``HttpOnly`` (no script can read it), ``SameSite=Strict`` (no other site's page can make the
+browser send it), ``Secure`` when the page was served over HTTPS, and scoped to ``Path=/status`` (the JSON API
+under ``/v1`` never accepts it, so it cannot be used to submit or cancel). A session lasts
+``NNQUEUE_STATUS_SESSION_S``; signing out deletes it on the server, and the key is checked again on every
+request, so revoking it ends its sessions. Keys never appear in URLs (which end up in logs and browser history). POSTs must come from this page (their ``Origin``, when sent, must be this host),
 and every page forbids framing and scripts through its Content-Security-Policy.
 
 Result downloads go through ``/status/jobs/<id>/result``, authenticated by the same cookie.
@@ -13,8 +14,9 @@ Result downloads go through ``/status/jobs/<id>/result``, authenticated by the s
 
 from __future__ import annotations
 
+import secrets
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
@@ -22,14 +24,16 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter, Form, HTTPException, Query, Request, status
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from nnqueue.api.auth import AuthenticationFailed, authenticate
+from nnqueue.api.auth import AuthenticationFailed, authenticate, hash_secret
 from nnqueue.api.deps import SessionDep, SettingsDep, StoreDep
+from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.routers.jobs import result_response
 from nnqueue.api.routing import ReleasingRoute
-from nnqueue.api.status_view import ADMIN_SCOPE, Viewer, status_view, visible
-from nnqueue.db.models import Job, JobStatus
+from nnqueue.api.status_view import ADMIN_SCOPE, Viewer, status_view
+from nnqueue.db.models import ApiKey, Job, JobStatus, StatusSession, utcnow
 
 router = APIRouter(prefix="/status", include_in_schema=False, route_class=ReleasingRoute)
 COOKIE = "nnqueue_status"
@@ -72,14 +76,30 @@ templates.env.filters.update(age=_age, since=_since, size=_size)
 
 
 def _viewer(request: Request, session: Session) -> Viewer | None:
-    secret = request.cookies.get(COOKIE)
-    if not secret:
+    """The signed-in viewer: the live key of the cookie's session, if the session has not ended."""
+    session_id = request.cookies.get(COOKIE)
+    if not session_id:
         return None
-    try:
-        key = authenticate(session, secret)
-    except AuthenticationFailed:
+    key = session.scalar(
+        select(ApiKey)
+        .join(StatusSession, StatusSession.api_key_id == ApiKey.id)
+        .where(StatusSession.id_hash == hash_secret(session_id), StatusSession.expires_at > utcnow())
+        .where(ApiKey.revoked_at.is_(None))
+    )
+    if key is None:
         return None
     return Viewer(owner=key.owner, key_prefix=key.key_prefix, is_admin=ADMIN_SCOPE in (key.scopes or []))
+
+
+def _open_session(session: Session, key: ApiKey, lifetime_s: int) -> str:
+    """A new session of ``key`` for ``lifetime_s``, and its id (only its hash is stored); ended ones are deleted."""
+    now = utcnow()
+    session.execute(delete(StatusSession).where(StatusSession.expires_at <= now))
+    session_id = secrets.token_urlsafe(32)
+    expires = now + timedelta(seconds=lifetime_s)
+    session.add(StatusSession(id_hash=hash_secret(session_id), api_key_id=key.id, created_at=now, expires_at=expires))
+    session.commit()
+    return session_id
 
 
 def _page(request: Request, template: str, status_code: int = 200, **context: object) -> HTMLResponse:
@@ -124,13 +144,13 @@ def sign_in(
 ) -> Response:
     _same_origin(request)
     try:
-        authenticate(session, key.strip())
+        api_key = authenticate(session, key.strip())
     except AuthenticationFailed as failure:
         return _page(request, "sign_in.html", status.HTTP_401_UNAUTHORIZED, error=str(failure))
     response = RedirectResponse("/status", status_code=status.HTTP_303_SEE_OTHER)
     response.set_cookie(
         COOKIE,
-        key.strip(),
+        _open_session(session, api_key, settings.status_session_s),
         max_age=settings.status_session_s,
         path="/status",
         secure=request.url.scheme == "https",
@@ -141,8 +161,12 @@ def sign_in(
 
 
 @router.post("/sign-out")
-def sign_out(request: Request) -> Response:
+def sign_out(request: Request, session: SessionDep) -> Response:
+    """End the session on the server (its cookie, if kept or copied, opens nothing) and drop the cookie."""
     _same_origin(request)
+    if session_id := request.cookies.get(COOKIE):
+        session.execute(delete(StatusSession).where(StatusSession.id_hash == hash_secret(session_id)))
+        session.commit()
     response = _to_sign_in()
     response.delete_cookie(COOKIE, path="/status", httponly=True, samesite="strict")
     return response
@@ -161,7 +185,4 @@ def download(
     viewer = _viewer(request, session)
     if viewer is None:
         return _to_sign_in()
-    job = session.get(Job, job_id)
-    if job is None or not visible(job, viewer):
-        raise HTTPException(status.HTTP_404_NOT_FOUND, f"no job {job_id}")
-    return result_response(job, format, store, settings)
+    return result_response(owned_or_404(session, Job, job_id, viewer), format, store, settings)

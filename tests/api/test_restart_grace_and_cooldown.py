@@ -1,0 +1,96 @@
+"""Admission while a worker restarts, and the crash cool-down (nnqueue.scheduler.admission, crash_cooldown).
+
+A model whose last worker stopped less than NNQUEUE_WORKER_RESTART_GRACE_S ago still takes jobs (they queue for
+the restarted worker), where it used to answer 400; an API key whose traces crashed engines
+NNQUEUE_ENGINE_CRASH_LIMIT times within the window gets 429 with Retry-After for its new traces. The workers
+here are real registry rows; the crashed jobs are rows ended as a worker ends them (nnqueue.workers.engine_health),
+and tests/workers/test_engine_crash.py does both with a real engine crash.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from datetime import timedelta
+
+from sqlalchemy import update
+
+from nnqueue.db.models import Job, JobStatus, Worker, utcnow
+from nnqueue.db.session import transaction
+from nnqueue.scheduler import registry
+from tests.utils.api import api_client, register_worker
+from tests.utils.services import Services
+
+
+def stopped_worker(services: Services, model_key: str, ago_s: float) -> None:
+    """A worker of ``model_key`` that stopped ``ago_s`` seconds ago (its last heartbeat then too)."""
+    worker_id = register_worker(services.sessions, model_key)
+    registry.mark_stopped(services.sessions, worker_id)
+    moment = utcnow() - timedelta(seconds=ago_s)
+    with transaction(services.sessions) as session:
+        session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=moment, stopped_at=moment))
+
+
+def test_a_model_whose_worker_is_restarting_takes_jobs_and_queues_them(services: Services) -> None:
+    stopped_worker(services, "restarting", ago_s=20)
+    stopped_worker(services, "gone-for-good", ago_s=3600)
+    with api_client(services, worker_stale_after_s=3, worker_restart_grace_s=120) as api:
+        headers = api.new_key("alice")
+        accepted = api.submit(headers, model_key="restarting")
+        assert accepted.status_code == 201, accepted.text
+        assert services.job(uuid.UUID(accepted.json()["id"])).status is JobStatus.QUEUED
+        refused = api.submit(headers, model_key="gone-for-good")
+        assert refused.status_code == 400 and "no live worker serves model 'gone-for-good'" in refused.json()["detail"]
+    with api_client(services, worker_stale_after_s=3, worker_restart_grace_s=0) as api:
+        refused = api.submit(api.new_key("alice"), model_key="restarting")
+        assert refused.status_code == 400, "with no grace, a model without a live worker is refused"
+
+
+# The API takes a key it found clear of crashes for clear this long (CrashCooldowns.max_age_s), and more.
+CLEAR_FOR_S = 1.1
+
+
+def crash(services: Services, job_id: str, ago_s: float = 0.0) -> None:
+    """End the job as a worker ends the one whose trace crashed its engine."""
+    with transaction(services.sessions) as session:
+        session.execute(
+            update(Job)
+            .where(Job.id == uuid.UUID(job_id))
+            .values(
+                status=JobStatus.FAILED,
+                error_type="EngineCrash",
+                error_message="this job's trace crashed the engine, alone in the step that failed: ...",
+                finished_at=utcnow() - timedelta(seconds=ago_s),
+            )
+        )
+
+
+def test_a_key_whose_traces_crash_engines_cools_down_with_429(services: Services) -> None:
+    register_worker(services.sessions, "crashy")
+    limits = {"engine_crash_limit": 2, "engine_crash_window_s": 600, "engine_crash_cooldown_s": 300}
+    with api_client(services, worker_stale_after_s=3600, **limits) as api:
+        mallory, alice = api.new_key("mallory"), api.new_key("alice")
+        first = api.submit_ok(mallory, model_key="crashy")["id"]
+        crash(services, first)
+        second = api.submit_ok(mallory, model_key="crashy")["id"]  # one crash is not enough
+        crash(services, second)
+        time.sleep(CLEAR_FOR_S)
+
+        refused = api.submit(mallory, model_key="crashy")
+        assert refused.status_code == 429, refused.text
+        assert "crashed the engine 2 times within 600 s" in refused.json()["detail"]
+        assert 290 <= int(refused.headers["Retry-After"]) <= 300
+        assert api.submit(mallory, model_key="crashy").status_code == 429  # remembered, still refused
+        assert api.submit(alice, model_key="crashy").status_code == 201  # other keys are not concerned
+
+        # Crashes further apart than the window do not count; nor does a cool-down that has passed.
+        spread = api.new_key("mallory")
+        for ago in (0, 700):
+            crash(services, api.submit_ok(spread, model_key="crashy")["id"], ago_s=ago)
+        time.sleep(CLEAR_FOR_S)
+        assert api.submit(spread, model_key="crashy").status_code == 201
+        cooled = api.new_key("mallory")
+        for ago in (400, 350):
+            crash(services, api.submit_ok(cooled, model_key="crashy")["id"], ago_s=ago)
+        time.sleep(CLEAR_FOR_S)
+        assert api.submit(cooled, model_key="crashy").status_code == 201

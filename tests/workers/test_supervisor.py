@@ -1,0 +1,64 @@
+"""The supervisor starts the worker again after any exit it did not ask for, exit 0 included
+(nnqueue.workers.supervisor): a worker told to exit by someone else (a remote-control ``shutdown`` a trace
+published) comes back. A worker whose first start exits 2 was misconfigured, and is not restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout whose nnqueue the supervisor runs
+SUPERVISE = "import sys; from nnqueue.workers.supervisor import Supervisor; sys.exit(Supervisor(sys.argv[1:]).run())"
+
+
+def supervise(child: str, runs: Path) -> subprocess.Popen[bytes]:
+    """A supervisor (its own process) running ``python -c child``; each start of the child adds a line to ``runs``."""
+    script = f"open({str(runs)!r}, 'a').write('run\\n'); {child}"
+    return subprocess.Popen(
+        [sys.executable, "-c", SUPERVISE, sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
+    )
+
+
+def started(runs: Path) -> int:
+    return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+
+def test_a_worker_that_exits_0_is_started_again(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    supervisor = supervise("raise SystemExit(0)", runs)
+    try:
+        deadline = time.monotonic() + 30
+        while started(runs) < 2:
+            assert supervisor.poll() is None, f"the supervisor exited {supervisor.returncode} after one exit 0"
+            assert time.monotonic() < deadline, "the worker was not started again"
+            time.sleep(0.1)
+    finally:
+        if supervisor.poll() is None:
+            os.killpg(supervisor.pid, signal.SIGTERM)
+            supervisor.wait(timeout=30)
+
+
+def test_a_worker_told_to_stop_by_the_supervisor_is_not_started_again(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    supervisor = supervise("import time; time.sleep(60)", runs)
+    deadline = time.monotonic() + 30
+    while started(runs) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    supervisor.send_signal(signal.SIGTERM)
+    supervisor.wait(timeout=30)
+    time.sleep(1.5)  # longer than the first backoff
+    assert started(runs) == 1
+
+
+def test_a_first_start_that_exits_2_is_final(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    supervisor = supervise("raise SystemExit(2)", runs)
+    assert supervisor.wait(timeout=30) == 2
+    assert started(runs) == 1
