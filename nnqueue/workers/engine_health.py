@@ -211,14 +211,16 @@ class EngineHealth:
                 job_id, {**meta, "engine_crashes": crashes, "run_alone": True}, "in a step that crashed the engine"
             )
             return
+        # A crash of the host's set-up is not held against the job's key (the crash cool-down counts EngineCrash).
+        kind = "EngineHostError" if report is not None and report.cause == "host" else "EngineCrash"
         with transaction(self.sessions) as session:
             transition(
                 session,
                 job_id,
                 JobStatus.FAILED,
-                detail={"error": "EngineCrash"},
+                detail={"error": kind},
                 held_by=self.worker_id,
-                error_type="EngineCrash",
+                error_type=kind,
                 error_message=why,
                 error_traceback=report.error if report else "",
                 meta={**meta, "engine_crashes": crashes},

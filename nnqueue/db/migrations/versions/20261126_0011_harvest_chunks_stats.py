@@ -1,7 +1,7 @@
 """harvest chunk statistics
 
 Revision ID: 0011
-Revises: 0008
+Revises: 0010
 Create Date: 2026-11-26 14:00:00.000000
 
 Each completed chunk keeps its shard's per-capture statistics (sums, a norm histogram, NaN/Inf counts), which
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0011"
-down_revision: str | None = "0008"
+down_revision: str | None = "0010"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
