@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     # A model still accepts jobs (they queue) this long after its last live worker stopped or went silent: long
     # enough for the supervisor to restart a crashed worker and its engine to load. 0: refuse at once (400).
     worker_restart_grace_s: float = Field(300.0, ge=0)
+    # Model keys whose vLLM workers an autoscaler starts on demand (KEDA, deploy/kubernetes): their jobs are
+    # accepted and queued even while no worker runs (JSON list). Harvests still need a live worker.
+    scale_to_zero_models: list[str] = Field(default_factory=list)
     # A job's run-time limit when its submission names none.
     default_job_timeout_s: float = Field(600.0, gt=0)
     # How long a SIGTERMed worker lets its running jobs and harvest chunks finish before it hands them back to
@@ -135,14 +138,17 @@ class Settings(BaseSettings):
     # for its new traces until the cool-down has passed since the last crash (each crash costs every user of
     # the model a worker restart).
     engine_crash_limit: int = Field(3, ge=1)
+    # The window in which NNQUEUE_ENGINE_CRASH_LIMIT crashes by one key start its cool-down.
     engine_crash_window_s: float = Field(3600.0, gt=0)
+    # How long, after its last crash, a key in cool-down gets 429 for its new traces.
     engine_crash_cooldown_s: float = Field(1800.0, ge=0)
-    # nnsight's /ndif/subscribe websockets one API key may hold open at once, and all keys together, per API
-    # process (more are refused with 429).
+    # nnsight's /ndif/subscribe websockets one API key may hold open at once, per API process (more: 429).
     ndif_subscriptions_per_key: int = Field(64, ge=1)
+    # nnsight's /ndif/subscribe websockets all keys together may hold open at once, per API process (more: 429).
     ndif_subscriptions_max: int = Field(1000, ge=1)
-    # Harvests one API key may have queued or running at once, and schedules it may keep (more get 429).
+    # Harvests one API key may have queued or running at once (more get 429).
     max_harvests_in_flight_per_key: int = Field(16, ge=1)
+    # Schedules one API key may keep (more get 429).
     max_schedules_per_key: int = Field(32, ge=1)
     # How long the presigned result URLs that the API redirects to stay valid (SigV4 allows up to 7 days).
     result_url_expiry_s: int = Field(3600, ge=1, le=7 * 24 * 3600)

@@ -37,7 +37,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     resources = _resources(settings)
     log_store(settings, log)
 
-    watcher = JobWatcher(resources.sessions, settings.worker_stale_after_s)
+    watcher = JobWatcher(resources.sessions, settings.worker_stale_after_s, always=settings.scale_to_zero_models)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

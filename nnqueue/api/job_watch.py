@@ -14,7 +14,7 @@ import contextlib
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -38,8 +38,12 @@ class Seen:
 
 
 class JobWatcher:
-    def __init__(self, sessions: sessionmaker[Session], stale_after_s: float, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self, sessions: sessionmaker[Session], stale_after_s: float, poll_s: float = POLL_S, always: Iterable[str] = ()
+    ) -> None:
+        """``always``: models served whether or not a worker runs (scaled to zero): their jobs are never orphans."""
         self.sessions, self.stale_after_s, self.poll_s = sessions, stale_after_s, poll_s
+        self.always = tuple(always)
         self._watched: Counter[uuid.UUID] = Counter()
         self._seen: dict[uuid.UUID, Seen] = {}
         self._tick = asyncio.Event()
@@ -92,5 +96,5 @@ class JobWatcher:
             if not jobs:
                 return {}
             positions = queue_positions(session, jobs)
-            live = LiveModels(self.stale_after_s, max_age_s=0).read(session)  # live now, no grace
+            live = LiveModels(self.stale_after_s, max_age_s=0, always=self.always).read(session)  # no grace
         return {job.id: Seen(job, positions.get(job.id), job.model_key in live) for job in jobs}

@@ -66,21 +66,25 @@ class AdmissionPolicy:
     restart_grace_s: float = 0.0
     # Keys whose traces crashed engines too often submit no traces for a while; None: no cool-down.
     crash_cooldowns: CrashCooldowns | None = None
+    # Models served by a vLLM engine whether or not a worker runs (an autoscaler starts them on demand).
+    scale_to_zero_models: tuple[str, ...] = ()
 
     @classmethod
     def from_settings(cls, settings: Settings, *, remember_live_models: bool = False) -> AdmissionPolicy:
-        grace = settings.worker_restart_grace_s
-        live = LiveModels(settings.worker_stale_after_s, grace_s=grace) if remember_live_models else None
+        grace, always = settings.worker_restart_grace_s, tuple(settings.scale_to_zero_models)
+        live = LiveModels(settings.worker_stale_after_s, grace_s=grace, always=always) if remember_live_models else None
         cooldowns = CrashCooldowns(
             settings.engine_crash_limit, settings.engine_crash_window_s, settings.engine_crash_cooldown_s
         )
-        return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key, live, grace, cooldowns)
+        return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key, live, grace, cooldowns, always)
 
 
 def require_served(session: Session, policy: AdmissionPolicy, model_key: str, engine: EngineKind | None = None) -> None:
     """Return if some worker serves ``model_key`` (live, or within the restart grace) with an ``engine`` (any
     when None), else raise :class:`ModelNotServed` naming the served models, or :class:`EngineNotServed`."""
-    live = policy.live_models or LiveModels(policy.stale_after_s, max_age_s=0, grace_s=policy.restart_grace_s)
+    live = policy.live_models or LiveModels(
+        policy.stale_after_s, max_age_s=0, grace_s=policy.restart_grace_s, always=policy.scale_to_zero_models
+    )
     engines = live.engines(session, model_key)
     if not engines:
         served = ", ".join(repr(key) for key in sorted(live.read(session))) or "none"

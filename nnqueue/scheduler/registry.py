@@ -20,6 +20,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -164,8 +165,12 @@ class LiveModels:
     longer (its jobs then wait in the queue, as any job does whose workers die after it was accepted).
     """
 
-    def __init__(self, stale_after_s: float, max_age_s: float = 1.0, grace_s: float = 0.0) -> None:
+    def __init__(
+        self, stale_after_s: float, max_age_s: float = 1.0, grace_s: float = 0.0, always: Iterable[str] = ()
+    ) -> None:
+        """``always``: models taken for served by a vLLM engine with or without a worker (scaled to zero)."""
         self.stale_after_s, self.max_age_s, self.grace_s = stale_after_s, max_age_s, grace_s
+        self.always = frozenset(always)
         self._engines: dict[str, frozenset[str]] = {}
         self._read_at = -math.inf
 
@@ -181,6 +186,9 @@ class LiveModels:
     def read(self, session: Session) -> dict[str, frozenset[str]]:
         """The served models now and their engines, remembered for the next ``max_age_s``."""
         read_at = time.monotonic()
-        self._engines = served_engines(session, self.stale_after_s, self.grace_s)
+        engines = served_engines(session, self.stale_after_s, self.grace_s)
+        for model_key in self.always:
+            engines[model_key] = engines.get(model_key, frozenset()) | {EngineKind.VLLM.value}
+        self._engines = engines
         self._read_at = read_at
         return self._engines

@@ -46,6 +46,19 @@ def test_a_model_whose_worker_is_restarting_takes_jobs_and_queues_them(services:
         assert refused.status_code == 400, "with no grace, a model without a live worker is refused"
 
 
+def test_a_model_scaled_to_zero_takes_jobs_with_no_worker_at_all(services: Services) -> None:
+    """KEDA starts a scaled-to-zero model's workers when its queue grows: the job must be accepted and wait."""
+    with api_client(
+        services, worker_stale_after_s=3, worker_restart_grace_s=0, scale_to_zero_models=["autoscaled"]
+    ) as api:
+        headers = api.new_key("alice")
+        accepted = api.submit(headers, model_key="autoscaled")
+        assert accepted.status_code == 201, accepted.text
+        assert services.job(uuid.UUID(accepted.json()["id"])).status is JobStatus.QUEUED
+        refused = api.submit(headers, model_key="not-autoscaled")
+        assert refused.status_code == 400 and "live models: 'autoscaled'" in refused.json()["detail"]
+
+
 # The API takes a key it found clear of crashes for clear this long (CrashCooldowns.max_age_s), and more.
 CLEAR_FOR_S = 1.1
 
