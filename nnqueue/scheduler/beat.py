@@ -34,7 +34,15 @@ def run_beat(settings: Settings, stop: threading.Event | None = None) -> None:
     try:
         while not stop.is_set():
             try:
-                fire_due(sessions, store, app, limits=Limits.of(settings), stale_after_s=settings.worker_stale_after_s)
+                fire_due(
+                    sessions,
+                    store,
+                    app,
+                    limits=Limits.of(settings),
+                    stale_after_s=settings.worker_stale_after_s,
+                    restart_grace_s=settings.worker_restart_grace_s,
+                    scale_to_zero_models=tuple(settings.scale_to_zero_models),
+                )
             except Exception:  # a database or broker blip: try again at the next tick
                 log.exception("beat: firing schedules failed")
             stop.wait(settings.beat_interval_s)

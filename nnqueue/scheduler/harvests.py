@@ -12,6 +12,7 @@ with the HTTP status and the reason. The API accepts a harvest in its request's 
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -54,12 +55,16 @@ class Submission:
     upload: Upload | None = None
     schedule_id: int | None = None
     max_output_bytes: int | None = None  # NNQUEUE_HARVEST_MAX_OUTPUT_BYTES
+    # A model still takes harvests this long after its last live worker (NNQUEUE_WORKER_RESTART_GRACE_S), and
+    # these models whenever a worker of theirs ever published capture points (NNQUEUE_SCALE_TO_ZERO_MODELS).
+    restart_grace_s: float = 0.0
+    scale_to_zero_models: tuple[str, ...] = ()
 
 
 def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, submission: Submission) -> Harvest:
     """Check the spec, store its dataset frozen, and add the QUEUED harvest and its chunks to the caller's
     transaction; raises :class:`HarvestRejected`. The caller commits, then calls :func:`queue_harvest`."""
-    points = check_captures(session, spec, submission.stale_after_s)
+    points = check_captures(session, spec, submission)
     _refuse_if_full(session, submission)
     harvest_id = uuid.uuid4()
     if submission.upload is not None:
@@ -122,7 +127,7 @@ def estimate_harvest(
 ) -> HarvestEstimate:
     """What accepting ``spec`` would harvest (:mod:`nnqueue.scheduler.harvest_estimate`), checked as
     :func:`accept_harvest` checks it, with nothing stored or queued; raises :class:`HarvestRejected`."""
-    points = check_captures(session, spec, submission.stale_after_s)
+    points = check_captures(session, spec, submission)
     if submission.upload is None:
         examples = load_examples(store, spec.dataset, submission.owner, submission.limits)
     else:
@@ -166,12 +171,14 @@ def _refuse_if_full(session: Session, submission: Submission) -> None:
         )
 
 
-def check_captures(session: Session, spec: HarvestSpec, stale_after_s: float) -> list[dict[str, Any]]:
-    """Refuse a model no live worker serves (400), one whose workers run no harvests (400), and captures its
-    workers did not publish as capturable (422, naming the capturable modules); returns the capture points."""
-    points = live_capture_points(session, spec.model_key, stale_after_s)
+def check_captures(session: Session, spec: HarvestSpec, submission: Submission) -> list[dict[str, Any]]:
+    """Refuse a model no live worker serves (400; a worker live within the restart grace, or ever for a model
+    scaled to zero, counts), one whose workers run no harvests (400), and captures its workers did not publish
+    as capturable (422, naming the capturable modules); returns the capture points."""
+    grace = math.inf if spec.model_key in submission.scale_to_zero_models else submission.restart_grace_s
+    points = live_capture_points(session, spec.model_key, submission.stale_after_s, grace)
     if points is None:
-        live = sorted({worker.model_key for worker in live_workers(session, stale_after_s)})
+        live = sorted({worker.model_key for worker in live_workers(session, submission.stale_after_s)})
         raise HarvestRejected(
             400, f"no live worker serves model {spec.model_key!r}; live models: {', '.join(live) or 'none'}"
         )

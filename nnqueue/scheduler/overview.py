@@ -1,7 +1,7 @@
 """The load on each model, read from the database: what the metrics endpoint and the status page show.
 
-A model appears when it has a live worker or a queued or running job (a model whose workers all died
-still has a queue worth seeing). Two queries, each one indexed aggregate, whatever the number of jobs.
+A model appears when it has a live worker, or a queued or running job or harvest chunk (a model whose workers
+all died still has a queue worth seeing). Three queries, each one aggregate, whatever the number of jobs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.models import HarvestChunk, Job, JobStatus
 from nnqueue.scheduler.registry import live_workers
 
 
@@ -24,6 +24,8 @@ class ModelLoad:
     oldest_queued_at: datetime | None = None
     workers: int = 0
     capacity: int = 0
+    chunks_queued: int = 0
+    chunks_running: int = 0
 
     def oldest_queued_age_s(self, now: datetime) -> float:
         return 0.0 if self.oldest_queued_at is None else max(0.0, (now - self.oldest_queued_at).total_seconds())
@@ -43,6 +45,17 @@ def model_loads(session: Session, stale_after_s: float) -> list[ModelLoad]:
             load.queued, load.oldest_queued_at = count, oldest
         else:
             load.running = count
+    chunks = session.execute(
+        select(HarvestChunk.model_key, HarvestChunk.status, func.count())
+        .where(HarvestChunk.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))
+        .group_by(HarvestChunk.model_key, HarvestChunk.status)
+    )
+    for model_key, status, count in chunks:
+        load = loads.setdefault(model_key, ModelLoad(model_key))
+        if status is JobStatus.QUEUED:
+            load.chunks_queued = count
+        else:
+            load.chunks_running = count
     for worker in live_workers(session, stale_after_s):
         load = loads.setdefault(worker.model_key, ModelLoad(worker.model_key))
         load.workers += 1

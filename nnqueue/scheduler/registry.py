@@ -99,9 +99,11 @@ def _live(stale_after_s: float) -> Select[Worker]:
 
 def _recent(stale_after_s: float, grace_s: float) -> Select[Worker]:
     """Workers live now, or live less than ``grace_s`` ago (stopped or silent since): their last heartbeat is
-    at most ``stale_after_s + grace_s`` old. With no grace, the live workers."""
+    at most ``stale_after_s + grace_s`` old. With no grace, the live workers; with an infinite one, every worker."""
     if grace_s <= 0:
         return _live(stale_after_s)
+    if math.isinf(grace_s):
+        return select(Worker)
     return select(Worker).where(Worker.heartbeat_at >= utcnow() - timedelta(seconds=stale_after_s + grace_s))
 
 
@@ -146,10 +148,17 @@ def live_engines(session: Session, model_key: str, stale_after_s: float) -> set[
     return set(session.scalars(query))
 
 
-def live_capture_points(session: Session, model_key: str, stale_after_s: float) -> list[dict[str, Any]] | None:
-    """The capture points that ``model_key``'s live workers published (the first that published any; empty when
-    none did, as workers that run no harvests), or None when no live worker serves the model."""
-    query = _live(stale_after_s).where(Worker.model_key == model_key).with_only_columns(Worker.capture_points)
+def live_capture_points(
+    session: Session, model_key: str, stale_after_s: float, grace_s: float = 0.0
+) -> list[dict[str, Any]] | None:
+    """The capture points that ``model_key``'s workers live now or within ``grace_s`` published (the newest that
+    published any; empty when none did, as workers that run no harvests), or None when there is no such worker."""
+    query = (
+        _recent(stale_after_s, grace_s)
+        .where(Worker.model_key == model_key)
+        .order_by(Worker.heartbeat_at.desc())
+        .with_only_columns(Worker.capture_points)
+    )
     published = list(session.scalars(query))
     if not published:
         return None

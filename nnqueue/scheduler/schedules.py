@@ -91,9 +91,12 @@ def fire_due(
     *,
     limits: Limits,
     stale_after_s: float,
+    restart_grace_s: float = 0.0,
+    scale_to_zero_models: tuple[str, ...] = (),
     now: datetime | None = None,
 ) -> list[int]:
-    """Create a harvest for each unpaused schedule that is due; returns the schedules that fired."""
+    """Create a harvest for each unpaused schedule that is due; returns the schedules that fired. The model
+    must be served as for a submission (``Submission``'s ``restart_grace_s`` and ``scale_to_zero_models``)."""
     now = now or utcnow()
     with sessions() as session:
         due = list(
@@ -114,6 +117,8 @@ def fire_due(
                 stale_after_s=stale_after_s,
                 api_key_id=schedule.api_key_id,
                 schedule_id=schedule.id,
+                restart_grace_s=restart_grace_s,
+                scale_to_zero_models=scale_to_zero_models,
             )
             harvest = create_harvest(sessions, store, app, HarvestSpec.model_validate(schedule.spec), submission)
             fields.update(last_harvest_id=harvest.id, last_error=None)

@@ -12,19 +12,22 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from sqlalchemy import update
 
 from nnqueue.db.models import Job, JobStatus, Worker, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.scheduler import registry
-from tests.utils.api import api_client, register_worker
+from tests.utils.api import CAPTURE_POINTS, api_client, register_worker, submit_harvest
 from tests.utils.services import Services
 
 
-def stopped_worker(services: Services, model_key: str, ago_s: float) -> None:
+def stopped_worker(
+    services: Services, model_key: str, ago_s: float, capture_points: list[dict[str, Any]] | None = None
+) -> None:
     """A worker of ``model_key`` that stopped ``ago_s`` seconds ago (its last heartbeat then too)."""
-    worker_id = register_worker(services.sessions, model_key)
+    worker_id = register_worker(services.sessions, model_key, capture_points=capture_points)
     registry.mark_stopped(services.sessions, worker_id)
     moment = utcnow() - timedelta(seconds=ago_s)
     with transaction(services.sessions) as session:
@@ -57,6 +60,27 @@ def test_a_model_scaled_to_zero_takes_jobs_with_no_worker_at_all(services: Servi
         assert services.job(uuid.UUID(accepted.json()["id"])).status is JobStatus.QUEUED
         refused = api.submit(headers, model_key="not-autoscaled")
         assert refused.status_code == 400 and "live models: 'autoscaled'" in refused.json()["detail"]
+
+
+def test_harvests_are_taken_while_a_worker_restarts_and_for_a_model_scaled_to_zero(services: Services) -> None:
+    """Their capture points are what the last worker published (a harvest's captures are checked against them)."""
+    stopped_worker(services, "restarting-h", ago_s=20, capture_points=CAPTURE_POINTS)
+    stopped_worker(services, "autoscaled-h", ago_s=86400, capture_points=CAPTURE_POINTS)
+    stopped_worker(services, "gone-h", ago_s=3600, capture_points=CAPTURE_POINTS)
+
+    def harvest(model_key: str, module: str = "model.layers.0") -> dict[str, Any]:
+        return {"model_key": model_key, "dataset": {"token_ids": [[1, 2, 3]]}, "captures": [{"module": module}]}
+
+    settings = {"worker_stale_after_s": 3, "worker_restart_grace_s": 120, "scale_to_zero_models": ["autoscaled-h"]}
+    with api_client(services, **settings) as api:
+        key = api.new_key("alice", ("harvest",))
+        for model_key in ("restarting-h", "autoscaled-h"):
+            accepted = submit_harvest(api.http, key, harvest(model_key))
+            assert accepted.status_code == 201, accepted.text
+        refused = submit_harvest(api.http, key, harvest("gone-h"))
+        assert refused.status_code == 400 and "no live worker serves model 'gone-h'" in refused.text
+        unknown = submit_harvest(api.http, key, harvest("autoscaled-h", "model.nowhere"))
+        assert unknown.status_code == 422 and "model.nowhere" in unknown.text
 
 
 # The API takes a key it found clear of crashes for clear this long (CrashCooldowns.max_age_s), and more.

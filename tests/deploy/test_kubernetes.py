@@ -8,6 +8,7 @@ are settings nnqueue reads, a worker's GPUs equal its tensor parallelism and its
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
 import subprocess
@@ -192,12 +193,21 @@ def test_each_worker_is_scaled_by_keda_on_its_own_models_queue(rendered: list[di
         key = worker_settings(rendered, target)["NNQUEUE_MODEL_KEY"]
         queries = [trigger["metadata"]["query"] for trigger in obj["spec"]["triggers"]]
         metrics = {name for query in queries for name in re.findall(r"(nnqueue_\w+)\{", query)}
-        assert metrics == {"nnqueue_queue_depth", "nnqueue_jobs_running", "nnqueue_queue_oldest_age_seconds"}
+        assert metrics == {
+            "nnqueue_queue_depth",
+            "nnqueue_jobs_running",
+            "nnqueue_queue_oldest_age_seconds",
+            "nnqueue_harvest_chunks_queued",
+            "nnqueue_harvest_chunks_running",
+        }
         for query in queries:  # every series is the worker's model's
             assert re.findall(r"\{([^}]*)\}", query) and set(re.findall(r"\{([^}]*)\}", query)) == {f'model="{key}"'}
         for trigger in obj["spec"]["triggers"]:
             assert float(trigger["metadata"]["threshold"]) > 0
         assert obj["spec"]["minReplicaCount"] <= obj["spec"]["maxReplicaCount"]
+        if obj["spec"]["minReplicaCount"] == 0:  # the API must queue the model's jobs while no worker runs
+            api = one(rendered, "Deployment", "nnqueue-api")
+            assert key in json.loads(worker_settings(rendered, api)["NNQUEUE_SCALE_TO_ZERO_MODELS"])
 
 
 def test_the_gauges_keda_reads_are_the_ones_the_api_exports() -> None:

@@ -123,6 +123,8 @@ def _submission(caller: Caller, settings: Settings, upload: Upload | None) -> Su
         api_key_id=caller.key_id,
         upload=upload,
         max_output_bytes=settings.harvest_max_output_bytes,
+        restart_grace_s=settings.worker_restart_grace_s,
+        scale_to_zero_models=tuple(settings.scale_to_zero_models),
     )
 
 

@@ -57,6 +57,8 @@ class QueueCollector(Collector):
             ),
             "nnqueue_live_workers": ("Workers with a fresh heartbeat, per model.", lambda load: load.workers),
             "nnqueue_worker_capacity": ("Jobs the live workers run at once, per model.", lambda load: load.capacity),
+            "nnqueue_harvest_chunks_queued": ("Harvest chunks queued, per model.", lambda load: load.chunks_queued),
+            "nnqueue_harvest_chunks_running": ("Harvest chunks running, per model.", lambda load: load.chunks_running),
         }
         for name, (documentation, value) in gauges.items():
             family = GaugeMetricFamily(name, documentation, labels=["model"])
