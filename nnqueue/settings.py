@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     protected_environment: bool = True
     # Modules (and their submodules) allowed beside the built-in list, comma-separated.
     allowed_modules: Annotated[list[str], NoDecode] = []
+    # The engine's network (nnqueue.netns): "isolated" (a namespace of its own, loopback only; needs a root
+    # worker), "host", or "auto" (isolated when the worker is root and the executor is not Ray).
+    engine_network: Literal["auto", "isolated", "host"] = "auto"
 
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"

@@ -39,6 +39,7 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
+from nnqueue import netns
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 
@@ -131,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-kwargs", default="{}")
     parser.add_argument("--stall-timeout-s", type=float, default=60.0)
     args = parser.parse_args(argv)
+    # First, while this process has one thread: no network but its own loopback (nnqueue.netns).
+    netns.isolate_if_asked()
 
     # The protocol owns the original stdout; anything else printed (user code) goes to stderr.
     protocol = os.fdopen(os.dup(1), "wb")
