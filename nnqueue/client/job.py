@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import tempfile
 import time
@@ -22,7 +24,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from nnqueue.client.errors import APIConnectionError, APIError, JobCancelled, JobFailed, WaitTimeout
+from nnqueue.client.errors import APIConnectionError, APIError, IntegrityError, JobCancelled, JobFailed, WaitTimeout
 
 if TYPE_CHECKING:
     import httpx
@@ -188,19 +190,39 @@ class Job:
         return target
 
     def _download_to(self, file: IO[bytes], *, progress: bool, inline: bool | None, bar_from: int = 0) -> int:
-        expected = (self.info.get("result") or {}).get("size")
-        written = 0
+        """Stream the result into ``file``, checked against the size and sha256 the worker recorded (the job's
+        JSON, else the download's ``Digest`` header); raises :class:`IntegrityError` when they differ."""
+        recorded = self.info.get("result") or {}
+        expected, sha256 = recorded.get("size"), recorded.get("sha256")
+        digest, written = hashlib.sha256(), 0
         with self.transport.result_stream(self.id, inline=inline) as response:
+            sha256 = sha256 or digest_header(response.headers.get("digest"))
             total = _content_length(response) or expected
             show = progress and (total is None or total >= bar_from)
             with _download_bar(self.console, f"job {self.id[:8]} result", total, show) as advance:
                 for chunk in response.iter_bytes(CHUNK_SIZE):
                     file.write(chunk)
+                    digest.update(chunk)
                     written += len(chunk)
                     advance(len(chunk))
+        what = f"the result of job {self.id}"
         if expected is not None and written != expected:
-            raise APIError(502, f"result of job {self.id} is {written} bytes, expected {expected}")
+            raise IntegrityError(what, f"{expected} bytes", f"{written} bytes")
+        if sha256 and digest.hexdigest() != sha256:
+            raise IntegrityError(what, f"sha256 {sha256}", f"sha256 {digest.hexdigest()}")
         return written
+
+
+def digest_header(value: str | None) -> str | None:
+    """The hex sha256 in a ``Digest: sha-256=<base64>`` header (RFC 3230), or None."""
+    for item in (value or "").split(","):
+        name, _, encoded = item.strip().partition("=")
+        if name.lower() == "sha-256" and encoded:
+            try:
+                return base64.b64decode(encoded, validate=True).hex()
+            except ValueError:
+                return None
+    return None
 
 
 def _content_length(response: httpx.Response) -> int | None:
