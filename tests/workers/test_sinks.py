@@ -47,7 +47,9 @@ def test_results_are_handed_off_as_files_and_uploaded_by_the_worker_with_their_d
     opened = sinks.open(JOB, 2)
     assert {spec["kind"] for spec in opened.specs.values()} == {"handoff"}
     assert "http" not in repr(opened.specs)  # nothing the engine gets reaches the store
-    sizes = {name: write(opened.specs[name], data) for name, data in (("torch", b"torch bytes"), ("safetensors", b"st"))}
+    sizes = {
+        name: write(opened.specs[name], data) for name, data in (("torch", b"torch bytes"), ("safetensors", b"st"))
+    }
 
     stored = sinks.commit(opened, sizes)
     assert (stored.key, stored.size, stored.format) == (f"results/{JOB}/2/saves.pt", 11, "torch+safetensors")
