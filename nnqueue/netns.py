@@ -162,7 +162,7 @@ def engine_core_isolated(enabled: bool = True) -> Iterator[None]:
         with spawning_isolated():
             return original(process_obj)
 
-    SpawnProcess._Popen = staticmethod(popen)  # type: ignore[method-assign,assignment]
+    SpawnProcess._Popen = staticmethod(popen)  # type: ignore[method-assign]
     try:
         yield
     finally:

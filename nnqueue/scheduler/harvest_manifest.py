@@ -3,7 +3,8 @@
 Written once, by the worker that completes the harvest's last chunk, from the database alone (so two
 workers finishing the last chunks at once write the same bytes): the spec; the model key, the model the
 worker loaded and its revision; the versions of nnqueue, vLLM, nnsight and torch; the frozen dataset's
-key and sha256; and per shard its file, rows, bytes, sha256, tokens and the row offsets of its prompts:
+key and sha256; and per shard its file, rows, bytes and sha256 (of the shard as the worker uploaded it), tokens
+and the row offsets of its prompts:
 global prompt ``first_prompt + i`` has the shard's rows ``row_offsets[i]:row_offsets[i + 1]``.
 """
 
