@@ -58,18 +58,6 @@ class LocalObjectStore(ObjectStore):
         _fsync_dir(path.parent)  # make the rename itself durable
         return size
 
-    def put_file(self, key: str, path: str) -> int:
-        """Move the file into the store (a rename when it is on the store's filesystem)."""
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.chmod(path, FILE_MODE)
-            os.replace(path, target)
-        except OSError:  # another filesystem, or a file we may not chmod: copy it
-            return super().put_file(key, path)
-        _fsync_dir(target.parent)
-        return target.stat().st_size
-
     def open_writer(self, key: str, size_hint: int | None = None) -> ObjectWriter:
         return _FileWriter(key, self._path(key))
 

@@ -16,7 +16,6 @@ Conventions shared by every backend:
 from __future__ import annotations
 
 import hashlib
-import os
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -79,16 +78,6 @@ class ObjectStore(ABC):
         """Store everything read from ``fileobj`` (until EOF) under ``key`` without holding it all in
         memory; returns the size in bytes. ``size_hint``, the expected size if known, lets a backend
         pick its part size."""
-
-    def put_file(self, key: str, path: str) -> int:
-        """Store the file at ``path`` under ``key`` and remove the file; returns the size in bytes.
-
-        For a file another process wrote (an engine's result handed off to the worker). A backend may
-        move it rather than copy it."""
-        with open(path, "rb") as file:
-            size = self.put_stream(key, file, size_hint=os.fstat(file.fileno()).st_size)
-        os.unlink(path)
-        return size
 
     @abstractmethod
     def open_writer(self, key: str, size_hint: int | None = None) -> ObjectWriter:
