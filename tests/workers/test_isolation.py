@@ -169,6 +169,7 @@ def test_a_trace_cannot_reach_the_services_while_its_job_completes(
                 reached[name] = f"{type(error).__name__}: {error}"
         from_builder = nnsight.save(reached)
         with tracer.invoke(PROMPTS[0]):
+            seen_by_builder = from_builder  # a trace-level save reaches the result through an invoke
             import socket
 
             reached = {}
