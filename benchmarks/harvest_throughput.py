@@ -6,7 +6,7 @@ On one dispatched engine with nnqueue's worker class, the same P prompts x L ran
 * (a) raw ``AsyncLLM.generate`` with the harvest's sampling settings, every prompt submitted at once;
 * (h) the harvest path (`nnqueue.engines.harvest_runner.run_chunk`): the prompts in chunks of
   ``--prompts-per-chunk``, ``--chunks`` of them in flight (as a worker's bulk slots run them), each
-  chunk's shard written by the engine to a handoff file (the local store's sink, fsync'd): one layer
+  chunk's shard written by the engine to a handoff file (the engine's side; a worker reads shards from a pipe and uploads them): one layer
   every token, one layer last token, four layers every token.
 
 Each of ``--reps`` rounds runs every variant once, each right after a run of (a); the paired ratio is
@@ -121,7 +121,7 @@ def engine_writable(path: Path) -> None:
 
 
 def sink_write_rate(out_dir: Path, nbytes: int, piece: int = 64 << 20) -> float:
-    """MB/s of the handoff sink (the engine's own write path, fsync'd) writing ``nbytes`` from memory."""
+    """MB/s of the handoff sink (the engine's own write path; not fsync'd) writing ``nbytes`` from memory."""
     from nnqueue.enginecore import sink
 
     block = memoryview(os.urandom(piece))
@@ -232,7 +232,7 @@ def harvest_rows(
     out_dir.mkdir(parents=True)
     report["sink_write_MB_s"] = round(sink_write_rate(out_dir, biggest), 1)
     report["sink_write_bytes"] = biggest
-    print(f"handoff sink alone, {biggest / 1e6:,.1f} MB (fsync'd): {report['sink_write_MB_s']:,.1f} MB/s", flush=True)
+    print(f"handoff sink alone, {biggest / 1e6:,.1f} MB: {report['sink_write_MB_s']:,.1f} MB/s", flush=True)
     shutil.rmtree(out_dir, ignore_errors=True)
     return {"results": results["one layer all-token"], "out_dir": kept_dir, "layer": layer}
 

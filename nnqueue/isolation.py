@@ -26,8 +26,8 @@ A child process that will run users' code calls :func:`enter_sandbox` first thin
         isolation.enter_sandbox()     # scrub, and drop to NNQUEUE_ENGINE_USER when root
         ...                           # now unpickle and run users' payloads
 
-What this does NOT do: it does not restrict the network (run workers on a network that reaches only
-what they need), and a worker run as a non-root user shares that user's files with its engine (its
+The network is :mod:`nnqueue.netns`'s (a root worker's engine processes have only their own loopback).
+What this does NOT do: a worker run as a non-root user shares that user's files with its engine (its
 ``~/.aws``, a readable ``.env``): :func:`env_file_warnings` says so at start-up.
 """
 

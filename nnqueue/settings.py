@@ -117,6 +117,9 @@ class Settings(BaseSettings):
     # The weights guard: a trace's write to a parameter is put back and fails the job (nnqueue.enginecore.weights_guard).
     # Off only for a private engine whose traces may change the weights for every later job.
     weights_guard: bool = True
+    # The engine's network (nnqueue.netns): "isolated" (a namespace of its own, loopback only; needs a root
+    # worker), "host", or "auto" (isolated when the worker is root and the executor is not Ray).
+    engine_network: Literal["auto", "isolated", "host"] = "auto"
 
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"

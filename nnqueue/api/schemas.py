@@ -82,9 +82,18 @@ class JobError(BaseModel):
     traceback: str
 
 
+class ObjectDigest(BaseModel):
+    size: int
+    sha256: str | None = Field(description="Hex sha256 of the object as the worker stored it; null for older jobs.")
+
+
 class JobResult(BaseModel):
     size: int
     format: str = Field(description="'torch' (saves.pt), or 'torch+safetensors' when a safetensors copy exists.")
+    sha256: str | None = Field(
+        None, description="Hex sha256 of saves.pt as the worker stored it (clients check downloads against it)."
+    )
+    safetensors: ObjectDigest | None = Field(None, description="The safetensors copy's size and sha256, if any.")
 
 
 class JobResponse(BaseModel):
@@ -170,7 +179,10 @@ def _error(job: Job) -> JobError | None:
 def _result(job: Job) -> JobResult | None:
     if job.result_key is None or job.result_size is None or job.result_format is None:
         return None
-    return JobResult(size=job.result_size, format=job.result_format)
+    safetensors = None
+    if job.result_safetensors_size is not None:
+        safetensors = ObjectDigest(size=job.result_safetensors_size, sha256=job.result_safetensors_sha256)
+    return JobResult(size=job.result_size, format=job.result_format, sha256=job.result_sha256, safetensors=safetensors)
 
 
 class HarvestError(BaseModel):

@@ -169,15 +169,17 @@ def download(
     path: Path = typer.Argument(..., help="Where to write the result (a directory: <id>.pt in it)."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for an unfinished job first."),
     inline: bool = typer.Option(False, "--inline", help="Stream through the API instead of the presigned URL."),
+    safetensors: bool = typer.Option(False, "--safetensors", help="The safetensors copy (all saves are tensors)."),
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
-    """Download a job's result (torch.save of its saves dict), with progress bars."""
+    """Download a job's result (torch.save of its saves dict), with progress bars, checked against the sha256 the
+    worker recorded."""
+    fmt = "safetensors" if safetensors else "torch"
     with connected(url, api_key) as client:
-        written = client.job(job_id).download(path, wait=wait, inline=inline)
-    console.print(
-        f"wrote {written} ({written.stat().st_size:,} bytes); load it with torch.load(path, weights_only=False)"
-    )
+        written = client.job(job_id).download(path, wait=wait, inline=inline, format=fmt)
+    loader = "safetensors.torch.load_file(path)" if safetensors else "torch.load(path, weights_only=False)"
+    console.print(f"wrote {written} ({written.stat().st_size:,} bytes); load it with {loader}")
 
 
 def models(url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:

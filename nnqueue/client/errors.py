@@ -74,6 +74,16 @@ class UnknownModelError(APIError):
     """400 on submit: no live worker serves the model key (the detail names the live ones)."""
 
 
+class IntegrityError(APIError):
+    """A downloaded result or shard is not what the worker stored: its sha256 (or size) differs from the one the
+    worker recorded (the API's job or shard JSON, or the download's ``Digest`` header). The object was changed in
+    the store, or on its way; nothing of it was loaded or kept."""
+
+    def __init__(self, what: str, expected: str, actual: str) -> None:
+        self.what, self.expected, self.actual = what, expected, actual
+        super().__init__(502, f"{what} does not match what the worker stored: got {actual}, expected {expected}")
+
+
 _BY_STATUS: dict[int, type[APIError]] = {
     401: AuthenticationError,
     404: NotFoundError,

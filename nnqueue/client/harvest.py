@@ -8,6 +8,7 @@ harvest.download("out/")                               # parallel, resumable, sh
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from nnqueue.client.errors import APIError, HarvestFailed
+from nnqueue.client.errors import APIError, HarvestFailed, IntegrityError
 from nnqueue.client.transport import Transport
 from nnqueue.client.waiting import TERMINAL, wait_until_ended
 
@@ -90,7 +91,9 @@ class Harvest:
             with ThreadPoolExecutor(max(1, parallel)) as pool:
                 for _ in pool.map(lambda shard: self._fetch(shard, target), wanted):
                     bar.advance(task)
-        (target / MANIFEST).write_bytes(self.transport.request("GET", f"/v1/harvests/{self.id}/manifest").content)
+        manifest = self.transport.request("GET", f"/v1/harvests/{self.id}/manifest").content
+        _check_manifest(manifest, shards)
+        (target / MANIFEST).write_bytes(manifest)
         return target
 
     def shard_bytes(self, shard: dict[str, Any]) -> bytes:
@@ -114,8 +117,20 @@ class Harvest:
                 digest.update(piece)
         if digest.hexdigest() != shard["sha256"]:
             partial.unlink(missing_ok=True)
-            raise APIError(502, f"{shard['name']} arrived with sha256 {digest.hexdigest()}, expected {shard['sha256']}")
+            raise IntegrityError(shard["name"], f"sha256 {shard['sha256']}", f"sha256 {digest.hexdigest()}")
         os.replace(partial, path)
+
+
+def _check_manifest(manifest: bytes, shards: list[dict[str, Any]]) -> None:
+    """The manifest (an object in the store) must name the shards' sha256s the worker recorded (the shard list)."""
+    try:
+        listed = {entry["file"]: entry["sha256"] for entry in json.loads(manifest)["shards"]}
+    except (ValueError, KeyError, TypeError):
+        raise IntegrityError(MANIFEST, "a harvest manifest", "an unreadable file") from None
+    recorded = {shard["name"]: shard["sha256"] for shard in shards}
+    if listed != recorded:
+        wrong = sorted(name for name in recorded.keys() | listed.keys() if listed.get(name) != recorded.get(name))
+        raise IntegrityError(MANIFEST, "the shards' recorded sha256s", f"other sha256s for {', '.join(wrong[:5])}")
 
 
 def _sha256(path: Path) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import tempfile
 import time
@@ -22,7 +24,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from nnqueue.client.errors import APIError, JobCancelled, JobFailed
+from nnqueue.client.errors import IntegrityError, JobCancelled, JobFailed
 from nnqueue.client.waiting import TERMINAL, wait_until_ended
 
 if TYPE_CHECKING:
@@ -139,41 +141,74 @@ class Job:
         wait: bool = True,
         timeout: float | None = None,
         inline: bool | None = None,
+        format: str = "torch",  # noqa: A002 - the API's name
     ) -> Path:
-        """Stream the result (``torch.save`` bytes of the saves dict) to ``path`` and return the file's path.
+        """Stream the result (``torch.save`` bytes of the saves dict; ``format="safetensors"``: its safetensors
+        copy) to ``path`` and return the file's path.
 
-        ``path`` may be a directory (the file is then ``<job id>.pt`` in it). With ``wait`` (default) a job
-        that has not finished is waited for first. The file appears only once complete.
+        ``path`` may be a directory (the file is then ``<job id>.pt`` or ``.safetensors`` in it). With ``wait``
+        (default) a job that has not finished is waited for first. The file appears only once complete and
+        checked against the sha256 the worker recorded (:class:`IntegrityError` otherwise).
         """
         target = Path(path)
         if target.is_dir():
-            target = target / f"{self.id}.pt"
+            target = target / f"{self.id}.{'pt' if format == 'torch' else 'safetensors'}"
         if wait and not (self.done and self.info.get("status") == "completed"):
             self.wait(timeout, progress)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + ".part")
         try:
             with open(partial, "wb") as file:
-                self._download_to(file, progress=progress, inline=inline)
+                self._download_to(file, progress=progress, inline=inline, format=format)
             os.replace(partial, target)
         finally:
             partial.unlink(missing_ok=True)
         return target
 
-    def _download_to(self, file: IO[bytes], *, progress: bool, inline: bool | None, bar_from: int = 0) -> int:
-        expected = (self.info.get("result") or {}).get("size")
-        written = 0
-        with self.transport.result_stream(self.id, inline=inline) as response:
+    def _download_to(
+        self,
+        file: IO[bytes],
+        *,
+        progress: bool,
+        inline: bool | None,
+        bar_from: int = 0,
+        format: str = "torch",  # noqa: A002 - the API's name
+    ) -> int:
+        """Stream the result into ``file``, checked against the size and sha256 the worker recorded (the job's
+        JSON, else the download's ``Digest`` header); raises :class:`IntegrityError` when they differ."""
+        recorded = self.info.get("result") or {}
+        if format != "torch":
+            recorded = recorded.get(format) or {}
+        expected, sha256 = recorded.get("size"), recorded.get("sha256")
+        digest, written = hashlib.sha256(), 0
+        with self.transport.result_stream(self.id, inline=inline, format=format) as response:
+            sha256 = sha256 or digest_header(response.headers.get("digest"))
             total = _content_length(response) or expected
             show = progress and (total is None or total >= bar_from)
             with _download_bar(self.console, f"job {self.id[:8]} result", total, show) as advance:
                 for chunk in response.iter_bytes(CHUNK_SIZE):
                     file.write(chunk)
+                    digest.update(chunk)
                     written += len(chunk)
                     advance(len(chunk))
+        what = f"the {format} result of job {self.id}"
         if expected is not None and written != expected:
-            raise APIError(502, f"result of job {self.id} is {written} bytes, expected {expected}")
+            raise IntegrityError(what, f"{expected} bytes", f"{written} bytes")
+        if sha256 and digest.hexdigest() != sha256:
+            raise IntegrityError(what, f"sha256 {sha256}", f"sha256 {digest.hexdigest()}")
         return written
+
+
+def digest_header(value: str | None) -> str | None:
+    """The hex sha256 in a ``Digest: sha-256=<base64>`` header (RFC 3230), or None."""
+    for item in (value or "").split(","):
+        name, _, encoded = item.strip().partition("=")
+        if name.lower() == "sha-256" and encoded:
+            try:
+                return base64.b64decode(encoded, validate=True).hex()
+            except ValueError:
+                return None
+    return None
 
 
 def _content_length(response: httpx.Response) -> int | None:

@@ -65,12 +65,21 @@ class Transport:
         return self.request("GET", path, params=params).json()
 
     @contextmanager
-    def result_stream(self, job_id: str, *, inline: bool | None = None) -> Iterator[httpx.Response]:
-        """The result's bytes as a streaming response: through the API, or from where it redirects to."""
+    def result_stream(
+        self,
+        job_id: str,
+        *,
+        inline: bool | None = None,
+        format: str = "torch",  # noqa: A002 - the API's name
+    ) -> Iterator[httpx.Response]:
+        """The result's bytes (``format``: ``torch`` or ``safetensors``) as a streaming response: through the API,
+        or from where it redirects to."""
         inline = self.inline_results if inline is None else inline
-        params = {"inline": 1} if inline else None
+        params: dict[str, Any] = {"format": format} if format != "torch" else {}
+        if inline:
+            params["inline"] = 1
         try:
-            with self._http.stream("GET", f"/v1/jobs/{job_id}/result", params=params) as response:
+            with self._http.stream("GET", f"/v1/jobs/{job_id}/result", params=params or None) as response:
                 if not response.is_redirect:
                     _check(response)
                     yield response

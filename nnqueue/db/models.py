@@ -168,6 +168,10 @@ class Job(Base):
     result_key: Mapped[str | None] = mapped_column(String(1024))
     result_size: Mapped[int | None] = mapped_column(BigInteger)
     result_format: Mapped[str | None] = mapped_column(String(32))
+    # sha256 (hex) of the result object as the worker uploaded it; the safetensors copy's size and sha256.
+    result_sha256: Mapped[str | None] = mapped_column(String(64))
+    result_safetensors_size: Mapped[int | None] = mapped_column(BigInteger)
+    result_safetensors_sha256: Mapped[str | None] = mapped_column(String(64))
 
     error_type: Mapped[str | None] = mapped_column(String(200))
     error_message: Mapped[str | None] = mapped_column(Text)

@@ -179,7 +179,6 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
         "rows": rows,
         "bytes": written.size,
         "sha256": written.sha256,
-        "parts": list(written.parts),
         "tokens": job.tokens,
         "steps": len(job.blocks),
         "prompts": [[int(p), int(a), int(b - a)] for p, a, b in zip(job.prompts, first_rows, last_rows, strict=True)],

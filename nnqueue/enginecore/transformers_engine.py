@@ -6,8 +6,7 @@ executed the way nnsight executes it locally (``tracer.execute`` inside a trace 
 does on transformers works, gradients and ``backward()`` included. The saves are the values the trace
 marked (``push_result``'s filter), copied to the CPU and written here (``torch.save``, and safetensors when all
 are tensors: :func:`nnqueue.enginecore.trace_results.write_saves`) to the sinks the worker handed over
-(:mod:`nnqueue.enginecore.sink`: presigned upload URLs, or files it moves into its store); the worker never
-loads them.
+(:mod:`nnqueue.enginecore.sink`: files the worker reads and uploads itself); the worker never loads them.
 
 Jobs run one at a time: nnsight's local interleaver runs one trace's invokes as one batch, and putting
 different users' traces in one forward would make them share it (one trace's ``tracer.stop()`` or error
@@ -42,6 +41,7 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
+from nnqueue import netns
 from nnqueue.enginecore import protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
@@ -149,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-kwargs", default="{}")
     parser.add_argument("--stall-timeout-s", type=float, default=60.0)
     args = parser.parse_args(argv)
+    # First, while this process has one thread: no network but its own loopback (nnqueue.netns).
+    netns.isolate_if_asked()
 
     # The protocol owns the original stdout; anything else printed (user code) goes to stderr.
     protocol = os.fdopen(os.dup(1), "wb")

@@ -48,8 +48,8 @@ class ChunkWork:
         captures: what to capture (`Capture`), at least one; tensor names `Capture.key` must differ.
         selection: which tokens of each prompt become rows (`Selection`).
         dtype: the stored dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"``.
-        sink: where the engine writes the shard (`nnqueue.enginecore.sink`): a presigned PUT, presigned
-            multipart part URLs, or a handoff file path.
+        sink: where the engine writes the shard (`nnqueue.enginecore.sink`): the worker's pipe, or a handoff
+            file path.
         metadata: extra string pairs for the shard's safetensors metadata (e.g. the harvest id).
     """
 
@@ -92,7 +92,6 @@ class ChunkResult:
         bytes: the shard's size; ``sha256`` its checksum (hex).
         prompts: every prompt of the chunk, in prompt-index order, with its rows.
         tokens: prompt tokens run through the model.
-        parts: for a multipart sink, ``{"part_number", "etag"}`` of each part, to complete the upload.
         steps: engine steps that captured rows of the chunk (how its prompts were batched).
         seconds: wall time of the chunk on the engine, from begin to the shard written.
         stats: per capture key, the shard's mergeable statistics (`nnqueue.enginecore.harvest_stats`).
@@ -104,7 +103,6 @@ class ChunkResult:
     sha256: str
     prompts: tuple[PromptRows, ...]
     tokens: int
-    parts: tuple[dict[str, Any], ...]
     steps: int
     seconds: float
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -215,12 +213,6 @@ def _result(work: ChunkWork, entry: dict[str, Any], seconds: float) -> ChunkResu
         raise HarvestError(f"the engine's prompt rows for chunk {work.chunk_id} do not match its prompts")
     if sum(p.rows for p in prompts) != rows:
         raise HarvestError(f"the engine's prompt rows for chunk {work.chunk_id} do not add up to its rows")
-    parts = entry.get("parts") or []
-    if not isinstance(parts, list) or any(
-        not isinstance(p, dict) or not isinstance(p.get("etag"), str) or not isinstance(p.get("part_number"), int)
-        for p in parts
-    ):
-        raise HarvestError(f"the engine reported invalid upload parts for chunk {work.chunk_id}")
     try:
         stats = harvest_stats.check(entry.get("stats"), [capture.key for capture in work.captures])
     except (ValueError, TypeError) as error:
@@ -232,7 +224,6 @@ def _result(work: ChunkWork, entry: dict[str, Any], seconds: float) -> ChunkResu
         sha256=sha256,
         prompts=prompts,
         tokens=integer(entry.get("tokens"), "token count"),
-        parts=tuple({"part_number": p["part_number"], "etag": p["etag"]} for p in parts),
         steps=integer(entry.get("steps"), "step count"),
         seconds=seconds,
         stats=stats,

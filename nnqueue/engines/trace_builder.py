@@ -36,7 +36,7 @@ import sys
 import traceback
 from typing import Any, BinaryIO
 
-from nnqueue import trace_payload
+from nnqueue import netns, trace_payload
 from nnqueue.enginecore import protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--engine-kwargs", default="{}")
     args = parser.parse_args(argv)
+    # First, while this process has one thread: no network but its own loopback (nnqueue.netns).
+    netns.isolate_if_asked()
 
     # The protocol owns the original stdout; anything else printed (user code) goes to stderr.
     protocol = os.fdopen(os.dup(1), "wb")

@@ -3,8 +3,8 @@
 The engine process (:mod:`nnqueue.enginecore.transformers_engine`) holds the Hugging Face model and runs
 users' code, so it starts with the worker's secrets removed from its environment (the trace builders' scrub,
 :func:`nnqueue.engines.builders.scrubbed_environment`) and is spawned fresh (never forked from the worker). It
-writes each job's result to the sinks it is given (:mod:`nnqueue.workers.sinks`), reporting sizes and sha256s
-that the caller checks when it commits them.
+writes each job's result to the handoff files it is given (:mod:`nnqueue.workers.sinks`), reporting their sizes,
+which the caller checks when it uploads them.
 
 A job the caller abandons (its timeout passed, it was cancelled: its code may be stuck) kills the process,
 and so does a protocol error; the next job starts a new one (loading the model again). A process that dies

@@ -4,7 +4,8 @@ Written once, by the worker that completes the harvest's last chunk, from the da
 workers finishing the last chunks at once write the same bytes): the spec; the model key, the model the
 worker loaded and its revision, and its ``provenance`` (:mod:`nnqueue.workers.provenance`: repository id and
 revision or the checkpoint's sha256, the tokenizer, whether it adds a BOS token, the engine's dtype); the
-versions of nnqueue, vLLM, nnsight and torch; the frozen dataset's key and sha256; and per shard its file, rows, bytes, sha256, tokens and the row offsets of its prompts:
+versions of nnqueue, vLLM, nnsight and torch; the frozen dataset's key and sha256; and per shard its file, rows,
+bytes and sha256 (of the shard as the worker uploaded it), tokens and the row offsets of its prompts:
 global prompt ``first_prompt + i`` has the shard's rows ``row_offsets[i]:row_offsets[i + 1]``. ``statistics``
 sums the shards' per-capture statistics (count, mean and std per dimension, norm percentiles, NaN/Inf:
 :mod:`nnqueue.enginecore.harvest_stats`); they are what the engine reported, as the rows are.

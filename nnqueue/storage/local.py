@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import BinaryIO
 
 from nnqueue.storage.object_store import (
-    MultipartUpload,
     ObjectNotFound,
     ObjectReader,
     ObjectStore,
+    ObjectWriter,
     PresignUnsupported,
     validate_key,
     validate_range,
@@ -58,17 +58,8 @@ class LocalObjectStore(ObjectStore):
         _fsync_dir(path.parent)  # make the rename itself durable
         return size
 
-    def put_file(self, key: str, path: str) -> int:
-        """Move the file into the store (a rename when it is on the store's filesystem)."""
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.chmod(path, FILE_MODE)
-            os.replace(path, target)
-        except OSError:  # another filesystem, or a file we may not chmod: copy it
-            return super().put_file(key, path)
-        _fsync_dir(target.parent)
-        return target.stat().st_size
+    def open_writer(self, key: str, size_hint: int | None = None) -> ObjectWriter:
+        return _FileWriter(key, self._path(key))
 
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         start, end = validate_range(start, end)
@@ -108,18 +99,6 @@ class LocalObjectStore(ObjectStore):
             "the API instead, or configure an S3 store (NNQUEUE_S3__*) for direct downloads"
         )
 
-    def presigned_put_url(self, key: str, expires_in: int) -> str:
-        raise PresignUnsupported(f"the local object store ({self.root}) cannot presign URLs")
-
-    def presigned_multipart(self, key: str, parts: int, expires_in: int) -> MultipartUpload:
-        raise PresignUnsupported(f"the local object store ({self.root}) cannot presign URLs")
-
-    def complete_multipart(self, upload: MultipartUpload, etags: list[str]) -> int:
-        raise PresignUnsupported(f"the local object store ({self.root}) has no multipart uploads")
-
-    def abort_multipart(self, upload: MultipartUpload) -> None:
-        raise PresignUnsupported(f"the local object store ({self.root}) has no multipart uploads")
-
     def _path(self, key: str) -> Path:
         # validate_key rejects empty, '.' and '..' segments, a leading '/' and backslashes, so the
         # joined path always stays under root.
@@ -130,6 +109,36 @@ class LocalObjectStore(ObjectStore):
             return open(self._path(key), "rb")
         except _MISSING as exc:
             raise ObjectNotFound(key) from exc
+
+
+class _FileWriter(ObjectWriter):
+    """A temporary file beside the target, renamed over it at commit (as ``put_stream`` does)."""
+
+    def __init__(self, key: str, path: Path) -> None:
+        super().__init__(key)
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, self.tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        self.file = os.fdopen(fd, "wb")
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self.file.write(data)
+
+    def _commit(self) -> None:
+        try:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            os.chmod(self.tmp_name, FILE_MODE)
+            os.replace(self.tmp_name, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        self.file.close()
+        Path(self.tmp_name).unlink(missing_ok=True)
 
 
 def _in_progress(key: str) -> bool:

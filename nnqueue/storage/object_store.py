@@ -15,7 +15,7 @@ Conventions shared by every backend:
 
 from __future__ import annotations
 
-import os
+import hashlib
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -79,15 +79,11 @@ class ObjectStore(ABC):
         memory; returns the size in bytes. ``size_hint``, the expected size if known, lets a backend
         pick its part size."""
 
-    def put_file(self, key: str, path: str) -> int:
-        """Store the file at ``path`` under ``key`` and remove the file; returns the size in bytes.
-
-        For a file another process wrote (an engine's result handed off to the worker). A backend may
-        move it rather than copy it."""
-        with open(path, "rb") as file:
-            size = self.put_stream(key, file, size_hint=os.fstat(file.fileno()).st_size)
-        os.unlink(path)
-        return size
+    @abstractmethod
+    def open_writer(self, key: str, size_hint: int | None = None) -> ObjectWriter:
+        """A staged write of ``key``: :meth:`ObjectWriter.write` the bytes as they come (bounded memory: parts
+        of a multipart upload, or a temporary file), then :meth:`ObjectWriter.commit` (the object appears, whole)
+        or :meth:`ObjectWriter.abort` (nothing appears). The writer counts and hashes every byte written."""
 
     @abstractmethod
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -134,35 +130,42 @@ class ObjectStore(ABC):
 
         Raises :class:`PresignUnsupported` where the backend has no URLs of its own."""
 
-    @abstractmethod
-    def presigned_put_url(self, key: str, expires_in: int) -> str:
-        """A URL that lets anyone holding it PUT (create or replace) the object for ``expires_in`` seconds.
-
-        Raises :class:`PresignUnsupported` where the backend has no URLs of its own."""
-
-    @abstractmethod
-    def presigned_multipart(self, key: str, parts: int, expires_in: int) -> MultipartUpload:
-        """Start a multipart upload of ``key`` and presign PUT URLs for its first ``parts`` parts: whoever holds
-        them uploads the parts, then :meth:`complete_multipart` (or :meth:`abort_multipart`) ends the upload.
-
-        Raises :class:`PresignUnsupported` where the backend has no URLs of its own."""
-
-    @abstractmethod
-    def complete_multipart(self, upload: MultipartUpload, etags: list[str]) -> int:
-        """Assemble the upload from its parts 1..len(``etags``) (their ETags, in order); returns the size."""
-
-    @abstractmethod
-    def abort_multipart(self, upload: MultipartUpload) -> None:
-        """Drop the upload and the parts uploaded so far; aborting a finished or unknown upload is not an error."""
-
 
 @dataclass(frozen=True)
-class MultipartUpload:
-    """A multipart upload in progress: ``urls[i]`` takes part ``i + 1``."""
+class Digest:
+    """The size and sha256 (hex) of exactly the bytes an :class:`ObjectWriter` stored."""
 
-    key: str
-    upload_id: str
-    urls: list[str]
+    size: int
+    sha256: str
+
+
+class ObjectWriter(ABC):
+    """One object written a piece at a time (see :meth:`ObjectStore.open_writer`); use from one thread."""
+
+    def __init__(self, key: str) -> None:
+        self.key = validate_key(key)
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._digest.update(data)
+        self.size += len(data)
+        self._write(data)
+
+    def commit(self) -> Digest:
+        """Store the bytes written as the object (replacing any); their size and sha256."""
+        self._commit()
+        return Digest(self.size, self._digest.hexdigest())
+
+    @abstractmethod
+    def _write(self, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    def _commit(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop what was written; the store keeps what it had. Safe to call after a failed commit."""
 
 
 def _folder(prefix: str) -> str:

@@ -3,7 +3,8 @@
 Every trace result is ``torch.save({name: value})`` (``saves.pt``), with CPU tensors: what nnsight clients
 load. When every saved value is a tensor it is also written as safetensors (``saves.safetensors``, beside
 it) for readers without Python pickles. The engine process writes both (:mod:`nnqueue.enginecore.trace_results`);
-the worker records where they are (:mod:`nnqueue.workers.sinks`).
+the worker uploads them and records where they are, with the size and sha256 of each as uploaded
+(:mod:`nnqueue.workers.sinks`), which clients check.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import io
 from dataclasses import dataclass
 from typing import Any
+
+from nnqueue.storage.object_store import Digest
 
 TORCH_FORMAT = "torch"
 TORCH_AND_SAFETENSORS_FORMAT = "torch+safetensors"
@@ -21,6 +24,8 @@ class StoredResult:
     key: str
     size: int
     format: str
+    sha256: str
+    safetensors: Digest | None = None  # the safetensors copy's, when there is one
 
 
 def load_result(data: bytes) -> dict[str, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import boto3
@@ -13,11 +15,11 @@ from botocore.exceptions import ClientError
 
 from nnqueue.settings import S3Settings
 from nnqueue.storage.object_store import (
-    MultipartUpload,
     ObjectNotFound,
     ObjectReader,
     ObjectStore,
     ObjectStoreError,
+    ObjectWriter,
     validate_expiry,
     validate_key,
     validate_range,
@@ -61,6 +63,10 @@ class S3ObjectStore(ObjectStore):
         # and uploaded concurrently; a failure aborts the multipart upload so no object appears.
         self._client.upload_fileobj(counted, self.bucket, validate_key(key), Config=_transfer_config(size_hint))
         return counted.bytes_read
+
+    def open_writer(self, key: str, size_hint: int | None = None) -> ObjectWriter:
+        self._ensure_bucket()
+        return _MultipartWriter(self, key, _part_size(size_hint))
 
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         start, end = validate_range(start, end)
@@ -114,33 +120,6 @@ class S3ObjectStore(ObjectStore):
     def presigned_get_url(self, key: str, expires_in: int) -> str:
         # For clients: signed for the public endpoint when one is configured.
         return self._presigned(self._presigner, "get_object", key, expires_in)
-
-    def presigned_put_url(self, key: str, expires_in: int) -> str:
-        # For the worker's own engine processes, which reach the store at its internal endpoint.
-        return self._presigned(self._client, "put_object", key, expires_in)
-
-    def presigned_multipart(self, key: str, parts: int, expires_in: int) -> MultipartUpload:
-        # Like presigned_put_url: for the engine processes, at the internal endpoint.
-        if not 1 <= parts <= S3_MAX_PARTS:
-            raise ValueError(f"a multipart upload has 1 to {S3_MAX_PARTS} parts, not {parts}")
-        upload_id = self._call("create_multipart_upload", key)["UploadId"]
-        urls = [
-            self._presigned(self._client, "upload_part", key, expires_in, UploadId=upload_id, PartNumber=number)
-            for number in range(1, parts + 1)
-        ]
-        return MultipartUpload(key, upload_id, urls)
-
-    def complete_multipart(self, upload: MultipartUpload, etags: list[str]) -> int:
-        parts = [{"PartNumber": number, "ETag": etag} for number, etag in enumerate(etags, 1)]
-        self._call("complete_multipart_upload", upload.key, UploadId=upload.upload_id, MultipartUpload={"Parts": parts})
-        return self.size(upload.key)
-
-    def abort_multipart(self, upload: MultipartUpload) -> None:
-        try:
-            self._call("abort_multipart_upload", upload.key, UploadId=upload.upload_id)
-        except ClientError as error:
-            if error.response["Error"]["Code"] != "NoSuchUpload":  # already completed or aborted
-                raise
 
     def _presigned(self, client: Any, operation: str, key: str, expires_in: int, **params: Any) -> str:
         self._ensure_bucket()
@@ -207,15 +186,92 @@ def _client(settings: S3Settings, endpoint_url: str | None) -> Any:
     )
 
 
-def _transfer_config(size_hint: int | None) -> TransferConfig:
+def _part_size(size_hint: int | None) -> int:
     part_size = MIN_PART_SIZE
     if size_hint:
         part_size = max(part_size, math.ceil(size_hint / MAX_PARTS / MiB) * MiB)
+    return part_size
+
+
+def _transfer_config(size_hint: int | None) -> TransferConfig:
     return TransferConfig(
         multipart_threshold=MULTIPART_THRESHOLD,
-        multipart_chunksize=part_size,
+        multipart_chunksize=_part_size(size_hint),
         max_concurrency=MAX_CONCURRENCY,
     )
+
+
+class _MultipartWriter(ObjectWriter):
+    """Bytes buffered into parts of ``part_size``; the first full part starts a multipart upload, and parts go up
+    on ``MAX_CONCURRENCY`` threads while more are written (at most that many in flight: memory stays near
+    ``(MAX_CONCURRENCY + 1) * part_size``). Commit completes the upload, or puts a small object in one request;
+    until then no object appears at the key."""
+
+    def __init__(self, store: S3ObjectStore, key: str, part_size: int) -> None:
+        super().__init__(key)
+        self.store, self.part_size = store, part_size
+        self.buffer = bytearray()
+        self.upload_id: str | None = None
+        self.parts: deque[Future[dict[str, Any]]] = deque()
+        self.done: list[dict[str, Any]] = []
+        self.pool: ThreadPoolExecutor | None = None
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self.buffer += data
+        while len(self.buffer) >= self.part_size:
+            part = bytes(self.buffer[: self.part_size])
+            del self.buffer[: self.part_size]
+            self._send(part)
+
+    def _send(self, part: bytes) -> None:
+        if self.upload_id is None:
+            self.upload_id = self.store._call("create_multipart_upload", self.key)["UploadId"]
+            self.pool = ThreadPoolExecutor(MAX_CONCURRENCY, thread_name_prefix="nnqueue-s3-part")
+        assert self.pool is not None
+        while len(self.parts) >= MAX_CONCURRENCY:
+            self.done.append(self.parts.popleft().result())
+        number = len(self.done) + len(self.parts) + 1
+        self.parts.append(self.pool.submit(self._upload_part, number, part))
+
+    def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
+        answer = self.store._call("upload_part", self.key, UploadId=self.upload_id, PartNumber=number, Body=part)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def _commit(self) -> None:
+        try:
+            if self.upload_id is None:
+                self.store._call("put_object", self.key, Body=bytes(self.buffer))
+                return
+            if self.buffer:  # the last part, which may be smaller
+                self._send(bytes(self.buffer))
+            self.done += [future.result() for future in self.parts]
+            self.parts.clear()
+            self.store._call(
+                "complete_multipart_upload", self.key, UploadId=self.upload_id, MultipartUpload={"Parts": self.done}
+            )
+            self.upload_id = None
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.buffer = bytearray()
+            if self.pool is not None:
+                self.pool.shutdown(wait=False)
+
+    def abort(self) -> None:
+        self.buffer = bytearray()
+        for future in self.parts:
+            future.cancel()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        self.parts.clear()
+        if self.upload_id is not None:
+            upload_id, self.upload_id = self.upload_id, None
+            try:
+                self.store._call("abort_multipart_upload", self.key, UploadId=upload_id)
+            except ClientError as error:
+                if error.response["Error"]["Code"] != "NoSuchUpload":
+                    raise
 
 
 class _CountingReader:

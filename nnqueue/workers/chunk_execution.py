@@ -4,11 +4,11 @@ record the shard, and complete the harvest when it was the last chunk.
 A bulk token names no chunk: the runner claims the fairest QUEUED chunk of its model
 (:func:`claim_next_chunk`). The prompts are the chunk's byte range of the harvest's frozen dataset, tokenized
 here (in a thread) with the engine's own tokenizer, truncated to the spec's ``max_length`` (at most the
-engine's limit). The engine writes the shard itself (:func:`nnqueue.engines.harvest_runner.run_chunk`) to a sink
-this worker opens (:mod:`nnqueue.workers.sinks`): on S3 a presigned multipart upload that the worker completes
-from the part ETags the engine reports, on the local store a handoff file that the worker moves into the store.
-Either way the shard lands under the chunk's deterministic key, so a chunk that runs again overwrites its own
-shard; only sizes, checksums and row offsets travel back from the engine.
+engine's limit). The engine writes the shard (:func:`nnqueue.engines.harvest_runner.run_chunk`) into a pipe this
+worker opens (:mod:`nnqueue.workers.sinks`) and reads while it is written, uploading it as it comes (a multipart
+upload on S3); the worker commits it once the engine's report matches what arrived, and records the size and
+sha256 of what it uploaded. The shard lands under the chunk's deterministic key, so a chunk that runs again
+overwrites its own shard; only sizes, checksums and row offsets travel back from the engine.
 
 A failure goes back to QUEUED until the chunk has run ``NNQUEUE_HARVEST_CHUNK_ATTEMPTS`` times, then fails
 the harvest naming the chunk and the cause (:mod:`nnqueue.scheduler.chunks`). A cancel (or a chunk taken
@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
 from nnqueue.db.models import Harvest, HarvestChunk
-from nnqueue.engines.harvest_runner import ChunkResult, ChunkWork, run_chunk
+from nnqueue.engines.harvest_runner import ChunkWork, run_chunk
 from nnqueue.scheduler.chunks import (
     ChunkOutput,
     all_chunks_completed,
@@ -55,11 +55,11 @@ from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.job_execution import Outcome
 from nnqueue.workers.provenance import provenance
-from nnqueue.workers.sinks import ResultSinks, ShardSink
+from nnqueue.workers.sinks import ResultSinks
 
 log = logging.getLogger(__name__)
-# Presigned part URLs must outlive the chunk: the engine uploads at its end.
-SHARD_URL_EXPIRY_S = 24 * 3600
+# How long the shard's upload may take to see the end of the pipe once the engine reported the shard written.
+PIPE_DRAIN_S = 120.0
 # Room in a shard's size bound for its safetensors header (tensor names, shapes, offsets, metadata).
 HEADER_BYTES = 1 << 20
 
@@ -130,7 +130,8 @@ class ChunkRunner:
         token_ids = await asyncio.to_thread(tokenize, self.model, read_slice(data), spec)
         name = f"{chunk.harvest_id}-{chunk.index:05d}-{chunk.attempts}.safetensors"
         bound = shard_bound(spec, token_ids, self.model.vllm_entrypoint.model_config)
-        sink = await asyncio.to_thread(self.sinks.open_shard, chunk.shard_key, name, bound, SHARD_URL_EXPIRY_S)
+        sink = await asyncio.to_thread(self.sinks.open_shard, chunk.shard_key, name, bound)
+        upload = asyncio.ensure_future(asyncio.to_thread(self.sinks.upload_shard, sink))
         committed = False
         try:
             work = ChunkWork(
@@ -147,16 +148,19 @@ class ChunkRunner:
             if chunk.id not in await asyncio.to_thread(held_chunks, self.sessions, [chunk.id], self.worker_id):
                 log.info("chunk %s of harvest %s no longer held here; its shard is dropped", chunk.index, harvest.id)
                 return Outcome.SKIPPED
-            await asyncio.to_thread(self._commit, sink, result)
+            await asyncio.wait_for(asyncio.shield(upload), PIPE_DRAIN_S)
+            stored = await asyncio.to_thread(self.sinks.commit_shard, sink, result.bytes)
             committed = True
         finally:
             if not committed:
+                sink.stop.set()  # the upload's thread ends within a poll; only then is its writer dropped
+                await asyncio.gather(upload, return_exceptions=True)
                 await asyncio.to_thread(self.sinks.discard_shard, sink)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
-        output = ChunkOutput(result.rows, result.bytes, result.sha256, result.tokens, offsets, result.stats)
+        output = ChunkOutput(result.rows, stored.size, stored.sha256, result.tokens, offsets, result.stats)
         if not await asyncio.to_thread(finish_chunk, self.sessions, chunk.id, self.worker_id, output):
             return Outcome.SKIPPED
-        metrics.STORE_BYTES_WRITTEN.labels("shard").inc(result.bytes)
+        metrics.STORE_BYTES_WRITTEN.labels("shard").inc(stored.size)
         metrics.HARVEST_TOKENS.labels(self.model_key).inc(result.tokens)
         log.info(
             "chunk %s of harvest %s: %d prompts, %d tokens, %d rows, %d bytes in %.2f s on the engine",
@@ -165,7 +169,7 @@ class ChunkRunner:
             chunk.prompts,
             result.tokens,
             result.rows,
-            result.bytes,
+            stored.size,
             result.seconds,
         )
         await asyncio.to_thread(self._complete_if_last, harvest.id)
@@ -176,12 +180,6 @@ class ChunkRunner:
             harvest = session.get(Harvest, harvest_id)
             assert harvest is not None
             return harvest
-
-    def _commit(self, sink: ShardSink, result: ChunkResult) -> None:
-        numbers = [part["part_number"] for part in result.parts]
-        if numbers != list(range(1, len(numbers) + 1)):
-            raise ValueError(f"the engine reported parts {numbers}, not 1 to {len(numbers)} in order")
-        self.sinks.commit_shard(sink, result.bytes, [part["etag"] for part in result.parts])
 
     def _complete_if_last(self, harvest_id: uuid.UUID) -> None:
         """Write the manifest and complete the harvest once every chunk has completed."""

@@ -135,7 +135,14 @@ class JobRunner:
             result = execution.result
             fields: dict[str, Any] = {"progress_done": execution.units, "progress_total": execution.units}
             if result is not None:
-                fields.update(result_key=result.key, result_size=result.size, result_format=result.format)
+                fields.update(
+                    result_key=result.key,
+                    result_size=result.size,
+                    result_format=result.format,
+                    result_sha256=result.sha256,
+                    result_safetensors_size=result.safetensors.size if result.safetensors else None,
+                    result_safetensors_sha256=result.safetensors.sha256 if result.safetensors else None,
+                )
                 metrics.STORE_BYTES_WRITTEN.labels("result").inc(result.size)
             if execution.failure is not None:
                 return await self._fail(job_id, execution.failure, **fields)

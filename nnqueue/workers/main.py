@@ -14,7 +14,8 @@ for running work is bounded by ``NNQUEUE_WORKER_DRAIN_S``; what is still held th
 
 The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
 the engine's processes run users' code (traces) and capture harvests, and must find no secret in their
-environment or their parent; they write results and shards through presigned URLs or handoff files.
+environment or their parent, and no network but their own loopback (:mod:`nnqueue.netns`); they hand results
+and shards to this process through files it reads and uploads itself (:mod:`nnqueue.workers.sinks`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue import isolation
+from nnqueue import isolation, netns
 from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
@@ -79,7 +80,7 @@ def run_worker(
     engine's ``max_num_seqs`` once it is up (one job at a time on the transformers engine)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
-    isolate(settings)
+    network = isolate(settings, ray=engine_kwargs.get("distributed_executor_backend") == "ray")
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
@@ -98,7 +99,9 @@ def run_worker(
     with sessions() as session:  # fail before loading a model that would then not register
         registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
-    executor = host.call(_start_executor(engine_kind, model, engine_kwargs, settings, sessions, store))
+    executor = host.call(
+        _start_executor(engine_kind, model, engine_kwargs, settings, sessions, store, network == netns.ISOLATED)
+    )
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
     freeze_startup_heap()
     if max_concurrent_jobs is None:
@@ -238,12 +241,15 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def isolate(settings: Settings) -> None:
+def isolate(settings: Settings, ray: bool = False) -> str:
     """Remove the secrets from the environment the engine will inherit, and keep the engine out of ours.
 
     Also: the engine reads its settings from the environment (never ``.env``), and its processes are
     spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
+    Returns the engine's network (``netns.ISOLATED`` or ``netns.HOST``; ``NNQUEUE_ENGINE_NETWORK``), which its
+    processes also find in their environment.
     """
+    network, why = netns.resolve(settings.engine_network, ray=ray)
     env_file = Path(str(Settings.model_config.get("env_file")))
     for warning in isolation.env_file_warnings(env_file, settings.engine_user) + isolation.python_warnings(
         settings.engine_user
@@ -253,7 +259,13 @@ def isolate(settings: Settings) -> None:
     isolation.make_non_dumpable()
     os.environ.update(settings.engine_environment())
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    os.environ.update(netns.engine_environment(network))
     log.info("removed %d secret variables from the engine's environment", len(removed))
+    if network == netns.ISOLATED:
+        log.info("the engine's processes run in network namespaces of their own (loopback only)")
+    else:
+        log.warning("the engine's processes share this host's network: %s", why)
+    return network
 
 
 def _engine_errored(executor: Executor) -> bool:
@@ -269,9 +281,12 @@ async def _start_executor(
     settings: Settings,
     sessions: sessionmaker[Session],
     store: ObjectStore,
+    isolated: bool,
 ) -> Executor:
     """The engine, loaded, and its executor. Built on the engine loop: vLLM's AsyncLLM binds to the loop it
-    first runs on, and the transformers engine's process pipes to the loop that started it."""
+    first runs on, and the transformers engine's process pipes to the loop that started it. ``isolated``: the
+    vLLM engine core is spawned in a network namespace of its own (the other engine processes isolate
+    themselves, told by ``$NNQUEUE_ENGINE_NETWORK``)."""
     sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff")
     if engine_kind is EngineKind.TRANSFORMERS:
         from nnqueue.engines.transformers import TransformersEngine
@@ -282,7 +297,8 @@ async def _start_executor(
         return TransformersExecutor(sessions, store, engine, sinks)
     from nnqueue.engines.platform import load_engine
 
-    vllm = load_engine(model, **engine_kwargs)
+    with netns.engine_core_isolated(isolated):
+        vllm = load_engine(model, **engine_kwargs)
     return VLLMTraceExecutor(
         sessions,
         store,

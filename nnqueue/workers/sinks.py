@@ -1,46 +1,53 @@
-"""The worker's side of sinks: where the engine may write a job's result or a harvest chunk's shard, and
-committing what it wrote.
+"""The worker's side of sinks: where the engine leaves a job's result or a harvest chunk's shard, and the
+upload of what it left, which this process does itself.
 
-The engine process holds no store credentials (:mod:`nnqueue.enginecore.sink`). For an S3 store the
-worker hands it short-lived presigned URLs, and checks afterwards that the objects are there with the sizes
-the engine reported: a PUT URL per result object, and for a shard (too large for one PUT, of a size known
-only once written) a presigned multipart upload with part URLs for an upper bound of its size, which the
-worker completes from the part ETags the engine reports. For the local store it hands it paths in a private
-handoff directory on the store's filesystem, and moves the finished files into the store. Results are per
-attempt (``results/<job>/<attempt>/...``), so an engine that lost its job cannot overwrite the result of the
-worker that took it over; a shard's key is its chunk's (a re-run writes the same bytes), and a worker that
-lost its chunk aborts its upload or drops its handoff file instead of committing it.
+The engine process runs users' code, holds no store credentials and has no network
+(:mod:`nnqueue.enginecore.sink`, :mod:`nnqueue.netns`). It writes results to files in a private handoff
+directory and shards into a pipe (a FIFO there); this worker reads them, uploads them (a staged write:
+:meth:`nnqueue.storage.object_store.ObjectStore.open_writer`, an S3 multipart upload for large objects) and
+records the size and sha256 of exactly the bytes it uploaded, which the API hands to clients and the
+clients check (:mod:`nnqueue.workers.job_execution`, :mod:`nnqueue.scheduler.harvest_manifest`). Nothing the
+engine holds reaches the store: no URL, no credential; so an engine that a trace took over can forge the
+results of the steps it runs, but cannot replace a committed one, and a change made to a stored object
+behind the worker's back no longer matches its recorded sha256.
+
+A shard's upload runs while the engine writes it (the worker reads the pipe as the bytes come, uploading
+parts as they fill): disk use is none, memory a few parts. A handoff file the engine reported is read once,
+checked against the size the engine reported, and removed. Results are per attempt
+(``results/<job>/<attempt>/...``), so a worker that lost its job cannot overwrite the new holder's result;
+a shard's key is its chunk's (a re-run writes the same bytes), and a worker that lost its chunk aborts its
+upload instead of committing it.
 """
 
 from __future__ import annotations
 
-import math
+import fcntl
 import os
+import select
+import stat
+import threading
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from nnqueue import isolation
 from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
-from nnqueue.storage.object_store import MultipartUpload, ObjectStore, PresignUnsupported
+from nnqueue.storage.object_store import Digest, ObjectStore, ObjectWriter
 from nnqueue.storage.results import TORCH_AND_SAFETENSORS_FORMAT, TORCH_FORMAT, StoredResult
 
 # The result's objects, by the names the engine reports them under.
 OBJECTS = {"torch": TORCH_FILE, "safetensors": SAFETENSORS_FILE}
-# Presigned URLs outlive the job by this much (the engine writes at the end of the job).
-URL_MARGIN_S = 600
-MAX_URL_EXPIRY_S = 7 * 24 * 3600
-# A shard's multipart upload: parts of at least MIN_PART_BYTES (S3 wants 5 MiB but for the last part), and at
-# most MAX_SHARD_PARTS part URLs handed to the engine (their part size grows with the bound instead).
-MIN_PART_BYTES = 8 * 1024 * 1024
-MAX_SHARD_PARTS = 1000
+CHUNK = 1 << 20
+# A shard's pipe: a larger kernel buffer than the default 64 KiB (fewer wake-ups on both sides), and how often a
+# read that waits for the engine looks whether the chunk was abandoned.
+PIPE_BYTES = 1 << 20
+POLL_MS = 200
+_F_SETPIPE_SZ = 1031
 
 
 class ResultNotWritten(NNqueueError):
-    """What the engine reported does not match what reached the store."""
+    """What the engine reported does not match what it left for the worker."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +58,16 @@ class JobSinks:
     keys: dict[str, str]
 
 
-@dataclass(frozen=True)
+@dataclass
 class ShardSink:
-    """Where the engine writes one chunk's shard: ``spec`` for the engine, ``key`` where the shard ends up, and
-    the multipart ``upload`` the worker completes (None: a handoff file)."""
+    """Where the engine writes one chunk's shard: ``spec`` for the engine (a pipe), ``key`` where the shard ends
+    up; the worker's end of the pipe, the staged upload and what it read (``upload``)."""
 
-    spec: dict[str, Any]
+    spec: dict[str, str]
     key: str
-    upload: MultipartUpload | None = None
+    fd: int
+    writer: ObjectWriter
+    stop: threading.Event = field(default_factory=threading.Event)
 
 
 class ResultSinks:
@@ -67,88 +76,117 @@ class ResultSinks:
         self.handoff_root = handoff_root
         self._handoff_dir: Path | None = None
 
-    def open(self, job_id: uuid.UUID, attempt: int, timeout_s: float) -> JobSinks:
-        """Sinks for the result of ``job_id``'s ``attempt``; may call the store (a blocking call)."""
+    def open(self, job_id: uuid.UUID, attempt: int) -> JobSinks:
+        """Files for the engine to leave the result of ``job_id``'s ``attempt`` in."""
+        directory = self._handoff()
+        specs = {
+            name: {"kind": "handoff", "path": str(directory / f"{job_id}-{attempt}-{file}")}
+            for name, file in OBJECTS.items()
+        }
         keys = {name: result_key(job_id, file, attempt) for name, file in OBJECTS.items()}
-        expiry = int(min(timeout_s + URL_MARGIN_S, MAX_URL_EXPIRY_S))
-        try:
-            specs = {
-                name: {"kind": "presigned_put", "url": self.store.presigned_put_url(key, expiry)}
-                for name, key in keys.items()
-            }
-        except PresignUnsupported:
-            directory = self._handoff()
-            specs = {
-                name: {"kind": "handoff", "path": str(directory / f"{job_id}-{attempt}-{file}")}
-                for name, file in OBJECTS.items()
-            }
         return JobSinks(specs, keys)
 
     def commit(self, sinks: JobSinks, written: dict[str, int]) -> StoredResult:
-        """Record the objects the engine reported writing (name -> size), moving handed-off files into the
-        store; raises :class:`ResultNotWritten` when the store does not hold what was reported."""
+        """Upload the objects the engine reported writing (name -> size) from their handoff files, hashing what
+        is uploaded; raises :class:`ResultNotWritten` when a file does not hold what was reported. A blocking call."""
         if "torch" not in written:
             raise ResultNotWritten("the engine reported no saves.pt")
-        for name, size in written.items():
-            spec, key = sinks.specs[name], sinks.keys[name]
-            if spec["kind"] == "handoff":
-                path = spec["path"]
-                if (actual := self._handed_off_size(path)) != size:
-                    raise ResultNotWritten(f"{name} handed off with {actual} bytes, reported {size}")
-                self.store.put_file(key, path)
-            elif (actual := self.store.size(key)) != size:
-                raise ResultNotWritten(f"{name} in the store has {actual} bytes, reported {size}")
-        fmt = TORCH_AND_SAFETENSORS_FORMAT if "safetensors" in written else TORCH_FORMAT
-        return StoredResult(sinks.keys["torch"], written["torch"], fmt)
+        digests = {
+            name: self._upload_file(sinks.specs[name]["path"], sinks.keys[name], size, name)
+            for name, size in written.items()
+        }
+        self.discard(sinks)
+        fmt = TORCH_AND_SAFETENSORS_FORMAT if "safetensors" in digests else TORCH_FORMAT
+        torch = digests["torch"]
+        return StoredResult(sinks.keys["torch"], torch.size, fmt, torch.sha256, digests.get("safetensors"))
 
     def discard(self, sinks: JobSinks) -> None:
-        """Remove what an abandoned attempt handed off (uploaded objects stay, unreferenced, under its attempt)."""
+        """Remove what an attempt left in the handoff directory."""
         for spec in sinks.specs.values():
-            if spec["kind"] == "handoff":
-                Path(spec["path"]).unlink(missing_ok=True)
+            Path(spec["path"]).unlink(missing_ok=True)
 
-    def open_shard(self, key: str, name: str, max_bytes: int, expires_s: int) -> ShardSink:
-        """A sink for a shard of at most ``max_bytes`` bytes, to end up at ``key``: a presigned multipart upload,
-        or the handoff file ``name`` (unique to the attempt). May call the store (a blocking call)."""
-        part_size = max(MIN_PART_BYTES, math.ceil(max_bytes / MAX_SHARD_PARTS))
-        parts = max(1, math.ceil(max_bytes / part_size))
+    def _upload_file(self, path: str, key: str, size: int, name: str) -> Digest:
         try:
-            upload = self.store.presigned_multipart(key, parts, min(expires_s, MAX_URL_EXPIRY_S))
-        except PresignUnsupported:
-            return ShardSink({"kind": "handoff", "path": str(self._handoff() / name)}, key)
-        return ShardSink({"kind": "multipart", "part_size": part_size, "urls": upload.urls}, key, upload)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # the engine may have made it a link
+        except OSError as error:
+            raise ResultNotWritten(f"{name} was not handed off: {error.strerror}") from None
+        with os.fdopen(fd, "rb") as file:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                raise ResultNotWritten(f"{name} handed off with {info.st_size} bytes, reported {size}")
+            writer = self.store.open_writer(key, size_hint=size)
+            try:
+                while piece := file.read(CHUNK):
+                    writer.write(piece)
+                if writer.size != size:
+                    raise ResultNotWritten(f"{name} changed while it was read: {writer.size} bytes, reported {size}")
+                return writer.commit()
+            except BaseException:
+                writer.abort()
+                raise
 
-    def commit_shard(self, sink: ShardSink, size: int, etags: Sequence[str]) -> None:
-        """Put the shard the engine reported writing (``size`` bytes; ``etags`` of its parts, in order) at its key;
-        raises :class:`ResultNotWritten` when the store does not hold what was reported."""
-        if sink.upload is None:
-            actual = self._handed_off_size(sink.spec["path"])
-            if actual != size:
-                raise ResultNotWritten(f"the shard was handed off with {actual} bytes, reported {size}")
-            self.store.put_file(sink.key, sink.spec["path"])
-        elif (actual := self.store.complete_multipart(sink.upload, list(etags))) != size:
-            raise ResultNotWritten(f"the shard in the store has {actual} bytes, reported {size}")
+    def open_shard(self, key: str, name: str, max_bytes: int) -> ShardSink:
+        """A pipe named ``name`` (unique to the attempt) for a shard of at most ``max_bytes`` bytes, to end up at
+        ``key``; then run :meth:`upload_shard` (in a thread) while the engine writes. A blocking call."""
+        path = self._handoff() / name
+        os.mkfifo(path, 0o600)
+        if (account := isolation.engine_user() if os.geteuid() == 0 else None) is not None:
+            os.chown(path, account.uid, account.gid)  # the engine writes it after dropping to the engine user
+        # Opened now, before the engine learns its name: this end is the worker's whatever the engine does to
+        # the name, and non-blocking, so that a read waits in poll(), where an abandoned chunk can stop it.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:  # over /proc/sys/fs/pipe-max-size: the default buffer does
+            pass
+        return ShardSink({"kind": "pipe", "path": str(path)}, key, fd, self.store.open_writer(key, size_hint=max_bytes))
+
+    def upload_shard(self, sink: ShardSink) -> None:
+        """Read the pipe until the engine closes it, uploading the bytes as parts fill (nothing is committed yet).
+        Returns early when :meth:`discard_shard` stops it. A blocking call: run it in a thread."""
+        poller = select.poll()
+        poller.register(sink.fd, select.POLLIN | select.POLLHUP)
+        while not sink.stop.is_set():
+            if not poller.poll(POLL_MS):
+                continue
+            try:
+                piece = os.read(sink.fd, PIPE_BYTES)
+            except BlockingIOError:
+                continue
+            if not piece:
+                return  # every writer closed it: the end of the shard
+            sink.writer.write(piece)
+
+    def commit_shard(self, sink: ShardSink, size: int) -> Digest:
+        """Store the shard the engine reported writing (``size`` bytes) once :meth:`upload_shard` has read it all;
+        its size and sha256 as uploaded. Raises :class:`ResultNotWritten` when what arrived differs. Blocking."""
+        try:
+            if sink.writer.size != size:
+                raise ResultNotWritten(f"the shard arrived with {sink.writer.size} bytes, reported {size}")
+            digest = sink.writer.commit()
+        except BaseException:
+            self.discard_shard(sink)
+            raise
+        self._close(sink)
+        return digest
 
     def discard_shard(self, sink: ShardSink) -> None:
-        """Drop what an abandoned attempt wrote: its handoff file, or its unfinished upload's parts."""
-        if sink.upload is None:
-            Path(sink.spec["path"]).unlink(missing_ok=True)
-        else:
-            self.store.abort_multipart(sink.upload)
+        """Drop what an abandoned attempt wrote: stop its upload and abort it (nothing appears at the key)."""
+        sink.stop.set()
+        sink.writer.abort()
+        self._close(sink)
 
     @staticmethod
-    def _handed_off_size(path: str) -> int:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # the engine process (untrusted) may have made it a link
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
+    def _close(sink: ShardSink) -> None:
+        if sink.fd >= 0:
+            os.close(sink.fd)
+            sink.fd = -1
+        Path(sink.spec["path"]).unlink(missing_ok=True)
 
     def _handoff(self) -> Path:
         if self._handoff_dir is None:
             # The engine writes here. A root worker's engine runs as the engine user (nnqueue.isolation),
-            # which may not reach the store's folder: its handoff directory is then in the temp folder
-            # (1777), and committing a result copies it when that is another filesystem.
+            # which may not reach the store's folder: its handoff directory is then in the temp folder (1777).
             parent = None if os.geteuid() == 0 else self.handoff_root
             if parent is not None:
                 parent.mkdir(parents=True, exist_ok=True)

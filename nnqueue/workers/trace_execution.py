@@ -52,7 +52,7 @@ class VLLMTraceExecutor:
         trace, requests = await self._prepare(job, payload)
         total = len(requests.request_ids)
         progress(0, total)
-        sinks = await asyncio.to_thread(self.sinks.open, job.id, job.attempts, job.timeout_s)
+        sinks = await asyncio.to_thread(self.sinks.open, job.id, job.attempts)
         committed = False
         try:
             try:

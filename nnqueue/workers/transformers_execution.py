@@ -39,7 +39,7 @@ class TransformersExecutor:
         except PayloadMissing as missing:
             raise JobFailure("PayloadMissing", str(missing)) from None
         progress(0, 1)
-        sinks = await asyncio.to_thread(self.sinks.open, job.id, job.attempts, job.timeout_s)
+        sinks = await asyncio.to_thread(self.sinks.open, job.id, job.attempts)
         committed = False
         try:
             try:

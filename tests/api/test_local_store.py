@@ -3,6 +3,8 @@ results stream through the API even without ``?inline=1``."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.results import load_result
 from tests.utils.api import Api, app_client, register_worker
 from tests.utils.payloads import fake_trace
-from tests.utils.results import store_result
+from tests.utils.results import result_fields, store_result
 from tests.utils.services import Services
 
 S = JobStatus
@@ -59,9 +61,7 @@ def test_sqlite_and_a_local_store_serve_jobs_and_stream_results(local_api: Api) 
         transition(session, job_id, S.RUNNING, worker_id="test-worker")
     stored = store_result(api.resources.store, job_id, saves)
     with transaction(api.resources.sessions) as session:
-        transition(
-            session, job_id, S.COMPLETED, result_key=stored.key, result_size=stored.size, result_format=stored.format
-        )
+        transition(session, job_id, S.COMPLETED, **result_fields(stored))
 
     response = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, follow_redirects=False)
     assert response.status_code == 200  # no presigned URL to redirect to
@@ -69,11 +69,17 @@ def test_sqlite_and_a_local_store_serve_jobs_and_stream_results(local_api: Api) 
     assert int(response.headers["content-length"]) == stored.size == len(response.content)
     for name, value in load_result(response.content).items():
         torch.testing.assert_close(value, saves[name])
+    # The sha256 the worker recorded, in the job's JSON and the download's headers, is that of the bytes served.
+    sha256 = hashlib.sha256(response.content).hexdigest()
+    assert api.http.get(f"/v1/jobs/{job_id}", headers=alice).json()["result"]["sha256"] == sha256
+    assert response.headers["etag"] == f'"{sha256}"'
+    assert response.headers["digest"] == "sha-256=" + base64.b64encode(bytes.fromhex(sha256)).decode()
 
     safetensors = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "safetensors"})
     assert safetensors.status_code == 200 and safetensors.content == api.resources.store.get_bytes(
         f"results/{job_id}/1/saves.safetensors"
     )
+    assert stored.safetensors is not None and safetensors.headers["etag"] == f'"{stored.safetensors.sha256}"'
 
     api.resources.store.delete(stored.key)
     gone = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice)

@@ -6,7 +6,9 @@ see, such as the API key never travelling to the object store with a presigned d
 
 from __future__ import annotations
 
+import base64
 import builtins
+import hashlib
 import io
 import json
 import re
@@ -24,6 +26,7 @@ from nnqueue.client import (
     AuthenticationError,
     Client,
     ConflictError,
+    IntegrityError,
     JobCancelled,
     JobFailed,
     NotFoundError,
@@ -295,9 +298,44 @@ def test_a_short_download_is_an_error_and_leaves_no_file(tmp_path: Any) -> None:
             return httpx.Response(200, content=b"only ten b")
         return httpx.Response(200, json=completed)
 
-    with pytest.raises(APIError, match="is 10 bytes, expected 100"):
+    with pytest.raises(IntegrityError, match="got 10 bytes, expected 100 bytes"):
         scripted(api).job(JOB_ID).download(tmp_path / "r.pt", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bytes_other_than_the_recorded_sha256_are_an_error_and_are_never_loaded(tmp_path: Any) -> None:
+    genuine, forged = saves_bytes({"x": torch.ones(2)}), saves_bytes({"x": torch.zeros(2)})
+    assert len(genuine) == len(forged)
+    recorded = {"size": len(genuine), "format": "torch", "sha256": hashlib.sha256(genuine).hexdigest()}
+
+    def api(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/result"):
+            return httpx.Response(200, content=forged)
+        return httpx.Response(200, json=job_json("completed", result=recorded))
+
+    job = scripted(api).job(JOB_ID)
+    with pytest.raises(IntegrityError, match="does not match what the worker stored") as caught:
+        job.result(progress=False)
+    assert caught.value.expected == f"sha256 {recorded['sha256']}"
+    with pytest.raises(IntegrityError):
+        job.download(tmp_path / "r.pt", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_a_recorded_sha256_the_digest_header_is_checked() -> None:
+    genuine, forged = saves_bytes({"x": torch.ones(2)}), saves_bytes({"x": torch.zeros(2)})
+    header = "sha-256=" + base64.b64encode(hashlib.sha256(genuine).digest()).decode()
+
+    def api(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/result"):
+            body = genuine if request.url.params.get("inline") else forged
+            return httpx.Response(200, content=body, headers={"Digest": header})
+        return httpx.Response(200, json=job_json("completed", result={"size": len(genuine), "format": "torch"}))
+
+    job = scripted(api).job(JOB_ID)
+    assert torch.equal(job.result(progress=False, inline=True)["x"], torch.ones(2))
+    with pytest.raises(IntegrityError):
+        job.result(progress=False)
 
 
 def test_from_env_reads_url_key_and_blocking(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ with its type and traceback; the non-blocking form returns a Job; downloads matc
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -22,6 +23,7 @@ from nnqueue.client import (
     AuthenticationError,
     Client,
     ConflictError,
+    IntegrityError,
     Job,
     JobCancelled,
     JobFailed,
@@ -130,6 +132,51 @@ def test_download_writes_the_stored_bytes_by_presigned_url_and_inline(
     inline = job.download(tmp_path, inline=True)  # a directory: <id>.pt in it
     assert inline == tmp_path / f"{job.id}.pt" and inline.read_bytes() == stored
     assert set(job.result(inline=True)) == {"hidden", "logits"}
+
+
+def test_a_result_changed_in_the_store_fails_every_download_loudly(
+    client: Client,
+    api_server: ApiServer,
+    secret: str,
+    services: Services,
+    worker: WorkerProcess,
+    client_model: Any,
+    tmp_path: Any,
+) -> None:
+    model = client_model
+    backend = client.backend(model_key=MODEL_KEY, blocking=False)
+    with model.trace(PROMPT, backend=backend, max_tokens=1, temperature=0.0):
+        logits = model.logits.save()  # saved under its name; the non-blocking backend fills in nothing
+    job = backend.job
+    assert job is not None
+    job.wait(progress=False)
+    row = services.job(uuid.UUID(job.id))
+    keys = {"torch": row.result_key, "safetensors": row.result_key.rsplit("/", 1)[0] + "/saves.safetensors"}
+    stored = {name: services.store.get_bytes(key) for name, key in keys.items()}
+    recorded = job.info["result"]
+    assert recorded["sha256"] == hashlib.sha256(stored["torch"]).hexdigest() == row.result_sha256
+    assert recorded["safetensors"] == {
+        "size": len(stored["safetensors"]),
+        "sha256": hashlib.sha256(stored["safetensors"]).hexdigest(),
+    }
+    assert set(job.result(progress=False)) == {"logits"}  # the genuine bytes load
+
+    for name, key in keys.items():  # same-size forgeries, written straight into the store (S3)
+        forged = bytearray(stored[name])
+        forged[-9] ^= 0xFF
+        services.store.put_bytes(key, bytes(forged))
+
+    for inline in (False, True):
+        with pytest.raises(IntegrityError, match="sha256"):
+            job.result(progress=False, inline=inline)
+        for fmt in ("torch", "safetensors"):
+            with pytest.raises(IntegrityError, match=f"the {fmt} result of job {job.id} does not match"):
+                job.download(tmp_path / "out", progress=False, inline=inline, format=fmt)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("*.part"))
+    for extra in ([], ["--safetensors"], ["--inline"]):
+        refused = run_cli(["download", job.id, str(tmp_path / "cli.pt"), *extra], api_server.url, secret)
+        assert refused.exit_code == 1 and "IntegrityError" in refused.output, refused.output
+    assert not (tmp_path / "cli.pt").exists()
 
 
 def test_listing_fetching_cancelling_and_http_errors(

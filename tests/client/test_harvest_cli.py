@@ -6,6 +6,7 @@ and deleted."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -54,7 +55,7 @@ def cli(args: list[str], url: str, secret: str, exit_code: int = 0) -> Any:
 
 
 def test_a_harvest_from_a_yaml_spec_runs_and_its_shards_download_and_load(
-    api_server: ApiServer, harvester: str, worker: WorkerProcess, tmp_path: Path
+    api_server: ApiServer, harvester: str, services: Services, worker: WorkerProcess, tmp_path: Path
 ) -> None:
     (tmp_path / "spec.yaml").write_text(SPEC)
     (tmp_path / "texts.txt").write_text("one two three\nfour five\nsix\nseven eight nine ten\neleven\n")
@@ -82,6 +83,21 @@ def test_a_harvest_from_a_yaml_spec_runs_and_its_shards_download_and_load(
         prompts += tensors["prompt_index"].tolist()
         values.append(tensors["model.layers.1.output"].double())
     assert prompts == [0, 1, 2, 3, 4]
+    for shard in manifest["shards"]:  # what the worker recorded is what it stored
+        assert hashlib.sha256((target / shard["file"]).read_bytes()).hexdigest() == shard["sha256"]
+
+    # A shard changed in the store (S3) after the worker stored it: the download fails loudly and keeps nothing.
+    key = f"harvests/{harvest_id}/shard-00001.safetensors"
+    forged = bytearray(services.store.get_bytes(key))
+    forged[-1] ^= 0xFF
+    services.store.put_bytes(key, bytes(forged))
+    refused = CliRunner().invoke(
+        app,
+        ["harvest", "download", harvest_id, str(tmp_path / "again")],
+        env={"NNQUEUE_URL": api_server.url, "NNQUEUE_API_KEY": harvester, "COLUMNS": "250"},
+    )
+    assert refused.exit_code != 0 and "IntegrityError" in refused.output + repr(refused.exception), refused.output
+    assert not (tmp_path / "again" / "shard-00001.safetensors").exists()
 
     # The statistics the shard writers took, summed over the shards, are those of the rows downloaded.
     stats = manifest["statistics"]["model.layers.1.output"]

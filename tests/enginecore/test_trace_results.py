@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import namedtuple
-from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -82,28 +79,6 @@ def test_other_values_are_written_as_torch_only(tmp_path: Path) -> None:
     assert load_result((tmp_path / "torch").read_bytes())["tokens"] == [1, 2, 3]
 
 
-@pytest.fixture
-def held_upload() -> Iterator[tuple[str, threading.Event]]:
-    """A presigned-PUT target (a real local HTTP server) that answers only once the event is set."""
-    release = threading.Event()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:
-            self.rfile.read(int(self.headers["Content-Length"]))
-            release.wait(30)
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/object", release
-    release.set()
-    server.shutdown()
-
-
 def wait_for_entry(trace_id: str, seen: dict[str, dict[str, Any]], timeout: float = 10) -> dict[str, Any] | None:
     deadline = time.monotonic() + timeout
     while trace_id not in seen and time.monotonic() < deadline:
@@ -112,18 +87,12 @@ def wait_for_entry(trace_id: str, seen: dict[str, dict[str, Any]], timeout: floa
     return seen.get(trace_id)
 
 
-def test_a_slow_upload_does_not_hold_up_the_next_result(
-    tmp_path: Path, held_upload: tuple[str, threading.Event]
-) -> None:
-    url, release = held_upload
+def test_each_result_is_reported_and_a_failed_write_fails_only_its_own(tmp_path: Path) -> None:
     writer, seen = ResultWriter(threads=2), {}
-    writer.submit(
-        "slow", CollectedTrace({"h": torch.ones(4)}, None, False), {"torch": {"kind": "presigned_put", "url": url}}
-    )
-    writer.submit("quick", CollectedTrace({"h": torch.zeros(4)}, None, False), {"torch": handoff(tmp_path)["torch"]})
+    missing = {"torch": {"kind": "handoff", "path": str(tmp_path / "gone" / "saves.pt")}}
+    writer.submit("broken", CollectedTrace({"h": torch.ones(4)}, None, False), missing)
+    writer.submit("good", CollectedTrace({"h": torch.zeros(4)}, None, False), {"torch": handoff(tmp_path)["torch"]})
 
-    quick = wait_for_entry("quick", seen)
-    assert quick is not None and quick["write_error"] is None and "slow" not in seen
-    release.set()
-    slow = wait_for_entry("slow", seen)
-    assert slow is not None and slow["write_error"] is None and slow["objects"]["torch"]["size"] > 0
+    good, broken = wait_for_entry("good", seen), wait_for_entry("broken", seen)
+    assert good is not None and good["write_error"] is None and good["objects"]["torch"]["size"] > 0
+    assert broken is not None and "FileNotFoundError" in broken["write_error"] and broken["objects"] == {}

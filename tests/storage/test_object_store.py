@@ -375,25 +375,26 @@ def test_list_keys_by_prefix(store: ObjectStore) -> None:
     assert store.list_keys(f"{base}/nothing/") == []
 
 
-def test_a_presigned_multipart_upload_is_completed_from_its_etags(s3_store: S3ObjectStore, key: str) -> None:
-    parts = [random.Random(index).randbytes(5 * MiB) for index in range(2)] + [b"tail"]
-    upload = s3_store.presigned_multipart(key, 4, 60)  # one URL more than the parts: an upper bound
-    etags = []
-    for url, data in zip(upload.urls, parts, strict=False):
-        response = httpx.put(url, content=data)
-        assert response.status_code == 200, response.text
-        etags.append(response.headers["ETag"])
-    assert s3_store.complete_multipart(upload, etags) == sum(map(len, parts))
-    assert s3_store.get_bytes(key) == b"".join(parts)
-    s3_store.abort_multipart(upload)  # after completing: harmless
-
-    dropped = s3_store.presigned_multipart(key, 1, 60)
-    assert httpx.put(dropped.urls[0], content=b"never assembled").status_code == 200
-    s3_store.abort_multipart(dropped)
-    assert s3_store.get_bytes(key) == b"".join(parts)  # the aborted upload left the object as it was
-    assert s3_store._client.list_multipart_uploads(Bucket=s3_store.bucket, Prefix=key).get("Uploads", []) == []
+@pytest.mark.parametrize("size", [0, 3, MIN_PART_SIZE, 2 * MIN_PART_SIZE + 5])
+def test_a_staged_write_appears_whole_at_commit_with_its_digest(store: ObjectStore, key: str, size: int) -> None:
+    data = random.Random(size).randbytes(size)
+    store.put_bytes(key, b"before")
+    writer = store.open_writer(key, size_hint=size)
+    for start in range(0, size, MiB + 3):
+        writer.write(memoryview(data)[start : start + MiB + 3])
+    assert store.get_bytes(key) == b"before"  # nothing shows before the commit, even with parts uploaded
+    digest = writer.commit()
+    assert (digest.size, digest.sha256) == (size, hashlib.sha256(data).hexdigest())
+    assert store.get_bytes(key) == data
 
 
-def test_the_local_store_has_no_presigned_multipart(local_store: LocalObjectStore, key: str) -> None:
-    with pytest.raises(PresignUnsupported):
-        local_store.presigned_multipart(key, 1, 60)
+def test_an_aborted_staged_write_leaves_the_object_as_it_was(store: ObjectStore, key: str) -> None:
+    store.put_bytes(key, b"before")
+    writer = store.open_writer(key)
+    writer.write(random.Random(0).randbytes(2 * MIN_PART_SIZE + 1))  # two parts uploaded on S3
+    writer.abort()
+    assert store.get_bytes(key) == b"before"
+    if isinstance(store, S3ObjectStore):
+        assert store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", []) == []
+    else:
+        assert [path.name for path in (store.root / key).parent.iterdir()] == ["object.bin"]

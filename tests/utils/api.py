@@ -29,7 +29,7 @@ from nnqueue.db.session import transaction
 from nnqueue.scheduler import registry
 from nnqueue.settings import Settings
 from tests.utils.payloads import fake_trace
-from tests.utils.results import store_result
+from tests.utils.results import result_fields, store_result
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
 
@@ -173,8 +173,5 @@ def complete(services: Services, job_id: uuid.UUID | str, saves: dict[str, Any],
             session,
             job_uuid,
             JobStatus.COMPLETED,
-            result_key=stored.key,
-            result_size=stored.size,
-            result_format=stored.format,
-            **{"progress_done": 1, **fields},
+            **{**result_fields(stored), "progress_done": 1, **fields},
         )

@@ -1,4 +1,5 @@
-"""Intervention code on a worker cannot reach the service's secrets (nnqueue.isolation).
+"""Intervention code on a worker cannot reach the service's secrets (nnqueue.isolation), its network
+(nnqueue.netns), or the results it already stored (nnqueue.workers.sinks).
 
 The protected environment is turned off here (the worker tests show it on) (``NNQUEUE_PROTECTED_ENVIRONMENT=false``) so that the
 traces run arbitrary code, as a sandbox escape would: what they cannot reach is what the process
@@ -9,6 +10,8 @@ being non-dumpable.
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import os
 import shutil
 import stat
@@ -17,6 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import nnsight
 import pytest
@@ -134,6 +138,92 @@ def test_a_builder_that_dies_fails_only_its_job_and_is_replaced(
     assert crashed.error_type == "TraceBuilderCrashed" and "died while rebuilding this trace" in crashed.error_message
     after = services.submit(two_invoke_payload(client_model, raw=True), model_key="tiny-root")
     assert services.wait_for(after.id, {JobStatus.FAILED, JobStatus.COMPLETED}).status is JobStatus.COMPLETED
+
+
+def service_addresses(services: Services) -> dict[str, tuple[str, int]]:
+    """Where the suite's Postgres, Redis and S3 listen (TCP)."""
+    urls = {
+        "postgres": services.env["NNQUEUE_DATABASE_URL"],
+        "redis": services.env["NNQUEUE_BROKER_URL"],
+        "s3": services.env["NNQUEUE_S3__ENDPOINT_URL"],
+    }
+    return {name: (urlsplit(url).hostname or "", urlsplit(url).port or 0) for name, url in urls.items()}
+
+
+def test_a_trace_cannot_reach_the_services_while_its_job_completes(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    worker, _ = root_worker
+    addresses = service_addresses(services)
+    backend = PayloadBackend()
+    with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        # Trace-level code runs in the builder process; the invoke's in the engine core.
+        import socket
+
+        reached = {}
+        for name, address in addresses.items():
+            try:
+                socket.create_connection(address, timeout=3).close()
+                reached[name] = "connected"
+            except OSError as error:
+                reached[name] = f"{type(error).__name__}: {error}"
+        from_builder = nnsight.save(reached)
+        with tracer.invoke(PROMPTS[0]):
+            seen_by_builder = from_builder  # a trace-level save reaches the result through an invoke
+            import socket
+
+            reached = {}
+            for name, address in addresses.items():
+                try:
+                    socket.create_connection(address, timeout=3).close()
+                    reached[name] = "connected"
+                except OSError as error:
+                    reached[name] = f"{type(error).__name__}: {error}"
+            from_engine = nnsight.save(reached)
+            logits = client_model.logits.save()
+    job = services.submit(backend.payload, owner="mallory", model_key="tiny-root")
+    done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    assert done.status is JobStatus.COMPLETED, (done.error_type, done.error_message)
+    saves = load_result(services.store.get_bytes(done.result_key))
+
+    for where in ("from_builder", "from_engine"):
+        assert set(saves[where]) == {"postgres", "redis", "s3"}
+        for name, outcome in saves[where].items():
+            assert outcome != "connected" and "timed out" not in outcome, (where, name, outcome)
+    assert saves["logits"].shape[-1] > 0  # the model ran as usual
+    assert "network namespaces of their own" in worker.log()
+
+
+def test_the_engine_cannot_replace_a_finished_jobs_result(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    victim = services.submit(two_invoke_payload(client_model), owner="bob", model_key="tiny-root")
+    victim = services.wait_for(victim.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    assert victim.status is JobStatus.COMPLETED and victim.result_key is not None
+    original = services.store.get_bytes(victim.result_key)
+    assert victim.result_sha256 == hashlib.sha256(original).hexdigest() and victim.result_size == len(original)
+
+    # Everything the engine ever held of bob's result: the files it left in the worker's handoff directories.
+    names = [f"{victim.id}-{victim.attempts}-saves.pt", f"{victim.id}-{victim.attempts}-saves.safetensors"]
+    backend = PayloadBackend()
+    with client_model.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        tried = []
+        for folder in glob.glob("/tmp/nnqueue-handoff-*"):
+            for name in names:
+                try:
+                    with open(os.path.join(folder, name), "wb") as forged:
+                        forged.write(b"\0" * 64)
+                    tried.append(name)
+                except OSError:
+                    pass
+        tried = nnsight.save(tried)
+        client_model.logits
+    job = services.submit(backend.payload, owner="mallory", model_key="tiny-root")
+    done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    assert done.status is JobStatus.COMPLETED, (done.error_type, done.error_message)
+    assert load_result(services.store.get_bytes(done.result_key))["tried"]  # it did write those files
+
+    assert services.store.get_bytes(victim.result_key) == original  # what was committed is the worker's copy
 
 
 def runs_as(user: str) -> bool:

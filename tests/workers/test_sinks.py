@@ -1,9 +1,14 @@
-"""Result and shard sinks on the worker's side: where each store lets the engine write, and committing what it
-wrote (a shard: a handoff file on the local store, a presigned multipart upload on S3)."""
+"""Result and shard sinks on the worker's side: the engine leaves files (results) or writes into a pipe
+(shards); the worker uploads them itself, records the size and sha256 of what it uploaded, and hands the engine
+nothing that reaches the store."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
 import random
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -13,8 +18,9 @@ import pytest
 from nnqueue.enginecore import sink
 from nnqueue.settings import S3Settings
 from nnqueue.storage.local import LocalObjectStore
+from nnqueue.storage.object_store import ObjectStore
 from nnqueue.storage.s3 import S3ObjectStore
-from nnqueue.workers.sinks import MAX_SHARD_PARTS, MIN_PART_BYTES, ResultNotWritten, ResultSinks
+from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
 
 JOB = uuid.UUID("12345678-1234-5678-1234-567812345678")
 MiB = 1 << 20
@@ -26,42 +32,56 @@ def write(spec: dict[str, str], data: bytes) -> int:
     return sink.deliver(spec, staged).size
 
 
-def test_a_local_store_gets_handed_off_files_moved_in(tmp_path: Path) -> None:
-    store = LocalObjectStore(tmp_path / "objects")
-    sinks = ResultSinks(store, tmp_path / "objects" / ".handoff")
-    opened = sinks.open(JOB, 2, timeout_s=60)
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
+    if request.param == "local":
+        return LocalObjectStore(tmp_path / "objects")
+    s3_settings: S3Settings = request.getfixturevalue("s3_settings")
+    return S3ObjectStore(s3_settings.model_copy(update={"bucket": f"sinks-{uuid.uuid4().hex[:8]}"}))
+
+
+def test_results_are_handed_off_as_files_and_uploaded_by_the_worker_with_their_digest(
+    store: ObjectStore, tmp_path: Path
+) -> None:
+    sinks = ResultSinks(store, tmp_path / "handoff")
+    opened = sinks.open(JOB, 2)
     assert {spec["kind"] for spec in opened.specs.values()} == {"handoff"}
-    size = write(opened.specs["torch"], b"torch bytes")
+    assert "http" not in repr(opened.specs)  # nothing the engine gets reaches the store
+    sizes = {
+        name: write(opened.specs[name], data) for name, data in (("torch", b"torch bytes"), ("safetensors", b"st"))
+    }
 
-    stored = sinks.commit(opened, {"torch": size})
-    assert (stored.key, stored.size, stored.format) == (f"results/{JOB}/2/saves.pt", 11, "torch")
-    assert store.get_bytes(stored.key) == b"torch bytes" and not Path(opened.specs["torch"]["path"]).exists()
+    stored = sinks.commit(opened, sizes)
+    assert (stored.key, stored.size, stored.format) == (f"results/{JOB}/2/saves.pt", 11, "torch+safetensors")
+    assert stored.sha256 == hashlib.sha256(b"torch bytes").hexdigest()
+    assert stored.safetensors is not None and stored.safetensors.sha256 == hashlib.sha256(b"st").hexdigest()
+    assert store.get_bytes(stored.key) == b"torch bytes"
+    assert not any(Path(spec["path"]).exists() for spec in opened.specs.values())
+
+    # What the engine could do afterwards: write its handoff path again. The committed object is a copy.
+    Path(opened.specs["torch"]["path"]).write_bytes(b"forged bytes")
+    assert store.get_bytes(stored.key) == b"torch bytes"
 
 
-def test_a_wrong_size_or_a_missing_object_is_not_committed(tmp_path: Path) -> None:
-    sinks = ResultSinks(LocalObjectStore(tmp_path / "objects"), tmp_path / "handoff")
-    opened = sinks.open(JOB, 1, timeout_s=60)
+def test_a_wrong_size_a_link_or_a_missing_file_is_not_committed(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path / "objects")
+    sinks = ResultSinks(store, tmp_path / "handoff")
+    opened = sinks.open(JOB, 1)
     write(opened.specs["torch"], b"12345")
     with pytest.raises(ResultNotWritten, match="handed off with 5 bytes, reported 6"):
         sinks.commit(opened, {"torch": 6})
     with pytest.raises(ResultNotWritten, match=r"no saves\.pt"):
         sinks.commit(opened, {})
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root's")
+    os.unlink(opened.specs["torch"]["path"])
+    os.symlink(secret, opened.specs["torch"]["path"])  # the engine points the worker at a file it cannot read
+    with pytest.raises(ResultNotWritten, match="was not handed off"):
+        sinks.commit(opened, {"torch": 6})
     sinks.discard(opened)
-    assert not any((tmp_path / "handoff").rglob("*.pt"))
-
-
-def test_an_s3_store_hands_out_presigned_urls_and_checks_the_upload(s3_settings: S3Settings) -> None:
-    store = S3ObjectStore(s3_settings.model_copy(update={"bucket": f"sinks-{uuid.uuid4().hex[:8]}"}))
-    sinks = ResultSinks(store, Path("/nonexistent"))
-    opened = sinks.open(JOB, 1, timeout_s=60)
-    assert {spec["kind"] for spec in opened.specs.values()} == {"presigned_put"}
-    assert "X-Amz-Expires=660" in opened.specs["torch"]["url"]  # the job's timeout and a margin
-    sizes = {name: write(opened.specs[name], data) for name, data in (("torch", b"pt"), ("safetensors", b"st!"))}
-
-    stored = sinks.commit(opened, sizes)
-    assert stored.format == "torch+safetensors" and store.get_bytes(f"results/{JOB}/1/saves.safetensors") == b"st!"
-    with pytest.raises(ResultNotWritten, match="has 2 bytes, reported 3"):
-        sinks.commit(opened, {"torch": 3})
+    with pytest.raises(ResultNotWritten, match="was not handed off"):
+        sinks.commit(opened, {"torch": 5})
+    assert not store.exists(f"results/{JOB}/1/saves.pt")
 
 
 def stream(spec: dict[str, Any], data: bytes) -> sink.Written:
@@ -69,39 +89,52 @@ def stream(spec: dict[str, Any], data: bytes) -> sink.Written:
     return sink.write_stream(spec, len(data), (data[i : i + MiB] for i in range(0, len(data), MiB)))
 
 
-def test_a_shard_is_handed_off_on_a_local_store_and_moved_in(tmp_path: Path) -> None:
-    store = LocalObjectStore(tmp_path / "objects")
-    sinks = ResultSinks(store, tmp_path / "objects" / ".handoff")
-    opened = sinks.open_shard("harvests/h/shard-00000.safetensors", "h-00000-1.safetensors", 10 * MiB, 600)
-    assert opened.spec["kind"] == "handoff" and opened.upload is None
-    written = stream(opened.spec, b"shard bytes")
-    with pytest.raises(ResultNotWritten, match="handed off with 11 bytes, reported 12"):
-        sinks.commit_shard(opened, 12, [])
-    sinks.commit_shard(opened, written.size, [])
-    assert store.get_bytes(opened.key) == b"shard bytes" and not Path(opened.spec["path"]).exists()
-
-    dropped = sinks.open_shard("harvests/h/shard-00001.safetensors", "h-00001-1.safetensors", MiB, 600)
-    stream(dropped.spec, b"abandoned")
-    sinks.discard_shard(dropped)
-    assert not Path(dropped.spec["path"]).exists() and not store.exists(dropped.key)
+async def run_shard(sinks: ResultSinks, key: str, data: bytes) -> Any:
+    """The engine writes the shard into the pipe while the worker uploads it, as a chunk runs."""
+    opened = await asyncio.to_thread(sinks.open_shard, key, f"{uuid.uuid4().hex}.safetensors", 2 * len(data) + 1)
+    upload = asyncio.ensure_future(asyncio.to_thread(sinks.upload_shard, opened))
+    written = await asyncio.to_thread(stream, opened.spec, data)
+    await upload
+    return opened, written
 
 
-def test_a_shard_is_a_presigned_multipart_upload_on_s3_completed_from_its_etags(s3_settings: S3Settings) -> None:
-    store = S3ObjectStore(s3_settings.model_copy(update={"bucket": f"sinks-{uuid.uuid4().hex[:8]}"}))
-    sinks = ResultSinks(store, Path("/nonexistent"))
-    # A bound of 20 MiB in parts of at least 8 MiB: three part URLs; the shard turns out to need two.
-    opened = sinks.open_shard("harvests/h/shard-00000.safetensors", "unused", 20 * MiB, 600)
-    assert opened.spec["kind"] == "multipart" and opened.spec["part_size"] == MIN_PART_BYTES
-    assert len(opened.spec["urls"]) == 3 and opened.upload is not None
-    data = random.Random(0).randbytes(9 * MiB + 7)
-    written = stream(opened.spec, data)
-    assert [part["part_number"] for part in written.parts] == [1, 2]
-    with pytest.raises(ResultNotWritten, match=f"has {len(data)} bytes, reported {len(data) + 1}"):
-        sinks.commit_shard(opened, len(data) + 1, [part["etag"] for part in written.parts])
-    assert store.get_bytes(opened.key) == data  # completed, then found wrong: the record is refused
+def test_a_shard_is_uploaded_while_the_engine_writes_it(store: ObjectStore, tmp_path: Path) -> None:
+    sinks = ResultSinks(store, tmp_path / "handoff")
+    data = random.Random(0).randbytes(19 * MiB + 7)  # more than two parts of a multipart upload on S3
+    key = "harvests/h/shard-00000.safetensors"
+    opened, written = asyncio.run(run_shard(sinks, key, data))
+    assert opened.spec["kind"] == "pipe" and not store.exists(key)  # read whole, not committed yet
+    with pytest.raises(ResultNotWritten, match=f"arrived with {len(data)} bytes, reported {len(data) + 1}"):
+        sinks.commit_shard(opened, len(data) + 1)
+    assert not store.exists(key) and not Path(opened.spec["path"]).exists()
 
-    big = sinks.open_shard("harvests/h/shard-00001.safetensors", "unused", 100 * 1024 * MiB, 600)
-    assert len(big.spec["urls"]) == MAX_SHARD_PARTS and big.spec["part_size"] >= 100 * MiB
-    sinks.discard_shard(big)  # aborted: nothing is left of it
-    assert not store.exists(big.key)
-    assert store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+    opened, written = asyncio.run(run_shard(sinks, key, data))
+    digest = sinks.commit_shard(opened, written.size)
+    assert (digest.size, digest.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert store.get_bytes(key) == data and not Path(opened.spec["path"]).exists()
+
+
+def test_an_abandoned_shard_stops_its_upload_and_leaves_nothing(store: ObjectStore, tmp_path: Path) -> None:
+    sinks = ResultSinks(store, tmp_path / "handoff")
+    key = "harvests/h/shard-00001.safetensors"
+    never = sinks.open_shard(key, "never.safetensors", MiB)  # the engine never opens it
+    waiting = threading.Thread(target=sinks.upload_shard, args=(never,))
+    waiting.start()
+    never.stop.set()
+    waiting.join(timeout=5)
+    assert not waiting.is_alive()
+    sinks.discard_shard(never)
+
+    half = sinks.open_shard(key, "half.safetensors", 64 * MiB)
+    uploading = threading.Thread(target=sinks.upload_shard, args=(half,))
+    uploading.start()
+    fd = os.open(half.spec["path"], os.O_WRONLY)  # an engine that writes part of a shard and hangs
+    os.write(fd, random.Random(1).randbytes(9 * MiB))
+    half.stop.set()
+    uploading.join(timeout=5)
+    assert not uploading.is_alive()
+    sinks.discard_shard(half)
+    os.close(fd)
+    assert not store.exists(key) and not any(Path(half.spec["path"]).parent.iterdir())
+    if isinstance(store, S3ObjectStore):
+        assert store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []

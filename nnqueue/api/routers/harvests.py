@@ -31,7 +31,7 @@ from nnqueue.api.deps import (
     SettingsDep,
     StoreDep,
 )
-from nnqueue.api.downloads import stream_object
+from nnqueue.api.downloads import digest_headers, stream_object
 from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import HarvestListResponse, HarvestResponse, ShardFile, ShardList, parse_spec_field
@@ -227,12 +227,16 @@ def shard(
             status.HTTP_404_NOT_FOUND, f"harvest {harvest_id} has shards 0 to {harvest.chunks_total - 1}"
         )
     key = harvest_key(harvest.id, shard_name(index))
+    sha256 = session.scalar(
+        select(HarvestChunk.sha256).where(HarvestChunk.harvest_id == harvest.id, HarvestChunk.index == index)
+    )
     if not inline:
         try:
-            return RedirectResponse(store.presigned_get_url(key, settings.result_url_expiry_s), status.HTTP_302_FOUND)
+            url = store.presigned_get_url(key, settings.result_url_expiry_s)
+            return RedirectResponse(url, status.HTTP_302_FOUND, headers=digest_headers(sha256))
         except PresignUnsupported:
             pass
-    return stream_object(store, key, filename=shard_name(index), what="the shard")
+    return stream_object(store, key, filename=shard_name(index), what="the shard", sha256=sha256)
 
 
 def _completed(session: Session, harvest_id: uuid.UUID, caller: Caller) -> Harvest:

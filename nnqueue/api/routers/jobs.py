@@ -30,7 +30,7 @@ from nnqueue.api.deps import (
     StoreDep,
     check_scope,
 )
-from nnqueue.api.downloads import stream_object
+from nnqueue.api.downloads import digest_headers, stream_object
 from nnqueue.api.job_body import OPENAPI_BODY, Submission, read_submission
 from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
@@ -203,15 +203,18 @@ def result_response(
     inline: bool = False,
 ) -> StreamingResponse | RedirectResponse:
     """A completed job's result in ``format`` (``torch`` or ``safetensors``): a redirect to a presigned URL,
-    or its bytes when ``inline`` or the store cannot presign; 409 or 410 when there is none."""
+    or its bytes when ``inline`` or the store cannot presign, with the sha256 the worker recorded
+    (:func:`nnqueue.api.downloads.digest_headers`); 409 or 410 when there is none."""
     key = _result_object(job, format)
+    sha256 = job.result_sha256 if format == "torch" else job.result_safetensors_sha256
     if not inline:
         try:
             url = store.presigned_get_url(key, settings.result_url_expiry_s)
-            return RedirectResponse(url, status_code=status.HTTP_302_FOUND)
+            return RedirectResponse(url, status_code=status.HTTP_302_FOUND, headers=digest_headers(sha256))
         except PresignUnsupported:
             pass  # a local store: stream it ourselves
-    return stream_object(store, key, filename=f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}")
+    filename = f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}"
+    return stream_object(store, key, filename=filename, sha256=sha256)
 
 
 def _require_trace(data: bytes) -> None:

@@ -1,7 +1,7 @@
 """engine crashes per key; status-page sessions
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 Create Date: 2026-11-26 14:00:00.000000
 
 A partial index of the jobs that crashed an engine, by API key and end time: admission reads a key's last
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0010"
-down_revision: str | None = "0008"
+down_revision: str | None = "0009"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
