@@ -24,6 +24,7 @@ LAYERS = {
     "logs": 0,
     "metrics": 0,
     "isolation": 1,
+    "seccomp_filter": 1,
     "trace_payload": 1,
     "db": 1,
     "storage": 1,

@@ -1,11 +1,16 @@
-"""The engine processes' side of isolation: the protected environment, and the drop to the engine user.
+"""The engine processes' side of isolation: the protected environment, the drop to the engine user, seccomp.
 
 Mixed into both engine worker classes (``cpu_worker``, ``gpu_worker``), first in their bases:
 
 * ``init_device``: the protected environment (:mod:`nnqueue.enginecore.protected`) is installed before
   any payload can arrive;
-* the first ``execute_model``: a root engine switches to the engine user
-  (:func:`nnqueue.isolation.drop_privileges`). Users' code arrives only with requests (nnsight's runner
+* the first ``execute_model``, in an engine process that an nnqueue worker started
+  (:func:`nnqueue.isolation.started_by_worker`; an engine a library user builds in or under their own
+  process is never switched): the process switches to the engine user the worker chose at start-up
+  (:func:`nnqueue.isolation.drop_privileges`; the worker exports an empty user when its probe found the
+  user cannot use this Python, and the process then keeps root), then builds the sampler's lazily
+  compiled kernels (:func:`warm_up_jit`) and applies the seccomp filter (:mod:`nnqueue.seccomp_filter`).
+  Users' code arrives only with requests (nnsight's runner
   unpickles a request's mediator inside ``execute_model``), and by then the engine is entirely up: model
   loaded, KV cache allocated, graphs compiled and captured, and the ZMQ sockets to the frontend connected.
   Earlier is too early: vLLM's engine core connects its input and output sockets (``ipc://`` files the
@@ -30,7 +35,7 @@ if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
 else:
     _Worker = object
 
-from nnqueue import isolation
+from nnqueue import isolation, seccomp_filter
 from nnqueue.enginecore import protected
 
 log = logging.getLogger(__name__)
@@ -45,18 +50,23 @@ class EngineConfig:
     stall_timeout_s: float = 60.0
     protected_environment: bool = True
     allowed_modules: tuple[str, ...] = ()
+    seccomp: bool = True
 
     @classmethod
     def from_environment(cls) -> EngineConfig:
         env = os.environ
         return cls(
             stall_timeout_s=float(env.get("NNQUEUE_ENGINE_STALL_TIMEOUT_S", cls.stall_timeout_s)),
-            protected_environment=env.get("NNQUEUE_PROTECTED_ENVIRONMENT", "true").strip().lower()
-            not in ("false", "0", "no", "off"),
+            protected_environment=_flag(env.get("NNQUEUE_PROTECTED_ENVIRONMENT", "true")),
             allowed_modules=tuple(
                 name.strip() for name in env.get("NNQUEUE_ALLOWED_MODULES", "").split(",") if name.strip()
             ),
+            seccomp=_flag(env.get("NNQUEUE_ENGINE_SECCOMP", "true")),
         )
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() not in ("false", "0", "no", "off")
 
 
 # What a job in a child process (a trace builder, the transformers engine) imports: imported before the drop,
@@ -68,19 +78,59 @@ JOB_MODULES = (
     "nnsight.tracing.util",
     "nnqueue.enginecore.trace_results",
 )
+# What the worker's start-up probe imports as the engine user (nnqueue.isolation.plan_containment): what the
+# engine and builder processes import after the switch. Modules users' code may import (the protected
+# environment's allow-list), what jobs load, the standard library's lazily imported modules (nnsight's source
+# parsing, inductor's ``symtable``) and inductor's compiler cache (which also reads Python's headers).
+PROBE_MODULES = (
+    *sorted(protected.ALLOWED_MODULES - {"__future__"}),
+    *JOB_MODULES,
+    "symtable",
+    "ast",
+    "inspect",
+    "linecache",
+    "tokenize",
+    "torch._inductor.codecache",
+    "nnqueue.enginecore.sandbox",
+)
 
 
 def enter_child_sandbox() -> EngineConfig:
     """What a child process that runs users' code (a trace builder, the transformers engine) does once its model
     is loaded and before the first payload: import what jobs use, scrub the secrets and, when root, drop to the
-    engine user, then install the protected environment. Returns the engine's settings."""
+    engine user the worker chose, apply the seccomp filter, then install the protected environment. Returns the
+    engine's settings."""
     for name in JOB_MODULES:
         importlib.import_module(name)
     isolation.enter_sandbox()
     config = EngineConfig.from_environment()
+    if config.seccomp and isolation.started_by_worker():
+        seccomp_filter.install(isolation.worker_pids())
     if config.protected_environment:
         protected.install(config.allowed_modules)
     return config
+
+
+def warm_up_jit() -> None:
+    """Build the sampler kernels vLLM compiles on first use (``torch.compile`` with inductor: a C compiler run)
+    while this process may still exec: logprobs' ``batched_count_greater_than`` (vLLM 0.32,
+    ``vllm.v1.sample.ops.logprobs``), once for one row and once for several (dynamic shapes specialize 1)."""
+    import torch
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    device = "cpu" if _platform_is_cpu() else "cuda"
+    try:
+        for rows in (1, 3):
+            values = torch.zeros(rows, 8, device=device)
+            batched_count_greater_than(values, values[:, :1])
+    except Exception:  # a job asking for logprobs will then fail alone, saying why
+        log.exception("building vLLM's logprobs kernel before the seccomp filter failed")
+
+
+def _platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 class SandboxedWorker(_Worker):
@@ -100,9 +150,20 @@ class SandboxedWorker(_Worker):
         return super().execute_model(*args, **kwargs)
 
     def _nnqueue_enter_sandbox(self) -> None:
+        self._nnqueue_sandboxed = True
+        if not isolation.started_by_worker():
+            return  # an engine a library user (or a test) built: it keeps its caller's user
         init_method = str(getattr(self, "distributed_init_method", "") or "")
         rendezvous = Path(init_method.removeprefix("file://"))
         hand_over = [rendezvous] if init_method.startswith("file://") and rendezvous.exists() else []
+        seccomp = EngineConfig.from_environment().seccomp
+        if seccomp:
+            warm_up_jit()  # as root still: the compiled kernel lands in root's inductor cache, reused next start
         isolation.enter_sandbox(hand_over=hand_over)
-        self._nnqueue_sandboxed = True
-        log.info("engine process %d runs users' code as uid %d", os.getpid(), os.getuid())
+        filtered = seccomp and seccomp_filter.install(isolation.worker_pids())
+        log.info(
+            "engine process %d runs users' code as uid %d, seccomp filter %s",
+            os.getpid(),
+            os.getuid(),
+            "applied" if filtered else "NOT applied",
+        )

@@ -28,10 +28,11 @@ from typing import Any
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue import isolation
+from nnqueue import isolation, seccomp_filter
 from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
+from nnqueue.enginecore import sandbox
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
@@ -74,7 +75,7 @@ def run_worker(
     a time; ``engine_kwargs`` go to the model's ``from_pretrained``)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
-    isolate(settings)
+    containment = isolate(settings)
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
@@ -88,7 +89,7 @@ def run_worker(
         log.info("serving metrics on port %d", settings.worker_metrics_port)
     # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
     os.environ[WORKER_PID_ENV] = str(os.getpid())
-    crash_dir = isolation.engine_writable_dir("nnqueue-crash-", settings.engine_user)
+    crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
     os.environ[CRASH_DIR_ENV] = str(crash_dir)
     host = EngineHost(blocking_threads=min(2 * (max_concurrent_jobs + bulk_slots) + 2, 64))
     with sessions() as session:  # fail before loading a model that would then not register
@@ -127,6 +128,7 @@ def run_worker(
             engine=engine_kind,
             stale_after_s=settings.worker_stale_after_s,
             capture_points=points,
+            containment=containment.report(),
         )
     except registry.EngineConflict:
         host.call(executor.close())
@@ -190,22 +192,32 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def isolate(settings: Settings) -> None:
-    """Remove the secrets from the environment the engine will inherit, and keep the engine out of ours.
+def isolate(settings: Settings) -> isolation.Containment:
+    """Remove the secrets from the environment the engine will inherit, keep the engine out of ours, and
+    choose the engine processes' user (:func:`nnqueue.isolation.plan_containment`: raises
+    :class:`nnqueue.isolation.EngineUserError` when the worker must not start).
 
     Also: the engine reads its settings from the environment (never ``.env``), and its processes are
     spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
     """
+    seccomp = seccomp_filter.unavailable_reason() if settings.engine_seccomp else "off (NNQUEUE_ENGINE_SECCOMP=false)"
+    containment = isolation.plan_containment(
+        settings.engine_user, settings.engine_user_required, seccomp, sandbox.PROBE_MODULES
+    )
+    (log.info if containment.engine_user else log.warning)("engine isolation: %s", containment.note)
+    if containment.seccomp:
+        log.warning("engine isolation: %s", containment.seccomp)
     env_file = Path(str(Settings.model_config.get("env_file")))
-    for warning in isolation.env_file_warnings(env_file, settings.engine_user) + isolation.python_warnings(
-        settings.engine_user
-    ):
+    for warning in isolation.env_file_warnings(env_file, containment.engine_user or ""):
         log.warning("%s", warning)
     removed = isolation.scrub_environment(settings.secret_env_patterns)
     isolation.make_non_dumpable()
     os.environ.update(settings.engine_environment())
+    os.environ[isolation.ENGINE_USER_ENV] = containment.engine_user or ""
+    isolation.mark_engine_sandbox()
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     log.info("removed %d secret variables from the engine's environment", len(removed))
+    return containment
 
 
 def _engine_errored(executor: Executor) -> bool:

@@ -1,14 +1,18 @@
-"""Intervention code on a worker cannot reach the service's secrets (nnqueue.isolation).
+"""Intervention code on a worker cannot reach the service's secrets, the worker, other files or the network
+(nnqueue.isolation, nnqueue.seccomp_filter).
 
-The protected environment is turned off here (the worker tests show it on) (``NNQUEUE_PROTECTED_ENVIRONMENT=false``) so that the
-traces run arbitrary code, as a sandbox escape would: what they cannot reach is what the process
-isolation alone keeps from them. A root worker's engine runs as ``nobody``; a worker run as an
-unprivileged user shares that user with its engine and relies on the scrubbed environment and on
-being non-dumpable.
+The protected environment is turned off here (``NNQUEUE_PROTECTED_ENVIRONMENT=false``; the worker tests show it
+on) so that the traces run arbitrary code, as a sandbox escape would: what they cannot reach is what the process
+isolation alone keeps from them. A root worker's engine switches to the dedicated engine user when that user can
+use this Python (its start-up probe), else keeps root behind the other layers (on a machine whose Python lives in
+root's mode-700 home, such as this project's): the assertions follow what the worker registered. A worker run
+as an unprivileged user shares that user with its engine and relies on the scrubbed environment, on being
+non-dumpable and on seccomp.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -31,26 +35,50 @@ from tests.utils.snooping import UNPROTECTED, assert_no_secret, pwd_uid
 pytestmark = pytest.mark.slow  # real worker processes, one as root and one as nobody
 
 
-def snooping_payload(client: VLLM, worker_pid: int, env_file: str) -> bytes:
-    """A trace that collects the environment, its parent's and the worker's /proc environ, and .env."""
+def snooping_payload(client: VLLM, worker_pid: int, env_file: str, redis_port: int) -> bytes:
+    """A trace that collects the environment, its parent's and the worker's /proc environ and memory, .env, and
+    tries to signal and trace the worker, to start a program and to open a TCP connection to the broker."""
     backend = PayloadBackend()
     with client.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        import ctypes
         import os
+        import socket
 
         def read(path: str) -> str:
             try:
                 with open(path, "rb") as file:
-                    return file.read().decode(errors="replace")
+                    return file.read(4096).decode(errors="replace")
             except OSError as error:
                 return f"{type(error).__name__}: {error}"
 
+        def attempt(action: Any) -> str:
+            try:
+                action()
+            except OSError as error:
+                return f"{type(error).__name__}: {error}"
+            return "done"
+
+        def connect() -> None:
+            with socket.create_connection(("127.0.0.1", redis_port), timeout=2):
+                pass
+
+        def unix_socket() -> None:
+            socket.socket(socket.AF_UNIX).close()
+
+        libc = ctypes.CDLL(None, use_errno=True)
         found = nnsight.save(
             {
                 "environ": {key: value for key, value in os.environ.items() if "NNQUEUE" in key or "AWS" in key},
                 "parent": read(f"/proc/{os.getppid()}/environ"),
                 "worker": read(f"/proc/{worker_pid}/environ"),
+                "worker_mem": read(f"/proc/{worker_pid}/mem"),
                 "env_file": read(env_file),
                 "uid": os.getuid(),
+                "signal_worker": attempt(lambda: os.kill(worker_pid, 0)),
+                "ptrace_worker": libc.ptrace(16, worker_pid, 0, 0) == -1 and ctypes.get_errno(),  # PTRACE_ATTACH
+                "exec": attempt(lambda: os.execv("/bin/true", ["true"])),
+                "tcp": attempt(connect),
+                "unix": attempt(unix_socket),
             }
         )
         client.logits
@@ -61,7 +89,8 @@ def run_snoop(
     services: Services, worker: WorkerProcess, client: VLLM, model_key: str, env_file: Path
 ) -> dict[str, Any]:
     registered = worker.wait_registered()
-    payload = snooping_payload(client, registered.pid, str(env_file))
+    redis_port = int(services.env["NNQUEUE_BROKER_URL"].rsplit(":", 1)[1].split("/")[0])
+    payload = snooping_payload(client, registered.pid, str(env_file), redis_port)
     job = services.submit(payload, owner="mallory", model_key=model_key)
     finished = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
     assert finished.status is JobStatus.COMPLETED, (finished.error_type, finished.error_message)
@@ -82,16 +111,37 @@ def root_worker(
     return worker, env_file
 
 
-def test_a_root_workers_engine_sees_no_secret_and_runs_as_nobody(
+def engine_uid(worker: WorkerProcess) -> int:
+    """The uid the worker's engine runs users' code as, from what it registered: the engine user, or root
+    kept (the engine user cannot use this Python)."""
+    containment = worker.wait_registered().containment
+    assert containment is not None
+    if containment["engine_user"].startswith("kept "):
+        assert "cannot use this Python" in containment["note"] and "fix:" in containment["note"], containment
+        return 0
+    return pwd_uid(containment["engine_user"])
+
+
+def test_a_root_workers_engine_sees_no_secret_and_cannot_reach_the_worker_or_the_network(
     services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
 ) -> None:
     worker, env_file = root_worker
     found = run_snoop(services, worker, client_model, "tiny-root", env_file)
 
     assert_no_secret(found, services)
-    assert found["uid"] == pwd_uid("nobody")
-    assert "PermissionError" in found["parent"] and "PermissionError" in found["env_file"]
+    assert found["uid"] == engine_uid(worker)
+    assert "PermissionError" in found["parent"] and "PermissionError" in found["worker_mem"]
+    # The seccomp filter: no signal to the worker, no ptrace, no exec, no TCP socket; unix sockets still work.
+    assert found["signal_worker"].startswith("PermissionError"), found["signal_worker"]
+    assert found["ptrace_worker"] == errno.EPERM
+    assert found["exec"].startswith("PermissionError") and found["tcp"].startswith("PermissionError"), found
+    assert found["unix"] == "done"
+    if found["uid"] != 0:  # a root-owned chmod 600 file is out of the engine user's reach; root keeps its files
+        assert "PermissionError" in found["env_file"]
+    else:
+        assert "can read it" in worker.log()  # the .env warning: the engine shares the worker's user
     assert "secret variables from the engine's environment" in worker.log()
+    assert "engine isolation:" in worker.log()
 
 
 def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
@@ -117,7 +167,7 @@ def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
 
     assert "NNQUEUE_ENGINE_STALL_TIMEOUT_S" in seen["environ"]  # the environment was read
     assert_no_secret(seen, services)
-    assert seen["uid"] == pwd_uid("nobody") and not seen["parent_readable"]
+    assert seen["uid"] == engine_uid(root_worker[0]) and not seen["parent_readable"]
 
 
 def test_a_builder_that_dies_fails_only_its_job_and_is_replaced(
