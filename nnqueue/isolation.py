@@ -313,8 +313,8 @@ def ensure_account(name: str, attempts: int = 5) -> EngineUser:
     account appeared meanwhile, or the password file was locked) is looked up again."""
     for attempt in range(attempts):
         try:
-            account = engine_user(name)
-        except ValueError:
+            pwd.getpwnam(name)
+        except KeyError:
             if name != DEFAULT_ENGINE_USER:
                 raise EngineUserError(
                     f"NNQUEUE_ENGINE_USER={name!r} is not a user on this machine: create it (useradd --system"
@@ -323,6 +323,10 @@ def ensure_account(name: str, attempts: int = 5) -> EngineUser:
             _create_account(name, last=attempt == attempts - 1)
             time.sleep(0.2 * attempt)
             continue
+        try:
+            account = engine_user(name)
+        except ValueError as error:  # root
+            raise EngineUserError(str(error)) from None
         assert account is not None
         return account
     raise EngineUserError(f"the account {name!r} could not be created")  # pragma: no cover - _create_account raised
@@ -505,7 +509,7 @@ def blocked_at(path: Path, account: EngineUser) -> Path | None:
 def what_to_change(account: EngineUser, problems: list[str], paths: Iterable[Path] | None = None) -> str:
     """The probe's problems and the fix for the folders that keep the engine user from ``paths`` (default
     :func:`interpreter_paths`), as one message."""
-    blocked = {}
+    blocked: dict[Path, Path] = {}
     for path in interpreter_paths() if paths is None else paths:
         if (part := blocked_at(path, account)) is not None:
             blocked.setdefault(part, path)

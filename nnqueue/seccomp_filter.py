@@ -75,9 +75,9 @@ def _binding() -> ModuleType:
 
         return pyseccomp
     except ImportError:
-        import seccomp  # type: ignore[import-not-found]  # Debian's python3-seccomp, outside a venv
+        import seccomp  # Debian's python3-seccomp (outside a venv)
 
-        return seccomp  # type: ignore[no-any-return]
+        return seccomp
 
 
 # Calls that name a process by their first argument: refused for the protected pids (and for -1, "every

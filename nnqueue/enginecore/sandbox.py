@@ -6,10 +6,11 @@ Mixed into both engine worker classes (``cpu_worker``, ``gpu_worker``), first in
   any payload can arrive;
 * the first ``execute_model``, in an engine process that an nnqueue worker started
   (:func:`nnqueue.isolation.started_by_worker`; an engine a library user builds in or under their own
-  process is never switched): the process switches to the engine user the worker chose at start-up
+  process is never switched): the process builds the sampler's lazily compiled kernels
+  (:func:`warm_up_jit`), switches to the engine user the worker chose at start-up
   (:func:`nnqueue.isolation.drop_privileges`; the worker exports an empty user when its probe found the
-  user cannot use this Python, and the process then keeps root), then builds the sampler's lazily
-  compiled kernels (:func:`warm_up_jit`) and applies the seccomp filter (:mod:`nnqueue.seccomp_filter`).
+  user cannot use this Python, and the process then keeps root, without capabilities in this thread), and
+  applies the seccomp filter (:mod:`nnqueue.seccomp_filter`).
   Users' code arrives only with requests (nnsight's runner
   unpickles a request's mediator inside ``execute_model``), and by then the engine is entirely up: model
   loaded, KV cache allocated, graphs compiled and captured, and the ZMQ sockets to the frontend connected.
@@ -111,26 +112,21 @@ def enter_child_sandbox() -> EngineConfig:
     return config
 
 
-def warm_up_jit() -> None:
-    """Build the sampler kernels vLLM compiles on first use (``torch.compile`` with inductor: a C compiler run)
+def warm_up_jit(vocab_size: int, device: Any) -> None:
+    """Build the sampler kernel vLLM compiles on first use (``torch.compile`` with inductor: a C compiler run)
     while this process may still exec: logprobs' ``batched_count_greater_than`` (vLLM 0.32,
-    ``vllm.v1.sample.ops.logprobs``), once for one row and once for several (dynamic shapes specialize 1)."""
+    ``vllm.v1.sample.ops.logprobs``), through the call vLLM itself makes (``Sampler.gather_logprobs``: the
+    batch dimension unbacked, so one kernel serves every batch size; the vocabulary size is static, hence
+    the model's)."""
     import torch
-    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+    from vllm.v1.sample.sampler import Sampler
 
-    device = "cpu" if _platform_is_cpu() else "cuda"
     try:
         for rows in (1, 3):
-            values = torch.zeros(rows, 8, device=device)
-            batched_count_greater_than(values, values[:, :1])
+            logprobs = torch.zeros(rows, vocab_size, device=device).log_softmax(dim=-1, dtype=torch.float32)
+            Sampler.gather_logprobs(logprobs, 1, torch.zeros(rows, dtype=torch.int64, device=device))
     except Exception:  # a job asking for logprobs will then fail alone, saying why
         log.exception("building vLLM's logprobs kernel before the seccomp filter failed")
-
-
-def _platform_is_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
 
 
 class SandboxedWorker(_Worker):
@@ -150,17 +146,18 @@ class SandboxedWorker(_Worker):
         return super().execute_model(*args, **kwargs)
 
     def _nnqueue_enter_sandbox(self) -> None:
-        self._nnqueue_sandboxed = True
         if not isolation.started_by_worker():
+            self._nnqueue_sandboxed = True
             return  # an engine a library user (or a test) built: it keeps its caller's user
         init_method = str(getattr(self, "distributed_init_method", "") or "")
         rendezvous = Path(init_method.removeprefix("file://"))
         hand_over = [rendezvous] if init_method.startswith("file://") and rendezvous.exists() else []
         seccomp = EngineConfig.from_environment().seccomp
-        if seccomp:
-            warm_up_jit()  # as root still: the compiled kernel lands in root's inductor cache, reused next start
+        if seccomp:  # as root still: the compiled kernel lands in root's inductor cache, reused next start
+            warm_up_jit(self.model_config.get_vocab_size(), self.device)
         isolation.enter_sandbox(hand_over=hand_over)
         filtered = seccomp and seccomp_filter.install(isolation.worker_pids())
+        self._nnqueue_sandboxed = True
         log.info(
             "engine process %d runs users' code as uid %d, seccomp filter %s",
             os.getpid(),

@@ -26,6 +26,7 @@ import nnsight
 import pytest
 from nnsight.modeling.vllm import VLLM
 
+from nnqueue import isolation
 from nnqueue.db.models import JobStatus
 from nnqueue.storage.results import load_result
 from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
@@ -230,3 +231,52 @@ def test_an_unprivileged_workers_engine_sees_no_secret(
     assert "PermissionError" in found["parent"] and "PermissionError" in found["worker"]
     # A .env the engine's user can read is only warned about: it shares the worker's user.
     assert "can read it" in worker.log()
+
+
+def wait_exit(worker: WorkerProcess, timeout: float = 300) -> int:
+    try:
+        return worker.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        worker.stop()
+        raise AssertionError(f"the worker did not exit:\n{worker.log()[-5000:]}") from None
+
+
+def python_reachable_by(account: isolation.EngineUser) -> bool:
+    return isolation.blocked_at(Path(os.path.realpath(sys.executable)), account) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the engine user is switched to only by a root worker")
+def test_a_worker_refuses_to_start_when_another_process_runs_as_its_engine_user(
+    services: Services, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    account = isolation.ensure_account(isolation.DEFAULT_ENGINE_USER)
+    squatter = subprocess.Popen(["sleep", "300"], user=account.uid, group=account.gid, extra_groups=[])
+    try:
+        worker = WorkerProcess(services, tiny_model_path, tmp_path / "worker.log", model_key="tiny-squatted")
+        code = wait_exit(worker)
+    finally:
+        squatter.kill()
+        squatter.wait()
+    log = worker.log()
+    assert code == 2, log[-5000:]  # a configuration error: its supervisor did not start it again
+    assert f"other processes already run as the engine user 'nnqueue-engine' (uid {account.uid}): {squatter.pid}" in log
+    assert "leave NNQUEUE_ENGINE_USER unset" in log and log.count("Traceback") == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the engine user is switched to only by a root worker")
+def test_a_worker_that_requires_the_engine_user_refuses_to_start_saying_what_to_change(
+    services: Services, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    account = isolation.ensure_account(isolation.DEFAULT_ENGINE_USER)
+    if python_reachable_by(account):
+        pytest.skip(
+            "this machine's Python is readable by the engine user: nothing to refuse (see tests/test_isolation.py)"
+        )
+    env = {"NNQUEUE_ENGINE_USER_REQUIRED": "true"}
+    worker = WorkerProcess(services, tiny_model_path, tmp_path / "worker.log", env=env, model_key="tiny-required")
+    code = wait_exit(worker)
+    log = worker.log()
+    assert code == 2, log[-5000:]
+    blocker = isolation.blocked_at(Path(os.path.realpath(sys.executable)), account)
+    assert "NNQUEUE_ENGINE_USER_REQUIRED is true and the engine user 'nnqueue-engine' cannot use this Python" in log
+    assert f"{blocker} (mode" in log and f"chmod o+x {blocker}" in log
