@@ -18,7 +18,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,16 +100,23 @@ def run_snoop(
 
 @pytest.fixture(scope="module")
 def root_worker(
-    services: Services, start_worker: Callable[..., WorkerProcess], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[WorkerProcess, Path]:
+    services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[WorkerProcess, Path]]:
     """A root worker without the protected environment, and the .env in its working directory."""
     # Settings read .env in the working directory: the worker's must not be readable by its engine.
     workdir = tmp_path_factory.mktemp("root-worker")
     env_file = workdir / ".env"
     env_file.write_text(f"NNQUEUE_S3__SECRET_ACCESS_KEY={services.env['NNQUEUE_S3__SECRET_ACCESS_KEY']}\n")
     env_file.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    worker = start_worker(env={**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1"}, cwd=workdir, model_key="tiny-root")
-    return worker, env_file
+    env = {**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1"}
+    worker = WorkerProcess(
+        services, tiny_model_path, workdir / "worker.log", env=env, cwd=workdir, model_key="tiny-root"
+    )
+    try:
+        worker.wait_registered(timeout=600)  # a loaded machine: the engine may take minutes to start
+        yield worker, env_file
+    finally:
+        worker.stop()
 
 
 def engine_uid(worker: WorkerProcess) -> int:
