@@ -93,7 +93,12 @@ def run_snoop(
     redis_port = int(services.env["NNQUEUE_BROKER_URL"].rsplit(":", 1)[1].split("/")[0])
     payload = snooping_payload(client, registered.pid, str(env_file), redis_port)
     job = services.submit(payload, owner="mallory", model_key=model_key)
-    finished = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    # The first job on a fresh engine also waits for the logprobs kernel built before the seccomp filter (a C
+    # compiler run): slow on a loaded machine.
+    try:
+        finished = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED}, timeout=400)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n--- worker log ---\n{worker.log()[-6000:]}") from None
     assert finished.status is JobStatus.COMPLETED, (finished.error_type, finished.error_message)
     return load_result(services.store.get_bytes(finished.result_key))["found"]
 
