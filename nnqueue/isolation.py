@@ -268,6 +268,16 @@ def started_by_worker() -> bool:
     return marker.isdigit() and int(marker) != os.getpid()
 
 
+# Set by the worker when its engine processes upload results themselves (an S3 store's presigned URLs): their
+# seccomp filter then allows AF_INET/AF_INET6 sockets.
+SECCOMP_NETWORK_ENV = "NNQUEUE_ENGINE_SECCOMP_NETWORK"
+
+
+def engine_needs_network() -> bool:
+    """In an engine or builder process: whether its worker said it uploads results over the network."""
+    return os.environ.get(SECCOMP_NETWORK_ENV) == "true"
+
+
 def worker_pids() -> list[int]:
     """In an engine or builder process: its worker's pid and the worker's supervisor's (``nnqueue worker``
     exports ``NNQUEUE_SUPERVISOR_PID``), which the seccomp filter keeps it from signalling."""

@@ -6,7 +6,9 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
 ``CTL_TSYNC``: the threads vLLM, ZMQ and OpenMP started earlier too):
 
 * ``execve`` / ``execveat``: no program can be started (a shell, ``curl``, a setuid binary);
-* ``socket`` of any family but ``AF_UNIX``: no TCP/UDP, raw, netlink or packet socket. What the engine
+* ``socket`` of any family but ``AF_UNIX``: no TCP/UDP, raw, netlink or packet socket (while the engine still
+  uploads results to an S3 store through presigned URLs, the worker exports ``NNQUEUE_ENGINE_SECCOMP_NETWORK``
+  and ``AF_INET``/``AF_INET6`` stay allowed; the network namespace is then what confines them). What the engine
   needs after start-up is ``AF_UNIX`` only: vLLM's ZMQ ``ipc://`` sockets are connected before users' code
   runs (ZMQ's internal signalling uses socketpairs), and NCCL/Gloo open their TCP sockets when the
   process group is created, at start-up. Sockets already open stay usable (the netns layer confines
@@ -86,7 +88,11 @@ SIGNALLING_SYSCALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqu
 _LOW_32 = 0xFFFFFFFF
 
 
-def _build(binding: ModuleType, protected_pids: Iterable[int] = ()) -> object:
+# Address families below AF_INET6 other than AF_UNIX and AF_INET; every family above AF_INET6 is refused too.
+_OTHER_LOW_FAMILIES = (0, 3, 4, 5, 6, 7, 8, 9)
+
+
+def _build(binding: ModuleType, protected_pids: Iterable[int] = (), network: bool = False) -> object:
     refuse = binding.ERRNO(errno.EPERM)
     rules = binding.SyscallFilter(defaction=binding.ALLOW)
     rules.set_attr(binding.Attr.CTL_NNP, 1)
@@ -96,7 +102,12 @@ def _build(binding: ModuleType, protected_pids: Iterable[int] = ()) -> object:
             rules.add_rule(refuse, name)
         except (OSError, ValueError):  # a syscall this architecture does not have
             continue
-    rules.add_rule(refuse, "socket", binding.Arg(0, binding.NE, socket.AF_UNIX))
+    if network:  # AF_UNIX, AF_INET and AF_INET6 only (no packet, netlink, vsock... sockets)
+        rules.add_rule(refuse, "socket", binding.Arg(0, binding.GT, socket.AF_INET6))
+        for family in _OTHER_LOW_FAMILIES:
+            rules.add_rule(refuse, "socket", binding.Arg(0, binding.EQ, family))
+    else:
+        rules.add_rule(refuse, "socket", binding.Arg(0, binding.NE, socket.AF_UNIX))
     for pid in {*protected_pids, -1}:
         for name in SIGNALLING_SYSCALLS:
             rules.add_rule(refuse, name, binding.Arg(0, binding.MASKED_EQ, _LOW_32, pid & _LOW_32))
@@ -112,15 +123,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def install(protected_pids: Iterable[int] = ()) -> bool:
+def install(protected_pids: Iterable[int] = (), network: bool = False) -> bool:
     """Apply the filter (and ``no_new_privs``) to every thread of this process; irreversible.
 
     ``protected_pids``: processes it may not signal (nor open a pidfd of): the worker and its supervisor,
-    which an engine that kept root could otherwise signal as their own user.
+    which an engine that kept root could otherwise signal as their own user. ``network``: also allow
+    ``AF_INET``/``AF_INET6`` sockets, for an engine that uploads results itself (presigned URLs of an S3
+    store, ``NNQUEUE_ENGINE_SECCOMP_NETWORK``).
     Returns False, after logging why, when it cannot be applied; never raises for that.
     """
     try:
-        rules = _build(_binding(), protected_pids)
+        rules = _build(_binding(), protected_pids, network)
         rules.load()  # type: ignore[attr-defined]
     except (ImportError, OSError, RuntimeError, AttributeError) as error:
         log.error("NOT applying the seccomp filter to process: %s: %s", type(error).__name__, error)

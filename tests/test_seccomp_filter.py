@@ -97,3 +97,28 @@ def test_without_a_binding_the_filter_is_reported_unavailable_and_nothing_breaks
     assert reason.startswith("seccomp filter unavailable: ModuleNotFoundError") and "pip install pyseccomp" in reason
     assert (applied, after) == ("False", "still unfiltered")
     assert "NOT applying the seccomp filter" in done.stderr
+
+
+def test_with_network_allowed_only_inet_and_unix_sockets_can_be_made() -> None:
+    """What an engine that uploads results to an S3 store itself gets (NNQUEUE_ENGINE_SECCOMP_NETWORK)."""
+    script = textwrap.dedent(
+        """
+        import errno, json, socket
+        from nnqueue import seccomp_filter
+
+        def attempt(family, kind=socket.SOCK_STREAM):
+            try:
+                socket.socket(family, kind).close()
+            except OSError as error:
+                return errno.errorcode[error.errno]
+            return "done"
+
+        assert seccomp_filter.install(network=True)
+        print(json.dumps([attempt(socket.AF_INET), attempt(socket.AF_INET6), attempt(socket.AF_UNIX),
+                          attempt(socket.AF_NETLINK, socket.SOCK_RAW), attempt(socket.AF_PACKET, socket.SOCK_RAW),
+                          attempt(socket.AF_VSOCK), attempt(4, socket.SOCK_DGRAM)]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["done", "done", "done"] + ["EPERM"] * 4

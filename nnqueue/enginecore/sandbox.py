@@ -106,7 +106,7 @@ def enter_child_sandbox() -> EngineConfig:
     isolation.enter_sandbox()
     config = EngineConfig.from_environment()
     if config.seccomp and isolation.started_by_worker():
-        seccomp_filter.install(isolation.worker_pids())
+        seccomp_filter.install(isolation.worker_pids(), isolation.engine_needs_network())
     if config.protected_environment:
         protected.install(config.allowed_modules)
     return config
@@ -156,7 +156,7 @@ class SandboxedWorker(_Worker):
         if seccomp:  # as root still: the compiled kernel lands in root's inductor cache, reused next start
             warm_up_jit(self.model_config.get_vocab_size(), self.device)
         isolation.enter_sandbox(hand_over=hand_over)
-        filtered = seccomp and seccomp_filter.install(isolation.worker_pids())
+        filtered = seccomp and seccomp_filter.install(isolation.worker_pids(), isolation.engine_needs_network())
         self._nnqueue_sandboxed = True
         log.info(
             "engine process %d runs users' code as uid %d, seccomp filter %s",

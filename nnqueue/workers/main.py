@@ -201,6 +201,10 @@ def isolate(settings: Settings) -> isolation.Containment:
     spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
     """
     seccomp = seccomp_filter.unavailable_reason() if settings.engine_seccomp else "off (NNQUEUE_ENGINE_SECCOMP=false)"
+    # An S3 store: the engine uploads results through presigned URLs, so its filter must allow TCP sockets.
+    network = settings.s3 is not None
+    if seccomp is None and network:
+        seccomp = "seccomp filter applied, with TCP/UDP sockets allowed: the engine uploads results to the S3 store"
     containment = isolation.plan_containment(
         settings.engine_user, settings.engine_user_required, seccomp, sandbox.PROBE_MODULES
     )
@@ -214,6 +218,7 @@ def isolate(settings: Settings) -> isolation.Containment:
     isolation.make_non_dumpable()
     os.environ.update(settings.engine_environment())
     os.environ[isolation.ENGINE_USER_ENV] = containment.engine_user or ""
+    os.environ[isolation.SECCOMP_NETWORK_ENV] = "true" if network else "false"
     isolation.mark_engine_sandbox()
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     log.info("removed %d secret variables from the engine's environment", len(removed))
