@@ -167,12 +167,19 @@ def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
 ) -> None:
     backend = PayloadBackend()
     with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
-        # Trace-level code: rebuilt (run) by the worker's builder process, not the engine.
+        # Trace-level code: rebuilt (run) by the worker's builder process, not the engine. (Opened, not
+        # os.access'ed: /proc checks ptrace access on open, which access() does not.)
+        parent_readable = False
+        try:
+            with open(f"/proc/{os.getppid()}/environ", "rb") as parent_environ:
+                parent_readable = parent_environ.read(1) is not None
+        except OSError:
+            pass
         seen = nnsight.save(
             {
                 "environ": {name: value for name, value in os.environ.items() if name.startswith(("NNQUEUE", "AWS_"))},
                 "uid": os.getuid(),
-                "parent_readable": os.access(f"/proc/{os.getppid()}/environ", os.R_OK),
+                "parent_readable": parent_readable,
             }
         )
         with tracer.invoke(PROMPTS[0]):
