@@ -150,12 +150,18 @@ def worker(
     """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments
     (vllm) or to the model's from_pretrained (transformers, e.g. --dtype float32)."""
     kind = _engine_kind(engine)
+    from nnqueue.isolation import EngineUserError
     from nnqueue.scheduler.registry import EngineConflict
     from nnqueue.workers.main import run_worker
 
-    logs.configure(Settings().log_format)
+    settings = Settings()
+    logs.configure(settings.log_format)
     if supervise:
+        from nnqueue.isolation import blank_initial_environment
         from nnqueue.workers.supervisor import Supervisor
+
+        # The supervisor stays root beside the engine: its /proc environ must not show the secrets either.
+        blank_initial_environment(settings.secret_env_patterns)
 
         command = [sys.executable, "-m", "nnqueue", "worker", "--no-supervise", "--model", model, "--engine", engine]
         command += ["--model-key", model_key or model, "--tensor-parallel-size", str(tensor_parallel_size)]
@@ -178,7 +184,7 @@ def worker(
         engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
     try:
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
-    except EngineConflict as conflict:
+    except (EngineConflict, EngineUserError) as conflict:
         typer.echo(str(conflict), err=True)
         raise typer.Exit(2) from None  # a configuration error: the supervisor does not restart it
 

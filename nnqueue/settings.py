@@ -102,10 +102,15 @@ class Settings(BaseSettings):
     # How often ``nnqueue beat`` looks for schedules that are due.
     beat_interval_s: float = Field(5.0, gt=0)
 
-    # Isolation of users' code (see nnqueue.isolation). When the worker runs as root, its engine
-    # processes switch to this user once they are up, before any user code runs. Empty: they stay root
-    # (not recommended: only for an engine in a test process, whose files are root's).
-    engine_user: str = "nobody"
+    # Isolation of users' code (see nnqueue.isolation, docs/operator/engine-isolation.md). When the worker runs
+    # as root, its engine processes switch to this user once they are up, before any user code runs, if a probe
+    # run as it at start-up can use this Python; else they keep root behind the other layers. The default
+    # account is dedicated (created if missing); no other process may run as it. Empty: they stay root.
+    engine_user: str = "nnqueue-engine"
+    # Refuse to start (saying what to change) rather than keep the engine's processes root.
+    engine_user_required: bool = False
+    # The seccomp filter of engine and builder processes (no exec, no non-unix sockets, no ptrace).
+    engine_seccomp: bool = True
     # More environment variables (fnmatch patterns, comma-separated) to remove before the engine
     # starts, beside the built-in NNQUEUE_DATABASE_URL, NNQUEUE_BROKER_URL, NNQUEUE_S3__* and AWS_*.
     secret_env_patterns: Annotated[list[str], NoDecode] = []
@@ -206,6 +211,7 @@ class Settings(BaseSettings):
         return {
             "NNQUEUE_ENGINE_STALL_TIMEOUT_S": str(self.engine_stall_timeout_s),
             "NNQUEUE_ENGINE_USER": self.engine_user,
+            "NNQUEUE_ENGINE_SECCOMP": "true" if self.engine_seccomp else "false",
             "NNQUEUE_SECRET_ENV_PATTERNS": ",".join(self.secret_env_patterns),
             "NNQUEUE_PROTECTED_ENVIRONMENT": "true" if self.protected_environment else "false",
             "NNQUEUE_ALLOWED_MODULES": ",".join(self.allowed_modules),

@@ -56,3 +56,24 @@ def test_demo_help_describes_the_embedded_run() -> None:
     result = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "--data-dir" in result.output and "embedded" in result.output
     assert "--harvest" in result.output
+
+
+def test_the_embedded_worker_keeps_the_engine_isolation_settings_and_no_other_nnqueue_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nnqueue.demo import EmbeddedStack
+    from nnqueue.embedded import EmbeddedRedis
+
+    monkeypatch.setenv("NNQUEUE_ENGINE_USER", "someone")
+    monkeypatch.setenv("NNQUEUE_ENGINE_USER_REQUIRED", "true")
+    monkeypatch.setenv("NNQUEUE_ENGINE_SECCOMP", "false")
+    monkeypatch.setenv("NNQUEUE_S3__BUCKET", "elsewhere")  # the demo uses its own servers, never these
+    stack = EmbeddedStack(tmp_path, tmp_path / "model", "m")
+    stack.redis = EmbeddedRedis(tmp_path / "redis")
+    try:
+        env = stack.worker_env()
+    finally:
+        stack.redis.stop()
+    assert env["NNQUEUE_ENGINE_USER"] == "someone" and env["NNQUEUE_ENGINE_USER_REQUIRED"] == "true"
+    assert env["NNQUEUE_ENGINE_SECCOMP"] == "false" and "NNQUEUE_S3__BUCKET" not in env
+    assert env["NNQUEUE_BROKER_URL"] == stack.redis.url

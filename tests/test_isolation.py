@@ -1,8 +1,12 @@
-"""nnqueue.isolation's checks of what the engine user can read (the processes themselves: tests/workers/test_isolation.py)."""
+"""nnqueue.isolation: what the engine user can read, the start-up probe and the decision it makes, the dedicated
+account, and what a process that switched can no longer reach (the worker's processes themselves:
+tests/workers/test_isolation.py)."""
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -13,7 +17,16 @@ from pathlib import Path
 
 import pytest
 
-from nnqueue.isolation import EngineUser, unreadable_by
+from nnqueue.isolation import (
+    DEFAULT_ENGINE_USER,
+    EngineUser,
+    EngineUserError,
+    ensure_account,
+    foreign_processes,
+    plan_containment,
+    probe,
+    unreadable_by,
+)
 
 STRANGER = EngineUser("stranger", 54321, 54321)  # owns nothing here, in no group of these files
 
@@ -72,3 +85,211 @@ def test_a_kernel_compiled_after_the_drop_has_writable_caches() -> None:
     assert done.returncode == 0, done.stderr
     for folder in done.stdout.split():
         assert not folder.startswith((os.path.expanduser("~"), "/tmp/torchinductor_root")), folder
+
+
+# -- the engine user's probe, the decision, the account ---------------------------------------------------
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running processes as another user needs root")
+SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's, readable by every user (its headers: python3-dev)
+
+
+@pytest.fixture
+def engine_account() -> EngineUser:
+    return ensure_account(DEFAULT_ENGINE_USER)
+
+
+@pytest.fixture
+def hidden_python(base: Path) -> Path:
+    """A copy of the system Python in a folder only root may enter, as a Python in root's mode-700 home is."""
+    home = base / "root-home"
+    (home / "bin").mkdir(parents=True)
+    python = home / "bin" / "python3"
+    shutil.copy2(os.path.realpath(SYSTEM_PYTHON), python)
+    home.chmod(0o700)
+    return python
+
+
+@needs_root
+@pytest.mark.skipif(not Path(SYSTEM_PYTHON).exists(), reason="no system Python to probe with")
+def test_the_probe_names_what_the_engine_user_cannot_import_or_read(engine_account: EngineUser, base: Path) -> None:
+    secret = base / "private" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_text("root only")
+    secret.parent.chmod(0o700)
+
+    assert probe(engine_account, ["json", "symtable"], [], python=SYSTEM_PYTHON) == []
+    problems = probe(engine_account, ["json", "no_such_module_here"], [secret], python=SYSTEM_PYTHON)
+    assert len(problems) == 2
+    assert problems[0].startswith("import no_such_module_here: ModuleNotFoundError")
+    assert problems[1] == f"read {secret}: Permission denied"
+
+
+@needs_root
+def test_an_engine_user_that_cannot_reach_python_keeps_the_engine_root_or_refuses_saying_what_to_change(
+    engine_account: EngineUser, hidden_python: Path
+) -> None:
+    kept = plan_containment(DEFAULT_ENGINE_USER, False, None, ["json"], python=str(hidden_python))
+    assert kept.engine_user is None and kept.report()["engine_user"] == "kept root"
+    home = hidden_python.parent.parent
+    assert "engine processes keep root" in kept.note and "Permission denied" in kept.note
+    assert f"{home} (mode 0700, owner root) keeps it from {hidden_python}" in kept.note
+    assert f"chmod o+x {home}" in kept.note and "outside /root" in kept.note
+
+    with pytest.raises(EngineUserError, match="NNQUEUE_ENGINE_USER_REQUIRED is true") as refused:
+        plan_containment(DEFAULT_ENGINE_USER, True, None, ["json"], python=str(hidden_python))
+    assert f"chmod o+x {home}" in str(refused.value)
+
+
+@needs_root
+@pytest.mark.skipif(not Path(SYSTEM_PYTHON).exists(), reason="no system Python to probe with")
+def test_an_engine_user_that_can_use_python_is_switched_to(engine_account: EngineUser) -> None:
+    switched = plan_containment(DEFAULT_ENGINE_USER, True, "seccomp filter unavailable: test", ["json"], SYSTEM_PYTHON)
+    assert switched.engine_user == DEFAULT_ENGINE_USER
+    assert switched.report() == {
+        "engine_user": DEFAULT_ENGINE_USER,
+        "note": f"engine processes switch to {DEFAULT_ENGINE_USER!r} once they are up",
+        "seccomp": "seccomp filter unavailable: test",
+    }
+
+
+@needs_root
+def test_an_engine_user_that_another_process_runs_as_is_refused(engine_account: EngineUser) -> None:
+    squatter = subprocess.Popen(["sleep", "60"], user=engine_account.uid, group=engine_account.gid, extra_groups=[])
+    try:
+        assert any(entry.startswith(f"{squatter.pid} (sleep 60") for entry in foreign_processes(engine_account))
+        with pytest.raises(EngineUserError, match="other processes already run as the engine user") as refused:
+            plan_containment(DEFAULT_ENGINE_USER, False, None, ["json"], SYSTEM_PYTHON)
+        assert str(squatter.pid) in str(refused.value)
+    finally:
+        squatter.kill()
+        squatter.wait()
+    assert not any(entry.startswith(f"{squatter.pid} ") for entry in foreign_processes(engine_account))
+
+
+def test_the_test_servers_never_run_as_the_engine_user() -> None:
+    from tests.utils.servers import POSTGRES_USER_WHEN_ROOT
+
+    assert POSTGRES_USER_WHEN_ROOT != DEFAULT_ENGINE_USER
+
+
+def test_a_worker_that_is_not_root_keeps_its_user_unless_the_switch_is_required(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    kept = plan_containment(DEFAULT_ENGINE_USER, False, None, ["json"])
+    assert kept.engine_user is None and "not root" in kept.note
+    with pytest.raises(EngineUserError, match="run the worker as root"):
+        plan_containment(DEFAULT_ENGINE_USER, True, None, ["json"])
+
+
+# -- only worker-started engine processes switch (a library never changes its caller's user) --------------
+
+SANDBOX_ENTRY = textwrap.dedent(
+    """
+    import json, os, sys
+    from nnqueue.enginecore.sandbox import SandboxedWorker
+    if sys.argv[1] == "worker":
+        os.environ["NNQUEUE_ENGINE_SANDBOX"] = str(os.getppid())  # what a worker exports for its engines
+    os.environ["NNQUEUE_ENGINE_USER"] = "nobody"
+    os.environ["NNQUEUE_ENGINE_SECCOMP"] = "false"
+    SandboxedWorker._nnqueue_enter_sandbox(SandboxedWorker())  # what the first execute_model does
+    print(json.dumps({"uid": os.getuid()}))
+    """
+)
+
+
+@needs_root
+@pytest.mark.parametrize("started_by", ["worker", "library"])
+def test_only_an_engine_process_a_worker_started_switches_user(started_by: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", SANDBOX_ENTRY, started_by], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    uid = json.loads(done.stdout.strip().splitlines()[-1])["uid"]
+    assert uid == (pwd.getpwnam("nobody").pw_uid if started_by == "worker" else 0)
+
+
+# -- what a switched engine process can no longer reach: files, signals, sockets --------------------------
+
+AFTER_THE_SWITCH = textwrap.dedent(
+    """
+    import json, os, socket, sys
+    from nnqueue.isolation import drop_privileges, engine_user
+    worker_pid, secret, socket_path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    assert drop_privileges(engine_user("nobody"))
+
+    def attempt(action):
+        try:
+            action()
+        except OSError as error:
+            return type(error).__name__
+        return "done"
+
+    def connect():
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(socket_path)
+
+    print(json.dumps({
+        "uid": os.getuid(),
+        "signal": attempt(lambda: os.kill(worker_pid, 0)),
+        "read": attempt(lambda: open(secret).read()),
+        "environ": attempt(lambda: open(f"/proc/{worker_pid}/environ").read()),
+        "connect": attempt(connect),
+    }))
+    """
+)
+
+
+@needs_root
+def test_a_switched_engine_process_cannot_signal_the_worker_read_its_files_or_connect_to_its_sockets(
+    base: Path,
+) -> None:
+    import socket
+
+    private = base / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o711)  # others may pass, not list: the file's own mode must keep them out
+    secret = private / "secret.env"
+    secret.write_text("NNQUEUE_DATABASE_URL=postgresql://secret\n")
+    secret.chmod(0o600)
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(private / "worker.sock"))
+    (private / "worker.sock").chmod(0o600)
+    server.listen()
+    stand_in = subprocess.Popen(["sleep", "60"])  # a root process, as the worker is
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", AFTER_THE_SWITCH, str(stand_in.pid), str(secret), str(private / "worker.sock")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+        server.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "uid": pwd.getpwnam("nobody").pw_uid,
+        "signal": "PermissionError",
+        "read": "PermissionError",
+        "environ": "PermissionError",
+        "connect": "PermissionError",
+    }
+
+
+def test_secrets_are_blanked_in_the_environment_block_proc_shows() -> None:
+    script = textwrap.dedent(
+        """
+        from nnqueue.isolation import scrub_environment
+        removed = scrub_environment(["MY_TOKEN"])
+        block = open("/proc/self/environ", "rb").read()
+        print(sorted(removed), b"s3cr3t" in block, b"t0ken" in block, b"KEEP_ME=visible" in block)
+        """
+    )
+    env = {**os.environ, "NNQUEUE_DATABASE_URL": "postgresql://u:s3cr3t@db/x", "MY_TOKEN": "t0ken"}
+    env["KEEP_ME"] = "visible"
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "'MY_TOKEN', 'NNQUEUE_DATABASE_URL'" in done.stdout
+    assert done.stdout.strip().endswith("False False True")

@@ -168,6 +168,11 @@ class ReadyResponse(BaseModel):
     status: Literal["ready", "unavailable"]
     checks: dict[str, str] = Field(description="'ok', or the error, for database, broker and object_store.")
     store: str = Field(description="The object store in use: 's3://<bucket> at <endpoint>' or 'local folder <path>'.")
+    engines: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description="Per live worker id: what its engine processes run under (engine_user: the account, or"
+        " 'kept <user>'; note: why; seccomp: 'applied' or why not). See docs/operator/engine-isolation.md.",
+    )
 
 
 def _error(job: Job) -> JobError | None:

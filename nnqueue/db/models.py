@@ -234,6 +234,8 @@ class Worker(Base):
     # What its engine can capture for harvests ({"module", "io", "parts"} each), checked at submit; null for
     # engines that run no harvests.
     capture_points: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    # What its engine processes run under ({"engine_user", "note", "seccomp"}: nnqueue.isolation.Containment).
+    containment: Mapped[dict[str, str] | None] = mapped_column(JSON)
     started_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(Timestamp)

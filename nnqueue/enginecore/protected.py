@@ -395,8 +395,8 @@ USER_EVENTS = frozenset(
 # Audit events refused in every thread once `lock_down` ran (the engine is up, users' code may run): a thread
 # or callback that intervention code left behind must not start programs, load native code or reach the
 # network. Sockets of the AF_UNIX family stay allowed (vLLM's and torch's local IPC); so is what the compilers
-# torch and Triton run (a kernel first compiled for a new shape) and nnqueue's result upload
-# (:mod:`nnqueue.enginecore.sink`) do, when no intervention code is on the stack (`_trusted_code`).
+# torch and Triton run (a kernel first compiled for a new shape) do, when no intervention code is on the stack
+# (`_trusted_code`). Results leave the engine through files the worker uploads (nnqueue.workers.sinks).
 LOCKDOWN_EVENTS = frozenset(
     {
         "os.system",
@@ -940,7 +940,7 @@ def lock_down() -> None:
     and before the first payload; :func:`install` must have run."""
     import importlib.util
 
-    for name in ("triton", "torch._inductor", "torch.utils.cpp_extension", "nnqueue.enginecore.sink"):
+    for name in ("triton", "torch._inductor", "torch.utils.cpp_extension"):
         spec = importlib.util.find_spec(name)
         if spec is not None:
             paths = spec.submodule_search_locations or ([spec.origin] if spec.origin else [])

@@ -1,11 +1,17 @@
-"""The engine processes' side of isolation: the protected environment, and the drop to the engine user.
+"""The engine processes' side of isolation: the protected environment, the drop to the engine user, seccomp.
 
 Mixed into both engine worker classes (``cpu_worker``, ``gpu_worker``), first in their bases:
 
 * ``init_device``: the protected environment (:mod:`nnqueue.enginecore.protected`) is installed before
   any payload can arrive (it refuses what intervention code may not do while it runs);
-* the first ``execute_model``: a root engine switches to the engine user
-  (:func:`nnqueue.isolation.drop_privileges`). Users' code arrives only with requests (nnsight's runner
+* the first ``execute_model``, in an engine process that an nnqueue worker started
+  (:func:`nnqueue.isolation.started_by_worker`; an engine a library user builds in or under their own
+  process is never switched): the process builds the sampler's lazily compiled kernels
+  (:func:`warm_up_jit`), switches to the engine user the worker chose at start-up
+  (:func:`nnqueue.isolation.drop_privileges`; the worker exports an empty user when its probe found the
+  user cannot use this Python, and the process then keeps root, without capabilities in this thread), and
+  applies the seccomp filter (:mod:`nnqueue.seccomp_filter`).
+  Users' code arrives only with requests (nnsight's runner
   unpickles a request's mediator inside ``execute_model``), and by then the engine is entirely up: model
   loaded, KV cache allocated, graphs compiled and captured, and the ZMQ sockets to the frontend connected.
   Earlier is too early: vLLM's engine core connects its input and output sockets (``ipc://`` files the
@@ -32,7 +38,7 @@ if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
 else:
     _Worker = object
 
-from nnqueue import isolation
+from nnqueue import isolation, seccomp_filter
 from nnqueue.enginecore import protected
 
 log = logging.getLogger(__name__)
@@ -47,18 +53,23 @@ class EngineConfig:
     stall_timeout_s: float = 60.0
     protected_environment: bool = True
     allowed_modules: tuple[str, ...] = ()
+    seccomp: bool = True
 
     @classmethod
     def from_environment(cls) -> EngineConfig:
         env = os.environ
         return cls(
             stall_timeout_s=float(env.get("NNQUEUE_ENGINE_STALL_TIMEOUT_S", cls.stall_timeout_s)),
-            protected_environment=env.get("NNQUEUE_PROTECTED_ENVIRONMENT", "true").strip().lower()
-            not in ("false", "0", "no", "off"),
+            protected_environment=_flag(env.get("NNQUEUE_PROTECTED_ENVIRONMENT", "true")),
             allowed_modules=tuple(
                 name.strip() for name in env.get("NNQUEUE_ALLOWED_MODULES", "").split(",") if name.strip()
             ),
+            seccomp=_flag(env.get("NNQUEUE_ENGINE_SECCOMP", "true")),
         )
+
+
+def _flag(value: str) -> bool:
+    return value.strip().lower() not in ("false", "0", "no", "off")
 
 
 # What a job in a child process (a trace builder, the transformers engine) imports: imported before the drop,
@@ -70,20 +81,55 @@ JOB_MODULES = (
     "nnsight.tracing.util",
     "nnqueue.enginecore.trace_results",
 )
+# What the worker's start-up probe imports as the engine user (nnqueue.isolation.plan_containment): what the
+# engine and builder processes import after the switch. Modules users' code may import (the protected
+# environment's allow-list), what jobs load, the standard library's lazily imported modules (nnsight's source
+# parsing, inductor's ``symtable``) and inductor's compiler cache (which also reads Python's headers).
+PROBE_MODULES = (
+    *sorted(protected.ALLOWED_MODULES - {"__future__"}),
+    *JOB_MODULES,
+    "symtable",
+    "ast",
+    "inspect",
+    "linecache",
+    "tokenize",
+    "torch._inductor.codecache",
+    "nnqueue.enginecore.sandbox",
+)
 
 
 def enter_child_sandbox() -> EngineConfig:
     """What a child process that runs users' code (a trace builder, the transformers engine) does once its model
     is loaded and before the first payload: import what jobs use, scrub the secrets and, when root, drop to the
-    engine user, then install the protected environment. Returns the engine's settings."""
+    engine user the worker chose, apply the seccomp filter, then install the protected environment. Returns the
+    engine's settings."""
     for name in JOB_MODULES:
         importlib.import_module(name)
     isolation.enter_sandbox()
     config = EngineConfig.from_environment()
+    if config.seccomp and isolation.started_by_worker():
+        seccomp_filter.install(isolation.worker_pids(), isolation.engine_needs_network())
     if config.protected_environment:
         protected.install(config.allowed_modules)
         protected.lock_down()
     return config
+
+
+def warm_up_jit(vocab_size: int, device: Any) -> None:
+    """Build the sampler kernel vLLM compiles on first use (``torch.compile`` with inductor: a C compiler run)
+    while this process may still exec: logprobs' ``batched_count_greater_than`` (vLLM 0.32,
+    ``vllm.v1.sample.ops.logprobs``), through the call vLLM itself makes (``Sampler.gather_logprobs``: the
+    batch dimension unbacked, so one kernel serves every batch size; the vocabulary size is static, hence
+    the model's)."""
+    import torch
+    from vllm.v1.sample.sampler import Sampler
+
+    try:
+        for rows in (1, 3):
+            logprobs = torch.zeros(rows, vocab_size, device=device).log_softmax(dim=-1, dtype=torch.float32)
+            Sampler.gather_logprobs(logprobs, 1, torch.zeros(rows, dtype=torch.int64, device=device))
+    except Exception:  # a job asking for logprobs will then fail alone, saying why
+        log.exception("building vLLM's logprobs kernel before the seccomp filter failed")
 
 
 class SandboxedWorker(_Worker):
@@ -103,11 +149,23 @@ class SandboxedWorker(_Worker):
         return super().execute_model(*args, **kwargs)
 
     def _nnqueue_enter_sandbox(self) -> None:
+        if not isolation.started_by_worker():
+            self._nnqueue_sandboxed = True
+            return  # an engine a library user (or a test) built: it keeps its caller's user
         init_method = str(getattr(self, "distributed_init_method", "") or "")
         rendezvous = Path(init_method.removeprefix("file://"))
         hand_over = [rendezvous] if init_method.startswith("file://") and rendezvous.exists() else []
+        seccomp = EngineConfig.from_environment().seccomp
+        if seccomp:  # as root still: the compiled kernel lands in root's inductor cache, reused next start
+            warm_up_jit(self.model_config.get_vocab_size(), self.device)
         isolation.enter_sandbox(hand_over=hand_over)
+        filtered = seccomp and seccomp_filter.install(isolation.worker_pids(), isolation.engine_needs_network())
         if EngineConfig.from_environment().protected_environment:
             protected.lock_down()
         self._nnqueue_sandboxed = True
-        log.info("engine process %d runs users' code as uid %d", os.getpid(), os.getuid())
+        log.info(
+            "engine process %d runs users' code as uid %d, seccomp filter %s",
+            os.getpid(),
+            os.getuid(),
+            "applied" if filtered else "NOT applied",
+        )

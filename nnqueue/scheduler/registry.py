@@ -62,9 +62,11 @@ def register(
     engine: EngineKind = EngineKind.VLLM,
     stale_after_s: float | None = None,
     capture_points: list[dict[str, Any]] | None = None,
+    containment: dict[str, str] | None = None,
 ) -> None:
     """Add the worker's row; with ``stale_after_s``, after :func:`check_engine`. ``capture_points``: what its
-    engine can capture for harvests (None: it runs none)."""
+    engine can capture for harvests (None: it runs none); ``containment``: what its engine processes run under
+    (``nnqueue.isolation.Containment.report``, shown on ``/readyz``)."""
     with transaction(sessions) as session:
         if stale_after_s is not None:
             check_engine(session, model_key, engine, stale_after_s)
@@ -78,6 +80,7 @@ def register(
                 capacity=capacity,
                 engine=engine.value,
                 capture_points=capture_points,
+                containment=containment,
             )
         )
 

@@ -20,6 +20,7 @@ and shards to this process through files it reads and uploads itself (:mod:`nnqu
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -32,10 +33,11 @@ from typing import Any
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue import isolation, netns
+from nnqueue import isolation, netns, seccomp_filter
 from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
+from nnqueue.enginecore import sandbox
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.engines.builders import BuilderPool
@@ -80,7 +82,7 @@ def run_worker(
     engine's ``max_num_seqs`` once it is up (one job at a time on the transformers engine)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
-    network = isolate(settings, ray=engine_kwargs.get("distributed_executor_backend") == "ray")
+    containment = isolate(settings, ray=engine_kwargs.get("distributed_executor_backend") == "ray")
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
@@ -93,14 +95,16 @@ def run_worker(
         log.info("serving metrics on port %d", settings.worker_metrics_port)
     # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
     os.environ[WORKER_PID_ENV] = str(os.getpid())
-    crash_dir = isolation.engine_writable_dir("nnqueue-crash-", settings.engine_user)
+    crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
     os.environ[CRASH_DIR_ENV] = str(crash_dir)
     host = EngineHost(blocking_threads=min(2 * ((max_concurrent_jobs or 32) + bulk_slots) + 2, 64))
     with sessions() as session:  # fail before loading a model that would then not register
         registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
     executor = host.call(
-        _start_executor(engine_kind, model, engine_kwargs, settings, sessions, store, network == netns.ISOLATED)
+        _start_executor(
+            engine_kind, model, engine_kwargs, settings, sessions, store, containment.network == netns.ISOLATED
+        )
     )
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
     freeze_startup_heap()
@@ -138,6 +142,7 @@ def run_worker(
             engine=engine_kind,
             stale_after_s=settings.worker_stale_after_s,
             capture_points=points,
+            containment=containment.report(),
         )
     except registry.EngineConflict:
         host.call(executor.close())
@@ -241,31 +246,44 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def isolate(settings: Settings, ray: bool = False) -> str:
-    """Remove the secrets from the environment the engine will inherit, and keep the engine out of ours.
+def isolate(settings: Settings, ray: bool = False) -> isolation.Containment:
+    """Remove the secrets from the environment the engine will inherit, keep the engine out of ours, and
+    choose the engine processes' user (:func:`nnqueue.isolation.plan_containment`: raises
+    :class:`nnqueue.isolation.EngineUserError` when the worker must not start) and network
+    (:func:`nnqueue.netns.resolve`: ``NNQUEUE_ENGINE_NETWORK``).
 
     Also: the engine reads its settings from the environment (never ``.env``), and its processes are
     spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
-    Returns the engine's network (``netns.ISOLATED`` or ``netns.HOST``; ``NNQUEUE_ENGINE_NETWORK``), which its
-    processes also find in their environment.
+    The engine's processes also find the network (``netns.ISOLATED`` or ``netns.HOST``) in their environment.
     """
     network, why = netns.resolve(settings.engine_network, ray=ray)
+    seccomp = seccomp_filter.unavailable_reason() if settings.engine_seccomp else "off (NNQUEUE_ENGINE_SECCOMP=false)"
+    # The engine hands results to this process through files; only Ray's executor opens sockets after start-up.
+    if seccomp is None and ray:
+        seccomp = "seccomp filter applied, with TCP/UDP sockets allowed: the engine's Ray executor needs them"
+    containment = isolation.plan_containment(
+        settings.engine_user, settings.engine_user_required, seccomp, sandbox.PROBE_MODULES
+    )
+    isolated = network == netns.ISOLATED
+    network_note = "a network namespace of its own (loopback only)" if isolated else f"the host's network: {why}"
+    containment = dataclasses.replace(containment, network=network, network_note=network_note)
+    (log.info if containment.engine_user else log.warning)("engine isolation: %s", containment.note)
+    (log.info if isolated else log.warning)("engine isolation: the engine's processes use %s", network_note)
+    if containment.seccomp:
+        log.warning("engine isolation: %s", containment.seccomp)
     env_file = Path(str(Settings.model_config.get("env_file")))
-    for warning in isolation.env_file_warnings(env_file, settings.engine_user) + isolation.python_warnings(
-        settings.engine_user
-    ):
+    for warning in isolation.env_file_warnings(env_file, containment.engine_user or ""):
         log.warning("%s", warning)
     removed = isolation.scrub_environment(settings.secret_env_patterns)
     isolation.make_non_dumpable()
     os.environ.update(settings.engine_environment())
+    os.environ[isolation.ENGINE_USER_ENV] = containment.engine_user or ""
+    os.environ[isolation.SECCOMP_NETWORK_ENV] = "true" if ray else "false"
+    isolation.mark_engine_sandbox()
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     os.environ.update(netns.engine_environment(network))
     log.info("removed %d secret variables from the engine's environment", len(removed))
-    if network == netns.ISOLATED:
-        log.info("the engine's processes run in network namespaces of their own (loopback only)")
-    else:
-        log.warning("the engine's processes share this host's network: %s", why)
-    return network
+    return containment
 
 
 def _engine_errored(executor: Executor) -> bool:

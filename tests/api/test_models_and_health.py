@@ -57,7 +57,19 @@ def test_readyz_is_200_when_everything_is_reachable(services: Services) -> None:
         "status": "ready",
         "checks": {"database": "ok", "broker": "ok", "object_store": "ok"},
         "store": f"s3://{s3.bucket} at {s3.endpoint_url}",
+        "engines": {},
     }
+
+
+def test_readyz_says_what_each_live_workers_engine_runs_as(services: Services) -> None:
+    kept = {"engine_user": "kept root", "note": "engine processes keep root, because ...", "seccomp": "applied"}
+    worker_id = registry.new_worker_id()
+    registry.register(services.sessions, worker_id, "model-c", "queue-model-c", 2, containment=kept)
+    with api_client(services) as api:
+        engines = api.http.get("/readyz").json()["engines"]
+        registry.mark_stopped(services.sessions, worker_id)  # a stopped worker's engine is not reported
+        after = api.http.get("/readyz").json()["engines"]
+    assert engines == {worker_id: kept} and after == {}
 
 
 def test_readyz_is_503_when_a_shared_database_meets_the_default_local_folder(

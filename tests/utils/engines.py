@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nnqueue.isolation import ENGINE_USER_ENV
 from nnqueue.workers.engine_host import EngineHost
 
 T = TypeVar("T")
@@ -35,17 +33,9 @@ def running_engine(model_path: Path, **engine_kwargs: Any) -> Iterator[InProcess
         return load_engine(str(model_path), **engine_kwargs)
 
     host = EngineHost()
-    # The engine stays this (root) process's user, so that tests can hand it files in their own
-    # temporary folders; the drop to the engine user is tested on worker processes (test_isolation.py).
-    previous = os.environ.get(ENGINE_USER_ENV)
-    os.environ[ENGINE_USER_ENV] = ""
-    try:
-        engine = InProcessEngine(host, host.call(load()))
-    finally:
-        if previous is None:
-            os.environ.pop(ENGINE_USER_ENV)
-        else:
-            os.environ[ENGINE_USER_ENV] = previous
+    # Not started by a worker, the engine keeps this (root) process's user (nnqueue.isolation.started_by_worker),
+    # so tests can hand it files in their own temporary folders; the switch is tested on worker processes.
+    engine = InProcessEngine(host, host.call(load()))
     try:
         yield engine
     finally:

@@ -1,15 +1,19 @@
-"""Intervention code on a worker cannot reach the service's secrets (nnqueue.isolation), its network
-(nnqueue.netns), or the results it already stored (nnqueue.workers.sinks).
+"""Intervention code on a worker cannot reach the service's secrets, the worker, other files or the network
+(nnqueue.isolation, nnqueue.seccomp_filter, nnqueue.netns), or the results it already stored
+(nnqueue.workers.sinks).
 
-The protected environment is turned off here (the worker tests show it on) (``NNQUEUE_PROTECTED_ENVIRONMENT=false``) so that the
-traces run arbitrary code, as a sandbox escape would: what they cannot reach is what the process
-isolation alone keeps from them. A root worker's engine runs as ``nobody``; a worker run as an
-unprivileged user shares that user with its engine and relies on the scrubbed environment and on
-being non-dumpable.
+The protected environment is turned off here (``NNQUEUE_PROTECTED_ENVIRONMENT=false``; the worker tests show it
+on) so that the traces run arbitrary code, as a sandbox escape would: what they cannot reach is what the process
+isolation alone keeps from them. A root worker's engine switches to the dedicated engine user when that user can
+use this Python (its start-up probe), else keeps root behind the other layers (on a machine whose Python lives in
+root's mode-700 home, such as this project's): the assertions follow what the worker registered. A worker run
+as an unprivileged user shares that user with its engine and relies on the scrubbed environment, on being
+non-dumpable and on seccomp.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import hashlib
 import os
@@ -17,7 +21,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +30,7 @@ import nnsight
 import pytest
 from nnsight.modeling.vllm import VLLM
 
+from nnqueue import isolation
 from nnqueue.db.models import JobStatus
 from nnqueue.storage.results import load_result
 from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
@@ -35,26 +40,50 @@ from tests.utils.snooping import UNPROTECTED, assert_no_secret, pwd_uid
 pytestmark = pytest.mark.slow  # real worker processes, one as root and one as nobody
 
 
-def snooping_payload(client: VLLM, worker_pid: int, env_file: str) -> bytes:
-    """A trace that collects the environment, its parent's and the worker's /proc environ, and .env."""
+def snooping_payload(client: VLLM, worker_pid: int, env_file: str, redis_port: int) -> bytes:
+    """A trace that collects the environment, its parent's and the worker's /proc environ and memory, .env, and
+    tries to signal and trace the worker, to start a program and to open a TCP connection to the broker."""
     backend = PayloadBackend()
     with client.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        import ctypes
         import os
+        import socket
 
         def read(path: str) -> str:
             try:
                 with open(path, "rb") as file:
-                    return file.read().decode(errors="replace")
+                    return file.read(4096).decode(errors="replace")
             except OSError as error:
                 return f"{type(error).__name__}: {error}"
 
+        def attempt(action: Any) -> str:
+            try:
+                action()
+            except OSError as error:
+                return f"{type(error).__name__}: {error}"
+            return "done"
+
+        def connect() -> None:
+            with socket.create_connection(("127.0.0.1", redis_port), timeout=2):
+                pass
+
+        def unix_socket() -> None:
+            socket.socket(socket.AF_UNIX).close()
+
+        libc = ctypes.CDLL(None, use_errno=True)
         found = nnsight.save(
             {
                 "environ": {key: value for key, value in os.environ.items() if "NNQUEUE" in key or "AWS" in key},
                 "parent": read(f"/proc/{os.getppid()}/environ"),
                 "worker": read(f"/proc/{worker_pid}/environ"),
+                "worker_mem": read(f"/proc/{worker_pid}/mem"),
                 "env_file": read(env_file),
                 "uid": os.getuid(),
+                "signal_worker": attempt(lambda: os.kill(worker_pid, 0)),
+                "ptrace_worker": libc.ptrace(16, worker_pid, 0, 0) == -1 and ctypes.get_errno(),  # PTRACE_ATTACH
+                "exec": attempt(lambda: os.execv("/bin/true", ["true"])),
+                "tcp": attempt(connect),
+                "unix": attempt(unix_socket),
             }
         )
         client.logits
@@ -65,37 +94,78 @@ def run_snoop(
     services: Services, worker: WorkerProcess, client: VLLM, model_key: str, env_file: Path
 ) -> dict[str, Any]:
     registered = worker.wait_registered()
-    payload = snooping_payload(client, registered.pid, str(env_file))
+    redis_port = int(services.env["NNQUEUE_BROKER_URL"].rsplit(":", 1)[1].split("/")[0])
+    payload = snooping_payload(client, registered.pid, str(env_file), redis_port)
     job = services.submit(payload, owner="mallory", model_key=model_key)
-    finished = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED})
+    # The first job on a fresh engine also waits for the logprobs kernel built before the seccomp filter (a C
+    # compiler run): slow on a loaded machine.
+    try:
+        finished = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED}, timeout=400)
+    except AssertionError as error:
+        raise AssertionError(f"{error}\n--- worker log ---\n{worker.log()[-6000:]}") from None
     assert finished.status is JobStatus.COMPLETED, (finished.error_type, finished.error_message)
     return load_result(services.store.get_bytes(finished.result_key))["found"]
 
 
 @pytest.fixture(scope="module")
 def root_worker(
-    services: Services, start_worker: Callable[..., WorkerProcess], tmp_path_factory: pytest.TempPathFactory
-) -> tuple[WorkerProcess, Path]:
+    services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[WorkerProcess, Path]]:
     """A root worker without the protected environment, and the .env in its working directory."""
     # Settings read .env in the working directory: the worker's must not be readable by its engine.
     workdir = tmp_path_factory.mktemp("root-worker")
     env_file = workdir / ".env"
     env_file.write_text(f"NNQUEUE_S3__SECRET_ACCESS_KEY={services.env['NNQUEUE_S3__SECRET_ACCESS_KEY']}\n")
     env_file.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    worker = start_worker(env={**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1"}, cwd=workdir, model_key="tiny-root")
-    return worker, env_file
+    env = {**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1"}
+    worker = WorkerProcess(
+        services, tiny_model_path, workdir / "worker.log", env=env, cwd=workdir, model_key="tiny-root"
+    )
+    try:
+        worker.wait_registered(timeout=600)  # a loaded machine: the engine may take minutes to start
+        yield worker, env_file
+    finally:
+        worker.stop()
 
 
-def test_a_root_workers_engine_sees_no_secret_and_runs_as_nobody(
+def engine_uid(worker: WorkerProcess) -> int:
+    """The uid the worker's engine runs users' code as, from what it registered: the engine user, or root
+    kept (the engine user cannot use this Python)."""
+    containment = worker.wait_registered().containment
+    assert containment is not None
+    if containment["engine_user"].startswith("kept "):
+        assert "cannot use this Python" in containment["note"] and "fix:" in containment["note"], containment
+        return 0
+    return pwd_uid(containment["engine_user"])
+
+
+def test_a_root_workers_engine_sees_no_secret_and_cannot_reach_the_worker_or_the_network(
     services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
 ) -> None:
     worker, env_file = root_worker
     found = run_snoop(services, worker, client_model, "tiny-root", env_file)
 
+    assert found["uid"] == engine_uid(worker)
+    if found["uid"] == 0:  # root kept: the chmod 600 .env is root's own, readable (documented; warned below)
+        assert services.env["NNQUEUE_S3__SECRET_ACCESS_KEY"] in found.pop("env_file")
     assert_no_secret(found, services)
-    assert found["uid"] == pwd_uid("nobody")
-    assert "PermissionError" in found["parent"] and "PermissionError" in found["env_file"]
+    assert "PermissionError" in found["parent"] and "PermissionError" in found["worker_mem"]
+    # The seccomp filter: no signal to the worker, no ptrace, no exec, no TCP socket (the engine hands its results
+    # to the worker through files); unix sockets still work.
+    assert found["signal_worker"].startswith("PermissionError"), found["signal_worker"]
+    assert found["ptrace_worker"] == errno.EPERM
+    assert found["exec"].startswith("PermissionError"), found
+    assert found["tcp"].startswith("PermissionError"), found["tcp"]
+    assert found["unix"] == "done"
+    containment = worker.wait_registered().containment
+    assert containment is not None and containment["seccomp"] == "applied", containment
+    assert containment["network"] == "a network namespace of its own (loopback only)", containment
+    if found["uid"] != 0:  # a root-owned chmod 600 file is out of the engine user's reach; root keeps its files
+        assert "PermissionError" in found["env_file"]
+    else:
+        assert ".env holds settings and the engine processes run as this same user" in worker.log()
     assert "secret variables from the engine's environment" in worker.log()
+    assert "engine isolation:" in worker.log()
 
 
 def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
@@ -103,12 +173,19 @@ def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
 ) -> None:
     backend = PayloadBackend()
     with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
-        # Trace-level code: rebuilt (run) by the worker's builder process, not the engine.
+        # Trace-level code: rebuilt (run) by the worker's builder process, not the engine. (Opened, not
+        # os.access'ed: /proc checks ptrace access on open, which access() does not.)
+        parent_readable = False
+        try:
+            with open(f"/proc/{os.getppid()}/environ", "rb") as parent_environ:
+                parent_readable = parent_environ.read(1) is not None
+        except OSError:
+            pass
         seen = nnsight.save(
             {
                 "environ": {name: value for name, value in os.environ.items() if name.startswith(("NNQUEUE", "AWS_"))},
                 "uid": os.getuid(),
-                "parent_readable": os.access(f"/proc/{os.getppid()}/environ", os.R_OK),
+                "parent_readable": parent_readable,
             }
         )
         with tracer.invoke(PROMPTS[0]):
@@ -121,7 +198,7 @@ def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
 
     assert "NNQUEUE_ENGINE_STALL_TIMEOUT_S" in seen["environ"]  # the environment was read
     assert_no_secret(seen, services)
-    assert seen["uid"] == pwd_uid("nobody") and not seen["parent_readable"]
+    assert seen["uid"] == engine_uid(root_worker[0]) and not seen["parent_readable"]
 
 
 def test_a_builder_that_dies_fails_only_its_job_and_is_replaced(
@@ -270,3 +347,52 @@ def test_an_unprivileged_workers_engine_sees_no_secret(
     assert "PermissionError" in found["parent"] and "PermissionError" in found["worker"]
     # A .env the engine's user can read is only warned about: it shares the worker's user.
     assert "can read it" in worker.log()
+
+
+def wait_exit(worker: WorkerProcess, timeout: float = 300) -> int:
+    try:
+        return worker.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        worker.stop()
+        raise AssertionError(f"the worker did not exit:\n{worker.log()[-5000:]}") from None
+
+
+def python_reachable_by(account: isolation.EngineUser) -> bool:
+    return isolation.blocked_at(Path(os.path.realpath(sys.executable)), account) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the engine user is switched to only by a root worker")
+def test_a_worker_refuses_to_start_when_another_process_runs_as_its_engine_user(
+    services: Services, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    account = isolation.ensure_account(isolation.DEFAULT_ENGINE_USER)
+    squatter = subprocess.Popen(["sleep", "300"], user=account.uid, group=account.gid, extra_groups=[])
+    try:
+        worker = WorkerProcess(services, tiny_model_path, tmp_path / "worker.log", model_key="tiny-squatted")
+        code = wait_exit(worker)
+    finally:
+        squatter.kill()
+        squatter.wait()
+    log = worker.log()
+    assert code == 2, log[-5000:]  # a configuration error: its supervisor did not start it again
+    assert f"other processes already run as the engine user 'nnqueue-engine' (uid {account.uid}): {squatter.pid}" in log
+    assert "leave NNQUEUE_ENGINE_USER unset" in log and log.count("Traceback") == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the engine user is switched to only by a root worker")
+def test_a_worker_that_requires_the_engine_user_refuses_to_start_saying_what_to_change(
+    services: Services, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    account = isolation.ensure_account(isolation.DEFAULT_ENGINE_USER)
+    if python_reachable_by(account):
+        pytest.skip(
+            "this machine's Python is readable by the engine user: nothing to refuse (see tests/test_isolation.py)"
+        )
+    env = {"NNQUEUE_ENGINE_USER_REQUIRED": "true"}
+    worker = WorkerProcess(services, tiny_model_path, tmp_path / "worker.log", env=env, model_key="tiny-required")
+    code = wait_exit(worker)
+    log = worker.log()
+    assert code == 2, log[-5000:]
+    blocker = isolation.blocked_at(Path(os.path.realpath(sys.executable)), account)
+    assert "NNQUEUE_ENGINE_USER_REQUIRED is true and the engine user 'nnqueue-engine' cannot use this Python" in log
+    assert f"{blocker} (mode" in log and f"chmod o+x {blocker}" in log

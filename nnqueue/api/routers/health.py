@@ -4,7 +4,9 @@ Neither needs a key: load balancers and orchestrators call them. Readiness check
 (``SELECT 1``), the broker (a connection through the Celery app, so any transport works) and the
 object store (a lookup of a key that need not exist), and names the ones that failed. It also names the
 store in use; a default local folder while the database is a shared server is not ready (see
-:func:`nnqueue.storage.unshared_store_problem`): the workers would keep results the API cannot serve.
+:func:`nnqueue.storage.unshared_store_problem`): the workers would keep results the API cannot serve. And it
+says, per live worker, what its engine processes run under (the engine user, or root kept, and why; the
+seccomp filter), as the worker registered it (:mod:`nnqueue.isolation`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from sqlalchemy import text
 
 from nnqueue.api.deps import Resources, get_resources
 from nnqueue.api.schemas import HealthResponse, ReadyResponse
+from nnqueue.scheduler import registry
 from nnqueue.storage import StoreNotShared, describe_store, unshared_store_problem
 
 router = APIRouter(tags=["health"])
@@ -33,10 +36,18 @@ def healthz() -> HealthResponse:
 def readyz(resources: Annotated[Resources, Depends(get_resources)], response: Response) -> ReadyResponse:
     checks = {name: _outcome(check, resources) for name, check in CHECKS.items()}
     store = describe_store(resources.settings)
+    engines = _engines(resources) if checks["database"] == "ok" else {}
     if all(result == "ok" for result in checks.values()):
-        return ReadyResponse(status="ready", checks=checks, store=store)
+        return ReadyResponse(status="ready", checks=checks, store=store, engines=engines)
     response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-    return ReadyResponse(status="unavailable", checks=checks, store=store)
+    return ReadyResponse(status="unavailable", checks=checks, store=store, engines=engines)
+
+
+def _engines(resources: Resources) -> dict[str, dict[str, str]]:
+    """What each live worker's engine processes run under, as the worker registered it (nnqueue.isolation)."""
+    with resources.sessions() as session:
+        workers = registry.live_workers(session, resources.settings.worker_stale_after_s)
+    return {worker.id: worker.containment for worker in workers if worker.containment}
 
 
 def _database(resources: Resources) -> None:

@@ -1,0 +1,140 @@
+"""A seccomp filter for the processes that run users' code: no exec, no network sockets, no ptrace.
+
+Applied (with ``no_new_privs``) in each engine process once the engine is up, right after the switch to
+the engine user (:mod:`nnqueue.enginecore.sandbox`), and in each trace builder after its meta model is
+loaded. From then on the kernel answers ``EPERM`` to, in every thread of the process (libseccomp's
+``CTL_TSYNC``: the threads vLLM, ZMQ and OpenMP started earlier too):
+
+* ``execve`` / ``execveat``: no program can be started (a shell, ``curl``, a setuid binary);
+* ``socket`` of any family but ``AF_UNIX``: no TCP/UDP, raw, netlink or packet socket (with vLLM's Ray executor,
+  which opens sockets to Ray after start-up, the worker exports ``NNQUEUE_ENGINE_SECCOMP_NETWORK`` and
+  ``AF_INET``/``AF_INET6`` stay allowed). Results leave through files the worker uploads. What the engine
+  needs after start-up is ``AF_UNIX`` only: vLLM's ZMQ ``ipc://`` sockets are connected before users' code
+  runs (ZMQ's internal signalling uses socketpairs), and NCCL/Gloo open their TCP sockets when the
+  process group is created, at start-up. Sockets already open stay usable (the netns layer confines
+  them to the engine's own loopback);
+* ``ptrace``, ``process_vm_readv`` / ``process_vm_writev``: no reading or steering another process;
+* ``kill`` & co. and ``pidfd_open`` aimed at the worker or its supervisor, or at every process (``-1``);
+* what an escape could use to get around these or the kernel's other boundaries: ``io_uring_*`` (its
+  ``IORING_OP_SOCKET`` makes sockets without ``socket()``), ``bpf``, ``userfaultfd``, ``keyctl`` /
+  ``add_key`` / ``request_key``, ``unshare`` / ``setns`` / ``mount`` / ``umount2`` / ``pivot_root`` /
+  ``chroot``, ``kexec_*`` and kernel-module loading.
+
+Just-in-time compilers exec a compiler (torch's inductor runs ``g++`` on CPU; Triton runs ``ptxas`` and
+``gcc`` on GPU). vLLM compiles its model graphs at start-up, before the filter; the sampler's small
+``torch.compile`` kernels that vLLM builds on first use (logprobs' ``batched_count_greater_than``) are
+built by :func:`nnqueue.enginecore.sandbox.warm_up_jit` before the filter. A kernel that is still compiled
+afterwards fails with ``PermissionError``: turn the filter off with ``NNQUEUE_ENGINE_SECCOMP=false``.
+
+The binding is pyseccomp (ctypes over the system's ``libseccomp.so.2``; API-compatible with libseccomp's
+own ``seccomp`` module, used instead when it is importable). Without either, or without libseccomp, the
+filter is not applied: :func:`unavailable_reason` says why (the worker logs it and reports it on
+``/readyz``), and :func:`install` logs it and returns False; it never fails the engine.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from collections.abc import Iterable
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+REFUSED_SYSCALLS = (
+    "execve",
+    "execveat",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "bpf",
+    "userfaultfd",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+)
+
+
+def _binding() -> ModuleType:
+    """pyseccomp, or libseccomp's own binding; raises ImportError/OSError/RuntimeError when neither loads."""
+    try:
+        import pyseccomp
+
+        return pyseccomp
+    except ImportError:
+        import seccomp  # Debian's python3-seccomp (outside a venv)
+
+        return seccomp
+
+
+# Calls that name a process by their first argument: refused for the protected pids (and for -1, "every
+# process": kill(-1, ...)). pid_t is 32 bits wide, so the comparisons look at the low 32 bits only.
+SIGNALLING_SYSCALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
+_LOW_32 = 0xFFFFFFFF
+
+
+# Address families below AF_INET6 other than AF_UNIX and AF_INET; every family above AF_INET6 is refused too.
+_OTHER_LOW_FAMILIES = (0, 3, 4, 5, 6, 7, 8, 9)
+
+
+def _build(binding: ModuleType, protected_pids: Iterable[int] = (), network: bool = False) -> object:
+    refuse = binding.ERRNO(errno.EPERM)
+    rules = binding.SyscallFilter(defaction=binding.ALLOW)
+    rules.set_attr(binding.Attr.CTL_NNP, 1)
+    rules.set_attr(binding.Attr.CTL_TSYNC, 1)
+    for name in REFUSED_SYSCALLS:
+        try:
+            rules.add_rule(refuse, name)
+        except (OSError, ValueError):  # a syscall this architecture does not have
+            continue
+    if network:  # AF_UNIX, AF_INET and AF_INET6 only (no packet, netlink, vsock... sockets)
+        rules.add_rule(refuse, "socket", binding.Arg(0, binding.GT, socket.AF_INET6))
+        for family in _OTHER_LOW_FAMILIES:
+            rules.add_rule(refuse, "socket", binding.Arg(0, binding.EQ, family))
+    else:
+        rules.add_rule(refuse, "socket", binding.Arg(0, binding.NE, socket.AF_UNIX))
+    for pid in {*protected_pids, -1}:
+        for name in SIGNALLING_SYSCALLS:
+            rules.add_rule(refuse, name, binding.Arg(0, binding.MASKED_EQ, _LOW_32, pid & _LOW_32))
+    return rules
+
+
+def unavailable_reason() -> str | None:
+    """Why the filter cannot be applied here (no binding, no libseccomp), or None when it can."""
+    try:
+        _build(_binding())
+    except (ImportError, OSError, RuntimeError, AttributeError) as error:
+        return f"seccomp filter unavailable: {type(error).__name__}: {error} (pip install pyseccomp; apt-get install libseccomp2)"
+    return None
+
+
+def install(protected_pids: Iterable[int] = (), network: bool = False) -> bool:
+    """Apply the filter (and ``no_new_privs``) to every thread of this process; irreversible.
+
+    ``protected_pids``: processes it may not signal (nor open a pidfd of): the worker and its supervisor,
+    which an engine that kept root could otherwise signal as their own user. ``network``: also allow
+    ``AF_INET``/``AF_INET6`` sockets, for an engine under vLLM's Ray executor (``NNQUEUE_ENGINE_SECCOMP_NETWORK``).
+    Returns False, after logging why, when it cannot be applied; never raises for that.
+    """
+    try:
+        rules = _build(_binding(), protected_pids, network)
+        rules.load()  # type: ignore[attr-defined]
+    except (ImportError, OSError, RuntimeError, AttributeError) as error:
+        log.error("NOT applying the seccomp filter to process: %s: %s", type(error).__name__, error)
+        return False
+    return True

@@ -1,0 +1,140 @@
+"""The embedded stack run from a checkout in a folder only root may enter (``mktemp -d``, mode 0700, as a clone
+under ``/root`` is), as root: a trace reading ``logprobs`` and ``prompt_logprobs`` from ``tracer.result`` and a
+trace through nnsight's own ``remote=True`` client both run, with the values of the in-process engine.
+
+The engine user cannot read such a checkout (nor, here, this Python in root's home): the worker's start-up
+probe finds it and keeps the engine root behind the other layers, instead of switching it to a user that
+would then fail to import nnsight's modules, ``symtable`` or inductor's headers mid-job (issue 22).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.utils.reference import InProcessBackend
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+
+pytestmark = pytest.mark.slow  # the embedded stack with a worker process
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+PROMPT = "The Eiffel Tower is in"
+SCRIPT = """
+import json, sys
+from pathlib import Path
+
+from nnqueue.demo import EmbeddedStack
+from nnqueue.engines.platform import prepare_process
+
+model_path, engine_kwargs, prompt = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+prepare_process()
+from nnsight import CONFIG
+from nnsight.modeling.vllm import VLLM
+from nnqueue.client import Client
+
+import nnqueue
+print("nnqueue from", nnqueue.__file__, flush=True)
+stack = EmbeddedStack(Path(".nnqueue"), Path(model_path), model_path, engine_kwargs)
+try:
+    stack.start_services()
+    stack.start_worker()
+    model = VLLM(model_path, **engine_kwargs)
+    with Client(stack.api.url, stack.api_key) as client:
+        stack.wait_worker(client, timeout=600)
+        backend = client.backend(model_key=model_path, progress=False)
+        with model.trace(prompt, temperature=0.0, max_tokens=2, logprobs=3, prompt_logprobs=2, backend=backend) as tracer:
+            result = tracer.result.save()
+        CONFIG.API.HOST, CONFIG.API.APIKEY = stack.api.url + "/ndif", stack.api_key
+        CONFIG.APP.REMOTE_LOGGING = False
+        with model.trace(prompt, remote=True, max_tokens=1, temperature=0.0):
+            logits = model.logits.save()
+        readyz = client.ready()
+    output = result.outputs[0]
+    print("RESULT " + json.dumps({
+        "token_ids": list(output.token_ids),
+        "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in output.logprobs],
+        "prompt_logprobs": [None if step is None else {str(k): v.logprob for k, v in step.items()} for step in result.prompt_logprobs],
+        "remote_logits": logits.tolist(),
+        "engines": readyz["engines"],
+    }), flush=True)
+finally:
+    stack.stop()
+"""
+
+
+@pytest.fixture
+def private_checkout() -> Iterator[Path]:
+    """A copy of this checkout's package in a fresh ``mktemp -d`` folder (mode 0700, root's)."""
+    folder = Path(tempfile.mkdtemp(prefix="nnqueue-private-"))
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    shutil.copytree(CHECKOUT / "nnqueue", folder / "nnqueue", ignore=shutil.ignore_patterns("__pycache__"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def logprobs_of(steps: Any) -> list[Any]:
+    return [None if step is None else {str(k): v.logprob for k, v in step.items()} for step in steps]
+
+
+def assert_same_steps(got: list[Any], want: list[Any]) -> None:
+    """Per step, the same token ids with the same logprobs (to float32 rounding)."""
+    assert len(got) == len(want)
+    for got_step, want_step in zip(got, want, strict=True):
+        assert (got_step is None) == (want_step is None)
+        if got_step is not None:
+            assert got_step.keys() == want_step.keys()
+            assert [got_step[k] for k in want_step] == pytest.approx(list(want_step.values()), abs=1e-5)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the layout of issue 22: the worker runs as root")
+def test_the_embedded_stack_serves_logprobs_and_remote_traces_from_a_private_checkout(
+    private_checkout: Path, tiny_model_path: Path, client_model: Any, inprocess_engine: Any
+) -> None:
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("NNQUEUE_", "NDIF_"))}
+    env["PYTHONPATH"] = str(private_checkout)
+    script = private_checkout / "run_embedded.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny_model_path), json.dumps(TINY_ENGINE_KWARGS), PROMPT],
+        cwd=private_checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
+    worker_log = private_checkout / ".nnqueue" / "logs" / "worker.log"
+    log = worker_log.read_text(errors="replace") if worker_log.exists() else ""
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}\n--- worker log ---\n{log[-5000:]}"
+    assert f"nnqueue from {private_checkout}" in done.stdout
+    got = json.loads(done.stdout.split("RESULT ", 1)[1].splitlines()[0])
+
+    backend = InProcessBackend(inprocess_engine)
+    with client_model.trace(
+        PROMPT, temperature=0.0, max_tokens=2, logprobs=3, prompt_logprobs=2, backend=backend
+    ) as tracer:
+        result = tracer.result.save()
+    with client_model.trace(PROMPT, max_tokens=1, temperature=0.0, backend=InProcessBackend(inprocess_engine)):
+        logits = client_model.logits.save()
+
+    assert got["token_ids"] == list(result.outputs[0].token_ids)
+    assert len(got["logprobs"]) == 2 and all(len(step) >= 3 for step in got["logprobs"])
+    assert_same_steps(got["logprobs"], logprobs_of(result.outputs[0].logprobs))
+    assert got["prompt_logprobs"][0] is None and all(len(step) >= 2 for step in got["prompt_logprobs"][1:])
+    assert_same_steps(got["prompt_logprobs"], logprobs_of(result.prompt_logprobs))
+    torch.testing.assert_close(torch.tensor(got["remote_logits"]), logits, atol=1e-5, rtol=1e-5)
+    # The worker said what its engine runs as, in its log and on /readyz: root kept, and why.
+    [containment] = got["engines"].values()
+    assert containment["engine_user"] == "kept root" and f"{private_checkout}" in containment["note"]
+    assert containment["seccomp"] == "applied"
+    assert "engine processes keep root" in log

@@ -1,0 +1,124 @@
+"""nnqueue.seccomp_filter in a process of its own (an engine-like one: threads already running, the filter applied
+after start-up): exec, non-unix sockets, ptrace and signals to the worker fail with EPERM in every thread; what
+the engine still needs (unix sockets, threads, signalling itself) works; without a binding nothing breaks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+ENGINE_LIKE = textwrap.dedent(
+    """
+    import ctypes, errno, json, os, socket, subprocess, sys, threading
+    from nnqueue import seccomp_filter
+
+    worker = subprocess.Popen(["sleep", "60"])  # stands in for the worker, which the filter protects
+    started, go, from_thread = threading.Event(), threading.Event(), {}
+
+    def attempt(action):
+        try:
+            action()
+        except OSError as error:
+            return errno.errorcode[error.errno]
+        return "done"
+
+    def early_thread():  # started before the filter, as vLLM's and ZMQ's threads are
+        started.set()
+        go.wait()
+        from_thread["tcp"] = attempt(lambda: socket.socket(socket.AF_INET).close())
+
+    thread = threading.Thread(target=early_thread)
+    thread.start()
+    started.wait()
+    applied = seccomp_filter.install([worker.pid])
+    go.set()
+    thread.join()
+    libc = ctypes.CDLL(None, use_errno=True)
+    ptrace = libc.ptrace(16, worker.pid, 0, 0)  # PTRACE_ATTACH
+    print(json.dumps({
+        "applied": applied,
+        "exec": attempt(lambda: os.execv("/bin/true", ["true"])),
+        "subprocess": attempt(lambda: subprocess.run(["/bin/true"])),
+        "tcp": attempt(lambda: socket.socket(socket.AF_INET).close()),
+        "tcp6": attempt(lambda: socket.socket(socket.AF_INET6).close()),
+        "netlink": attempt(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW).close()),
+        "ptrace": errno.errorcode[ctypes.get_errno()] if ptrace == -1 else "done",
+        "signal_worker": attempt(lambda: os.kill(worker.pid, 0)),
+        "signal_everyone": attempt(lambda: os.kill(-1, 0)),
+        "unix": attempt(lambda: socket.socket(socket.AF_UNIX).close()),
+        "socketpair": attempt(lambda: [end.close() for end in socket.socketpair()]),
+        "signal_self": attempt(lambda: os.kill(os.getpid(), 0)),
+        "thread": attempt(lambda: threading.Thread(target=lambda: None).start()),
+        "early_thread": from_thread["tcp"],
+    }))
+    """
+)
+
+
+def test_the_filter_refuses_exec_network_sockets_ptrace_and_signals_to_the_worker_in_every_thread() -> None:
+    done = subprocess.run([sys.executable, "-c", ENGINE_LIKE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "applied": True,
+        "exec": "EPERM",
+        "subprocess": "EPERM",
+        "tcp": "EPERM",
+        "tcp6": "EPERM",
+        "netlink": "EPERM",
+        "ptrace": "EPERM",
+        "signal_worker": "EPERM",
+        "signal_everyone": "EPERM",
+        "unix": "done",
+        "socketpair": "done",
+        "signal_self": "done",
+        "thread": "done",
+        "early_thread": "EPERM",
+    }
+
+
+def test_without_a_binding_the_filter_is_reported_unavailable_and_nothing_breaks() -> None:
+    script = textwrap.dedent(
+        """
+        import socket, sys
+        sys.modules["pyseccomp"] = None  # neither pyseccomp nor libseccomp's own binding can be imported
+        sys.modules["seccomp"] = None
+        from nnqueue import seccomp_filter
+        print(seccomp_filter.unavailable_reason())
+        print(seccomp_filter.install())
+        socket.socket(socket.AF_INET).close()
+        print("still unfiltered")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reason, applied, after = done.stdout.strip().splitlines()[-3:]
+    assert reason.startswith("seccomp filter unavailable: ModuleNotFoundError") and "pip install pyseccomp" in reason
+    assert (applied, after) == ("False", "still unfiltered")
+    assert "NOT applying the seccomp filter" in done.stderr
+
+
+def test_with_network_allowed_only_inet_and_unix_sockets_can_be_made() -> None:
+    """What an engine that uploads results to an S3 store itself gets (NNQUEUE_ENGINE_SECCOMP_NETWORK)."""
+    script = textwrap.dedent(
+        """
+        import errno, json, socket
+        from nnqueue import seccomp_filter
+
+        def attempt(family, kind=socket.SOCK_STREAM):
+            try:
+                socket.socket(family, kind).close()
+            except OSError as error:
+                return errno.errorcode[error.errno]
+            return "done"
+
+        assert seccomp_filter.install(network=True)
+        print(json.dumps([attempt(socket.AF_INET), attempt(socket.AF_INET6), attempt(socket.AF_UNIX),
+                          attempt(socket.AF_NETLINK, socket.SOCK_RAW), attempt(socket.AF_PACKET, socket.SOCK_RAW),
+                          attempt(socket.AF_VSOCK), attempt(4, socket.SOCK_DGRAM)]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ["done", "done", "done"] + ["EPERM"] * 4
