@@ -316,7 +316,7 @@ class Containment:
             "engine_user": self.engine_user or f"kept {pwd.getpwuid(os.geteuid()).pw_name}",
             "note": self.note,
             "seccomp": self.seccomp or "applied",
-            "network": self.network_note,
+            **({"network": self.network_note} if self.network_note else {}),
         }
 
 

@@ -192,6 +192,7 @@ SANDBOX_ENTRY = textwrap.dedent(
         os.environ["NNQUEUE_ENGINE_SANDBOX"] = str(os.getppid())  # what a worker exports for its engines
     os.environ["NNQUEUE_ENGINE_USER"] = "nobody"
     os.environ["NNQUEUE_ENGINE_SECCOMP"] = "false"
+    os.environ["NNQUEUE_PROTECTED_ENVIRONMENT"] = "false"  # the switch alone (its lock-down is tested elsewhere)
     SandboxedWorker._nnqueue_enter_sandbox(SandboxedWorker())  # what the first execute_model does
     print(json.dumps({"uid": os.getuid()}))
     """
