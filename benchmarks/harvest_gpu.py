@@ -641,8 +641,10 @@ def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any
     return kwargs
 
 
-def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int) -> tuple[Any, Any, Any]:
-    """EngineHost + nnqueue's load_engine on its loop, and a meta client for payloads."""
+def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: bool = False) -> tuple[Any, Any, Any]:
+    """EngineHost + nnqueue's load_engine on its loop, and a meta client for payloads. ``contained``: the engine
+    as ``nnqueue worker`` starts it (scrubbed environment, engine user, network namespace, seccomp, lock-down)."""
+    import contextlib
     import inspect
 
     from nnsight.modeling.vllm import VLLM
@@ -659,8 +661,19 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int) -> tuple[An
     host = EngineHost(**threads)
     started = time.perf_counter()
 
+    isolated: Any = contextlib.nullcontext()
+    if contained:
+        from nnqueue import netns
+        from nnqueue.settings import Settings
+        from nnqueue.workers.main import isolate
+
+        containment = isolate(Settings(), ray=kwargs.get("distributed_executor_backend") == "ray")
+        print(f"containment: {json.dumps(containment.report())}", flush=True)
+        isolated = netns.engine_core_isolated(containment.network == netns.ISOLATED)
+
     async def load() -> Any:
-        return load_engine(str(model_dir), **kwargs)
+        with isolated:
+            return load_engine(str(model_dir), **kwargs)
 
     engine = host.call(load())
     print(f"engine up in {time.perf_counter() - started:.1f} s: {kwargs}", flush=True)
@@ -695,7 +708,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     P, L, layer = args.prompts, args.tokens, args.layer
     from nnqueue.workers.main import engine_max_num_seqs
 
-    host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency)
+    host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency, args.contained)
     num_layers = SHAPES[shape]["num_hidden_layers"]
     postgres = None
     if args.postgres:
@@ -1090,6 +1103,11 @@ def main() -> None:
         help="also run at this K (0: skip; -1: the worker's default, the engine's max_num_seqs)",
     )
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--contained",
+        action="store_true",
+        help="start the engine as nnqueue worker does: engine user, network namespace, seccomp, lock-down",
+    )
     parser.add_argument(
         "--harvest-only", action="store_true", help="only (a), the harvest variants (h) and their check"
     )
