@@ -21,10 +21,13 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
   ``chroot``, ``kexec_*`` and kernel-module loading.
 
 Just-in-time compilers exec a compiler (torch's inductor runs ``g++`` on CPU; Triton runs ``ptxas`` and
-``gcc`` on GPU). vLLM compiles its model graphs at start-up, before the filter; the sampler's small
-``torch.compile`` kernels that vLLM builds on first use (logprobs' ``batched_count_greater_than``) are
-built by :func:`nnqueue.enginecore.sandbox.warm_up_jit` before the filter. A kernel that is still compiled
-afterwards fails with ``PermissionError``: turn the filter off with ``NNQUEUE_ENGINE_SECCOMP=false``.
+``gcc`` on GPU). On the CPU, vLLM compiles its model graphs at start-up, before the filter, and the sampler's
+small ``torch.compile`` kernels that vLLM builds on first use (logprobs' ``batched_count_greater_than``) are
+built by :func:`nnqueue.enginecore.sandbox.warm_up_jit` before it. On a CUDA engine vLLM's Triton kernels are
+compiled when a step first needs them (measured on the H100, vLLM 0.24: the block table's
+``_compute_slot_mapping_kernel`` at the first request, running ``ptxas``), so there ``execve`` stays allowed
+(``exec_allowed``) and what confines a started program is the engine user, the network namespace and the
+protected environment's lock-down (which refuses process creation to every frame but the compilers').
 
 The binding is pyseccomp (ctypes over the system's ``libseccomp.so.2``; API-compatible with libseccomp's
 own ``seccomp`` module, used instead when it is importable). Without either, or without libseccomp, the
@@ -42,9 +45,9 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
+EXEC_SYSCALLS = ("execve", "execveat")
 REFUSED_SYSCALLS = (
-    "execve",
-    "execveat",
+    *EXEC_SYSCALLS,
     "ptrace",
     "process_vm_readv",
     "process_vm_writev",
@@ -92,12 +95,16 @@ _LOW_32 = 0xFFFFFFFF
 _OTHER_LOW_FAMILIES = (0, 3, 4, 5, 6, 7, 8, 9)
 
 
-def _build(binding: ModuleType, protected_pids: Iterable[int] = (), network: bool = False) -> object:
+def _build(
+    binding: ModuleType, protected_pids: Iterable[int] = (), network: bool = False, exec_allowed: bool = False
+) -> object:
     refuse = binding.ERRNO(errno.EPERM)
     rules = binding.SyscallFilter(defaction=binding.ALLOW)
     rules.set_attr(binding.Attr.CTL_NNP, 1)
     rules.set_attr(binding.Attr.CTL_TSYNC, 1)
     for name in REFUSED_SYSCALLS:
+        if exec_allowed and name in EXEC_SYSCALLS:
+            continue
         try:
             rules.add_rule(refuse, name)
         except (OSError, ValueError):  # a syscall this architecture does not have
@@ -123,16 +130,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def install(protected_pids: Iterable[int] = (), network: bool = False) -> bool:
+def install(protected_pids: Iterable[int] = (), network: bool = False, exec_allowed: bool = False) -> bool:
     """Apply the filter (and ``no_new_privs``) to every thread of this process; irreversible.
 
     ``protected_pids``: processes it may not signal (nor open a pidfd of): the worker and its supervisor,
     which an engine that kept root could otherwise signal as their own user. ``network``: also allow
     ``AF_INET``/``AF_INET6`` sockets, for an engine under vLLM's Ray executor (``NNQUEUE_ENGINE_SECCOMP_NETWORK``).
+    ``exec_allowed``: leave ``execve`` allowed, for a CUDA engine (Triton compiles kernels at run time).
     Returns False, after logging why, when it cannot be applied; never raises for that.
     """
     try:
-        rules = _build(_binding(), protected_pids, network)
+        rules = _build(_binding(), protected_pids, network, exec_allowed)
         rules.load()  # type: ignore[attr-defined]
     except (ImportError, OSError, RuntimeError, AttributeError) as error:
         log.error("NOT applying the seccomp filter to process: %s: %s", type(error).__name__, error)

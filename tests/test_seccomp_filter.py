@@ -122,3 +122,30 @@ def test_with_network_allowed_only_inet_and_unix_sockets_can_be_made() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ["done", "done", "done"] + ["EPERM"] * 4
+
+
+def test_a_cuda_engines_filter_lets_tritons_compiler_run_and_still_refuses_the_rest() -> None:
+    """On the H100 vLLM's Triton kernels compile at a step's first use (ptxas): exec must stay allowed there."""
+    script = textwrap.dedent(
+        """
+        import errno, json, socket, subprocess
+        from nnqueue import seccomp_filter
+
+        def attempt(action):
+            try:
+                action()
+            except OSError as error:
+                return errno.errorcode[error.errno]
+            return "done"
+
+        applied = seccomp_filter.install(exec_allowed=True)
+        print(json.dumps([
+            applied,
+            attempt(lambda: subprocess.run(["/bin/true"], check=True)),
+            attempt(lambda: socket.socket(socket.AF_INET).close()),
+        ]))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, "done", "EPERM"]

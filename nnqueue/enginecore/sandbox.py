@@ -159,7 +159,10 @@ class SandboxedWorker(_Worker):
         if seccomp:  # as root still: the compiled kernel lands in root's inductor cache, reused next start
             warm_up_jit(self.model_config.get_vocab_size(), self.device)
         isolation.enter_sandbox(hand_over=hand_over)
-        filtered = seccomp and seccomp_filter.install(isolation.worker_pids(), isolation.engine_needs_network())
+        cuda = getattr(getattr(self, "device", None), "type", None) == "cuda"  # Triton compiles at run time
+        filtered = seccomp and seccomp_filter.install(
+            isolation.worker_pids(), isolation.engine_needs_network(), exec_allowed=cuda
+        )
         if EngineConfig.from_environment().protected_environment:
             protected.lock_down()
         self._nnqueue_sandboxed = True
@@ -167,5 +170,5 @@ class SandboxedWorker(_Worker):
             "engine process %d runs users' code as uid %d, seccomp filter %s",
             os.getpid(),
             os.getuid(),
-            "applied" if filtered else "NOT applied",
+            ("applied (exec allowed: Triton's compiler)" if cuda else "applied") if filtered else "NOT applied",
         )

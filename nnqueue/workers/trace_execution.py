@@ -22,7 +22,6 @@ from typing import Any
 
 import nnsight
 from sqlalchemy.orm import Session, sessionmaker
-from vllm.exceptions import VLLMClientError
 
 from nnqueue import trace_payload
 from nnqueue.db.models import Job
@@ -33,6 +32,11 @@ from nnqueue.scheduler.payloads import PayloadMissing, load_payload
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
+
+try:  # vLLM's checks of a request raise these (0.32); older vLLM (0.24 on the GPU) raises ValueError
+    from vllm.exceptions import VLLMClientError as RequestRefused
+except ImportError:
+    RequestRefused = ValueError  # type: ignore[assignment,misc]
 
 
 @dataclass
@@ -64,7 +68,7 @@ class VLLMTraceExecutor:
                     outbox=self.outbox,
                     on_finished=lambda done: progress(done, total),
                 )
-            except VLLMClientError as refused:  # vLLM's checks of a request (a prompt over max_model_len)
+            except RequestRefused as refused:  # vLLM's checks of a request (a prompt over max_model_len)
                 raise JobFailure(type(refused).__name__, str(refused)) from None
             failure = _failure(report, job, trace)
             if report.write_error is not None and failure is None:
