@@ -45,9 +45,12 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-EXEC_SYSCALLS = ("execve", "execveat")
+# What a CUDA engine keeps (``exec_allowed``): Triton execs ptxas for a kernel first compiled at a step, and
+# torch.distributed's TCPStore runs a libuv loop on io_uring (both seen on the H100, vLLM 0.24, torch 2.11).
+CUDA_RUNTIME_SYSCALLS = ("execve", "execveat", "io_uring_setup", "io_uring_enter", "io_uring_register")
 REFUSED_SYSCALLS = (
-    *EXEC_SYSCALLS,
+    "execve",
+    "execveat",
     "ptrace",
     "process_vm_readv",
     "process_vm_writev",
@@ -103,7 +106,7 @@ def _build(
     rules.set_attr(binding.Attr.CTL_NNP, 1)
     rules.set_attr(binding.Attr.CTL_TSYNC, 1)
     for name in REFUSED_SYSCALLS:
-        if exec_allowed and name in EXEC_SYSCALLS:
+        if exec_allowed and name in CUDA_RUNTIME_SYSCALLS:
             continue
         try:
             rules.add_rule(refuse, name)
@@ -136,7 +139,7 @@ def install(protected_pids: Iterable[int] = (), network: bool = False, exec_allo
     ``protected_pids``: processes it may not signal (nor open a pidfd of): the worker and its supervisor,
     which an engine that kept root could otherwise signal as their own user. ``network``: also allow
     ``AF_INET``/``AF_INET6`` sockets, for an engine under vLLM's Ray executor (``NNQUEUE_ENGINE_SECCOMP_NETWORK``).
-    ``exec_allowed``: leave ``execve`` allowed, for a CUDA engine (Triton compiles kernels at run time).
+    ``exec_allowed``: leave ``execve`` and io_uring allowed, for a CUDA engine (:data:`CUDA_RUNTIME_SYSCALLS`).
     Returns False, after logging why, when it cannot be applied; never raises for that.
     """
     try:

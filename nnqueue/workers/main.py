@@ -281,9 +281,6 @@ def isolate(settings: Settings, ray: bool = False) -> isolation.Containment:
     os.environ[isolation.SECCOMP_NETWORK_ENV] = "true" if ray else "false"
     isolation.mark_engine_sandbox()
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    # libuv (torch.distributed's TCPStore, on GPU) would use io_uring, which the seccomp filter refuses once the
-    # engine is up; its event loop then aborts the engine (seen on the H100). Plain epoll instead.
-    os.environ.setdefault("UV_USE_IO_URING", "0")
     os.environ.update(netns.engine_environment(network))
     log.info("removed %d secret variables from the engine's environment", len(removed))
     return containment
