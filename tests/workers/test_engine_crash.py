@@ -14,7 +14,7 @@ import torch
 from nnsight.modeling.vllm import VLLM
 
 from nnqueue.api import auth
-from nnqueue.db.models import JobStatus, as_utc
+from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.admission import AdmissionPolicy
@@ -92,7 +92,7 @@ def test_the_trace_that_kills_the_engine_fails_alone_and_the_worker_serves_again
     during_restart = submit(services, two_invoke_payload(client_model), "alice")
     assert services.job(during_restart).status is S.QUEUED
     fresh = worker.wait_registered(timeout=300)  # the supervisor's fresh worker
-    restart_s = (as_utc(fresh.started_at) - as_utc(services.job(culprit).finished_at)).total_seconds()
+    restart_s = (fresh.started_at - services.job(culprit).finished_at).total_seconds()  # type: ignore[operator]
     print(f"worker restart: {restart_s:.1f} s from the crashed job's end to the fresh worker's registration")
     after = submit(services, two_invoke_payload(client_model), "alice")
     for job_id in (during_restart, after):
