@@ -499,11 +499,11 @@ def interpreter_paths() -> list[Path]:
     return list(dict.fromkeys(paths))
 
 
-def blocked_at(path: Path, account: EngineUser) -> Path | None:
-    """The first folder on the way to ``path`` (or ``path`` itself) that ``account`` may not pass or read,
-    judged by owners and mode bits; None when nothing blocks it."""
+def blocked_at(path: Path, account: EngineUser, need: int = 0o4) -> Path | None:
+    """The first folder on the way to ``path`` that ``account`` may not pass, or ``path`` itself when it lacks
+    the ``need`` permission bits (read, by default), judged by owners and mode bits; None when nothing blocks it."""
     for part in [*reversed(path.parents), path]:
-        required = 0o4 if part == path else 0o1
+        required = need if part == path else 0o1
         try:
             info = part.stat()
         except OSError:
@@ -583,21 +583,7 @@ def plan_containment(
 def unreadable_by(account: EngineUser, paths: Iterable[Path]) -> list[Path]:
     """The folders of ``paths`` that ``account`` cannot list and read, or cannot reach (a folder above lacks
     its search permission), judged by owners and mode bits."""
-    return [path for path in paths if not _readable(path, account)]
-
-
-def _readable(folder: Path, account: EngineUser) -> bool:
-    for part, required in [(folder, 0o5), *((parent, 0o1) for parent in folder.parents)]:
-        info = part.stat()
-        if info.st_uid == account.uid:
-            bits = info.st_mode >> 6
-        elif info.st_gid == account.gid:
-            bits = info.st_mode >> 3
-        else:
-            bits = info.st_mode
-        if bits & required != required:
-            return False
-    return True
+    return [path for path in paths if blocked_at(path, account, need=0o5) is not None]
 
 
 def env_file_warnings(env_file: Path, user: str | None = None) -> list[str]:

@@ -77,12 +77,8 @@ def submit(
     dataset: Annotated[UploadFile | None, File(description="A JSONL, Parquet or text file to harvest.")] = None,
 ) -> HarvestResponse:
     """Check the spec, freeze the dataset, and queue the harvest's chunks on the model's bulk queue."""
-    settings = resources.settings
     harvest_spec = parse_spec_field(spec, HarvestSpec)
-    upload = None
-    if dataset is not None:
-        upload = Upload(dataset.filename or "dataset", dataset.file.read(settings.harvest_max_dataset_bytes + 1))
-    submission = _submission(caller, settings, upload)
+    submission = _submission(caller, resources.settings, dataset)
     try:
         harvest = accept_harvest(session, resources.store, harvest_spec, submission)
     except HarvestRejected as rejected:
@@ -104,18 +100,20 @@ def estimate(
 ) -> HarvestEstimate:
     """A dry run: the tokens, rows, bytes, shards and duration the harvest would take, checked as a submission
     is, with nothing stored or queued."""
-    settings = resources.settings
     harvest_spec = parse_spec_field(spec, HarvestSpec)
-    upload = None
-    if dataset is not None:
-        upload = Upload(dataset.filename or "dataset", dataset.file.read(settings.harvest_max_dataset_bytes + 1))
     try:
-        return estimate_harvest(session, resources.store, harvest_spec, _submission(caller, settings, upload))
+        return estimate_harvest(
+            session, resources.store, harvest_spec, _submission(caller, resources.settings, dataset)
+        )
     except HarvestRejected as rejected:
         raise HTTPException(rejected.status, rejected.reason) from None
 
 
-def _submission(caller: Caller, settings: Settings, upload: Upload | None) -> Submission:
+def _submission(caller: Caller, settings: Settings, dataset: UploadFile | None) -> Submission:
+    """``caller``'s submission, with the uploaded ``dataset`` read (one byte over the limit, to refuse it)."""
+    upload = None
+    if dataset is not None:
+        upload = Upload(dataset.filename or "dataset", dataset.file.read(settings.harvest_max_dataset_bytes + 1))
     return Submission(
         owner=caller.owner,
         limits=Limits.of(settings),
