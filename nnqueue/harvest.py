@@ -41,13 +41,14 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from nnqueue.client.client import Client
+from nnqueue.client.errors import NNqueueError
 
 COLUMNS = ("prompt_index", "token_position", "token_id")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
 PIECE = 1 << 20
 
 
-class ShardCorrupt(RuntimeError):
+class ShardCorrupt(NNqueueError, RuntimeError):
     """A shard whose bytes do not have the sha256 its manifest records."""
 
 

@@ -19,7 +19,7 @@ from tests.utils.light_client import run_light, run_light_cli
 runner = CliRunner()
 
 
-SERVER_COMMANDS = {"version", "db", "gc", "keys", "serve-api", "worker", "beat", "demo"}
+SERVER_COMMANDS = {"version", "db", "gc", "keys", "serve-api", "worker", "beat", "demo", "up"}
 CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models", "harvest", "schedules"}
 COMMANDS = {
     (): SERVER_COMMANDS | CLIENT_COMMANDS,

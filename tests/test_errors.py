@@ -9,8 +9,9 @@ import pkgutil
 import nnqueue
 from nnqueue.errors import NNqueueError
 
-# The client has its own base (it never imports the server); the migrations run on import.
-NOT_SERVER = ("nnqueue.client", "nnqueue.db.migrations")
+# The client (and nnqueue.harvest, its streaming reader) has its own base (it never imports the server); the
+# migrations run on import.
+NOT_SERVER = ("nnqueue.client", "nnqueue.harvest", "nnqueue.db.migrations")
 
 
 def server_modules() -> list[str]:

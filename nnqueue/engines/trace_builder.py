@@ -40,12 +40,13 @@ from nnqueue import netns, trace_payload
 from nnqueue.enginecore import protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
+from nnqueue.errors import NNqueueError
 
 FRAME_HEADER = 8
 OK, FAILED, READY = 0, 1, 2
 
 
-class MediatorRejected(Exception):
+class MediatorRejected(NNqueueError):
     """An invoke's mediator could not be loaded; reported under the type of the error that loading raised."""
 
     def __init__(self, index: int, error: Exception) -> None:
