@@ -8,7 +8,7 @@ import pwd
 import uuid
 from typing import Any
 
-from tests.utils.services import Services
+from tests.utils.services import Services, WorkerProcess
 
 FAKE_AWS_SECRET = f"aws-{uuid.uuid4().hex}"
 UNPROTECTED = {"NNQUEUE_PROTECTED_ENVIRONMENT": "false", "AWS_SECRET_ACCESS_KEY": FAKE_AWS_SECRET}
@@ -33,3 +33,14 @@ def assert_no_secret(found: dict[str, Any], services: Services) -> None:
 
 def pwd_uid(name: str) -> int:
     return pwd.getpwnam(name).pw_uid
+
+
+def engine_uid(worker: WorkerProcess) -> int:
+    """The uid the worker's engine runs users' code as, from what it registered: the engine user, or root
+    kept (the engine user cannot use this Python)."""
+    containment = worker.wait_registered().containment
+    assert containment is not None
+    if containment["engine_user"].startswith("kept "):
+        assert "cannot use this Python" in containment["note"] and "fix:" in containment["note"], containment
+        return 0
+    return pwd_uid(containment["engine_user"])

@@ -35,7 +35,7 @@ from nnqueue.db.models import JobStatus
 from nnqueue.storage.results import load_result
 from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
 from tests.utils.services import Services, WorkerProcess
-from tests.utils.snooping import UNPROTECTED, assert_no_secret, pwd_uid
+from tests.utils.snooping import UNPROTECTED, assert_no_secret, engine_uid, pwd_uid
 
 pytestmark = pytest.mark.slow  # real worker processes, one as root and one as nobody
 
@@ -126,17 +126,6 @@ def root_worker(
         yield worker, env_file
     finally:
         worker.stop()
-
-
-def engine_uid(worker: WorkerProcess) -> int:
-    """The uid the worker's engine runs users' code as, from what it registered: the engine user, or root
-    kept (the engine user cannot use this Python)."""
-    containment = worker.wait_registered().containment
-    assert containment is not None
-    if containment["engine_user"].startswith("kept "):
-        assert "cannot use this Python" in containment["note"] and "fix:" in containment["note"], containment
-        return 0
-    return pwd_uid(containment["engine_user"])
 
 
 def test_a_root_workers_engine_sees_no_secret_and_cannot_reach_the_worker_or_the_network(
