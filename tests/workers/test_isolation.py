@@ -257,7 +257,7 @@ def test_a_trace_cannot_reach_the_services_while_its_job_completes(
         for name, outcome in saves[where].items():
             assert outcome != "connected" and "timed out" not in outcome, (where, name, outcome)
     assert saves["logits"].shape[-1] > 0  # the model ran as usual
-    assert "network namespaces of their own" in worker.log()
+    assert "the engine's processes use a network namespace of its own (loopback only)" in worker.log()
 
 
 def test_the_engine_cannot_replace_a_finished_jobs_result(
