@@ -12,6 +12,12 @@ processor, containers), rotary embeddings (they return query/key pairs), and inp
 ids or positions. Under tensor parallelism only values that are whole on every rank are offered (see
 `replicated`): a column-parallel layer's output, a row-parallel layer's input, attention heads and
 activations are one rank's slice, and the engine's rank 0 writes shards alone.
+
+Under pipeline parallelism each stage offers the modules it holds: vLLM builds the others as
+``PPMissingLayer`` stand-ins (``vllm.model_executor.models.utils.make_layers``), which are left out.
+Each point then names its ``stage``, and the engine's points are every stage's (`merge_stages`); a
+harvest's captures must all live on one stage (`check_against`), whose process captures and writes the
+shard (see :mod:`nnqueue.enginecore.harvest_capture`).
 """
 
 from __future__ import annotations
@@ -80,11 +86,16 @@ def _excluded(name: str, module: Any) -> bool:
     import torch
 
     kind = type(module)
-    if not name or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+    if not name or isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) or _missing(module):
         return True
     if kind.__name__ in _NOT_IN_FORWARD or "Rotary" in kind.__name__:
         return True
     return "input_ids" in _parameters(module)  # the base model: its output is the final norm's
+
+
+def _missing(module: Any) -> bool:
+    """Whether ``module`` is vLLM's stand-in for a layer another pipeline stage holds."""
+    return type(module).__name__ == "PPMissingLayer"
 
 
 def _input_is_activation(module: Any) -> bool:
@@ -122,16 +133,19 @@ def replicated(module: Any, io: str, decoder: bool) -> bool:
     return False
 
 
-def capture_points(model: Any, tp_size: int = 1) -> list[dict[str, Any]]:
+def capture_points(model: Any, tp_size: int = 1, stage: int | None = None) -> list[dict[str, Any]]:
     """Every capturable point of ``model``: ``{"module", "io", "parts", "width"}``, in module order.
 
     ``parts`` lists the decoder-layer parts a capture may name (``residual_stream`` first, the
     default), or is empty for a plain tensor. The first decoder layer's input has no residual.
     ``width`` is the value's features where the module says (`width`), else None: for size estimates.
+    ``stage``: this pipeline stage's index, added to every point (pipeline parallelism only).
     """
     points: list[dict[str, Any]] = []
     first_decoder = True
     for name, module in model.named_modules():
+        if _missing(module):  # a layer of an earlier stage: none of this stage's is the model's first
+            first_decoder = False
         if _excluded(name, module):
             continue
         read = reader(module)
@@ -143,9 +157,22 @@ def capture_points(model: Any, tp_size: int = 1) -> list[dict[str, Any]]:
             parts: list[str] = []
             if read.decoder:
                 parts = [p for p in DECODER_PARTS if not (io == "input" and first_decoder and p == "residual")]
-            points.append({"module": name, "io": io, "parts": parts, "width": width(module, io, read.decoder)})
+            point = {"module": name, "io": io, "parts": parts, "width": width(module, io, read.decoder)}
+            points.append(point if stage is None else {**point, "stage": stage})
         first_decoder = first_decoder and not read.decoder
     return points
+
+
+def merge_stages(answers: list[Any]) -> list[dict[str, Any]]:
+    """The engine's points from every rank's answer (lists from each stage's reporting rank, None elsewhere),
+    in stage order: vLLM numbers ranks stage by stage, so answers come in that order."""
+    return [point for answer in answers if isinstance(answer, list) for point in answer]
+
+
+def held(captures: list[Capture], points: list[dict[str, Any]]) -> list[Capture]:
+    """The captures whose module and io are among ``points`` (one stage's)."""
+    offered = {(p["module"], p["io"]) for p in points}
+    return [capture for capture in captures if (capture.module, capture.io) in offered]
 
 
 def width(module: Any, io: str, decoder: bool) -> int | None:
@@ -174,6 +201,14 @@ def check_against(captures: list[Capture], points: list[dict[str, Any]]) -> None
     if bad:
         modules = sorted({module for module, _ in offered})
         raise SpecError(f"not capturable on this model: {bad}; capturable modules: {modules}")
+    stage_of = {(p["module"], p["io"]): p["stage"] for p in points if "stage" in p}
+    stages = {stage_of[c.module, c.io] for c in captures if (c.module, c.io) in stage_of}
+    if len(stages) > 1:
+        where = {c.key: stage_of[c.module, c.io] for c in captures}
+        raise SpecError(
+            f"a harvest's captures must live on one pipeline stage of the engine, these are on stages {where};"
+            " submit one harvest per stage"
+        )
 
 
 def default_part(read: Reader, capture: Capture) -> str | None:

@@ -6,9 +6,16 @@ runner. vLLM's CPU worker builds a ``CPUModelRunner`` (a ``GPUModelRunner`` subc
 swaps device buffers for host ones), so the same swap works once nnsight's runner is mixed
 in above it. The RPC surface (``collect_nnsight`` & co., reached by name through
 ``collective_rpc``) is nnsight's own, reused unchanged, plus nnqueue's (`NNqueueRPC`).
+
+Pipeline parallelism: a later stage's forward copies the previous stage's hidden states into the runner's
+``intermediate_tensors`` buffers, which vLLM's ``GPUModelRunner._dummy_run`` allocates. vLLM's CPU runner
+runs that dummy step only to warm up a compiled model (``CPUModelRunner.warming_up_model``), and an nnsight
+engine is eager, so `_allocate_intermediate_tensors` allocates them as ``_dummy_run`` would.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
@@ -45,9 +52,25 @@ class NNsightCPUWorker(SandboxedWorker, CrashReportingWorker, WeightsGuardWorker
             raise NotImplementedError(f"nnsight instruments vLLM's V1 CPUModelRunner, not {type(self.model_runner)!r}")
         self.model_runner.__class__ = NNsightCPUModelRunner
 
+    def compile_or_warm_up_model(self) -> Any:
+        times = super().compile_or_warm_up_model()
+        _allocate_intermediate_tensors(self.model_runner)
+        return times
+
     # Plain forwards to ``self.model_runner``; borrowed rather than inherited because
     # NNsightGPUWorker derives from the CUDA ``Worker`` and its init_device is CUDA-only.
     collect_nnsight = NNsightGPUWorker.collect_nnsight
     nnsight_request_count = NNsightGPUWorker.nnsight_request_count
     nnsight_register = NNsightGPUWorker.nnsight_register
     nnsight_clear_registered = NNsightGPUWorker.nnsight_clear_registered
+
+
+def _allocate_intermediate_tensors(runner: Any) -> None:
+    """The buffers a pipeline stage after the first receives hidden states into (``_dummy_run``'s allocation)."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+        return
+    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+    )

@@ -28,8 +28,14 @@ through the model) fails its chunk rather than leaving a hole. Harvest requests 
 reading the prefix cache. Chunked prefill is handled (a ``mean`` is summed over the pieces).
 
 Tensor parallelism: only TP rank 0 captures and writes (it installs hooks; the other ranks do nothing);
-captures are limited to values that are whole on every rank (`capture_points.replicated`). Pipeline
-and data parallelism are refused: a chunk's rows would be spread over several processes.
+captures are limited to values that are whole on every rank (`capture_points.replicated`).
+
+Pipeline parallelism: each stage's TP rank 0 keeps a capture state for the modules its stage holds, and a
+chunk is begun on every stage: the stage holding its captures takes it (captures, hooks, writer, outbox, as
+with one stage), the others answer None. Every stage sees the same scheduler output and batch layout, so
+rows, positions and token ids are the same as with one stage. A chunk's captures live on one stage
+(`capture_points.check_against`): the stage's process streams the shard itself, so no rows cross between
+processes and a harvest runs at the speed of one stage. Data parallelism is refused.
 """
 
 from __future__ import annotations
@@ -121,18 +127,20 @@ def selected(selection: Selection, position: np.ndarray, length: np.ndarray) -> 
 
 
 class HarvestCapture:
-    """The capture state of one model runner (rank 0 only)."""
+    """The capture state of one model runner (TP rank 0 of each pipeline stage)."""
 
     def __init__(self, runner: Any) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_world_size
 
-        parallel = runner.vllm_config.parallel_config
-        if get_pp_group().world_size > 1 or parallel.data_parallel_size > 1:
-            raise SpecError("harvests need one engine process per model replica: no pipeline or data parallelism")
+        if runner.vllm_config.parallel_config.data_parallel_size > 1:
+            raise SpecError("harvests need one engine per model replica: no data parallelism")
+        pipeline = get_pp_group()
         self.runner = runner
         model = runner.get_model()
         self.modules = dict(model.named_modules())
-        self.points = capture_points.capture_points(model, get_tensor_model_parallel_world_size())
+        self.staged = pipeline.world_size > 1
+        stage = pipeline.rank_in_group if self.staged else None
+        self.points = capture_points.capture_points(model, get_tensor_model_parallel_world_size(), stage)
         self.device: torch.device = runner.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.lock = threading.RLock()
@@ -154,9 +162,20 @@ class HarvestCapture:
 
     # ------------------------------------------------------------ chunks (RPC thread)
 
-    def begin(self, spec: dict[str, Any]) -> dict[str, Any]:
+    def begin(self, spec: dict[str, Any]) -> dict[str, Any] | None:
+        """Take the chunk ``spec``: ``{"chunk": key}``; None on a pipeline stage that holds none of its captures."""
         key = str(spec["chunk"])
         captures = check_captures([Capture.from_json(c) for c in spec["captures"]])
+        if self.staged:
+            mine = capture_points.held(captures, self.points)
+            if not mine:
+                return None
+            if len(mine) < len(captures):
+                others = [c.key for c in captures if c not in mine]
+                raise SpecError(
+                    f"{others} are not on pipeline stage {self.points[0]['stage']} with {mine[0].key}:"
+                    " a harvest's captures must live on one stage"
+                )
         capture_points.check_against(captures, self.points)
         selection = Selection.from_json(spec["selection"])
         dtype = getattr(torch, check_dtype(spec["dtype"]))

@@ -2,7 +2,9 @@
 
 Mixed into both worker classes (:mod:`nnqueue.enginecore.cpu_worker`, :mod:`nnqueue.enginecore.gpu_worker`).
 Every rank runs each call (each holds its own workers for the requests); only the first rank reports and
-writes, and the others return None, as nnsight's ``collect_nnsight`` does under tensor parallelism.
+writes trace results, and the others return None, as nnsight's ``collect_nnsight`` does under tensor
+parallelism. Harvest calls and the outbox are answered by each pipeline stage's first tensor-parallel
+rank (`stage_reporting`): a harvest chunk is captured and written by the stage that holds its captures.
 
 * ``nnqueue_finish_trace``: once per job, after all its requests finished. Collects and merges the saves in
   this process (:mod:`nnqueue.enginecore.trace_collect`), starts their copies to host memory (without
@@ -37,6 +39,13 @@ def reporting_rank() -> bool:
     from vllm.distributed.parallel_state import get_pp_group
 
     return bool(get_pp_group().rank == 0)
+
+
+def stage_reporting() -> bool:
+    """Whether this process reports for its pipeline stage: its tensor-parallel rank 0 (all of them without PP)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    return bool(get_tp_group().rank_in_group == 0)
 
 
 class NNqueueRPC:
@@ -88,11 +97,12 @@ class NNqueueRPC:
         self.nnqueue_check_weights()
 
     def nnqueue_outbox(self) -> list[dict[str, Any]] | None:
-        return outbox.drain() if reporting_rank() else None
+        return outbox.drain() if stage_reporting() else None
 
     def nnqueue_harvest_begin(self, spec: dict[str, Any]) -> dict[str, Any] | None:
-        """Begin a harvest chunk (`HarvestCapture.begin`): ``{"chunk": key}`` or ``{"error": reason}``."""
-        if not reporting_rank():
+        """Begin a harvest chunk (`HarvestCapture.begin`): ``{"chunk": key}``, ``{"error": reason}``, or None
+        (not this stage's chunk, or not a reporting rank)."""
+        if not stage_reporting():
             return None
         try:
             return self.model_runner.nnqueue_harvest().begin(spec)
@@ -102,15 +112,15 @@ class NNqueueRPC:
     def nnqueue_harvest_abort(self, chunk: str) -> bool | None:
         """Drop a chunk's requests, buffers and pending write; whether there was anything to drop."""
         capture = self.model_runner.nnqueue_capture
-        return capture.abort(chunk) if reporting_rank() and capture is not None else None
+        return capture.abort(chunk) if stage_reporting() and capture is not None else None
 
     def nnqueue_harvest_stats(self) -> dict[str, int] | None:
         """What the capture path holds now (chunks, requests, buffered bytes, writes): a leak gauge."""
-        return self.model_runner.nnqueue_harvest().stats() if reporting_rank() else None
+        return self.model_runner.nnqueue_harvest().stats() if stage_reporting() else None
 
     def nnqueue_capture_points(self) -> list[dict[str, Any]] | None:
-        """The model's capturable points, for validating harvest specs (empty where harvests can't run)."""
-        if not reporting_rank():
+        """This stage's capturable points, for validating harvest specs (empty where harvests can't run)."""
+        if not stage_reporting():
             return None
         try:
             return self.model_runner.nnqueue_harvest().points

@@ -22,6 +22,7 @@ from itertools import accumulate
 from typing import Any
 
 from nnqueue.enginecore import harvest_stats
+from nnqueue.enginecore.capture_points import merge_stages
 from nnqueue.enginecore.harvest_capture import TAG
 from nnqueue.enginecore.harvest_spec import Capture, Selection, check_captures, check_dtype
 from nnqueue.enginecore.shard_writer import SHARD_ENTRY
@@ -121,7 +122,8 @@ async def run_chunk(llm: Any, work: ChunkWork) -> ChunkResult:
     request_ids = [f"nnqh-{uuid.uuid4().hex[:12]}-{index}" for index in work.prompt_indices]
     prefills: asyncio.Future[Any] | None = None
     try:
-        answer = (await llm.collective_rpc("nnqueue_harvest_begin", args=(_engine_spec(work, key),)))[0]
+        answers = await llm.collective_rpc("nnqueue_harvest_begin", args=(_engine_spec(work, key),))
+        answer = _taken(answers)
         if not isinstance(answer, dict) or answer.get("chunk") != key:
             raise HarvestError(f"the engine refused chunk {work.chunk_id}: {_reason(answer)}")
         prefills = asyncio.gather(
@@ -147,9 +149,19 @@ async def run_chunk(llm: Any, work: ChunkWork) -> ChunkResult:
 
 
 async def capture_points(llm: Any) -> list[dict[str, Any]]:
-    """The engine's capturable points (``{"module", "io", "parts"}``), for validating harvest specs."""
-    points = (await llm.collective_rpc("nnqueue_capture_points"))[0]
-    return list(points or [])
+    """The engine's capturable points (``{"module", "io", "parts"}``, and ``stage`` under pipeline parallelism),
+    every stage's, for validating harvest specs."""
+    return merge_stages(await llm.collective_rpc("nnqueue_capture_points"))
+
+
+def _taken(answers: list[Any]) -> Any:
+    """The answer to a chunk's begin: a refusal from any stage, else the stage that took it (each pipeline
+    stage's reporting rank answers; a stage without the chunk's captures and the other ranks answer None)."""
+    given = [answer for answer in answers if answer is not None]
+    refused = [answer for answer in given if isinstance(answer, dict) and "error" in answer]
+    if refused or not given:
+        return refused[0] if refused else {"error": "no pipeline stage of the engine holds the chunk's captures"}
+    return given[0]
 
 
 def _engine_spec(work: ChunkWork, key: str) -> dict[str, Any]:
