@@ -10,12 +10,13 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
+from nnqueue.enginecore.pipeline_stages import PipelineStageMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
 from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
-class NNqueueGPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner):
+class NNqueueGPUModelRunner(HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner):
     """nnqueue's harvest capture over nnsight's runner; adds no constructor state (re-classed in place)."""
 
 

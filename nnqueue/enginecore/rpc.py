@@ -28,7 +28,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from nnqueue.enginecore import outbox, trace_collect, trace_results, weights_guard
+from nnqueue.enginecore import outbox, pipeline_stages, trace_collect, trace_results, weights_guard
 
 log = logging.getLogger(__name__)
 _writer: list[trace_results.ResultWriter] = []
@@ -63,11 +63,23 @@ class NNqueueRPC:
         engine's RPC transport carries bytes), which serves ``tracer.result``.
         """
         reporting = reporting_rank()
+        across = pipeline_stages.staged() and stage_reporting()  # this stage's saves go to rank 0, merged there
         copies = trace_results.HostCopies()
         try:
             finished = pickle.loads(outputs) if outputs else None
             collected = trace_collect.collect_trace(self.model_runner, list(request_ids), finished)
             changed = self.nnqueue_check_weights()
+            if across:
+                across = False  # sent or received: never twice for one trace
+                merged = pipeline_stages.gather(
+                    pipeline_stages.StageReport(
+                        pipeline_stages.strip(collected.saves), collected.error, collected.load_failed, changed
+                    )
+                )
+                if merged is None:
+                    return None
+                collected = trace_collect.CollectedTrace(merged.saves, merged.error, merged.load_failed)
+                changed = merged.changed
             if not reporting:
                 return None
             if changed and (collected.error is None or collected.error.get("is_control_flow")):
@@ -79,6 +91,8 @@ class NNqueueRPC:
             copies.release()
             log.exception("finishing trace %s failed", trace_id)
             trace_collect.release(self.model_runner, list(request_ids))
+            if across:  # the other stages' reporting ranks wait on this one's send or receive
+                pipeline_stages.gather(pipeline_stages.failed(error))
             if reporting:
                 outbox.post(
                     {
