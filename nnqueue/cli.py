@@ -134,6 +134,12 @@ def worker(
         "(gradients included) on the Hugging Face model, one job at a time.",
     ),
     tensor_parallel_size: int = typer.Option(1, help="GPUs the engine spans (vllm)."),
+    pipeline_parallel_size: int = typer.Option(
+        1,
+        min=1,
+        help="Pipeline stages the model's layers are split over, each --tensor-parallel-size GPUs (vllm; vLLM's mp "
+        "executor on one host, --distributed-executor-backend ray across nodes: docs/operator/pipeline-parallel.md).",
+    ),
     max_concurrent_jobs: int | None = typer.Option(
         None,
         min=1,
@@ -165,6 +171,8 @@ def worker(
 
         command = [sys.executable, "-m", "nnqueue", "worker", "--no-supervise", "--model", model, "--engine", engine]
         command += ["--model-key", model_key or model, "--tensor-parallel-size", str(tensor_parallel_size)]
+        if pipeline_parallel_size != 1:
+            command += ["--pipeline-parallel-size", str(pipeline_parallel_size)]
         if max_concurrent_jobs is not None:
             command += ["--max-concurrent-jobs", str(max_concurrent_jobs)]
         if bulk_slots is not None:
@@ -179,9 +187,15 @@ def worker(
             raise typer.BadParameter(
                 "the transformers engine runs one job at a time", param_hint="--max-concurrent-jobs"
             )
+        if pipeline_parallel_size != 1:
+            raise typer.BadParameter(
+                "the transformers engine runs on one device", param_hint="--pipeline-parallel-size"
+            )
         concurrency, engine_kwargs = 1, engine_args(ctx.args)
     else:
         engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
+        if pipeline_parallel_size != 1:
+            engine_kwargs["pipeline_parallel_size"] = pipeline_parallel_size
     try:
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
     except (EngineConflict, EngineUserError) as conflict:

@@ -262,8 +262,8 @@ def merge(reports: list[StageReport]) -> StageReport:
     if error is None and errors and all(_artefact(e) for e in errors):
         first = errors[0] or {}
         error = _stage_error(
-            "the trace's code needs the data of a value another pipeline stage computes (a stand-in there):"
-            f" {first.get('message')}"
+            "the trace's code combines values of different pipeline stages of the engine, or needs the data of a"
+            f" value another stage computes ({first.get('message')}); save each part and combine them in the client"
         )
     if error is None and mixed:
         error = _stage_error(

@@ -2,7 +2,9 @@
 
 The PP=2 engine is this module's; the PP=1 engine is the session's (`inprocess_engine`). Each harvest runs the
 same chunk on both, batched into one step the same way, and the shards must be the same bytes: layer 0 is
-captured and written by stage 0's process, layer 1 and the final norm by stage 1's.
+captured and written by stage 0's process, layer 1 and the final norm by stage 1's. A trace saving values of
+both stages (and the logits, sampled on the last) gives the same values as one stage, a list of both stages'
+values included; a value computed from both stages fails the trace, naming it.
 """
 
 from __future__ import annotations
@@ -11,13 +13,21 @@ import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import nnsight
 import pytest
 import torch
 
+from nnqueue import trace_payload
 from nnqueue.engines.harvest_runner import ChunkWork, HarvestError, capture_points, run_chunk
+from nnqueue.engines.outbox import poller
+from nnqueue.engines.prebuilt import to_requests
+from nnqueue.engines.trace_runner import TraceReport, run_trace
+from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import SELECTIONS, Capture, batched, load, run, work
 from tests.utils.engines import InProcessEngine, running_engine
+from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 # vLLM's CPU workers pin their OpenMP threads; one core per stage (its "auto" needs a core per rank and NUMA node).
@@ -91,3 +101,52 @@ def test_captures_on_two_stages_are_refused(pipeline_engine, tmp_path, prompts) 
         run(pipeline_engine, run_chunk(llm, chunk))
     stats = run(pipeline_engine, llm.collective_rpc("nnqueue_harvest_stats"))
     assert [s["chunks"] for s in stats if s is not None] == [0, 0]
+
+
+def trace(engine: InProcessEngine, payload: bytes, tmp_path: Path, name: str) -> tuple[TraceReport, dict[str, Any]]:
+    llm = engine.model.vllm_entrypoint
+    sinks = {kind: {"kind": "handoff", "path": str(tmp_path / f"{name}.{kind}")} for kind in ("torch", "safetensors")}
+    requests = to_requests(trace_payload.decode(payload), name)
+    report = run(engine, run_trace(engine.model, requests, trace_id=name, sinks=sinks, outbox=poller(llm)))
+    saves = load_result((tmp_path / f"{name}.torch").read_bytes()) if report.error is None else {}
+    return report, saves
+
+
+def test_a_trace_across_stages_equals_one_stage(inprocess_engine, pipeline_engine, client_model, tmp_path) -> None:
+    backend = PrebuiltBackend()
+    model = client_model
+    with model.trace("The Eiffel Tower is in", temperature=0.0, max_tokens=3, backend=backend):
+        mlp0 = model.model.layers[0].mlp.output.save()  # stage 0, a submodule stage 1 does not have
+        out0 = model.model.layers[0].output
+        h0 = (out0[0] + out0[1]).save()
+        attn1 = model.model.layers[1].self_attn.output.save()  # stage 1
+        out1 = model.model.layers[1].output
+        h1 = (out1[0] + out1[1]).save()
+        both = nnsight.save([out0[0].clone(), out1[0].clone()])  # one list, an item from each stage
+        norm = model.model.norm.output.save()
+        logits = model.logits.save()  # sampled on the last stage
+    one, staged = (
+        trace(engine, backend.payload, tmp_path, name)[1]
+        for engine, name in ((inprocess_engine, "pp1"), (pipeline_engine, "pp2"))
+    )
+    assert set(staged) == set(one) == {"mlp0", "h0", "attn1", "h1", "both", "norm", "logits"}
+    for name, value in one.items():
+        assert same(staged[name], value), name
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal bit for bit, through lists and tuples (a norm called with a residual returns a pair)."""
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_value_mixing_stages_fails_the_trace(pipeline_engine, client_model, tmp_path) -> None:
+    backend = PrebuiltBackend()
+    with client_model.trace("The Eiffel Tower is in", temperature=0.0, max_tokens=1, backend=backend):
+        h0 = client_model.model.layers[0].output[0].save()
+        h1 = client_model.model.layers[1].output[0]
+        delta = (h1 - h0).save()
+    report, _ = trace(pipeline_engine, backend.payload, tmp_path, "mixed")
+    assert report.error is not None and report.error["type_name"] == "PipelineStageError"
+    assert "combines values of different pipeline stages" in report.error["message"]
