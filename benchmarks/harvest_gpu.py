@@ -831,7 +831,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     small = prompts[: min(8, P)]
     host.call(raw_generate(engine.vllm_entrypoint, small))
     # Full-size chunks, so that the pinned host blocks the timed runs reuse are allocated here.
-    warm_layers = harvest_throughput.variant_layers(num_layers, layer, 4)
+    warm_layers = harvest_throughput.variant_layers(num_layers, layer, 4 if args.pp == 1 else 1)  # one stage's
     warm_prompts, chunk = prompts[: 2 * args.prompts_per_chunk], args.prompts_per_chunk
     host.call(
         harvest_throughput.harvest(
@@ -1106,15 +1106,15 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def check_harvests(host: Any, engine: Any, prompts: list[list[int]], num_layers: int, out: Path) -> dict[str, Any]:
-    """For --check-1b: the prompts harvested twice (layer ``CHECK_LAYER``, then ``CHECK_LATE``: one stage each under
-    PP=2), every token's residual stream; ``{"harvest:<layer key>": rows of all prompts}``."""
+    """For --check-1b: the prompts harvested once per layer (0, ``CHECK_LAYER``, ``CHECK_LATE``: the first and the
+    last stage under PP=2), every token's residual stream; ``{"harvest:<layer key>": rows of all prompts}``."""
     from safetensors.torch import load_file
 
     from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
 
     out.mkdir(parents=True, exist_ok=True)
     values = {}
-    for layer in sorted({CHECK_LAYER, min(CHECK_LATE, num_layers - 1)}):
+    for layer in sorted({0, CHECK_LAYER, min(CHECK_LATE, num_layers - 1)}):
         work = ChunkWork(
             chunk_id=f"check-{layer}",
             prompt_indices=list(range(len(prompts))),
