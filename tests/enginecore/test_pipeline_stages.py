@@ -3,8 +3,11 @@ computed it, containers element by element, mixed values and placeholder errors 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from nnqueue.enginecore.capture_points import check_against
+from nnqueue.enginecore.harvest_spec import Capture, SpecError
 from nnqueue.enginecore.pipeline_stages import ELSEWHERE, MIXED_ERROR, StageReport, merge, strip
 
 META = torch.empty(2, 3, device="meta")
@@ -51,3 +54,14 @@ def test_weights_changed_on_any_stage_are_reported() -> None:
 def test_strip_marks_only_placeholders() -> None:
     value = strip({"t": torch.ones(1), "m": META, "nested": (1, [META])})
     assert value["m"] == ELSEWHERE and value["nested"] == (1, [ELSEWHERE]) and torch.equal(value["t"], torch.ones(1))
+
+
+def test_a_spec_whose_captures_span_stages_is_refused() -> None:
+    points = [
+        {"module": "model.layers.0", "io": "output", "parts": ["residual_stream"], "width": 8, "stage": 0},
+        {"module": "model.layers.1", "io": "output", "parts": ["residual_stream"], "width": 8, "stage": 1},
+        {"module": "model.norm", "io": "output", "parts": [], "width": 8, "stage": 1},
+    ]
+    check_against([Capture("model.layers.1"), Capture("model.norm")], points)  # one stage: fine
+    with pytest.raises(SpecError, match=r"one pipeline stage.*'model\.layers\.0\.output': 0.*'model\.norm\.output': 1"):
+        check_against([Capture("model.layers.0"), Capture("model.norm")], points)
