@@ -6,12 +6,13 @@ trace's code names the road they take; the cost of both checks on the CPU is pri
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from nnqueue.enginecore import protected
-from nnqueue.enginecore.weights_guard import WeightsGuard, error
+from nnqueue.enginecore.weights_guard import WeightsGuard, WeightsGuardWorker, error
 
 
 class Tiny(torch.nn.Module):
@@ -180,3 +181,53 @@ def test_cost_of_a_check_on_the_cpu() -> None:
     )
     assert full < 10.0
     assert cheap < full / 10
+
+
+class Runner:
+    """What `WeightsGuardWorker` reads of nnsight's model runner: the model and the runner's requests."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.nnsight_requests = SimpleNamespace(requests={})
+
+    def get_model(self) -> torch.nn.Module:
+        return self.module
+
+
+def test_a_write_no_trace_named_is_put_back_by_the_periodic_full_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An alias made by an earlier trace and written by an unmarked one: the version counter misses it, the
+    periodic full check puts it back and fails that step's traces."""
+    monkeypatch.setattr(protected, "_done", [True])  # as in an engine: roads are noted
+    module = Tiny()
+    before = state(module)
+    worker = WeightsGuardWorker()
+    worker.model_runner = Runner(module)
+    worker._nnqueue_build_guard()
+    protected.take_roads_reached()
+    alias = module.norm.weight.data  # left behind by an earlier trace
+    traced = SimpleNamespace(mediator=SimpleNamespace(), error=None, engine_id="job-1-0")
+    alias.add_(1)
+    worker._nnqueue_traced = (traced,)
+    worker._nnqueue_step_ended()
+    assert traced.error is None and not torch.equal(module.norm.weight, before["norm.weight"])  # not seen yet
+    worker._nnqueue_full_check_at = 0.0  # the period is over
+    worker._nnqueue_traced = (traced,)
+    worker._nnqueue_step_ended()
+    assert traced.error is not None and traced.error["type_name"] == "WeightsModified"
+    assert_as_before(module, before)
+
+
+def test_a_step_of_a_marked_trace_reads_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protected, "_done", [True])
+    module = Tiny()
+    before = state(module)
+    worker = WeightsGuardWorker()
+    worker.model_runner = Runner(module)
+    worker._nnqueue_build_guard()
+    protected.take_roads_reached()
+    module.norm.bias.data.add_(1)  # what a trace whose code names .data does
+    traced = SimpleNamespace(mediator=SimpleNamespace(nnqueue_roads=True), error=None, engine_id="job-2-0")
+    worker._nnqueue_traced = (traced,)
+    worker._nnqueue_step_ended()
+    assert traced.error is not None and "this trace changed" in traced.error["message"]
+    assert_as_before(module, before)
