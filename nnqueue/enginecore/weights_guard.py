@@ -18,7 +18,10 @@ What each check reads, and what it catches (`WeightsGuard.check`):
   ``load_state_dict``. Swapping ``.data``, ``set_`` on the parameter, ``share_memory_``, ``swap_tensors``
   and replacing the module's parameter change the object or its storage pointer. Reading these is a few
   attribute reads per parameter on the engine's thread (about 0.1 ms for 195 parameters): no read of the
-  weights and no device synchronization, so vLLM's async scheduling keeps its overlap.
+  weights and no device synchronization, so vLLM's async scheduling keeps its overlap. Only a parameter whose
+  counter moved is compared with its host copy, element by element (exact, so a write that keeps every sum
+  is caught too): changed values fail the step's traces; a write that kept every value (vLLM's own, say)
+  fails nobody and its count becomes the reference.
 * **A full content check where a road bypasses the version counter.** Some aliases of a tensor's memory get a
   counter of their own: ``.data``, its storage (``untyped_storage()``, ``storage()``, ``set_(storage)`` on
   another tensor, ``new(storage)``), ``set_(weight)`` on another tensor, ``numpy()``/``__array__`` and DLPack
@@ -163,6 +166,7 @@ class WeightsGuard:
         ``backward()``) are dropped, and their ``requires_grad`` set back: neither is a change of the weights,
         neither may reach the next job."""
         changed: list[int] = []
+        bumped: list[int] = []
         for index, held in enumerate(self.held):
             parameter = held.parameter
             if parameter.grad is not None:
@@ -176,13 +180,18 @@ class WeightsGuard:
                 self._restore_object(held)
                 changed.append(index)
             elif held.version is not None and held.storage._version != held.version:
-                changed.append(index)
+                bumped.append(index)
         read = range(len(self.held)) if content else self.uncounted
         if read:
             now = self._fingerprint(read)
             if not torch.equal(now, self.fingerprint[list(read)]):  # the synchronization of a content check
                 differs = (now != self.fingerprint[list(read)]).nonzero().flatten().tolist()
                 changed += [read[index] for index in differs if read[index] not in changed]
+        for index in bumped:  # written: changed unless every element is as it was (vLLM's own writes, say)
+            if index not in changed and not torch.equal(self.held[index].storage, self._host_on_device(index)):
+                changed.append(index)
+            else:
+                self.held[index].version = _version(self.held[index].storage)
         if not changed:
             return []
         with torch.no_grad():
@@ -193,6 +202,10 @@ class WeightsGuard:
             self.held[index].version = _version(self.held[index].storage)
         self._trust_fingerprint(changed)
         return [self.names[index] for index in sorted(changed)]
+
+    def _host_on_device(self, index: int) -> torch.Tensor:
+        held = self.held[index]
+        return held.host.to(held.storage.device)
 
     @staticmethod
     def _same(held: _Held) -> bool:
