@@ -83,7 +83,7 @@ class HashingFile:
         return Written(self.size, self.digest.hexdigest())
 
 
-def write_file(sink: dict[str, Any], save: Callable[[HashingFile], None]) -> Written:
+def write_file(sink: dict[str, Any], save: Callable[[HashingFile], object]) -> Written:
     """Run ``save`` on a staging file beside the sink's path, hashing what it writes, then rename the complete
     file to the path; its size and sha256. The file is not fsynced: the frontend uploads it at once, and its
     upload is what lasts."""

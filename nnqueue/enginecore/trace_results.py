@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -224,7 +224,11 @@ def write_saves(saves: dict[str, Any], sinks: dict[str, Any]) -> dict[str, dict[
     """``torch.save`` the saves (and safetensors when all are tensors) to the sinks; each object's size and sha256,
     hashed as written."""
     torch_sink = sink.check(sinks.get(TORCH_OBJECT))
-    written = {TORCH_OBJECT: _reported(sink.write_file(torch_sink, lambda file: torch.save(saves, file)))}
+
+    def save_torch(file: sink.HashingFile) -> None:
+        torch.save(saves, cast(BinaryIO, file))  # it calls write() (and flush()) alone
+
+    written = {TORCH_OBJECT: _reported(sink.write_file(torch_sink, save_torch))}
     if saves and all(isinstance(value, torch.Tensor) for value in saves.values()) and SAFETENSORS_OBJECT in sinks:
         from safetensors.torch import save
 

@@ -140,7 +140,7 @@ class ResultSinks:
                 raise ResultNotWritten(f"{name} was not handed off as a file of the engine's own")
             if info.st_size != reported.size:
                 raise ResultNotWritten(f"{name} handed off with {info.st_size} bytes, reported {reported.size}")
-            uploaded = self.store.put_stream(key, file, size_hint=reported.size)  # type: ignore[arg-type]
+            uploaded = self.store.put_stream(key, file, size_hint=reported.size)
         if uploaded != reported.size:
             self.store.delete(key)
             raise ResultNotWritten(f"{name} changed while it was read: {uploaded} bytes, reported {reported.size}")
