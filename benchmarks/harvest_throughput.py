@@ -6,7 +6,7 @@ On one dispatched engine with nnqueue's worker class, the same P prompts x L ran
 * (a) raw ``AsyncLLM.generate`` with the harvest's sampling settings, every prompt submitted at once;
 * (h) the harvest path (`nnqueue.engines.harvest_runner.run_chunk`): the prompts in chunks of
   ``--prompts-per-chunk``, ``--chunks`` of them in flight (as a worker's bulk slots run them), each
-  chunk's shard written by the engine to a handoff file (the engine's side; a worker reads shards from a pipe and uploads them): one layer
+  chunk's shard written by the engine to a handoff file (the engine's side; a worker then uploads it): one layer
   every token, one layer last token, four layers every token.
 
 Each of ``--reps`` rounds runs every variant once, each right after a run of (a); the paired ratio is
@@ -81,9 +81,15 @@ async def harvest(
     out_dir: Path,
     prompts_per_chunk: int,
     chunks_in_flight: int,
+    sinks: Any = None,
 ) -> list[Any]:
-    """(h): every prompt through `run_chunk`, in chunks, ``chunks_in_flight`` at a time; their results."""
+    """(h): every prompt through `run_chunk`, in chunks, ``chunks_in_flight`` at a time; their results. With
+    ``sinks`` (the worker's `ResultSinks`), each chunk goes the worker's whole way: its shard handed off in the
+    sinks' folder and uploaded by `ResultSinks.commit_shard` to ``shard_key(chunk id)`` in their store, inside
+    the chunk's slot (as a bulk slot holds a chunk until its shard is stored); else the engine writes it to
+    ``out_dir``."""
     from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
+    from nnqueue.engines.trace_runner import WrittenObject
 
     slots = asyncio.Semaphore(chunks_in_flight)
     tag = uuid.uuid4().hex[:8]
@@ -91,20 +97,53 @@ async def harvest(
 
     async def chunk(number: int, first: int) -> Any:
         indices = list(range(first, min(first + prompts_per_chunk, len(prompts))))
+        chunk_id = f"bench-{tag}-{number:05d}"
+        opened = None if sinks is None else sinks.open_shard(shard_key(chunk_id), f"{chunk_id}.safetensors", 1 << 40)
         work = ChunkWork(
-            chunk_id=f"bench-{tag}-{number:05d}",
+            chunk_id=chunk_id,
             prompt_indices=indices,
             token_ids=[prompts[i] for i in indices],
             captures=[Capture(f"model.layers.{layer}") for layer in layers],
             selection=Selection(selection),
             dtype=dtype,
-            sink={"kind": "handoff", "path": str(out_dir / f"bench-{tag}-{number:05d}.safetensors")},
+            sink=opened.spec
+            if opened is not None
+            else {"kind": "handoff", "path": str(out_dir / f"{chunk_id}.safetensors")},
         )
         async with slots:
-            return await run_chunk(llm, work)
+            result = await run_chunk(llm, work)
+            if opened is not None:
+                reported = WrittenObject(result.bytes, result.sha256)
+                await asyncio.to_thread(sinks.commit_shard, opened, reported)
+            return result
 
     starts = range(0, len(prompts), prompts_per_chunk)
     return list(await asyncio.gather(*(chunk(n, first) for n, first in enumerate(starts))))
+
+
+def shard_key(chunk_id: str) -> str:
+    return f"harvests/bench/{chunk_id}.safetensors"
+
+
+def store_put_rate(store: Any, out_dir: Path, nbytes: int, objects: int, concurrency: int) -> float:
+    """MB/s of the store alone taking ``objects`` files of ``nbytes / objects`` bytes each, ``concurrency`` at a
+    time, through ``ObjectStore.put_stream`` (the call the worker's upload makes), from files in ``out_dir``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = max(1, nbytes // objects)
+    path = out_dir / "put-rate.bin"
+    path.write_bytes(os.urandom(size))
+
+    def put(index: int) -> int:
+        with open(path, "rb") as file:
+            return int(store.put_stream(f"harvests/bench/put-rate-{index}.bin", file, size_hint=size))
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        total = sum(pool.map(put, range(objects)))
+    seconds = time.perf_counter() - started
+    path.unlink()
+    return total / seconds / 1e6
 
 
 def engine_writable(path: Path) -> None:
@@ -166,13 +205,15 @@ def harvest_rows(
     chunks_in_flight: int,
     reps: int,
     raw: Any = None,
+    sinks: Any = None,
 ) -> dict[str, Any]:
     """Time every harvest variant into ``report["rows"]`` (medians of ``reps`` rounds).
 
     Each round runs every variant once, each right after a run of ``raw()`` when given (row "(a) raw
     vLLM, paired"): on a loaded machine, whose speed drifts within seconds, a variant is compared with
     the raw run beside it (``paired_ratio``: the median of those ratios). ``run`` runs a coroutine on
-    the engine's loop. Then the handoff sink alone writes as many bytes as the largest variant did.
+    the engine's loop. Then the handoff sink alone writes as many bytes as the largest variant did, and with
+    ``sinks`` (shards uploaded to their store: `harvest`) the store alone takes as many (``store_put_MB_s``).
     Returns the last one-layer all-token results and their shards' folder (for value checks).
     """
     tokens = sum(len(ids) for ids in prompts)
@@ -196,7 +237,7 @@ def harvest_rows(
                 measure("raw", raw)
             target = kept_dir if name == "one layer all-token" else out_dir
             shutil.rmtree(target, ignore_errors=True)
-            work = harvest(llm, prompts, layers, kind, dtype, target, prompts_per_chunk, chunks_in_flight)
+            work = harvest(llm, prompts, layers, kind, dtype, target, prompts_per_chunk, chunks_in_flight, sinks)
             results[name] = measure(name, lambda work=work: run(work))
             if raw is not None:
                 pairs[name].append((times["raw"][-1] / times[name][-1], cpu["raw"][-1] / cpu[name][-1]))
@@ -233,18 +274,32 @@ def harvest_rows(
     report["sink_write_MB_s"] = round(sink_write_rate(out_dir, biggest), 1)
     report["sink_write_bytes"] = biggest
     print(f"handoff sink alone, {biggest / 1e6:,.1f} MB: {report['sink_write_MB_s']:,.1f} MB/s", flush=True)
+    kept = results["one layer all-token"]
+    if sinks is not None:
+        objects = len(results[max(results, key=lambda name: sum(result.bytes for result in results[name]))])
+        report["store_put_MB_s"] = round(store_put_rate(sinks.store, out_dir, biggest, objects, chunks_in_flight), 1)
+        print(
+            f"store alone ({type(sinks.store).__name__}), {objects} objects, {chunks_in_flight} at a time: "
+            f"{report['store_put_MB_s']:,.1f} MB/s",
+            flush=True,
+        )
+        kept_dir.mkdir(parents=True, exist_ok=True)
+        for result in kept:  # the value checks read the shards where the engine would have left them
+            (kept_dir / f"{result.chunk_id}.safetensors").write_bytes(sinks.store.get_bytes(shard_key(result.chunk_id)))
     shutil.rmtree(out_dir, ignore_errors=True)
-    return {"results": results["one layer all-token"], "out_dir": kept_dir, "layer": layer}
+    return {"results": kept, "out_dir": kept_dir, "layer": layer}
 
 
 def versus_bounds(report: dict[str, Any], raw_tok_s: float) -> dict[str, float]:
-    """Each harvest row's tokens/s over the lower of raw vLLM and what the sink's measured write rate
-    allows at that row's bytes per token (issue 10's bound for the four-layer target)."""
+    """Each harvest row's tokens/s over the lower of raw vLLM and what the sink's measured write rate (and the
+    store's PUT rate, where shards went to a store) allows at that row's bytes per token (issue 10's bound for the
+    four-layer target)."""
     tokens = report["prompts"] * report["tokens_per_prompt"]
     bounds = {}
+    store_mb_s = min(report["sink_write_MB_s"], report.get("store_put_MB_s", float("inf")))
     for name, row in report["rows"].items():
         if "shard_bytes" in row:
-            store_tok_s = report["sink_write_MB_s"] * 1e6 / (row["shard_bytes"] / tokens)
+            store_tok_s = store_mb_s * 1e6 / (row["shard_bytes"] / tokens)
             bounds[name] = round(row["tok_s"] / min(raw_tok_s, store_tok_s), 3)
     return bounds
 

@@ -60,6 +60,7 @@ import symtable
 import sys
 import threading
 import types
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -196,6 +197,33 @@ NATIVE_ATTRIBUTES = frozenset(
 # ``format_map`` follow ``{0.attr[key]}`` paths with the real ``getattr``, so a format string reaches what the
 # attribute checks refuse (``"{0.__init__.__globals__}".format(x)``). f-strings and ``format()`` do not.
 FORMAT_ATTRIBUTES = frozenset({"format", "format_map", "vformat"})
+# Names that lead to a tensor's memory past its version counter (nnqueue.enginecore.weights_guard, which reads the
+# weights in full after a step in which a trace naming one ran): ``.data``, storages, ``set_``, numpy (which
+# aliases a CPU tensor), DLPack, the unsafe splits, ``view`` (``view(dtype)`` keeps no shared counter inside
+# ``torch.inference_mode``), ``torch.ops`` (every ATen op by its own name) and descriptors called directly.
+# Allowed, not refused: noted where code names them (`check_code`) or reaches them (``getattr``, ``__import__``).
+ROAD_NAMES = frozenset(
+    {
+        "data",
+        "untyped_storage",
+        "storage",
+        "_typed_storage",
+        "set_",
+        "numpy",
+        "__array__",
+        "__dlpack__",
+        "from_dlpack",
+        "to_dlpack",
+        "frombuffer",
+        "unsafe_split",
+        "unsafe_chunk",
+        "unsafe_split_with_sizes",
+        "view",
+        "ops",
+        "__get__",
+        "__set__",
+    }
+)
 # Attribute names that lead from an object to interpreter internals (globals of other modules,
 # frames, code): refused in intervention code, in getattr/setattr and in unpickled references.
 BLOCKED_ATTRIBUTES = frozenset(
@@ -593,6 +621,8 @@ def guarded_import(
         raise refused(f"relative import of {name!r}")
     if not is_allowed_module(name):
         raise refused(f"module {name!r}")
+    for part in [*name.split("."), *(fromlist or ())]:
+        note_road(part)
     module = builtins.__import__(name, None, None, fromlist, 0)
     return protect(module)
 
@@ -603,6 +633,7 @@ def guarded_import(
 def guarded_getattr(obj: Any, name: str, *default: Any) -> Any:
     if isinstance(name, str) and is_refused_attribute(name):
         raise AttributeError(f"attribute {name!r} is not available in intervention code")
+    note_road(name)
     value = getattr(obj, name, *default)
     _refuse_code_generator(value)
     return protect(value) if isinstance(value, types.ModuleType) else value
@@ -619,6 +650,7 @@ def guarded_hasattr(obj: Any, name: str) -> bool:
 def guarded_setattr(obj: Any, name: str, value: Any) -> None:
     if isinstance(name, str) and is_blocked_attribute(name):
         raise AttributeError(f"attribute {name!r} cannot be set in intervention code")
+    note_road(name)
     setattr(obj, name, value)
 
 
@@ -651,19 +683,23 @@ def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
 _ATTRIBUTE_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
 
 
-def check_code(code: types.CodeType) -> None:
+def check_code(code: types.CodeType) -> bool:
     """Refuse code that names an attribute leading out of the sandbox (``x.__globals__``, ``f.f_back``,
     ``s.format``). Names that are refused only as attributes are looked for in the bytecode's attribute
-    instructions (``dis``), so the ``format()`` builtin stays allowed."""
+    instructions (``dis``), so the ``format()`` builtin stays allowed. Returns whether the code names one of
+    :data:`ROAD_NAMES`."""
+    roads = False
     for each in _code_objects(code):
         for name in each.co_names:
             if is_blocked_attribute(name):
                 raise refused(f"the attribute {name!r}")
+            roads = roads or name in ROAD_NAMES
         if FORMAT_ATTRIBUTES.isdisjoint(each.co_names):
             continue
         for instruction in dis.get_instructions(each):
             if instruction.opname in _ATTRIBUTE_OPS and instruction.argval in FORMAT_ATTRIBUTES:
                 raise refused(f"the attribute {instruction.argval!r} (use an f-string)")
+    return roads
 
 
 # --- deserialization ---------------------------------------------------------------------------
@@ -680,7 +716,8 @@ def _guarded_load_function(*args: Any) -> types.FunctionType:
     from nnsight.intervention.serialization import _load_function
 
     function = _load_function(*args)
-    check_code(function.__code__)
+    if check_code(function.__code__):
+        _region.roads = True  # the mediator being loaded sent it (`load_mediator`)
     safe = types.FunctionType(
         function.__code__, {"__builtins__": SAFE_BUILTINS}, function.__name__, function.__defaults__
     )
@@ -849,14 +886,51 @@ def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None)
     from nnsight.intervention.interleaver import Mediator
     from nnsight.intervention.serialization import loads
 
+    _region.roads = False
     mediator = loads(data, persistent_objects=persistent_objects)
     if type(mediator) is not Mediator:
         raise InvalidMediator(
             f"the request's nnsight_mediator holds a {type(mediator).__name__}, not an nnsight Mediator"
         )
-    if _done:  # the protected environment is on in this process
-        check_code(mediator.code)
+    if _done and (check_code(mediator.code) or _region.roads):  # the protected environment is on here
+        mediator.nnqueue_roads = True
     return mediator
+
+
+# --- roads past a tensor's version counter (for nnqueue.enginecore.weights_guard) -------------------------------
+
+_roads_reached = [False]  # a road was reached at run time since `take_roads_reached` last looked
+
+
+def note_road(name: Any) -> None:
+    """Intervention code reached ``name`` by ``getattr``, ``setattr`` or ``__import__``: if it is one of
+    :data:`ROAD_NAMES`, mark its mediator (when it runs in one) and the process (`take_roads_reached`)."""
+    if name not in ROAD_NAMES:
+        return
+    _roads_reached[0] = True
+    _region.roads = True  # a payload being loaded (its getattr references)
+    mediator = getattr(getcurrent(), "mediator", None)  # nnsight sets a weak reference to it
+    if isinstance(mediator, weakref.ref):
+        mediator = mediator()
+    if mediator is not None:
+        mediator.nnqueue_roads = True
+
+
+def opens_roads(mediator: Any) -> bool:
+    """Whether this mediator's trace named or reached one of :data:`ROAD_NAMES` (noted only where the protected
+    environment is installed: see `installed`)."""
+    return bool(getattr(mediator, "nnqueue_roads", False))
+
+
+def installed() -> bool:
+    """Whether :func:`install` ran in this process (roads are noted only then)."""
+    return bool(_done)
+
+
+def take_roads_reached() -> bool:
+    """Whether a road was reached at run time since the last call (by any trace, in a step or a finish)."""
+    reached, _roads_reached[0] = _roads_reached[0], False
+    return reached
 
 
 # --- installing it in a process ----------------------------------------------------------------
@@ -922,7 +996,8 @@ def install(extra_modules: Iterable[str] = ()) -> None:
         run = Mediator._run
 
         def checked_run(self: Mediator) -> None:
-            check_code(self.code)
+            if check_code(self.code):
+                self.nnqueue_roads = True
             run(self)
 
         Mediator._run = checked_run

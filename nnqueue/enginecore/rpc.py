@@ -52,7 +52,8 @@ class NNqueueRPC:
     """RPC methods for a vLLM worker whose ``model_runner`` is nnsight's runner with `HarvestRunnerMixin`."""
 
     model_runner: Any
-    nnqueue_check_weights: Callable[[], list[str]]  # weights_guard.WeightsGuardWorker's
+    nnqueue_check_weights: Callable[[bool], list[str]]  # weights_guard.WeightsGuardWorker's
+    nnqueue_weights_read_due: Callable[[list[str]], bool]
 
     def nnqueue_finish_trace(
         self, trace_id: str, request_ids: list[str], outputs: bytes | None, sinks: dict[str, Any]
@@ -67,8 +68,9 @@ class NNqueueRPC:
         copies = trace_results.HostCopies()
         try:
             finished = pickle.loads(outputs) if outputs else None
+            read_weights = self.nnqueue_weights_read_due(list(request_ids))
             collected = trace_collect.collect_trace(self.model_runner, list(request_ids), finished)
-            changed = self.nnqueue_check_weights()
+            changed = self.nnqueue_check_weights(read_weights)
             if across:
                 across = False  # sent or received: never twice for one trace
                 merged = pipeline_stages.gather(
@@ -107,8 +109,9 @@ class NNqueueRPC:
         return True if reporting else None
 
     def nnqueue_discard_trace(self, request_ids: list[str]) -> None:
+        read_weights = self.nnqueue_weights_read_due(list(request_ids))
         trace_collect.release(self.model_runner, list(request_ids))
-        self.nnqueue_check_weights()
+        self.nnqueue_check_weights(read_weights)
 
     def nnqueue_outbox(self) -> list[dict[str, Any]] | None:
         return outbox.drain() if stage_reporting() else None

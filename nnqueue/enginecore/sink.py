@@ -1,34 +1,28 @@
 """Where the engine writes one object, described by the frontend as a small JSON dict (a *sink*).
 
 The engine process holds no store credentials and has no network (:mod:`nnqueue.netns`): every object
-leaves it through a file that the frontend (:mod:`nnqueue.workers.sinks`) reads, hashes and uploads
-itself. The engine never holds anything that could write to the store, so nothing it does can replace an
-object once the frontend committed it.
+leaves it through a file that the frontend (:mod:`nnqueue.workers.sinks`) checks and uploads itself. The
+engine never holds anything that could write to the store, so nothing it does can replace an object once
+the frontend committed it.
 
-* ``{"kind": "handoff", "path": str}``: a new file at ``path``, in a directory the frontend owns, which it
-  then reads into the store (a trace's result).
-* ``{"kind": "pipe", "path": str}``: a FIFO the frontend made and reads while the engine writes into it, so
-  that its upload runs alongside the write and no copy of the object sits on disk (a harvest shard).
-  Streamed objects only.
-
-A writer either writes the object to a local file (:func:`staging_file`), then :func:`deliver` s it, or
-streams it from memory with :func:`write_stream` (harvest shards: no staging copy, hashed as it goes);
-both report the size and sha256 of what they wrote, which the frontend checks against what it read.
+``{"kind": "handoff", "path": str}``: a new file at ``path``, in a private directory the frontend made for
+the engine (a trace's result, a harvest shard). The object is written to a staging file beside it and
+renamed there when complete; its sha256 is computed from the bytes as they are written (:class:`HashingFile`),
+never by reading the file again, and reported with its size. The frontend checks the file it finds (a
+regular file, not a link, the reported size, the engine's owner) and uploads it from there.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import stat
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from nnqueue.errors import NNqueueError
-
-CHUNK = 1 << 20
 
 
 class SinkError(NNqueueError):
@@ -45,7 +39,7 @@ def check(sink: Any) -> dict[str, str]:
     """``sink`` if it is a sink description this module can write to; raises :class:`SinkError`."""
     if (
         isinstance(sink, dict)
-        and sink.get("kind") in ("handoff", "pipe")
+        and sink.get("kind") == "handoff"
         and isinstance(sink.get("path"), str)
         and os.path.isabs(sink["path"])
     ):
@@ -53,64 +47,66 @@ def check(sink: Any) -> dict[str, str]:
     raise SinkError(f"not a sink description: {sink!r}")
 
 
-def staging_file(sink: dict[str, str]) -> str:
-    """A new empty file beside the handoff path to write the object into before :func:`deliver` (a rename)."""
-    if check(sink)["kind"] != "handoff":
-        raise SinkError(f"a {sink['kind']} sink takes streamed objects only")
-    fd, path = tempfile.mkstemp(prefix=".nnqueue-", suffix=".partial", dir=os.path.dirname(sink["path"]))
-    os.close(fd)
-    return path
+# Pieces from this size on are hashed on a helper thread while the calling thread writes them (both release the
+# GIL): a piece then costs the longer of the two, not their sum.
+OVERLAP_BYTES = 1 << 20
+_hashers = ThreadPoolExecutor(8, thread_name_prefix="nnqueue-sink-hash")
 
 
-def deliver(sink: dict[str, str], staged: str) -> Written:
-    """Move the finished file ``staged`` to ``sink`` (consuming it) and return its size and sha256. The file is
-    not fsynced: the frontend reads it at once, and its upload is what lasts."""
+class HashingFile:
+    """A binary file being written that hashes (sha256) and counts every byte written through it: what
+    ``torch.save`` and the shard writer write to."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes < OVERLAP_BYTES:
+            self.digest.update(view)
+            self.file.write(view)
+        else:
+            hashed = _hashers.submit(self.digest.update, view)
+            try:
+                self.file.write(view)
+            finally:
+                hashed.result()  # before returning: the caller may reuse its buffer
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def written(self) -> Written:
+        return Written(self.size, self.digest.hexdigest())
+
+
+def write_file(sink: dict[str, Any], save: Callable[[HashingFile], object]) -> Written:
+    """Run ``save`` on a staging file beside the sink's path, hashing what it writes, then rename the complete
+    file to the path; its size and sha256. The file is not fsynced: the frontend uploads it at once, and its
+    upload is what lasts."""
+    target = check(sink)["path"]
+    fd, staged = tempfile.mkstemp(prefix=".nnqueue-", suffix=".partial", dir=os.path.dirname(target))
     try:
-        written = _digest(staged)
-        os.replace(staged, sink["path"])
-        return written
+        with os.fdopen(fd, "wb") as file:
+            hashing = HashingFile(file)
+            save(hashing)
+        os.replace(staged, target)
+        return hashing.written()
     finally:
         if os.path.exists(staged):
             os.unlink(staged)
 
 
-def _digest(path: str) -> Written:
-    digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as file:
-        while chunk := file.read(CHUNK):
-            digest.update(chunk)
-            size += len(chunk)
-    return Written(size, digest.hexdigest())
-
-
 def write_stream(sink: dict[str, Any], size: int, pieces: Iterable[bytes | memoryview]) -> Written:
-    """Write the ``size`` bytes of ``pieces`` to ``sink``, hashing them on the way (no staging copy on a pipe)."""
-    sink = check(sink)
-    digest, count = hashlib.sha256(), 0
-    if sink["kind"] == "handoff":
-        staged = staging_file(sink)
-        opened = open(staged, "wb")  # noqa: SIM115 - closed below, before the rename
-    else:
-        # The frontend made the FIFO and reads it: open it as it is (never a file someone put in its place).
-        fd = os.open(sink["path"], os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise SinkError(f"{sink['path']} is not the frontend's pipe")
-        staged, opened = "", os.fdopen(fd, "wb")
-    try:
-        with opened as file:
-            for piece in pieces:
-                view = memoryview(piece).cast("B")
-                digest.update(view)
-                count += view.nbytes
-                file.write(view)
-        if count != size:
-            raise SinkError(f"wrote {count} bytes, expected {size}")
-        if staged:
-            os.replace(staged, sink["path"])
-    except BrokenPipeError:
-        raise SinkError("the frontend stopped reading the shard (the chunk was abandoned)") from None
-    finally:
-        if staged and os.path.exists(staged):
-            os.unlink(staged)
-    return Written(size, digest.hexdigest())
+    """Write the ``size`` bytes of ``pieces`` to ``sink`` (see `write_file`)."""
+
+    def save(file: HashingFile) -> None:
+        for piece in pieces:
+            file.write(piece)
+        if file.size != size:
+            raise SinkError(f"wrote {file.size} bytes, expected {size}")
+
+    return write_file(sink, save)

@@ -21,11 +21,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import torch
 
@@ -222,28 +221,26 @@ class ResultWriter:
 
 
 def write_saves(saves: dict[str, Any], sinks: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``torch.save`` the saves (and safetensors when all are tensors) to the sinks; each object's size and sha256."""
-    written = {TORCH_OBJECT: _write(sink.check(sinks.get(TORCH_OBJECT)), lambda path: torch.save(saves, path))}
+    """``torch.save`` the saves (and safetensors when all are tensors) to the sinks; each object's size and sha256,
+    hashed as written."""
+    torch_sink = sink.check(sinks.get(TORCH_OBJECT))
+
+    def save_torch(file: sink.HashingFile) -> None:
+        torch.save(saves, cast(BinaryIO, file))  # it calls write() (and flush()) alone
+
+    written = {TORCH_OBJECT: _reported(sink.write_file(torch_sink, save_torch))}
     if saves and all(isinstance(value, torch.Tensor) for value in saves.values()) and SAFETENSORS_OBJECT in sinks:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         # safetensors refuses tensors that share memory: give each name its own.
         tensors, seen = {}, set()
         for name, value in saves.items():
             tensors[name] = value.contiguous() if id(value) not in seen else value.clone().contiguous()
             seen.add(id(value))
-        written[SAFETENSORS_OBJECT] = _write(
-            sink.check(sinks[SAFETENSORS_OBJECT]), lambda path: save_file(tensors, path)
-        )
+        target = sink.check(sinks[SAFETENSORS_OBJECT])
+        written[SAFETENSORS_OBJECT] = _reported(sink.write_file(target, lambda file: file.write(save(tensors))))
     return written
 
 
-def _write(target: dict[str, str], save: Any) -> dict[str, Any]:
-    staged = sink.staging_file(target)
-    try:
-        save(staged)
-    except BaseException:
-        os.unlink(staged)
-        raise
-    done = sink.deliver(target, staged)
+def _reported(done: sink.Written) -> dict[str, Any]:
     return {"size": done.size, "sha256": done.sha256}

@@ -4,19 +4,48 @@ job's step, and the job that wrote fails saying so.
 nnsight hands intervention code the real modules (an envoy's attribute is the module's own ``Parameter``), so
 ``model.model.norm.weight.zero_()`` in a trace changes the weights every later job of every owner runs on.
 PyTorch has no read-only tensor, and a write can come by many roads (an in-place op, ``.data``, a storage,
-``param.data = ...``, ``module.weight = Parameter(...)``), so this checks what the weights *are*, not how
-they were reached: `WeightsGuard` keeps, per parameter of the engine's module, the ``Parameter`` object its
-module holds, its storage (pointer, shape, dtype) and a fingerprint of its content (the sum of its bits read
-as integers, exact and deterministic on every device: any write short of one crafted to keep every sum
-changes it), plus a copy of its content in host memory (pinned on a GPU; on the CPU engine a second copy in
-RAM). `WeightsGuard.check` compares them all and puts back whatever differs: the module's own object, its
-storage, its content (``copy_`` from the host copy, so CUDA graphs' pointers stay valid), and returns the
-names it restored. Its cost is one read of every parameter (GPU: one reduction per parameter and one
-synchronization) each time it runs: 6.5 ms for a Llama-3-8B-shaped model (16 GB of bfloat16 in 195 tensors)
-on an H100, about 2.4 TB/s; putting back a 28672x4096 weight took 4.4 ms. The synchronization also means
-that the engine's thread waits for a traced step's kernels before it schedules the next step (the overlap
-of vLLM's async scheduling is lost for that step): ``benchmarks/harvest_gpu.py --weights-guard off`` gives
-the end-to-end difference.
+``param.data = ...``, ``module.weight = Parameter(...)``). `WeightsGuard` keeps, per parameter of the engine's
+module, the ``Parameter`` object its module holds, its storage (pointer, shape, dtype, strides), its version
+counter, a fingerprint of its content (the sum of its bits read as integers, exact and deterministic on every
+device) and a copy of its content in host memory (pinned on a GPU; on the CPU engine a second copy in RAM).
+
+What each check reads, and what it catches (`WeightsGuard.check`):
+
+* **Every traced step: objects and version counters, no device work.** PyTorch's version counter
+  (``Tensor._version``, torch's ``c10::VariableVersion``) is shared by a tensor, its views (autograd's view
+  tracking, inside ``torch.inference_mode`` too) and ``detach()``, and bumped by every in-place op, ``out=`` and
+  ``copy_``: ``weight.zero_()``, ``weight[0] = 1``, ``weight.view(-1).add_(1)``, ``torch.nn.init.*``,
+  ``load_state_dict``. Swapping ``.data``, ``set_`` on the parameter, ``share_memory_``, ``swap_tensors``
+  and replacing the module's parameter change the object or its storage pointer. Reading these is a few
+  attribute reads per parameter on the engine's thread (about 0.1 ms for 195 parameters): no read of the
+  weights and no device synchronization, so vLLM's async scheduling keeps its overlap. Only a parameter whose
+  counter moved is compared with its host copy, element by element (exact, so a write that keeps every sum
+  is caught too): changed values fail the step's traces; a write that kept every value (vLLM's own, say)
+  fails nobody and its count becomes the reference.
+* **A full content check where a road bypasses the version counter.** Some aliases of a tensor's memory get a
+  counter of their own: ``.data``, its storage (``untyped_storage()``, ``storage()``, ``set_(storage)`` on
+  another tensor, ``new(storage)``), ``set_(weight)`` on another tensor, ``numpy()``/``__array__`` and DLPack
+  (``from_dlpack``, ``frombuffer``), ``unsafe_split``/``unsafe_chunk``, and, inside ``torch.inference_mode``
+  (where traces run), a ``view(dtype)``. Python cannot close these roads (a tensor's class is shared with
+  the model's own code, which uses ``weight.data`` in its forward), so the protected environment notes
+  them instead (:data:`nnqueue.enginecore.protected.ROAD_NAMES`): a trace whose code (its blocks and the
+  functions it sent) names one of them, or that reaches one through ``getattr``/``setattr``/``__import__``,
+  is marked (`nnqueue.enginecore.protected.opens_roads`), and a step or finish in which a marked trace runs
+  gets the full check: every parameter's fingerprint (one read of the weights: 6.5 ms for a
+  Llama-3-8B-shaped model, 16 GB of bfloat16 in 195 tensors, on an H100) and one synchronization, as
+  every traced step paid before. Parameters whose tensor keeps no version counter (an inference tensor) are
+  fingerprinted at every check.
+* **A periodic full check** (every :data:`FULL_CHECK_INTERVAL_S` of traced steps) for what the two above miss:
+  an alias a marked trace made and left where a later, unmarked trace writes through it (the protected
+  environment has shared objects a trace can leave things on). That write is put back at the next periodic
+  check, failing the traces of that step (the message says the writer is unknown); the jobs in between ran
+  on the changed weights.
+
+What changed is put back: the module's own object, its storage, its content (``copy_`` from the host copy, so
+CUDA graphs' pointers stay valid; 4.4 ms for a 28672x4096 weight on an H100), and the check returns the names it
+restored. A legitimate update of the weights (a new checkpoint loaded into the engine) must call
+`WeightsGuard.accept_current` (the worker's ``nnqueue_accept_weights``) afterwards, or the next check would put
+the old weights back.
 
 Where it runs (`WeightsGuardWorker`, in both vLLM worker classes): traces' code runs only inside a step
 (nnsight's runner unpickles and starts mediators in ``_update_states`` and serves them in
@@ -50,11 +79,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from nnqueue.enginecore import protected
 
 if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
     from vllm.v1.worker.worker_base import WorkerBase as _Worker
@@ -65,6 +97,8 @@ log = logging.getLogger(__name__)
 GUARD_ENV = "NNQUEUE_WEIGHTS_GUARD"
 ERROR_TYPE = "WeightsModified"
 _INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# How often (seconds, counted at traced steps) the weights are read in full whatever the traces named.
+FULL_CHECK_INTERVAL_S = 30.0
 
 
 def enabled() -> bool:
@@ -76,19 +110,31 @@ class _Held:
     module: torch.nn.Module  # the module that owns the parameter
     attribute: str  # its name there
     parameter: torch.nn.Parameter  # the object the module held
-    storage: torch.Tensor  # an alias of its original storage (put back if ``.data`` was swapped)
+    storage: torch.Tensor  # an alias of its original storage (put back if ``.data`` was swapped); shares its counter
     host: torch.Tensor  # its content, in host memory
     requires_grad: bool
+    pointer: int  # its storage's data_ptr()
+    version: int | None  # the storage's version counter when last seen; None: an inference tensor (none kept)
 
 
 class WeightsGuard:
     """The parameters of ``module`` as they are now; `check` puts them back as they were (see the module doc)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
         self.names: list[str] = []
         self.held: list[_Held] = []
+        self.bytes = 0
+        self.fingerprint = torch.zeros(0)
+        self.accept_current()
+
+    def accept_current(self) -> None:
+        """Take the module's parameters as they are now for the reference: call it after a legitimate update of the
+        weights (a checkpoint loaded in place, or parameters replaced), which the next check would otherwise undo.
+        It copies every parameter to host memory again (seconds for billions of parameters)."""
+        self.names, self.held = [], []
         copies: dict[int, torch.Tensor] = {}  # a tied parameter (held by two modules) has one host copy
-        for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for owner_name, owner in self.module.named_modules(remove_duplicate=False):
             for attribute, parameter in owner._parameters.items():
                 if parameter is None:
                     continue
@@ -96,43 +142,77 @@ class WeightsGuard:
                 storage = parameter.detach()
                 if id(parameter) not in copies:
                     copies[id(parameter)] = _host_copy(storage)
-                held = _Held(owner, attribute, parameter, storage, copies[id(parameter)], parameter.requires_grad)
+                held = _Held(
+                    owner,
+                    attribute,
+                    parameter,
+                    storage,
+                    copies[id(parameter)],
+                    parameter.requires_grad,
+                    storage.data_ptr(),
+                    _version(storage),
+                )
                 self.held.append(held)
         self.bytes = sum(copy.numel() * copy.element_size() for copy in copies.values())
-        self.fingerprint = self._fingerprint()
+        self.fingerprint = self._fingerprint(range(len(self.held)))
+        self.uncounted = [index for index, held in enumerate(self.held) if held.version is None]
 
-    def check(self) -> list[str]:
-        """The names of the parameters that changed since the guard was built, each put back as it was.
+    def check(self, content: bool = True) -> list[str]:
+        """The names of the parameters that changed since the reference was taken, each put back as it was.
 
-        Gradients a trace left on them (a transformers engine's ``backward()``) are dropped, and their
-        ``requires_grad`` set back: neither is a change of the weights, neither may reach the next job."""
-        for held in self.held:
-            if held.parameter.grad is not None:
-                held.parameter.grad = None
-            if held.parameter.requires_grad != held.requires_grad:
-                held.parameter.requires_grad_(held.requires_grad)
-        changed = [index for index, held in enumerate(self.held) if not self._same_object(held)]
-        for index in changed:
-            self._restore_object(self.held[index])
-        now = self._fingerprint()
-        if not torch.equal(now, self.fingerprint):  # the one synchronization of a clean check
-            differs = (now != self.fingerprint).nonzero().flatten().tolist()
-            changed += [index for index in differs if index not in changed]
+        Always: the objects, storages and version counters (no device work). ``content``: also every
+        parameter's fingerprint (one read of the weights and a synchronization); without it, only those of
+        parameters that keep no version counter. Gradients a trace left on them (a transformers engine's
+        ``backward()``) are dropped, and their ``requires_grad`` set back: neither is a change of the weights,
+        neither may reach the next job."""
+        changed: list[int] = []
+        bumped: list[int] = []
+        for index, held in enumerate(self.held):
+            parameter = held.parameter
+            if parameter.grad is not None:
+                parameter.grad = None
+            if parameter.requires_grad != held.requires_grad:
+                parameter.requires_grad_(held.requires_grad)
+            current = held.module._parameters.get(held.attribute)
+            # The pointer alone without ``content``: a same-pointer change of shape, strides or dtype is an
+            # in-place op (which bumps the counter) or a ``.data`` swap (a road, which asks for ``content``).
+            if current is not parameter or current.data_ptr() != held.pointer or (content and not self._same(held)):
+                self._restore_object(held)
+                changed.append(index)
+            elif held.version is not None and held.storage._version != held.version:
+                bumped.append(index)
+        read = range(len(self.held)) if content else self.uncounted
+        if read:
+            now = self._fingerprint(read)
+            if not torch.equal(now, self.fingerprint[list(read)]):  # the synchronization of a content check
+                differs = (now != self.fingerprint[list(read)]).nonzero().flatten().tolist()
+                changed += [read[index] for index in differs if read[index] not in changed]
+        for index in bumped:  # written: changed unless every element is as it was (vLLM's own writes, say)
+            if index not in changed and not torch.equal(self.held[index].storage, self._host_on_device(index)):
+                changed.append(index)
+            else:
+                self.held[index].version = _version(self.held[index].storage)
+        if not changed:
+            return []
         with torch.no_grad():
             for index in changed:
                 held = self.held[index]
                 held.storage.copy_(held.host)
-        if changed:
-            self._trust_fingerprint()
-        return [self.names[index] for index in changed]
+        for index in changed:  # copy_ bumped them
+            self.held[index].version = _version(self.held[index].storage)
+        self._trust_fingerprint(changed)
+        return [self.names[index] for index in sorted(changed)]
 
-    def _same_object(self, held: _Held) -> bool:
-        current = held.module._parameters.get(held.attribute)
-        if current is not held.parameter:
-            return False
+    def _host_on_device(self, index: int) -> torch.Tensor:
+        held = self.held[index]
+        return held.host.to(held.storage.device)
+
+    @staticmethod
+    def _same(held: _Held) -> bool:
+        """Whether the parameter's shape, strides and dtype are its storage alias's (its pointer is)."""
+        current = held.parameter
         return bool(
-            current.data_ptr() == held.storage.data_ptr()
-            and current.shape == held.storage.shape
+            current.shape == held.storage.shape
             and current.dtype == held.storage.dtype
             and current.stride() == held.storage.stride()
         )
@@ -142,14 +222,21 @@ class WeightsGuard:
             held.parameter.data = held.storage
         held.module._parameters[held.attribute] = held.parameter
 
-    def _fingerprint(self) -> torch.Tensor:
-        """Each parameter's bits summed as integers (int64, on the parameters' device)."""
-        return torch.stack([_bit_sum(held.storage) for held in self.held]).cpu() if self.held else torch.zeros(0)
+    def _fingerprint(self, indices: Sequence[int]) -> torch.Tensor:
+        """The bits of the parameters at ``indices`` summed as integers (int64, on the CPU: a synchronization)."""
+        if not indices:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.stack([_bit_sum(self.held[index].storage) for index in indices]).cpu()
 
-    def _trust_fingerprint(self) -> None:
+    def _trust_fingerprint(self, indices: list[int]) -> None:
         """After a restore: the content is the host copy's again, so is its fingerprint (re-read to be sure)."""
-        if not torch.equal(self._fingerprint(), self.fingerprint):
+        if not torch.equal(self._fingerprint(indices), self.fingerprint[indices]):
             raise RuntimeError("the weights could not be restored from their host copy")
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's version counter, or None for an inference tensor (which keeps none)."""
+    return None if tensor.is_inference() else int(tensor._version)
 
 
 def _bit_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -203,6 +290,7 @@ class WeightsGuardWorker(_Worker):
     _nnqueue_guard: WeightsGuard | None = None
     _nnqueue_guard_off = False
     _nnqueue_traced: tuple[Any, ...] = ()  # this step's requests that carry a trace (nnsight's Request)
+    _nnqueue_full_check_at = 0.0  # time.monotonic() of the next periodic full check
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         compiled = super().compile_or_warm_up_model(*args, **kwargs)
@@ -230,14 +318,31 @@ class WeightsGuardWorker(_Worker):
         self._nnqueue_step_ended()
         return output
 
-    def nnqueue_check_weights(self) -> list[str]:
-        """Put back any parameter a trace changed outside a step (the finish and discard RPCs); the names."""
+    def nnqueue_weights_read_due(self, request_ids: Iterable[str]) -> bool:
+        """Whether the check after finishing (or discarding) the trace whose invokes are ``request_ids`` must read
+        the weights (see `_nnqueue_content_due`); ask before the requests are released."""
+        if self._nnqueue_guard is None:
+            return False
+        wanted = set(request_ids)
+        requests = self.model_runner.nnsight_requests.requests.values()
+        return self._nnqueue_content_due([request.mediator for request in requests if request.named(wanted)])
+
+    def nnqueue_check_weights(self, content: bool) -> list[str]:
+        """Put back any parameter a trace changed outside a step (the finish and discard RPCs); the names.
+        ``content``: `nnqueue_weights_read_due`'s answer for that trace."""
         if self._nnqueue_guard is None:
             return []
-        changed = self._nnqueue_guard.check()
+        changed = self._nnqueue_guard.check(content=content)
         if changed:
             log.error("a trace changed parameters %s while it was finished; they were put back", changed[:20])
         return changed
+
+    def nnqueue_accept_weights(self) -> None:
+        """Take the model's weights as they are now for the guard's reference (after a legitimate update: see
+        `WeightsGuard.accept_current`)."""
+        if self._nnqueue_guard is not None:
+            self._nnqueue_guard.accept_current()
+            self._nnqueue_full_check_at = time.monotonic() + FULL_CHECK_INTERVAL_S
 
     def _nnqueue_build_guard(self) -> None:
         if self._nnqueue_guard is not None:
@@ -246,9 +351,11 @@ class WeightsGuardWorker(_Worker):
             self._nnqueue_guard_off = True
             return
         self._nnqueue_guard = WeightsGuard(self.model_runner.get_model())
+        self._nnqueue_full_check_at = time.monotonic() + FULL_CHECK_INTERVAL_S
         log.info(
-            "weights guard: %d parameters, %.1f MiB host copy",
+            "weights guard: %d parameters (%d without a version counter, read at every check), %.1f MiB host copy",
             len(self._nnqueue_guard.held),
+            len(self._nnqueue_guard.uncounted),
             self._nnqueue_guard.bytes / 2**20,
         )
 
@@ -256,9 +363,21 @@ class WeightsGuardWorker(_Worker):
         traced, self._nnqueue_traced = self._nnqueue_traced, ()
         if not traced or self._nnqueue_guard is None:
             return
-        changed = self._nnqueue_guard.check()
+        content = self._nnqueue_content_due([request.mediator for request in traced])
+        changed = self._nnqueue_guard.check(content=content)
         if changed:
             fail_traces(traced, changed)
+
+    def _nnqueue_content_due(self, mediators: Iterable[Any]) -> bool:
+        """Whether this check reads the weights: a trace that opens a road past the version counter ran
+        (`protected.opens_roads`, or one reached at run time), or the periodic full check is due."""
+        reached = protected.take_roads_reached()  # taken whatever the mediators say: it is for this check
+        if reached or not protected.installed() or any(map(protected.opens_roads, mediators)):
+            return True
+        if time.monotonic() >= self._nnqueue_full_check_at:
+            self._nnqueue_full_check_at = time.monotonic() + FULL_CHECK_INTERVAL_S
+            return True
+        return False
 
 
 def fail_traces(requests: Iterable[Any], changed: list[str]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from nnqueue.enginecore import transformers_engine as wire
 from nnqueue.engines.builders import scrubbed_environment
+from nnqueue.engines.trace_runner import SHA256, WrittenObject
 from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,9 @@ class EngineFailed(NNqueueError):
 
 @dataclass(frozen=True)
 class Ran:
-    """A job's outcome in the engine: the objects it wrote to its sinks (name -> size) and its error, if any."""
+    """A job's outcome in the engine: the objects it wrote to its sinks (name -> size and sha256) and its error."""
 
-    objects: dict[str, int]
+    objects: dict[str, WrittenObject]
     error: dict[str, Any] | None
     load_failed: bool = False  # the payload could not be rebuilt against the model
 
@@ -120,11 +121,17 @@ def _ran(answer: Any, sinks: set[str]) -> Ran:
     """The engine's answer (untrusted JSON), checked against the sinks it was given."""
     if not isinstance(answer, dict) or not isinstance(answer.get("objects"), dict):
         raise ValueError("the engine process sent a malformed answer")
-    written: dict[str, int] = {}
+    written: dict[str, WrittenObject] = {}
     for name, info in answer["objects"].items():
-        if name not in sinks or not isinstance(info, dict) or not isinstance(info.get("size"), int):
+        if (
+            name not in sinks
+            or not isinstance(info, dict)
+            or not isinstance(info.get("size"), int)
+            or not isinstance(info.get("sha256"), str)
+            or not SHA256.fullmatch(info["sha256"])
+        ):
             raise ValueError(f"the engine process reported an unknown or malformed object {name!r}")
-        written[name] = info["size"]
+        written[name] = WrittenObject(info["size"], info["sha256"])
     error = answer.get("error")
     if error is not None:
         if not isinstance(error, dict):

@@ -4,10 +4,10 @@ record the shard, and complete the harvest when it was the last chunk.
 A bulk token names no chunk: the runner claims the fairest QUEUED chunk of its model
 (:func:`claim_next_chunk`). The prompts are the chunk's byte range of the harvest's frozen dataset, tokenized
 here (in a thread) with the engine's own tokenizer, truncated to the spec's ``max_length`` (at most the
-engine's limit). The engine writes the shard (:func:`nnqueue.engines.harvest_runner.run_chunk`) into a pipe this
-worker opens (:mod:`nnqueue.workers.sinks`) and reads while it is written, uploading it as it comes (a multipart
-upload on S3); the worker commits it once the engine's report matches what arrived, and records the size and
-sha256 of what it uploaded. The shard lands under the chunk's deterministic key, so a chunk that runs again
+engine's limit). The engine writes the shard (:func:`nnqueue.engines.harvest_runner.run_chunk`) to a file in
+this worker's handoff directory, hashing it as it writes; once the engine reports it, the worker checks the
+file against the report and streams it to the store (:mod:`nnqueue.workers.sinks`: a multipart upload on S3),
+recording its size and sha256. The shard lands under the chunk's deterministic key, so a chunk that runs again
 overwrites its own shard; only sizes, checksums and row offsets travel back from the engine.
 
 A failure goes back to QUEUED until the chunk has run ``NNQUEUE_HARVEST_CHUNK_ATTEMPTS`` times, then fails
@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue import metrics
 from nnqueue.db.models import Harvest, HarvestChunk
 from nnqueue.engines.harvest_runner import ChunkWork, run_chunk
+from nnqueue.engines.trace_runner import WrittenObject
 from nnqueue.scheduler.chunks import (
     ChunkOutput,
     all_chunks_completed,
@@ -58,8 +59,6 @@ from nnqueue.workers.provenance import provenance
 from nnqueue.workers.sinks import ResultSinks
 
 log = logging.getLogger(__name__)
-# How long the shard's upload may take to see the end of the pipe once the engine reported the shard written.
-PIPE_DRAIN_S = 120.0
 # Room in a shard's size bound for its safetensors header (tensor names, shapes, offsets, metadata).
 HEADER_BYTES = 1 << 20
 
@@ -131,7 +130,6 @@ class ChunkRunner:
         name = f"{chunk.harvest_id}-{chunk.index:05d}-{chunk.attempts}.safetensors"
         bound = shard_bound(spec, token_ids, self.model.vllm_entrypoint.model_config)
         sink = await asyncio.to_thread(self.sinks.open_shard, chunk.shard_key, name, bound)
-        upload = asyncio.ensure_future(asyncio.to_thread(self.sinks.upload_shard, sink))
         committed = False
         try:
             work = ChunkWork(
@@ -148,13 +146,11 @@ class ChunkRunner:
             if chunk.id not in await asyncio.to_thread(held_chunks, self.sessions, [chunk.id], self.worker_id):
                 log.info("chunk %s of harvest %s no longer held here; its shard is dropped", chunk.index, harvest.id)
                 return Outcome.SKIPPED
-            await asyncio.wait_for(asyncio.shield(upload), PIPE_DRAIN_S)
-            stored = await asyncio.to_thread(self.sinks.commit_shard, sink, result.bytes)
+            reported = WrittenObject(result.bytes, result.sha256)
+            stored = await asyncio.to_thread(self.sinks.commit_shard, sink, reported)
             committed = True
         finally:
             if not committed:
-                sink.stop.set()  # the upload's thread ends within a poll; only then is its writer dropped
-                await asyncio.gather(upload, return_exceptions=True)
                 await asyncio.to_thread(self.sinks.discard_shard, sink)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
         output = ChunkOutput(result.rows, stored.size, stored.sha256, result.tokens, offsets, result.stats)

@@ -2,52 +2,57 @@
 upload of what it left, which this process does itself.
 
 The engine process runs users' code, holds no store credentials and has no network
-(:mod:`nnqueue.enginecore.sink`, :mod:`nnqueue.netns`). It writes results to files in a private handoff
-directory and shards into a pipe (a FIFO there); this worker reads them, uploads them (a staged write:
-:meth:`nnqueue.storage.object_store.ObjectStore.open_writer`, an S3 multipart upload for large objects) and
-records the size and sha256 of exactly the bytes it uploaded, which the API hands to clients and the
+(:mod:`nnqueue.enginecore.sink`, :mod:`nnqueue.netns`). It writes results and shards to files in a private
+handoff directory, hashing them as it writes, and reports each file's size and sha256; this worker checks the
+file it finds there (opened without following a link, a regular file with one link, the reported size, owned
+by the engine's user or this worker's: never a file of someone else's that the engine linked there), then
+streams it from that open file to the store (:meth:`nnqueue.storage.object_store.ObjectStore.put_stream`: an S3
+multipart upload for large objects, parts read from the file once; a local store copies it in the kernel)
+and records the size and the engine's sha256 with the job or chunk, which the API hands to clients and the
 clients check (:mod:`nnqueue.workers.job_execution`, :mod:`nnqueue.scheduler.harvest_manifest`). Nothing the
 engine holds reaches the store: no URL, no credential; so an engine that a trace took over can forge the
-results of the steps it runs, but cannot replace a committed one, and a change made to a stored object
-behind the worker's back no longer matches its recorded sha256.
+results of the steps it runs (and report a sha256 that does not match them, which the clients' check then
+refuses), but cannot replace a committed one, and a change made to a stored object behind the worker's back
+no longer matches its recorded sha256.
 
-A shard's upload runs while the engine writes it (the worker reads the pipe as the bytes come, uploading
-parts as they fill): disk use is none, memory a few parts. A handoff file the engine reported is read once,
-checked against the size the engine reported, and removed. Results are per attempt
+A handoff file is read once, by the upload, and removed. Results are per attempt
 (``results/<job>/<attempt>/...``), so a worker that lost its job cannot overwrite the new holder's result;
-a shard's key is its chunk's (a re-run writes the same bytes), and a worker that lost its chunk aborts its
-upload instead of committing it.
+a shard's key is its chunk's (a re-run writes the same bytes), and a worker that lost its chunk removes its
+file instead of uploading it. A shard larger than the bound its chunk allows is refused (`open_shard`).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
-import select
 import stat
-import threading
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from nnqueue import isolation
 from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
-from nnqueue.storage.object_store import Digest, ObjectStore, ObjectWriter
+from nnqueue.storage.object_store import Digest, ObjectStore
 from nnqueue.storage.results import TORCH_AND_SAFETENSORS_FORMAT, TORCH_FORMAT, StoredResult
 
 # The result's objects, by the names the engine reports them under.
 OBJECTS = {"torch": TORCH_FILE, "safetensors": SAFETENSORS_FILE}
-CHUNK = 1 << 20
-# A shard's pipe: a larger kernel buffer than the default 64 KiB (fewer wake-ups on both sides), and how often a
-# read that waits for the engine looks whether the chunk was abandoned.
-PIPE_BYTES = 1 << 20
-POLL_MS = 200
-_F_SETPIPE_SZ = 1031
 
 
 class ResultNotWritten(NNqueueError):
     """What the engine reported does not match what it left for the worker."""
+
+
+class Reported(Protocol):
+    """What the engine reported writing: the size and sha256 (hex) of one object."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def sha256(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -58,16 +63,14 @@ class JobSinks:
     keys: dict[str, str]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ShardSink:
-    """Where the engine writes one chunk's shard: ``spec`` for the engine (a pipe), ``key`` where the shard ends
-    up; the worker's end of the pipe, the staged upload and what it read (``upload``)."""
+    """Where the engine writes one chunk's shard: ``spec`` for the engine (a handoff file), ``key`` where the shard
+    ends up, ``max_bytes`` the most it may hold."""
 
     spec: dict[str, str]
     key: str
-    fd: int
-    writer: ObjectWriter
-    stop: threading.Event = field(default_factory=threading.Event)
+    max_bytes: int
 
 
 class ResultSinks:
@@ -86,14 +89,14 @@ class ResultSinks:
         keys = {name: result_key(job_id, file, attempt) for name, file in OBJECTS.items()}
         return JobSinks(specs, keys)
 
-    def commit(self, sinks: JobSinks, written: dict[str, int]) -> StoredResult:
-        """Upload the objects the engine reported writing (name -> size) from their handoff files, hashing what
-        is uploaded; raises :class:`ResultNotWritten` when a file does not hold what was reported. A blocking call."""
+    def commit(self, sinks: JobSinks, written: Mapping[str, Reported]) -> StoredResult:
+        """Upload the objects the engine reported writing (name -> size and sha256) from their handoff files;
+        raises :class:`ResultNotWritten` when a file does not hold what was reported. A blocking call."""
         if "torch" not in written:
             raise ResultNotWritten("the engine reported no saves.pt")
         digests = {
-            name: self._upload_file(sinks.specs[name]["path"], sinks.keys[name], size, name)
-            for name, size in written.items()
+            name: self._upload(sinks.specs[name]["path"], sinks.keys[name], reported, name)
+            for name, reported in written.items()
         }
         self.discard(sinks)
         fmt = TORCH_AND_SAFETENSORS_FORMAT if "safetensors" in digests else TORCH_FORMAT
@@ -105,83 +108,56 @@ class ResultSinks:
         for spec in sinks.specs.values():
             Path(spec["path"]).unlink(missing_ok=True)
 
-    def _upload_file(self, path: str, key: str, size: int, name: str) -> Digest:
+    def open_shard(self, key: str, name: str, max_bytes: int) -> ShardSink:
+        """A handoff file named ``name`` (unique to the attempt) for a shard of at most ``max_bytes`` bytes, to end
+        up at ``key`` (`commit_shard`)."""
+        return ShardSink({"kind": "handoff", "path": str(self._handoff() / name)}, key, max_bytes)
+
+    def commit_shard(self, sink: ShardSink, reported: Reported) -> Digest:
+        """Upload the shard the engine reported writing; its size and sha256. Raises :class:`ResultNotWritten` when
+        the file differs from the report or is larger than the sink allows. Blocking. The file is removed."""
+        try:
+            if reported.size > sink.max_bytes:
+                raise ResultNotWritten(f"the shard has {reported.size} bytes, over its bound of {sink.max_bytes}")
+            return self._upload(sink.spec["path"], sink.key, reported, "the shard")
+        finally:
+            self.discard_shard(sink)
+
+    def discard_shard(self, sink: ShardSink) -> None:
+        """Drop what an abandoned attempt wrote (nothing appears at the key)."""
+        Path(sink.spec["path"]).unlink(missing_ok=True)
+
+    def _upload(self, path: str, key: str, reported: Reported, name: str) -> Digest:
+        """Stream the handoff file at ``path`` to ``key`` once it is checked against ``reported`` (see the module
+        doc); its size and the engine's sha256."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # the engine may have made it a link
         except OSError as error:
             raise ResultNotWritten(f"{name} was not handed off: {error.strerror}") from None
         with os.fdopen(fd, "rb") as file:
             info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-                raise ResultNotWritten(f"{name} handed off with {info.st_size} bytes, reported {size}")
-            writer = self.store.open_writer(key, size_hint=size)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid not in self._owners():
+                raise ResultNotWritten(f"{name} was not handed off as a file of the engine's own")
+            if info.st_size != reported.size:
+                raise ResultNotWritten(f"{name} handed off with {info.st_size} bytes, reported {reported.size}")
+            uploaded = self.store.put_stream(key, file, size_hint=reported.size)
+        if uploaded != reported.size:
+            self.store.delete(key)
+            raise ResultNotWritten(f"{name} changed while it was read: {uploaded} bytes, reported {reported.size}")
+        return Digest(uploaded, reported.sha256)
+
+    def _owners(self) -> set[int]:
+        """Who a handoff file may belong to: the engine's user (when this worker is root and has one) or this
+        worker's (an engine that keeps it)."""
+        owners = {os.geteuid()}
+        if os.geteuid() == 0:
             try:
-                while piece := file.read(CHUNK):
-                    writer.write(piece)
-                if writer.size != size:
-                    raise ResultNotWritten(f"{name} changed while it was read: {writer.size} bytes, reported {size}")
-                return writer.commit()
-            except BaseException:
-                writer.abort()
-                raise
-
-    def open_shard(self, key: str, name: str, max_bytes: int) -> ShardSink:
-        """A pipe named ``name`` (unique to the attempt) for a shard of at most ``max_bytes`` bytes, to end up at
-        ``key``; then run :meth:`upload_shard` (in a thread) while the engine writes. A blocking call."""
-        path = self._handoff() / name
-        os.mkfifo(path, 0o600)
-        if (account := isolation.engine_user() if os.geteuid() == 0 else None) is not None:
-            os.chown(path, account.uid, account.gid)  # the engine writes it after dropping to the engine user
-        # Opened now, before the engine learns its name: this end is the worker's whatever the engine does to
-        # the name, and non-blocking, so that a read waits in poll(), where an abandoned chunk can stop it.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            fcntl.fcntl(fd, _F_SETPIPE_SZ, PIPE_BYTES)
-        except OSError:  # over /proc/sys/fs/pipe-max-size: the default buffer does
-            pass
-        return ShardSink({"kind": "pipe", "path": str(path)}, key, fd, self.store.open_writer(key, size_hint=max_bytes))
-
-    def upload_shard(self, sink: ShardSink) -> None:
-        """Read the pipe until the engine closes it, uploading the bytes as parts fill (nothing is committed yet).
-        Returns early when :meth:`discard_shard` stops it. A blocking call: run it in a thread."""
-        poller = select.poll()
-        poller.register(sink.fd, select.POLLIN | select.POLLHUP)
-        while not sink.stop.is_set():
-            if not poller.poll(POLL_MS):
-                continue
-            try:
-                piece = os.read(sink.fd, PIPE_BYTES)
-            except BlockingIOError:
-                continue
-            if not piece:
-                return  # every writer closed it: the end of the shard
-            sink.writer.write(piece)
-
-    def commit_shard(self, sink: ShardSink, size: int) -> Digest:
-        """Store the shard the engine reported writing (``size`` bytes) once :meth:`upload_shard` has read it all;
-        its size and sha256 as uploaded. Raises :class:`ResultNotWritten` when what arrived differs. Blocking."""
-        try:
-            if sink.writer.size != size:
-                raise ResultNotWritten(f"the shard arrived with {sink.writer.size} bytes, reported {size}")
-            digest = sink.writer.commit()
-        except BaseException:
-            self.discard_shard(sink)
-            raise
-        self._close(sink)
-        return digest
-
-    def discard_shard(self, sink: ShardSink) -> None:
-        """Drop what an abandoned attempt wrote: stop its upload and abort it (nothing appears at the key)."""
-        sink.stop.set()
-        sink.writer.abort()
-        self._close(sink)
-
-    @staticmethod
-    def _close(sink: ShardSink) -> None:
-        if sink.fd >= 0:
-            os.close(sink.fd)
-            sink.fd = -1
-        Path(sink.spec["path"]).unlink(missing_ok=True)
+                account = isolation.engine_user()
+            except ValueError:  # no such account: the engine keeps root
+                account = None
+            if account is not None:
+                owners.add(account.uid)
+        return owners
 
     def _handoff(self) -> Path:
         if self._handoff_dir is None:

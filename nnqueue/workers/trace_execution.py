@@ -75,9 +75,8 @@ class VLLMTraceExecutor:
                 raise JobFailure("ResultWriteFailed", f"the engine could not write the result: {report.write_error}")
             stored = None
             if report.write_error is None and (report.objects or failure is None):
-                written = {name: written.size for name, written in report.objects.items()}
                 try:
-                    stored = await asyncio.to_thread(self.sinks.commit, sinks, written)
+                    stored = await asyncio.to_thread(self.sinks.commit, sinks, report.objects)
                 except (ResultNotWritten, OSError, ObjectNotFound) as error:
                     raise JobFailure("ResultWriteFailed", f"the result did not reach the store: {error}") from None
                 committed = True

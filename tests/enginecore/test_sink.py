@@ -1,34 +1,19 @@
-"""Sinks: the engine writes an object to a handoff file (renamed whole) or streams it into the worker's pipe,
-with its digest; it has nothing else to write to (no URL, no network)."""
+"""Sinks: the engine writes an object to a handoff file (staged beside it, renamed whole) and reports its size and
+the sha256 of the bytes as it wrote them; it has nothing else to write to (no URL, no network, no pipe)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from nnqueue.enginecore import sink
+from nnqueue.enginecore.trace_results import write_saves
 
 MiB = 1 << 20
-
-
-def staged(target: dict[str, str], data: bytes) -> str:
-    path = sink.staging_file(target)
-    Path(path).write_bytes(data)
-    return path
-
-
-def test_a_handoff_sink_gets_the_whole_file_and_its_digest(tmp_path: Path) -> None:
-    target = {"kind": "handoff", "path": str(tmp_path / "saves.pt")}
-    data = os.urandom(3 << 20)
-    path = staged(target, data)
-    assert Path(path).parent == tmp_path  # beside the target: delivering is a rename
-    written = sink.deliver(target, path)
-    assert (tmp_path / "saves.pt").read_bytes() == data and not os.path.exists(path)
-    assert (written.size, written.sha256) == (len(data), hashlib.sha256(data).hexdigest())
 
 
 @pytest.mark.parametrize(
@@ -36,12 +21,13 @@ def test_a_handoff_sink_gets_the_whole_file_and_its_digest(tmp_path: Path) -> No
     [
         None,
         {"kind": "handoff", "path": "relative/path"},
+        {"kind": "pipe", "path": "/tmp/shard.pipe"},
         {"kind": "ftp", "url": "ftp://x"},
         {"kind": "presigned_put", "url": "http://127.0.0.1:1/bucket/key"},
         {"kind": "multipart", "part_size": 5, "urls": ["http://127.0.0.1:1/"]},
     ],
 )
-def test_only_handoff_files_and_pipes_are_written_to(description: object) -> None:
+def test_only_handoff_files_are_written_to(description: object) -> None:
     with pytest.raises(sink.SinkError, match="not a sink description"):
         sink.check(description)
 
@@ -68,26 +54,25 @@ def test_a_stream_to_a_handoff_file_is_hashed_and_renamed_whole(tmp_path: Path, 
 
     with pytest.raises(RuntimeError):
         sink.write_stream({"kind": "handoff", "path": str(tmp_path / "failed")}, 3, failing())
+    with pytest.raises(sink.SinkError, match="wrote 3 bytes, expected 4"):
+        sink.write_stream({"kind": "handoff", "path": str(tmp_path / "short")}, 4, [b"abc"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard.safetensors"]
 
 
-def test_a_stream_into_a_pipe_reaches_its_reader(tmp_path: Path, data: bytes) -> None:
-    path = tmp_path / "shard.pipe"
-    os.mkfifo(path, 0o600)
-    received = bytearray()
-    reader = threading.Thread(target=lambda: received.extend(path.read_bytes()))
-    reader.start()
-    written = sink.write_stream({"kind": "pipe", "path": str(path)}, len(data), pieces(data, 2 * MiB + 7))
-    reader.join(timeout=30)
-    assert bytes(received) == data and written.sha256 == hashlib.sha256(data).hexdigest()
+def test_saves_are_hashed_as_written_and_safetensors_only_when_asked_and_possible(tmp_path: Path) -> None:
+    saves = {"logits": torch.randn(3, 7), "ids": torch.arange(5)}
+    sinks = {name: {"kind": "handoff", "path": str(tmp_path / name)} for name in ("torch", "safetensors")}
+    written = write_saves(saves, sinks)
+    for name, path in ((name, Path(spec["path"])) for name, spec in sinks.items()):
+        data = path.read_bytes()
+        assert written[name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}, name
+    loaded = torch.load(tmp_path / "torch")
+    assert all(torch.equal(loaded[name], value) for name, value in saves.items())
+    from safetensors.torch import load_file
 
+    assert torch.equal(load_file(tmp_path / "safetensors")["logits"], saves["logits"])
 
-def test_a_pipe_sink_is_never_a_file_put_in_its_place(tmp_path: Path) -> None:
-    path = tmp_path / "shard.pipe"
-    path.write_bytes(b"")
-    with pytest.raises(sink.SinkError, match="not the frontend's pipe"):
-        sink.write_stream({"kind": "pipe", "path": str(path)}, 3, [b"abc"])
-    os.symlink(tmp_path / "elsewhere", tmp_path / "link.pipe")
-    with pytest.raises(OSError):
-        sink.write_stream({"kind": "pipe", "path": str(tmp_path / "link.pipe")}, 3, [b"abc"])
-    assert not (tmp_path / "elsewhere").exists()
+    os.unlink(tmp_path / "safetensors")
+    assert set(write_saves(saves, {"torch": sinks["torch"]})) == {"torch"}  # not asked for
+    assert set(write_saves({"text": "not a tensor"}, sinks)) == {"torch"}  # not possible
+    assert not (tmp_path / "safetensors").exists()

