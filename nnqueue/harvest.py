@@ -339,8 +339,8 @@ class _Fetch:
         view = memoryview(self.data)
         while True:
             with self.lock:
-                stop = self.arrived.pop(self.hashed, None)
-                if stop is None:
+                stop = self.arrived.pop(self.hashed, -1)
+                if stop < 0:
                     self.hashing = False
                     return
             self.sha256.update(view[self.hashed : stop])
