@@ -12,6 +12,7 @@ values: the shard must equal the trace's saves exactly, and its token ids the sa
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,9 @@ from nnqueue.engines.prebuilt import to_requests
 from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import batched, load, run, stats
-from tests.utils.engines import InProcessEngine
+from tests.utils.engines import InProcessEngine, running_engine
 from tests.utils.payloads import PrebuiltBackend
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 LENGTHS = [4, 9, 17]
 GENERATION = Generation(max_tokens=7, temperature=0.9, seed=1234, ignore_eos=True)
@@ -42,6 +44,17 @@ SELECTIONS = {
     "both_last8_skip1": Selection("last", n=8, skip=1, tokens="both"),
     "prompt": Selection("all"),
 }
+
+
+@pytest.fixture(scope="module")
+def engine(request: pytest.FixtureRequest, tiny_model_path: Path) -> Iterator[InProcessEngine]:
+    """The session's engine on CPU; on a GPU one of its own in eager mode (hooks do not run in replayed CUDA
+    graphs), where vLLM's async scheduling leaves the decode tokens' ids on the device only."""
+    if not torch.cuda.is_available():
+        yield request.getfixturevalue("inprocess_engine")
+        return
+    with running_engine(tiny_model_path, **TINY_ENGINE_KWARGS, enforce_eager=True) as own:
+        yield own
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +158,9 @@ def expected(save: dict[str, Any], ids: list[int], selection: Selection) -> tupl
 
 
 @pytest.mark.parametrize("name", list(SELECTIONS))
-def test_generation_matches_traces_bit_for_bit(inprocess_engine, client_model, tmp_path, prompts, name) -> None:
+def test_generation_matches_traces_bit_for_bit(engine, client_model, tmp_path, prompts, name) -> None:
     selection = SELECTIONS[name]
-    saves, chunk, result = traced_and_harvested(inprocess_engine, client_model, tmp_path, prompts, selection, name)
+    saves, chunk, result = traced_and_harvested(engine, client_model, tmp_path, prompts, selection, name)
     shard = load(Path(chunk.sink["path"]))
     assert result.rows == shard["prompt_index"].shape[0] > 0
     generated = GENERATION.max_tokens
@@ -165,17 +178,17 @@ def test_generation_matches_traces_bit_for_bit(inprocess_engine, client_model, t
         for key, value in values.items():
             # A mean is summed in float32 per step, then divided: not the trace's order. On a GPU (async scheduling:
             # the decode tokens' ids come from the device) kernels may differ with the batch's shape.
-            if selection.kind == "mean" or not on_cpu(inprocess_engine):
+            if selection.kind == "mean" or not on_cpu(engine):
                 torch.testing.assert_close(shard[key][span], value, atol=1e-5, rtol=1e-5)
             else:
                 assert torch.equal(shard[key][span], value), key
-    assert stats(inprocess_engine)["requests"] == 0
+    assert stats(engine)["requests"] == 0
 
 
-def test_generation_that_ends_early(inprocess_engine, tmp_path) -> None:
+def test_generation_that_ends_early(engine, tmp_path) -> None:
     """A sequence that reaches the engine's length limit ends before max_tokens: its last rows are where it
     ended, the chunk completes once the engine reports the request finished."""
-    llm = inprocess_engine.model.vllm_entrypoint
+    llm = engine.model.vllm_entrypoint
     limit = llm.model_config.max_model_len
     ids = [[5 + i % 400 for i in range(limit - 4)], [7, 8, 9]]
     chunk = ChunkWork(
@@ -188,13 +201,13 @@ def test_generation_that_ends_early(inprocess_engine, tmp_path) -> None:
         sink={"kind": "handoff", "path": str(tmp_path / "early.safetensors")},
         generation=Generation(max_tokens=12, temperature=0.0, ignore_eos=True),
     )
-    result = run(inprocess_engine, run_chunk(llm, chunk))
+    result = run(engine, run_chunk(llm, chunk))
     shard = load(Path(chunk.sink["path"]))
     # The long prompt generated 4 tokens (to the limit): positions limit - 4 .. limit - 2 ran; its last 2 are rows.
     assert shard["token_position"].tolist() == [limit - 3, limit - 2, 3 + 12 - 3, 3 + 12 - 2]
     assert [p.rows for p in result.prompts] == [2, 2]
     assert result.tokens == (limit - 1) + (3 + 11)
-    assert stats(inprocess_engine)["requests"] == 0
+    assert stats(engine)["requests"] == 0
 
 
 def test_generated_selection_needs_generation() -> None:
@@ -202,8 +215,8 @@ def test_generated_selection_needs_generation() -> None:
         ChunkWork("x", [0], [[1, 2]], [Capture("model.layers.0")], Selection(tokens="generated"), "float32", {})
 
 
-def test_aborted_generation_frees_everything(inprocess_engine, tmp_path, prompts) -> None:
-    llm = inprocess_engine.model.vllm_entrypoint
+def test_aborted_generation_frees_everything(engine, tmp_path, prompts) -> None:
+    llm = engine.model.vllm_entrypoint
     chunk = ChunkWork(
         chunk_id="aborted",
         prompt_indices=[0, 1, 2],
@@ -223,8 +236,8 @@ def test_aborted_generation_frees_everything(inprocess_engine, tmp_path, prompts
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    run(inprocess_engine, cancelled_while_generating())
-    assert stats(inprocess_engine) | {"hooked_points": 0} == {
+    run(engine, cancelled_while_generating())
+    assert stats(engine) | {"hooked_points": 0} == {
         "chunks": 0,
         "requests": 0,
         "buffered_bytes": 0,
@@ -235,8 +248,8 @@ def test_aborted_generation_frees_everything(inprocess_engine, tmp_path, prompts
     assert not Path(chunk.sink["path"]).exists()
 
 
-def test_engine_refuses_generated_rows_without_generation(inprocess_engine) -> None:
-    llm = inprocess_engine.model.vllm_entrypoint
+def test_engine_refuses_generated_rows_without_generation(engine) -> None:
+    llm = engine.model.vllm_entrypoint
     spec = {
         "chunk": "refused",
         "captures": [Capture("model.layers.0").to_json()],
@@ -245,6 +258,6 @@ def test_engine_refuses_generated_rows_without_generation(inprocess_engine) -> N
         "prompts": [0],
         "sink": {"kind": "handoff", "path": "/nonexistent"},
     }
-    answer = run(inprocess_engine, llm.collective_rpc("nnqueue_harvest_begin", args=(spec,)))[0]
+    answer = run(engine, llm.collective_rpc("nnqueue_harvest_begin", args=(spec,)))[0]
     assert "needs 'generate'" in answer["error"]
-    assert stats(inprocess_engine)["chunks"] == 0
+    assert stats(engine)["chunks"] == 0
