@@ -4,13 +4,18 @@ A local SeaweedFS (``weed mini``, as the test suite starts it) holds ``--shards`
 ``--rows`` rows of a ``--width``-wide bfloat16 capture (plus the three int64 columns), as a harvest writes them.
 Then, alternately for ``--reps`` rounds:
 
-* raw: every shard's presigned URL fetched whole with httpx on ``--prefetch`` threads, the bytes counted and
-  dropped (no checksum, no parsing): the rate the store can serve to this process;
-* reader: a ``HarvestDataset`` over the same URLs (``--prefetch`` shards ahead, sha256 checked, safetensors
-  parsed, batches of ``--batch-size`` rows cut), every batch consumed.
+* raw (httpx): every shard's presigned URL fetched whole with httpx on ``--prefetch`` threads, the bytes counted
+  and dropped (no checksum, no parsing);
+* raw (stdlib): the same with ``http.client``, each body read into one preallocated buffer (``readinto``), the
+  cheapest way this process has to take bytes off a socket;
+* reader: a ``HarvestDataset`` over the same URLs (``--prefetch`` GETs in flight, ranges of ``--range-mb``,
+  sha256 checked, safetensors parsed, batches of ``--batch-size`` rows cut), every batch consumed.
 
-The reported ratio is the median of the reader's MB/s over raw's in the same round. Results go to
-``--out`` (JSON).
+The raw rate of a round is the faster of the two raw clients: the rate the store can serve to this process.
+The reported ratio is the median over rounds of the reader's MB/s over that raw rate in the same round (the
+clients run in turn, so each round sees the machine's load of the moment). Each phase's CPU seconds in this
+process per GB (``*_cpu_s_per_GB``) say what the client itself costs, which wall rates on a loaded machine hide:
+the reader's is mostly sha256. Results go to ``--out`` (JSON).
 
     .venv/bin/python benchmarks/harvest_read.py --out benchmarks/results/harvest-read-cpu.json
 """
@@ -24,6 +29,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +62,32 @@ def raw_rate(urls: list[str], threads: int) -> tuple[int, float]:
         return total, time.perf_counter() - started
 
 
-def reader_rate(refs: list[Any], batch_size: int, prefetch: int) -> tuple[int, float]:
+def raw_stdlib_rate(urls: list[str], threads: int) -> tuple[int, float]:
+    import http.client
+    import threading
+    from urllib.parse import urlsplit
+
+    local = threading.local()
+
+    def fetch(url: str) -> int:
+        parts = urlsplit(url)
+        if not hasattr(local, "connection"):
+            local.connection = http.client.HTTPConnection(parts.netloc, timeout=300)
+        local.connection.request("GET", f"{parts.path}?{parts.query}")
+        response = local.connection.getresponse()
+        data = memoryview(bytearray(int(response.getheader("Content-Length"))))
+        done = 0
+        while done < len(data):
+            done += response.readinto(data[done:])
+        return done
+
+    with ThreadPoolExecutor(threads) as pool:
+        started = time.perf_counter()
+        total = sum(pool.map(fetch, urls))
+        return total, time.perf_counter() - started
+
+
+def reader_rate(refs: list[Any], batch_size: int, prefetch: int, range_bytes: int) -> tuple[int, float]:
     from nnqueue.harvest import HarvestDataset
 
     dataset = HarvestDataset(
@@ -71,6 +102,7 @@ def reader_rate(refs: list[Any], batch_size: int, prefetch: int) -> tuple[int, f
         rank=0,
         world_size=1,
         resume={},
+        range_bytes=range_bytes,
     )
     started = time.perf_counter()
     rows = sum(len(batch["token_id"]) for batch in dataset)
@@ -84,6 +116,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--prefetch", type=int, default=4)
+    parser.add_argument("--range-mb", type=float, default=8.0, help="The reader's ranged GETs, in MiB.")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -111,19 +144,36 @@ def main() -> None:
             data = make_shard(args.rows, args.width, index)
             key = f"harvests/bench/shard-{index:05d}.safetensors"
             store.put_bytes(key, data)
-            refs.append(ShardRef(key, args.rows, hashlib.sha256(data).hexdigest(), store.presigned_get_url(key, 3600)))
+            url = store.presigned_get_url(key, 3600)
+            refs.append(ShardRef(key, args.rows, hashlib.sha256(data).hexdigest(), url, len(data)))
         shard_bytes = len(data)
         rounds = []
+        range_bytes = int(args.range_mb * (1 << 20))
         for _ in range(args.reps):
-            raw_bytes, raw_s = raw_rate([ref.url for ref in refs], args.prefetch)
-            rows, read_s = reader_rate(refs, args.batch_size, args.prefetch)
+            urls = [ref.url for ref in refs]
+            cpu = [time.process_time()]
+            raw_bytes, httpx_s = raw_rate(urls, args.prefetch)
+            cpu.append(time.process_time())
+            stdlib_bytes, stdlib_s = raw_stdlib_rate(urls, args.prefetch)
+            cpu.append(time.process_time())
+            assert stdlib_bytes == raw_bytes
+            rows, read_s = reader_rate(refs, args.batch_size, args.prefetch, range_bytes)
+            cpu.append(time.process_time())
             assert rows == args.shards * args.rows
+            per_gb = [(b - a) / (raw_bytes / 1e9) for a, b in pairwise(cpu)]
+            raw_s = min(httpx_s, stdlib_s)
             rounds.append(
                 {
+                    "raw_httpx_MB_s": raw_bytes / httpx_s / 1e6,
+                    "raw_stdlib_MB_s": raw_bytes / stdlib_s / 1e6,
                     "raw_MB_s": raw_bytes / raw_s / 1e6,
                     "reader_MB_s": raw_bytes / read_s / 1e6,
                     "reader_rows_s": rows / read_s,
                     "ratio": raw_s / read_s,
+                    "ratio_to_httpx": httpx_s / read_s,
+                    "raw_httpx_cpu_s_per_GB": per_gb[0],
+                    "raw_stdlib_cpu_s_per_GB": per_gb[1],
+                    "reader_cpu_s_per_GB": per_gb[2],
                 }
             )
             print(json.dumps(rounds[-1]))
@@ -137,6 +187,7 @@ def main() -> None:
         "shard_bytes": shard_bytes,
         "batch_size": args.batch_size,
         "prefetch": args.prefetch,
+        "range_bytes": range_bytes,
         "rounds": rounds,
         "median": {name: statistics.median(r[name] for r in rounds) for name in rounds[0]},
     }

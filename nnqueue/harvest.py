@@ -5,8 +5,12 @@
         acts = batch["model.layers.12.output"]          # [4096, d], the harvest's dtype
         position = batch["position"]                      # where this stream is: pass back as resume=
 
-Shards are fetched whole (one GET each, ``prefetch`` ahead on threads), their sha256 checked against the
-manifest's before any row is used, and parsed with safetensors. Each consumer (a ``DataLoader`` worker of a
+Shards are fetched ``prefetch`` GETs at a time on threads, a shard whose size is known in ranges of
+``range_bytes`` (``Range`` GETs on the store's presigned URLs, so one large shard is read over several
+connections; whole GETs through the API, which serves no ranges), each range read straight into its place in
+the shard's one buffer (``http.client``'s ``readinto``: no per-piece copies, far less Python per byte than a
+general HTTP client). Each shard's sha256 is checked against the manifest's before any row is used, and its
+tensors are views of that buffer (the safetensors header parsed here; no copy). Each consumer (a ``DataLoader`` worker of a
 rank) reads a disjoint set of shards, shard ``i`` of the (per-epoch, seeded) shard order going to consumer
 ``i % consumers``, so no row is read twice within an epoch whatever the workers and ranks; consumers end with
 different row counts when the shards differ (``drop_last`` drops each consumer's final partial batch).
@@ -26,17 +30,19 @@ local path of a ``manifest.json`` (shards are read beside it: a downloaded harve
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import random
+import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
+from urllib.parse import urljoin, urlsplit
 
-import httpx
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -46,6 +52,9 @@ from nnqueue.client.errors import NNqueueError
 COLUMNS = ("prompt_index", "token_position", "token_id")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
 PIECE = 1 << 20
+RANGE_BYTES = 8 << 20  # the default size of one ranged GET
+TIMEOUT_S = 300.0
+REDIRECTS = 5
 
 
 class ShardCorrupt(NNqueueError, RuntimeError):
@@ -54,12 +63,14 @@ class ShardCorrupt(NNqueueError, RuntimeError):
 
 @dataclass(frozen=True)
 class ShardRef:
-    """One shard to read: its name, rows and sha256 (from the manifest), and where to GET it."""
+    """One shard to read: its name, rows and sha256 (from the manifest), where to GET it, and its size in bytes
+    (from the manifest; None: unknown, read whole)."""
 
     name: str
     rows: int
     sha256: str
     url: str
+    bytes: int | None = None
 
 
 def open(  # noqa: A001  (nnqueue.harvest.open, as the issue names it)
@@ -76,25 +87,34 @@ def open(  # noqa: A001  (nnqueue.harvest.open, as the issue names it)
     rank: int | None = None,
     world_size: int | None = None,
     resume: dict[int, int] | None = None,
+    range_bytes: int = RANGE_BYTES,
 ) -> HarvestDataset:
     """A completed harvest as an ``IterableDataset`` of batches (dicts of tensors); see the module docstring.
 
     ``captures``: the shard tensors to read (default: every capture). ``rank``/``world_size``: default from
-    ``torch.distributed`` when it is initialized, else 0 and 1."""
+    ``torch.distributed`` when it is initialized, else 0 and 1. ``prefetch``: GETs in flight (and shards read
+    ahead); ``range_bytes``: the size of one ranged GET."""
     if client is not None:
         harvest = client.get_harvest(source)
         manifest = harvest.manifest()
         api = client.url.rstrip("/")  # a store that cannot presign: shards come through the API, with the key
         shards = [
             ShardRef(
-                s["name"], s["rows"], s["sha256"], f"{api}{s['url']}?inline=1" if s["url"].startswith("/") else s["url"]
+                s["name"],
+                s["rows"],
+                s["sha256"],
+                f"{api}{s['url']}?inline=1" if s["url"].startswith("/") else s["url"],
+                s.get("bytes"),
             )
             for s in harvest.shards()
         ]
     else:
-        manifest = json.loads(bytes(_get(source)[0]))
+        manifest = json.loads(bytes(_get(source)))
         base = source.split("?", 1)[0].rsplit("/", 1)[0]
-        shards = [ShardRef(s["file"], s["rows"], s["sha256"], f"{base}/{s['file']}") for s in manifest["shards"]]
+        shards = [
+            ShardRef(s["file"], s["rows"], s["sha256"], f"{base}/{s['file']}", s.get("bytes"))
+            for s in manifest["shards"]
+        ]
     if rank is None or world_size is None:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else 0
@@ -116,6 +136,7 @@ def open(  # noqa: A001  (nnqueue.harvest.open, as the issue names it)
         world_size=world_size,
         resume=dict(resume or {}),
         api=(client.url.rstrip("/"), client.transport.auth_headers()) if client is not None else None,
+        range_bytes=range_bytes,
     )
 
 
@@ -137,13 +158,16 @@ class HarvestDataset(IterableDataset[dict[str, Any]]):
         world_size: int,
         resume: dict[int, int],
         api: tuple[str, dict[str, str]] | None = None,
+        range_bytes: int = RANGE_BYTES,
     ) -> None:
-        if batch_size < 1 or shuffle_buffer < 0 or prefetch < 1 or not 0 <= rank < world_size:
-            raise ValueError("batch_size and prefetch must be positive, shuffle_buffer >= 0, 0 <= rank < world_size")
+        if batch_size < 1 or shuffle_buffer < 0 or prefetch < 1 or range_bytes < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                "batch_size, prefetch and range_bytes must be positive, shuffle_buffer >= 0, 0 <= rank < world_size"
+            )
         self.shards, self.captures = shards, captures
         self.batch_size, self.shuffle_buffer, self.seed, self.epoch = batch_size, shuffle_buffer, seed, epoch
         self.prefetch, self.drop_last, self.rank, self.world_size = prefetch, drop_last, rank, world_size
-        self.resume, self.api = resume, api
+        self.resume, self.api, self.range_bytes = resume, api, range_bytes
 
     @property
     def rows(self) -> int:
@@ -241,26 +265,174 @@ class HarvestDataset(IterableDataset[dict[str, Any]]):
             yield {name: value[start : start + self.batch_size] for name, value in pool.items()}
 
     def _fetched(self, shards: list[ShardRef]) -> Iterator[dict[str, torch.Tensor]]:
-        """Each shard's tensors, in order, ``prefetch`` GETs ahead; sha256-checked."""
-        timeout = httpx.Timeout(300.0, connect=10.0)
-        with httpx.Client(timeout=timeout, follow_redirects=True) as http, ThreadPoolExecutor(self.prefetch) as pool:
-            pending: deque[Future[dict[str, torch.Tensor]]] = deque()
+        """Each shard's tensors, in order, with ``prefetch`` GETs in flight (ranges of the next shards too);
+        sha256-checked."""
+        with _Connections() as connections, ThreadPoolExecutor(self.prefetch) as pool:
+            pending: deque[_Fetch] = deque()
             for shard in shards:
-                pending.append(pool.submit(self._read, http, shard))
+                pending.append(self._start(pool, connections, shard))
                 if len(pending) > self.prefetch:
-                    yield pending.popleft().result()
+                    yield self._finish(pending.popleft())
             while pending:
-                yield pending.popleft().result()
+                yield self._finish(pending.popleft())
 
-    def _read(self, http: httpx.Client, shard: ShardRef) -> dict[str, torch.Tensor]:
-        data, digest = _get(shard.url, http, self._headers(shard.url))
-        if digest != shard.sha256:
-            raise ShardCorrupt(f"{shard.name} arrived with sha256 {digest}, expected {shard.sha256}")
-        return _tensors(data, (*self.captures, *COLUMNS), shard.name)
+    def _start(self, pool: ThreadPoolExecutor, connections: _Connections, shard: ShardRef) -> _Fetch:
+        """Queue the GETs of ``shard``: its ranges into one buffer when it has a size and is read from the store,
+        else one whole GET."""
+        headers = self._headers(shard.url)
+        remote = shard.url.startswith(("http://", "https://"))
+        if shard.bytes is None or not remote or headers is not None:  # the API serves no ranges
+            fetch = _Fetch(shard, bytearray(), 1)
+            fetch.futures.append(pool.submit(fetch.whole, connections, headers))
+            return fetch
+        fetch = _Fetch(shard, bytearray(shard.bytes), -(-shard.bytes // self.range_bytes))
+        view = memoryview(fetch.data)
+        for start in range(0, shard.bytes, self.range_bytes):
+            fetch.futures.append(pool.submit(fetch.part, connections, view[start : start + self.range_bytes], start))
+        return fetch
+
+    def _finish(self, fetch: _Fetch) -> dict[str, torch.Tensor]:
+        for future in fetch.futures:
+            future.result()
+        if fetch.digest != fetch.shard.sha256:
+            raise ShardCorrupt(f"{fetch.shard.name} arrived with sha256 {fetch.digest}, expected {fetch.shard.sha256}")
+        return _tensors(fetch.data, (*self.captures, *COLUMNS), fetch.shard.name)
 
     def _headers(self, url: str) -> dict[str, str] | None:
         """The API key, for a shard read through the API (a store that cannot presign); None elsewhere."""
         return self.api[1] if self.api is not None and url.startswith(self.api[0] + "/") else None
+
+
+class _Fetch:
+    """One shard on its way: its buffer, the GETs filling it, and its sha256, taken as the bytes arrive in order:
+    a GET's thread hashes the pieces that became contiguous from the start (one thread at a time), so hashing
+    overlaps the other GETs and the batches being cut (hashlib releases the GIL)."""
+
+    def __init__(self, shard: ShardRef, data: bytearray, parts: int) -> None:
+        self.shard, self.data = shard, data
+        self.futures: list[Future[None]] = []
+        self.arrived: dict[int, int] = {}  # start -> stop of pieces not hashed yet
+        self.hashed = 0  # bytes hashed, from the start
+        self.hashing = False
+        self.sha256 = hashlib.sha256()
+        self.lock = threading.Lock()
+
+    @property
+    def digest(self) -> str | None:
+        return self.sha256.hexdigest() if self.hashed == len(self.data) else None
+
+    def whole(self, connections: _Connections, headers: dict[str, str] | None) -> None:
+        self.data = _get(self.shard.url, connections, headers)
+        self.sha256.update(self.data)
+        self.hashed = len(self.data)
+
+    def part(self, connections: _Connections, into: memoryview, start: int) -> None:
+        connections.read_range(self.shard.url, into, start, self.arrive)
+
+    def arrive(self, start: int, stop: int) -> None:
+        """Bytes ``start .. stop - 1`` are in: hash what is contiguous from the start, unless a thread is at it."""
+        with self.lock:
+            self.arrived[start] = stop
+            if self.hashing:
+                return
+            self.hashing = True
+        view = memoryview(self.data)
+        while True:
+            with self.lock:
+                stop = self.arrived.pop(self.hashed, -1)
+                if stop < 0:
+                    self.hashing = False
+                    return
+            self.sha256.update(view[self.hashed : stop])
+            self.hashed = stop
+
+
+class _Connections:
+    """Keep-alive HTTP connections, one per thread and server, closed together at the end.
+
+    ``http.client`` rather than httpx: a response read with ``readinto`` lands in the caller's buffer with one
+    C-level copy from the socket, where a general client's per-piece Python (parsing, joining) costs more CPU
+    than the transfer itself on a loaded machine."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.all: list[http.client.HTTPConnection] = []
+
+    def __enter__(self) -> _Connections:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self.lock:
+            for connection in self.all:
+                connection.close()
+
+    def connection(self, scheme: str, netloc: str, fresh: bool = False) -> http.client.HTTPConnection:
+        mine: dict[tuple[str, str], http.client.HTTPConnection] = self.local.__dict__.setdefault("connections", {})
+        connection = mine.get((scheme, netloc))
+        if connection is None or fresh:
+            if connection is not None:
+                connection.close()
+            kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+            connection = mine[(scheme, netloc)] = kind(netloc, timeout=TIMEOUT_S)
+            with self.lock:
+                self.all.append(connection)
+        return connection
+
+    def response(self, url: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+        """The response to a GET of ``url`` (redirects followed; the API key kept only for the same server),
+        status 200 or 206; raises `ShardCorrupt` naming the status otherwise."""
+        for _ in range(REDIRECTS + 1):
+            parts = urlsplit(url)
+            target = parts.path + (f"?{parts.query}" if parts.query else "")
+            for attempt in range(2):  # a kept-alive connection the server closed meanwhile: once more, afresh
+                connection = self.connection(parts.scheme, parts.netloc, fresh=attempt > 0)
+                try:
+                    connection.request("GET", target or "/", headers=headers)
+                    response = connection.getresponse()
+                    break
+                except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+                    if attempt:
+                        raise
+            if response.status in (301, 302, 303, 307, 308) and response.getheader("Location"):
+                response.read()
+                moved = urljoin(url, response.getheader("Location", ""))
+                if urlsplit(moved).netloc != parts.netloc:
+                    headers = {name: value for name, value in headers.items() if name.lower() == "range"}
+                url = moved
+                continue
+            if response.status not in (200, 206):
+                body = response.read(2000)
+                raise ShardCorrupt(f"GET {parts.netloc}{parts.path} answered {response.status}: {body[:500]!r}")
+            return response
+        raise ShardCorrupt(f"GET {url.split('?', 1)[0]}: more than {REDIRECTS} redirects")
+
+    def read_range(self, url: str, into: memoryview, start: int, arrived: Callable[[int, int], None]) -> None:
+        """Bytes ``start .. start + len(into) - 1`` of ``url`` into ``into``; ``arrived(a, b)`` as bytes
+        ``a .. b - 1`` are in (pieces of ``PIECE``)."""
+        response = self.response(url, {"Range": f"bytes={start}-{start + len(into) - 1}"})
+        if response.status != 206:
+            response.close()
+            raise ShardCorrupt(f"GET {url.split('?', 1)[0]} ignored a Range request (answered {response.status})")
+        _read_exactly(response, into, url, lambda a, b: arrived(start + a, start + b))
+
+
+def _read_exactly(
+    response: http.client.HTTPResponse,
+    into: memoryview,
+    url: str,
+    arrived: Callable[[int, int], None] | None = None,
+) -> None:
+    done = 0
+    while done < len(into):
+        count = response.readinto(into[done : done + PIECE])
+        if not count:
+            raise ShardCorrupt(f"GET {url.split('?', 1)[0]}: the body ended after {done} of {len(into)} bytes")
+        if arrived is not None:
+            arrived(done, done + count)
+        done += count
+    if response.read(1):
+        raise ShardCorrupt(f"GET {url.split('?', 1)[0]}: the body is longer than {len(into)} bytes")
 
 
 def _tensors(data: bytearray, names: tuple[str, ...], shard: str) -> dict[str, torch.Tensor]:
@@ -297,18 +469,20 @@ def _key(capture: dict[str, Any]) -> str:
     )
 
 
-def _get(url: str, http: httpx.Client | None = None, headers: dict[str, str] | None = None) -> tuple[bytearray, str]:
-    """A whole object and its sha256: an http(s) URL (read into one buffer as it arrives), or a local path."""
+def _get(url: str, connections: _Connections | None = None, headers: dict[str, str] | None = None) -> bytearray:
+    """A whole object: an http(s) URL (into one buffer of its ``Content-Length``), or a local path."""
     if not url.startswith(("http://", "https://")):
-        data = bytearray(Path(url.removeprefix("file://")).read_bytes())
-        return data, hashlib.sha256(data).hexdigest()
-    if http is None:
-        with httpx.Client(timeout=300.0, follow_redirects=True) as own:
+        return bytearray(Path(url.removeprefix("file://")).read_bytes())
+    if connections is None:
+        with _Connections() as own:
             return _get(url, own, headers)
-    with http.stream("GET", url, headers=headers) as response:
-        response.raise_for_status()
-        data, digest = bytearray(), hashlib.sha256()
-        for piece in response.iter_bytes(PIECE):
-            digest.update(piece)
+    response = connections.response(url, dict(headers or {}))
+    length = response.getheader("Content-Length")
+    if length is None:  # streamed without a length: piece by piece
+        data = bytearray()
+        while piece := response.read(PIECE):
             data += piece
-    return data, digest.hexdigest()
+        return data
+    data = bytearray(int(length))
+    _read_exactly(response, memoryview(data), url)
+    return data

@@ -6,6 +6,7 @@ nnqueue harvest list | cancel ID | manifest ID
 nnqueue harvest inspect ID [--rows 3]       # per-capture statistics, shapes, dtype, a few rows
 nnqueue harvest download ID DIR [--parallel 4]
 nnqueue harvest export ID DEST --format saelens|hf [--context-size 128] [--hook-names module|transformer-lens]
+                                            # DEST: a local folder or s3://bucket/prefix
 nnqueue schedules create NAME --cron '0 3 * * *' spec.yaml
 nnqueue schedules list | pause ID | resume ID | delete ID
 """
@@ -191,7 +192,11 @@ def download(
 @harvest_app.command("export")
 def export_command(
     harvest_id: str,
-    dest: Path = typer.Argument(..., file_okay=False, help="A new or empty local folder."),
+    dest: str = typer.Argument(
+        ...,
+        help="A new or empty local folder, or s3://bucket/prefix (credentials and endpoint from the AWS environment:"
+        " AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL).",
+    ),
     fmt: str = typer.Option(
         "saelens", "--format", help="saelens (SAELens's cached activations) or hf (one row per harvested row)."
     ),
@@ -217,7 +222,7 @@ def export_command(
     if fmt == "saelens":
         console.print(
             f"{report.sequences:,} sequences of {context_size} tokens; {report.dropped_rows} rows left over at the "
-            f"end were dropped; token sequences for SAELens's dataset in {dest / 'tokens'}"
+            f"end were dropped; token sequences for SAELens's dataset in {str(dest).rstrip('/')}/tokens"
         )
     if report.dtype["harvested"] != report.dtype["exported"]:
         console.print(f"{report.dtype['harvested']} stored as {report.dtype['exported']} (Arrow has no bfloat16)")

@@ -25,6 +25,9 @@ conversion, the column names, the packing and the harvest's manifest.
 
 Shards are read one at a time (sha256-checked) and written through ``datasets``' ``ArrowWriter``; the folder is
 then saved with ``save_to_disk``, so the disk holds the export twice for a moment.
+
+``dest`` is a local folder, or ``s3://bucket/prefix`` (`nnqueue.client.export_upload`): the folder is written in a
+local temporary folder, then uploaded under the prefix.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -40,6 +44,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from nnqueue.client.export_upload import S3Destination, UploadError, is_remote, s3_client
 from nnqueue.client.harvest import Harvest
 
 Format = Literal["saelens", "hf"]
@@ -56,9 +61,10 @@ class ExportError(ValueError):
 
 @dataclass
 class ExportReport:
-    """What an export wrote: rows, sequences (saelens), rows dropped, columns and the dtype conversion."""
+    """What an export wrote: rows, sequences (saelens), rows dropped, columns and the dtype conversion; ``path``
+    is the local folder or the ``s3://`` URL."""
 
-    path: Path
+    path: Path | str
     format: Format
     rows: int = 0
     sequences: int = 0
@@ -100,9 +106,25 @@ def export(
     context_size: int = 128,
     hook_names: HookNames = "module",
 ) -> ExportReport:
-    """Write ``harvest`` (completed) into the new or empty folder ``dest`` as ``fmt``; raises `ExportError`."""
+    """Write ``harvest`` (completed) into the new or empty folder ``dest`` (or under the new or empty prefix of an
+    ``s3://bucket/prefix``) as ``fmt``; raises `ExportError`."""
+    if not is_remote(dest):
+        return _export(harvest, Path(dest), fmt, context_size, hook_names)
+    try:
+        remote, client = S3Destination.parse(str(dest)), s3_client()
+        remote.check_empty(client)
+        with tempfile.TemporaryDirectory(prefix="nnqueue-export-") as folder:
+            report = _export(harvest, Path(folder), fmt, context_size, hook_names)
+            remote.upload(client, Path(folder))
+    except UploadError as error:
+        raise ExportError(str(error)) from None
+    report.path = str(remote)
+    return report
+
+
+def _export(harvest: Harvest, dest: Path, fmt: Format, context_size: int, hook_names: HookNames) -> ExportReport:
     manifest = harvest.manifest()
-    target = Path(dest)
+    target = dest
     if target.exists() and any(target.iterdir()):
         raise ExportError(f"{target} is not empty: export into a new or empty folder")
     selection = manifest["spec"]["selection"]
@@ -162,7 +184,7 @@ def _write_saelens(
     )
     pending: dict[str, list[np.ndarray]] = {key: [] for key in [*report.columns, "token_id"]}
     held = 0
-    with _Writer(partial / "activations.arrow", features) as writer, _Tokens(report.path, context_size) as tokens:
+    with _Writer(partial / "activations.arrow", features) as writer, _Tokens(Path(report.path), context_size) as tokens:
         for tensors in chain([first], shards):
             for key in pending:
                 pending[key].append(tensors[key])
@@ -187,7 +209,7 @@ def _write_saelens(
         raise ExportError(
             f"the harvest has {held} rows, fewer than one sequence of {context_size}: choose a smaller --context-size"
         )
-    _save(partial / "activations.arrow", report.path)
+    _save(partial / "activations.arrow", Path(report.path))
 
 
 def _write_hf(shards: Iterator[dict[str, np.ndarray]], report: ExportReport, partial: Path) -> None:
@@ -208,7 +230,7 @@ def _write_hf(shards: Iterator[dict[str, np.ndarray]], report: ExportReport, par
         for tensors in chain([first], shards):
             writer.write({**{name: tensors[name] for name in COLUMNS}, **_renamed(tensors, report.columns)})
             report.rows += len(tensors["token_id"])
-    _save(partial / "rows.arrow", report.path)
+    _save(partial / "rows.arrow", Path(report.path))
 
 
 def _renamed(tensors: dict[str, np.ndarray], columns: dict[str, str]) -> dict[str, np.ndarray]:

@@ -21,8 +21,18 @@ When a chunk's last prompt is captured its blocks go to the writer thread (`shar
 writes the shard to the chunk's sink and posts the outcome to the outbox. ``nnqueue_harvest_abort``
 drops a chunk: its slots, buffers and any write in progress.
 
-Positions are checked, not assumed: rows are taken only for prompt positions not captured before (a
-request recomputed after preemption adds no duplicates; decode steps add nothing), and a request whose
+Generation (a chunk begun with ``generate``): its requests sample up to ``max_tokens`` tokens, and each
+decode step runs one generated token per request, batched with whatever else the engine runs. The same
+layout maps those rows (one per request, at position ``num_computed_tokens``) to their requests and
+positions; a decode token's id is read from the step's input ids (on the device under vLLM's async
+scheduling, where the host copy holds placeholders: ``GPUModelRunner._prepare_input_ids``). A generating
+request is captured until it finishes: when its last possible position ran, or when it appears in
+``finished_req_ids`` (it ended early, e.g. at its end-of-sequence token). Selections that depend on
+where a sequence ends (``last``, negative ``positions``) keep every candidate row of the generated range
+while it runs and are settled once it ended (`Block.keep`, applied by the writer).
+
+Positions are checked, not assumed: rows are taken only for positions not captured before (a
+request recomputed after preemption adds no duplicates; decode steps of a prompt-only chunk add nothing), and a request whose
 first scheduled position is past what was captured (tokens served from a prefix cache, never run
 through the model) fails its chunk rather than leaving a hole. Harvest requests also ask vLLM to skip
 reading the prefix cache. Chunked prefill is handled (a ``mean`` is summed over the pieces).
@@ -56,10 +66,12 @@ from nnqueue.enginecore.capture_points import Reader
 from nnqueue.enginecore.harvest_spec import (
     RESIDUAL_STREAM,
     Capture,
+    Generation,
     Selection,
     SpecError,
     check_captures,
     check_dtype,
+    check_generation,
 )
 from nnqueue.enginecore.shard_writer import Block, ShardJob, ShardWriter, failure
 from nnqueue.errors import NNqueueError
@@ -82,12 +94,25 @@ class Chunk:
     prompts: list[int]  # sorted, unique
     sink: dict[str, Any]
     metadata: dict[str, str]
+    generation: Generation | None = None
     unregistered: set[int] = field(default_factory=set)  # prompts no request has claimed yet
+    spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # prompt -> its selection's range, once ended
     remaining: int = 0
     tokens: int = 0
     blocks: list[Block] = field(default_factory=list)
     error: str | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def generates(self) -> bool:
+        """Whether its rows come from generated tokens too (its requests are captured until they end)."""
+        return self.generation is not None and self.selection.tokens != "prompt"
+
+    @property
+    def settled_at_end(self) -> bool:
+        """Whether which rows it keeps depends on where a generated sequence ends."""
+        selection = self.selection
+        return self.generates and (selection.kind == "last" or any(p < 0 for p in selection.positions))
 
 
 @dataclass(eq=False)
@@ -112,18 +137,60 @@ class Step:
     fired: set[tuple[str, str]] = field(default_factory=set)
 
 
-def selected(selection: Selection, position: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Which tokens (``position`` in a prompt of ``length``) ``selection`` keeps; vectorized."""
-    kept = position >= selection.skip
+def selected(
+    selection: Selection, position: np.ndarray, start: np.ndarray, stop: np.ndarray, final: bool = True
+) -> np.ndarray:
+    """Which tokens (``position``, of a sequence whose selected range is ``[start, stop)``) ``selection``
+    keeps; vectorized. Not ``final``: ``stop`` only bounds a sequence still generating, so ``last`` and
+    negative ``positions`` keep every candidate, to be settled with the final ``stop``."""
+    first = np.maximum(start, selection.skip)
+    kept = (position >= first) & (position < stop)
     if selection.kind == "first":
-        return kept & (position < selection.skip + selection.n)
+        return kept & (position < first + selection.n)
     if selection.kind == "last":
-        return kept & (position >= length - selection.n)
+        return kept & (position >= stop - selection.n) if final else kept
     if selection.kind == "positions":
         targets = np.asarray(selection.positions, np.int64)
-        resolved = np.where(targets < 0, length[:, None] + targets, targets)
+        if not final and (targets < 0).any():
+            return kept
+        resolved = np.where(targets < 0, stop[:, None] + targets, start[:, None] + targets)
         return kept & (position[:, None] == resolved).any(axis=1)
     return kept  # all, mean
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """Where the requests ``rows`` (indices into the step's input batch) are in one step, token by token.
+
+    ``owner[t]``: which of ``rows`` token ``t`` belongs to; ``flat[t]``: its row in the step's flattened
+    ``[num_tokens, ...]`` activations; ``position[t]``: its position in its request's sequence (prompt, then
+    generated tokens). ``begun[r]`` / ``count[r]``: the first position and the tokens request ``r`` runs in
+    this step (a prefill or a piece of one: many; a decode step: one). ``tokens``: the step's rows in all.
+    """
+
+    owner: np.ndarray
+    flat: np.ndarray
+    position: np.ndarray
+    begun: np.ndarray
+    count: np.ndarray
+    tokens: int
+
+
+def step_tokens(runner: Any, rows: np.ndarray) -> StepTokens:
+    """The tokens of the input batch's requests ``rows`` in the step the runner has prepared (call between
+    vLLM's ``_prepare_inputs`` and the model's forward, e.g. in ``_model_forward``).
+
+    Reads ``query_start_loc`` (each request's first row in the flattened activations) and the input
+    batch's ``num_computed_tokens_cpu`` (its first token's position); numpy only, prefill and decode alike.
+    Reusable by anything that maps a step's activation rows to requests and positions.
+    """
+    count_requests = runner.input_batch.num_reqs
+    starts = runner.query_start_loc.np[: count_requests + 1].astype(np.int64)
+    first, count = starts[rows], starts[rows + 1] - starts[rows]
+    begun = runner.input_batch.num_computed_tokens_cpu[rows].astype(np.int64)
+    owner = np.repeat(np.arange(rows.size), count)
+    offset = np.arange(owner.size) - np.repeat(np.cumsum(count) - count, count)
+    return StepTokens(owner, first[owner] + offset, begun[owner] + offset, begun, count, int(starts[count_requests]))
 
 
 class HarvestCapture:
@@ -142,6 +209,8 @@ class HarvestCapture:
         stage = pipeline.rank_in_group if self.staged else None
         self.points = capture_points.capture_points(model, get_tensor_model_parallel_world_size(), stage)
         self.device: torch.device = runner.device
+        # Under async scheduling the host input ids of decode tokens are placeholders; the device holds them.
+        self.device_token_ids = bool(getattr(runner, "use_async_scheduling", False))
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.lock = threading.RLock()
         self.chunks: dict[str, Chunk] = {}
@@ -156,7 +225,8 @@ class HarvestCapture:
         self.slot_request: list[str | None] = []
         self.slot_chunk = np.zeros(0, np.int64)  # -1: free
         self.slot_prompt = np.zeros(0, np.int64)
-        self.slot_length = np.zeros(0, np.int64)
+        self.slot_start = np.zeros(0, np.int64)  # the first position of the selection's range
+        self.slot_length = np.zeros(0, np.int64)  # positions to capture up to (a bound while generating)
         self.slot_done = np.zeros(0, np.int64)
         self.free: list[int] = []
 
@@ -178,6 +248,8 @@ class HarvestCapture:
                 )
         capture_points.check_against(captures, self.points)
         selection = Selection.from_json(spec["selection"])
+        generation = Generation.from_json(spec["generate"]) if spec.get("generate") else None
+        check_generation(selection, generation)
         dtype = getattr(torch, check_dtype(spec["dtype"]))
         prompts = sorted({int(p) for p in spec["prompts"]})
         if not prompts:
@@ -196,6 +268,7 @@ class HarvestCapture:
                 prompts,
                 dict(spec["sink"]),
                 {str(k): str(v) for k, v in (spec.get("metadata") or {}).items()},
+                generation,
                 unregistered=set(prompts),
                 remaining=len(prompts),
             )
@@ -224,13 +297,21 @@ class HarvestCapture:
     # ------------------------------------------------------------ requests (forward thread)
 
     def schedule(self, scheduler_output: Any) -> None:
-        """Give the step's new harvest requests slots; free those of finished (or aborted) ones."""
+        """Give the step's new harvest requests slots; end those of finished ones: a generating request is
+        captured once it finished, any other (it finished before its prompt was captured) was aborted."""
         with self.lock:
             if self.slot_of:
+                ended = set()
                 for request_id in scheduler_output.finished_req_ids:
                     slot = self.slot_of.get(request_id)
-                    if slot is not None:
+                    if slot is None:
+                        continue
+                    chunk = self.numbered.get(int(self.slot_chunk[slot]))
+                    if chunk is not None and chunk.generates:
+                        ended.add(self._complete(slot))
+                    else:
                         self._free(slot)
+                self._conclude(ended)
             if not self.chunks:
                 return
             for data in scheduler_output.scheduled_new_reqs:
@@ -250,16 +331,18 @@ class HarvestCapture:
         self.slot_of[request_id] = slot
         self.slot_request[slot] = request_id
         self.slot_chunk[slot], self.slot_prompt[slot] = chunk.number, prompt
-        self.slot_length[slot], self.slot_done[slot] = length, 0
+        generated = chunk.generation.positions if chunk.generates and chunk.generation is not None else 0
+        self.slot_start[slot], self.slot_length[slot] = chunk.selection.span(length, generated)
+        self.slot_done[slot] = 0
 
     def _grow(self) -> None:
         old = len(self.slot_request)
         new = max(64, 2 * old)
         self.slot_request.extend([None] * (new - old))
         self.slot_chunk = np.concatenate([self.slot_chunk, np.full(new - old, -1, np.int64)])
-        self.slot_prompt, self.slot_length, self.slot_done = (
+        self.slot_prompt, self.slot_start, self.slot_length, self.slot_done = (
             np.concatenate([array, np.zeros(new - old, np.int64)])
-            for array in (self.slot_prompt, self.slot_length, self.slot_done)
+            for array in (self.slot_prompt, self.slot_start, self.slot_length, self.slot_done)
         )
         self.free.extend(range(new - 1, old - 1, -1))
 
@@ -313,49 +396,40 @@ class HarvestCapture:
         rows = np.flatnonzero(slots >= 0)
         if not rows.size:
             return None
-        starts = runner.query_start_loc.np[: count_requests + 1].astype(np.int64)
-        first, count = starts[rows], starts[rows + 1] - starts[rows]
-        slot = slots[rows]
-        begun = batch.num_computed_tokens_cpu[rows].astype(np.int64)
-        length, done, chunk_of = self.slot_length[slot], self.slot_done[slot], self.slot_chunk[slot]
+        tokens = step_tokens(runner, rows)
+        slot, owner, position = slots[rows], tokens.owner, tokens.position
+        start, length, done, chunk_of = (
+            self.slot_start[slot],
+            self.slot_length[slot],
+            self.slot_done[slot],
+            self.slot_chunk[slot],
+        )
         failed = {
             int(number): "a prompt's tokens were served from vLLM's prefix cache, not run through the model"
-            for number in np.unique(chunk_of[begun > done])
+            for number in np.unique(chunk_of[tokens.begun > done])
         }
-        # Token level: which harvest request (``owner``), row in the activations, position in its prompt.
-        owner = np.repeat(np.arange(rows.size), count)
-        offset = np.arange(owner.size) - np.repeat(np.cumsum(count) - count, count)
-        flat, position = first[owner] + offset, begun[owner] + offset
         fresh = (position >= done[owner]) & (position < length[owner])
-        token_ids = runner.input_ids.np
         takes: dict[tuple[str, str], list[tuple[Take, Capture]]] = {}
         for number in np.unique(chunk_of):
             chunk = self.numbered[int(number)]
             if chunk.error or int(number) in failed:
                 continue
-            mask = fresh & (chunk_of[owner] == number) & selected(chunk.selection, position, length[owner])
-            chosen = np.flatnonzero(mask)
+            final = not chunk.generates  # else the range ends where the sequence will
+            kept = selected(chunk.selection, position, start[owner], length[owner], final)
+            chosen = np.flatnonzero(fresh & (chunk_of[owner] == number) & kept)
             if chosen.size:
-                take = self._take(chunk, flat[chosen], owner[chosen], slot, position[chosen], token_ids)
+                take = self._take(chunk, tokens.flat[chosen], owner[chosen], slot, position[chosen])
                 for capture in chunk.captures:
                     takes.setdefault((capture.module, capture.io), []).append((take, capture))
         return Step(
-            tokens=int(starts[count_requests]),
+            tokens=tokens.tokens,
             takes=takes,
             slots=slot,
-            done=np.maximum(done, np.minimum(begun + count, length)),
+            done=np.maximum(done, np.minimum(tokens.begun + tokens.count, length)),
             failed=failed,
         )
 
-    def _take(
-        self,
-        chunk: Chunk,
-        flat: np.ndarray,
-        owner: np.ndarray,
-        slot: np.ndarray,
-        position: np.ndarray,
-        token_ids: np.ndarray,
-    ) -> Take:
+    def _take(self, chunk: Chunk, flat: np.ndarray, owner: np.ndarray, slot: np.ndarray, position: np.ndarray) -> Take:
         segments = None
         if chunk.selection.kind == "mean":
             owners, segment = np.unique(owner, return_inverse=True)
@@ -363,7 +437,7 @@ class HarvestCapture:
             block = Block(self.slot_prompt[slot[owners]], none, none.copy(), counts=np.bincount(segment))
             segments = torch.from_numpy(segment).to(self.device, non_blocking=True)
         else:
-            block = Block(self.slot_prompt[slot[owner]], position, token_ids[flat].astype(np.int64))
+            block = Block(self.slot_prompt[slot[owner]], position, self._token_ids(chunk, flat))
         contiguous = int(flat[-1]) - int(flat[0]) + 1 == flat.size  # rows ascend, so this means a range
         return Take(
             chunk,
@@ -373,6 +447,15 @@ class HarvestCapture:
             segments=segments,
             block=block,
         )
+
+    def _token_ids(self, chunk: Chunk, flat: np.ndarray) -> np.ndarray:
+        """The step's input token ids at rows ``flat``: from the host, or for a generating chunk under async
+        scheduling a host copy of the device's (filled by the side stream; the writer waits for it)."""
+        if not (self.device_token_ids and chunk.generates):
+            return np.asarray(self.runner.input_ids.np[flat], np.int64)
+        device = self.runner.input_ids.gpu
+        picked = device.index_select(0, torch.from_numpy(flat).to(device.device, non_blocking=True))
+        return self._to_host(picked).numpy()
 
     def _settle(self, step: Step) -> None:
         """After the forward: check every capture ran, keep the blocks, advance slots, finish chunks."""
@@ -399,12 +482,22 @@ class HarvestCapture:
         finished = step.slots[(step.done >= length) & (self.slot_done[step.slots] < length)]
         self.slot_done[step.slots] = step.done
         touched = {self.numbered[int(number)] for number in np.unique(self.slot_chunk[step.slots])}
-        for slot in finished.tolist():  # per request, once: its prompt is fully captured
-            chunk = self.numbered[int(self.slot_chunk[slot])]
-            chunk.remaining -= 1
-            chunk.tokens += int(self.slot_length[slot])
-            self._free(slot)
-        for chunk in touched:
+        for slot in finished.tolist():  # per request, once: every position it can have rows at has run
+            self._complete(slot)
+        self._conclude(touched)
+
+    def _complete(self, slot: int) -> Chunk:
+        """Request ``slot`` is captured (its prompt, or its sequence once it ended): count it, free its slot."""
+        chunk = self.numbered[int(self.slot_chunk[slot])]
+        chunk.remaining -= 1
+        chunk.tokens += int(self.slot_done[slot])
+        chunk.spans[int(self.slot_prompt[slot])] = (int(self.slot_start[slot]), int(self.slot_done[slot]))
+        self._free(slot)
+        return chunk
+
+    def _conclude(self, chunks: set[Chunk]) -> None:
+        """Fail the chunks that failed, write those whose requests are all captured."""
+        for chunk in chunks:
             if chunk.error is not None:
                 outbox.post(failure(chunk.key, chunk.error))
                 self._drop(chunk)
@@ -488,6 +581,8 @@ class HarvestCapture:
 
     def _submit(self, chunk: Chunk) -> None:
         self._forget(chunk)
+        if chunk.settled_at_end:
+            settle(chunk.selection, chunk.blocks, chunk.spans)
         self.writer.submit(
             ShardJob(
                 chunk=chunk.key,
@@ -513,6 +608,18 @@ class HarvestCapture:
     def _forget(self, chunk: Chunk) -> None:
         self.chunks.pop(chunk.key, None)
         self.numbered.pop(chunk.number, None)
+
+
+def settle(selection: Selection, blocks: list[Block], spans: dict[int, tuple[int, int]]) -> None:
+    """Mark in each block the rows ``selection`` keeps now that each prompt's range (``spans``: prompt ->
+    ``(start, stop)``) is known; the writer drops the others (`Block.keep`)."""
+    prompts = np.array(sorted(spans), np.int64)
+    starts = np.array([spans[p][0] for p in prompts.tolist()], np.int64)
+    stops = np.array([spans[p][1] for p in prompts.tolist()], np.int64)
+    for block in blocks:
+        index = np.searchsorted(prompts, block.prompt)
+        keep = selected(selection, block.position, starts[index], stops[index])
+        block.keep = None if keep.all() else keep
 
 
 class HarvestRunnerMixin:

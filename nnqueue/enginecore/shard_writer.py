@@ -55,9 +55,18 @@ class Block:
     counts: np.ndarray | None = None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: Any = None
+    keep: np.ndarray | None = None  # the rows to write, when some turned out not selected (a generation's end)
 
     def nbytes(self) -> int:
         return sum(value.numel() * value.element_size() for value in self.values.values())
+
+    def kept(self) -> Block:
+        """The block with only the rows ``keep`` marks (host rows: after ``ready``)."""
+        if self.keep is None:
+            return self
+        index = torch.from_numpy(np.flatnonzero(self.keep))
+        values = {key: value.index_select(0, index) for key, value in self.values.items()}
+        return Block(self.prompt[self.keep], self.position[self.keep], self.token_id[self.keep], values=values)
 
 
 @dataclass
@@ -130,7 +139,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     for block in job.blocks:
         if block.ready is not None:
             block.ready.synchronize()
-    blocks = [_combine_means(job)] if job.mean else job.blocks
+    blocks = [_combine_means(job)] if job.mean else [block.kept() for block in job.blocks]
     prompt = _concat([b.prompt for b in blocks])
     position = _concat([b.position for b in blocks])
     order = np.lexsort((position, prompt))

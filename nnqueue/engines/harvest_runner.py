@@ -1,8 +1,9 @@
 """Run one harvest chunk on an engine: begin it, prefill its prompts, await the shard written by the engine.
 
 Runs on the worker's engine loop. The chunk's prompts arrive tokenized and truncated (the scheduler's
-harvest planning does that); each becomes a ``TokensPrompt`` with ``max_tokens=1`` (a prefill) tagged
-for the engine's capture path (`nnqueue.enginecore.harvest_capture`). The engine captures, writes the
+harvest planning does that); each becomes a ``TokensPrompt`` with ``max_tokens=1`` (a prefill), or with the
+chunk's `Generation` settings (`sampling_params`), tagged for the engine's capture path
+(`nnqueue.enginecore.harvest_capture`). The engine captures, writes the
 shard to the sink and posts its size, checksum and per-prompt row ranges to the outbox; nothing but
 those numbers comes back here.
 
@@ -24,12 +25,29 @@ from typing import Any
 from nnqueue.enginecore import harvest_stats
 from nnqueue.enginecore.capture_points import merge_stages
 from nnqueue.enginecore.harvest_capture import TAG
-from nnqueue.enginecore.harvest_spec import Capture, Selection, check_captures, check_dtype
+from nnqueue.enginecore.harvest_spec import (
+    Capture,
+    Generation,
+    Selection,
+    check_captures,
+    check_dtype,
+    check_generation,
+)
 from nnqueue.enginecore.shard_writer import SHARD_ENTRY
 from nnqueue.engines.outbox import poller
 from nnqueue.errors import NNqueueError
 
-__all__ = ["Capture", "ChunkResult", "ChunkWork", "HarvestError", "PromptRows", "Selection", "run_chunk"]
+__all__ = [
+    "Capture",
+    "ChunkResult",
+    "ChunkWork",
+    "Generation",
+    "HarvestError",
+    "PromptRows",
+    "Selection",
+    "run_chunk",
+    "sampling_params",
+]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -52,6 +70,7 @@ class ChunkWork:
         sink: where the engine writes the shard (`nnqueue.enginecore.sink`): the worker's pipe, or a handoff
             file path.
         metadata: extra string pairs for the shard's safetensors metadata (e.g. the harvest id).
+        generation: let the model generate after each prompt (`Generation`); None: prefill only.
     """
 
     chunk_id: str
@@ -62,6 +81,7 @@ class ChunkWork:
     dtype: str
     sink: Mapping[str, Any]
     metadata: Mapping[str, str] = field(default_factory=dict)
+    generation: Generation | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_indices or len(self.prompt_indices) != len(self.token_ids):
@@ -72,6 +92,7 @@ class ChunkWork:
             raise ValueError("a prompt has no tokens")
         check_captures(list(self.captures))
         check_dtype(self.dtype)
+        check_generation(self.selection, self.generation)
 
 
 @dataclass(frozen=True)
@@ -92,7 +113,7 @@ class ChunkResult:
         rows: rows of every capture tensor in the shard.
         bytes: the shard's size; ``sha256`` its checksum (hex).
         prompts: every prompt of the chunk, in prompt-index order, with its rows.
-        tokens: prompt tokens run through the model.
+        tokens: tokens run through the model (prompts, and generated tokens but each sequence's last).
         steps: engine steps that captured rows of the chunk (how its prompts were batched).
         seconds: wall time of the chunk on the engine, from begin to the shard written.
         stats: per capture key, the shard's mergeable statistics (`nnqueue.enginecore.harvest_stats`).
@@ -128,7 +149,7 @@ async def run_chunk(llm: Any, work: ChunkWork) -> ChunkResult:
             raise HarvestError(f"the engine refused chunk {work.chunk_id}: {_reason(answer)}")
         prefills = asyncio.gather(
             *(
-                _prefill(llm, request_id, ids, {"chunk": key, "prompt": index})
+                _request(llm, request_id, ids, sampling_params(work.generation, {"chunk": key, "prompt": index}))
                 for request_id, index, ids in zip(request_ids, work.prompt_indices, work.token_ids, strict=True)
             )
         )
@@ -173,26 +194,36 @@ def _engine_spec(work: ChunkWork, key: str) -> dict[str, Any]:
         "prompts": list(work.prompt_indices),
         "sink": dict(work.sink),
         "metadata": {**work.metadata, "chunk": work.chunk_id},
+        "generate": work.generation.to_json() if work.generation is not None else None,
     }
 
 
-async def _prefill(llm: Any, request_id: str, token_ids: Sequence[int], tag: dict[str, Any]) -> None:
+def sampling_params(generation: Generation | None, tag: dict[str, Any]) -> Any:
+    """vLLM's ``SamplingParams`` for one harvest request tagged ``tag`` (``{"chunk", "prompt"}``): a prefill
+    (one greedy token), or ``generation``'s sampling as a trace given the same settings samples it. Every token
+    runs through the model (no prefix-cache reads), so that each can be captured."""
     from vllm import SamplingParams
+
+    sampling: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0}
+    if generation is not None:
+        sampling = {
+            "max_tokens": generation.max_tokens,
+            "temperature": generation.temperature,
+            "seed": generation.seed,
+            "ignore_eos": generation.ignore_eos,
+        }
+    return SamplingParams(**sampling, detokenize=False, skip_reading_prefix_cache=True, extra_args={TAG: tag})
+
+
+async def _request(llm: Any, request_id: str, token_ids: Sequence[int], params: Any) -> None:
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(
-        max_tokens=1,
-        temperature=0.0,
-        detokenize=False,
-        skip_reading_prefix_cache=True,  # every token must run through the model to be captured
-        extra_args={TAG: tag},
-    )
     final = None
     async for output in llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, request_id):
         final = output
     reason = final.outputs[0].finish_reason if final is not None and final.outputs else None
     if reason == "abort":
-        raise HarvestError(f"prompt {tag['prompt']} was aborted by the engine")
+        raise HarvestError(f"prompt {params.extra_args[TAG]['prompt']} was aborted by the engine")
 
 
 async def _drop(llm: Any, key: str, request_ids: list[str]) -> None:

@@ -4,8 +4,10 @@ From the dataset as it would be frozen, the spec and what the model's live worke
 
 * tokens: exact for prompts given as token ids; for text, its UTF-8 bytes times ``TOKENS_PER_BYTE`` (the
   API has no tokenizer; English text runs near 0.25-0.3 tokens per byte with today's tokenizers), each prompt
-  cut at ``max_length``;
-* rows: each prompt's rows under the selection (`nnqueue.enginecore.harvest_spec.Selection.max_rows`);
+  cut at ``max_length``; with ``generate``, plus ``max_tokens - 1`` generated tokens per prompt run through the
+  model (an upper bound: a sequence may end sooner);
+* rows: each prompt's rows under the selection (`nnqueue.enginecore.harvest_spec.Selection.max_rows`), generated
+  tokens included;
 * bytes: rows times each capture's width (the workers publish it with their capture points; a capture whose
   width is not known is counted at the model's widest) in the stored dtype, plus the three int64 columns and
   a header per shard;
@@ -77,11 +79,16 @@ def estimate(
         lengths.append(min(length, limit) if limit else length)
     if not exact:
         notes.append(f"text prompts: tokens estimated at {TOKENS_PER_BYTE} per UTF-8 byte")
-    rows = sum(spec.selection.max_rows(length) for length in lengths)
+    generated = spec.generated_positions
+    if spec.generate is not None:
+        notes.append(
+            f"generation: up to {spec.generate.max_tokens} tokens per prompt counted (sequences may end sooner)"
+        )
+    rows = sum(spec.selection.max_rows(length, generated) for length in lengths)
     widths = _widths(spec, points, notes)
     shards = -(-len(examples) // spec.prompts_per_chunk)
     row_bytes = sum(widths.values()) * DTYPE_BYTES[spec.dtype] + COLUMN_BYTES
-    tokens = sum(lengths)
+    tokens = sum(lengths) + (len(lengths) * spec.generate.positions if spec.generate is not None else 0)
     rate = measured_rate(session, spec.model_key)
     if rate is None:
         notes.append(f"no chunk of {spec.model_key!r} completed in the last {RATE_WINDOW_S:.0f} s: no duration")

@@ -7,6 +7,7 @@ JSON over HTTP (``POST /v1/harvests``), YAML or JSON in a file for ``nnqueue har
     max_length: 128
     captures: [{module: model.layers.12}]                 # output residual stream (= HF's hidden state)
     selection: {kind: all}                                # all | first | last (n) | mean | positions
+    # generate: {max_tokens: 64, temperature: 0.7, seed: 1}  # then selection.tokens: generated | both
     dtype: float32
     prompts_per_chunk: 64
 
@@ -23,7 +24,14 @@ from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from nnqueue.enginecore.harvest_spec import Capture, Selection, check_captures, check_dtype
+from nnqueue.enginecore.harvest_spec import (
+    Capture,
+    Generation,
+    Selection,
+    check_captures,
+    check_dtype,
+    check_generation,
+)
 from nnqueue.errors import NNqueueError
 
 MAX_CAPTURES = 32
@@ -101,3 +109,16 @@ class HarvestSpec(Strict):
     prompts_per_chunk: int = Field(64, ge=1, le=100_000, description="Prompts per chunk, and so per shard.")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="Higher runs earlier among an owner's peers.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Anything; kept in the manifest.")
+    generate: Generation | None = Field(
+        None, description="Let the model generate after each prompt (max_tokens, temperature, seed, ignore_eos)."
+    )
+
+    @model_validator(mode="after")
+    def _generated_rows_need_generation(self) -> Self:
+        check_generation(self.selection, self.generate)
+        return self
+
+    @property
+    def generated_positions(self) -> int:
+        """At most the generated tokens per prompt that run through the model and can be rows (0: none)."""
+        return self.generate.positions if self.generate is not None else 0

@@ -141,6 +141,7 @@ class ChunkRunner:
                 dtype=spec.dtype,
                 sink=sink.spec,
                 metadata={"harvest_id": str(chunk.harvest_id), "chunk_index": str(chunk.index)},
+                generation=spec.generate,
             )
             result = await run_chunk(self.model.vllm_entrypoint, work)
             if chunk.id not in await asyncio.to_thread(held_chunks, self.sessions, [chunk.id], self.worker_id):
@@ -208,9 +209,12 @@ class ChunkRunner:
 
 
 def tokenize(model: Any, examples: list[Example], spec: HarvestSpec) -> list[list[int]]:
-    """Token ids per example: text through the engine's tokenizer, truncated to ``max_length`` (at most one
-    token less than the engine's limit, room for the one step a prefill needs)."""
-    limit = model.vllm_entrypoint.model_config.max_model_len - 1
+    """Token ids per example: text through the engine's tokenizer, truncated to ``max_length`` (at most the
+    engine's limit less the tokens to generate: one for a prefill, ``generate.max_tokens`` otherwise)."""
+    room = spec.generate.max_tokens if spec.generate is not None else 1
+    limit = model.vllm_entrypoint.model_config.max_model_len - room
+    if limit < 1:
+        raise ValueError(f"generate.max_tokens ({room}) leaves no room for a prompt in the engine's context")
     length = min(spec.max_length or limit, limit)
     ids = []
     for index, example in enumerate(examples):
@@ -229,7 +233,7 @@ def shard_bound(spec: HarvestSpec, token_ids: Sequence[Sequence[int]], model_con
     """An upper bound of the chunk's shard size: its rows (from the token selection) times, per capture, the
     widest activation the model's config names, plus the columns and the header. For the multipart upload's
     part URLs, which must be presigned before the engine knows the shard's size."""
-    rows = sum(spec.selection.max_rows(len(ids)) for ids in token_ids)
+    rows = sum(spec.selection.max_rows(len(ids), spec.generated_positions) for ids in token_ids)
     row_bytes = len(spec.captures) * width_bound(model_config.hf_text_config) * DTYPE_BYTES[spec.dtype] + COLUMN_BYTES
     return rows * row_bytes + HEADER_BYTES
 

@@ -157,6 +157,10 @@ def test_an_upload_that_does_not_parse_is_refused_and_not_kept(api: Api, service
         (spec(model_key="transformers-model"), 400, "run no harvests"),
         (spec(selection={"kind": "positions"}), 422, "needs at least one position"),
         (spec(dtype="int8"), 422, "dtype must be one of"),
+        (spec(selection={"tokens": "generated"}), 422, "a selection of 'generated' tokens needs 'generate'"),
+        (spec(generate={"max_tokens": 0}), 422, "max_tokens must be a positive integer"),
+        (spec(generate={"max_tokens": 4, "temperature": -1}), 422, "temperature must be a number >= 0"),
+        (spec(selection={"tokens": "response"}), 422, "'prompt', 'generated' or 'both'"),
         ({**spec(), "surprise": 1}, 422, "surprise"),
         ({**spec(), "metadata": {"x": float("nan")}}, 422, "NaN is not JSON"),
     ],
@@ -309,6 +313,32 @@ def test_a_dry_run_estimates_without_queueing_and_a_limit_refuses_with_the_estim
         assert (
             submit_harvest(limited.http, alice, {**body, "captures": [{"module": "model.layers.0"}]}).status_code == 201
         )
+
+
+def test_an_estimate_counts_the_generated_tokens(api: Api, services: Services) -> None:
+    register_worker(services.sessions, "wide-model", capture_points=WIDE_POINTS)
+    body = spec(
+        model_key="wide-model",
+        dataset={"token_ids": [[1] * 10, [2] * 3, [3] * 40]},
+        captures=[{"module": "model.layers.0"}],
+        selection={"kind": "all", "skip": 2, "tokens": "generated"},
+        generate={"max_tokens": 5, "temperature": 0.7, "seed": 3},
+        max_length=32,
+    )
+    response = api.http.post(
+        "/v1/harvests/estimate", headers=api.new_key("alice", HARVEST), data={"spec": json.dumps(body)}
+    )
+    assert response.status_code == 200, response.text
+    found = response.json()
+    # 45 prompt tokens, and 4 generated tokens per prompt run through the model (the 5th is sampled, never run).
+    assert (found["tokens"], found["rows"]) == (45 + 3 * 4, 3 * 4)
+    assert found["bytes"] == 12 * (64 * 4 + 24) + 2 * 1024
+    assert any("up to 5 tokens per prompt" in note for note in found["notes"])
+    both = {**body, "selection": {"kind": "last", "n": 6, "tokens": "both"}}
+    found = api.http.post(
+        "/v1/harvests/estimate", headers=api.new_key("alice", HARVEST), data={"spec": json.dumps(both)}
+    )
+    assert found.json()["rows"] == 3 * 6
 
 
 def test_a_schedule_naming_another_owners_files_is_refused_at_creation(api: Api) -> None:

@@ -48,8 +48,9 @@ def harvester(services: Services) -> str:
     return create_secret(services.sessions, "hana", ("harvest",))
 
 
-def cli(args: list[str], url: str, secret: str, exit_code: int = 0) -> Any:
-    result = CliRunner().invoke(app, args, env={"NNQUEUE_URL": url, "NNQUEUE_API_KEY": secret, "COLUMNS": "250"})
+def cli(args: list[str], url: str, secret: str, exit_code: int = 0, env: dict[str, str] | None = None) -> Any:
+    env = {"NNQUEUE_URL": url, "NNQUEUE_API_KEY": secret, "COLUMNS": "250", **(env or {})}
+    result = CliRunner().invoke(app, args, env=env)
     assert result.exit_code == exit_code, result.output
     return result.output
 
@@ -162,7 +163,7 @@ def train_sae(dest: Path, steps: int) -> tuple[float, float]:
 
 
 def test_a_harvest_exports_for_saelens_and_an_sae_trains_on_it(
-    api_server: ApiServer, harvester: str, worker: WorkerProcess, tmp_path: Path
+    api_server: ApiServer, harvester: str, worker: WorkerProcess, services: Services, tmp_path: Path
 ) -> None:
     from datasets import load_from_disk
 
@@ -201,6 +202,33 @@ def test_a_harvest_exports_for_saelens_and_an_sae_trains_on_it(
     record = json.loads((dest / "nnqueue_export.json").read_text())
     assert record["dtype"] == {"harvested": "bfloat16", "exported": "float32", "exact": "true"}
     assert record["dropped_rows"] == len(rows) - whole
+
+    # The same export into the object store: the folder's files under the prefix, which opens as the local one.
+    s3 = services.settings.s3
+    aws = {
+        "AWS_ENDPOINT_URL": s3.endpoint_url or "",
+        "AWS_ACCESS_KEY_ID": s3.access_key_id or "",
+        "AWS_SECRET_ACCESS_KEY": s3.secret_access_key.get_secret_value() if s3.secret_access_key else "",
+        "AWS_DEFAULT_REGION": s3.region,
+    }
+    remote = f"s3://{s3.bucket}/exports/{harvest_id}"
+    said = cli(
+        ["harvest", "export", harvest_id, remote, "--format", "saelens", "--context-size", "16"], *login, env=aws
+    )
+    assert f"in {remote}" in said
+    local_files = sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+    keys = services.store.list_keys(f"exports/{harvest_id}/")
+    assert sorted(key.removeprefix(f"exports/{harvest_id}/") for key in keys) == local_files
+    copy = tmp_path / "from-s3"
+    for key in keys:
+        target = copy / key.removeprefix(f"exports/{harvest_id}/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(services.store.get_bytes(key))
+    fetched = load_from_disk(str(copy)).with_format("torch")[:]
+    assert torch.equal(fetched["model.layers.1"], exported["model.layers.1"])
+    assert torch.equal(fetched["token_ids"], exported["token_ids"])
+    refused = cli(["harvest", "export", harvest_id, remote], *login, exit_code=1, env=aws)
+    assert "is not empty" in refused
 
     flat = tmp_path / "hf"
     cli(["harvest", "export", harvest_id, str(flat), "--format", "hf"], *login)

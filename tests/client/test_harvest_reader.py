@@ -101,6 +101,22 @@ def test_a_corrupt_shard_is_refused(stored: list[ShardRef]) -> None:
         list(dataset(bad))
 
 
+@pytest.mark.parametrize("range_bytes", [97, 4096, 1 << 20])
+def test_ranged_reads_give_every_row_once_and_check_each_shard(
+    stored: list[ShardRef], shards: list[bytes], range_bytes: int
+) -> None:
+    # With their sizes the shards are read in Range GETs (a shard's ranges and the next shards' in flight
+    # together), into one buffer each, hashed as the ranges arrive in order.
+    sized = [ShardRef(r.name, r.rows, r.sha256, r.url, len(data)) for r, data in zip(stored, shards, strict=True)]
+    assert rows_of(dataset(sized, range_bytes=range_bytes, prefetch=3)) == list(range(sum(ROWS)))
+    bad = [*sized[:2], ShardRef(sized[2].name, sized[2].rows, "0" * 64, sized[2].url, sized[2].bytes)]
+    with pytest.raises(ShardCorrupt, match=r"shard-00002\.safetensors arrived with sha256"):
+        list(dataset(bad, range_bytes=range_bytes))
+    short = [ShardRef(sized[0].name, sized[0].rows, sized[0].sha256, sized[0].url, sized[0].bytes + 10)]
+    with pytest.raises(ShardCorrupt, match=r"416|ended after|arrived with sha256"):
+        list(dataset(short, range_bytes=range_bytes))
+
+
 def test_open_reads_a_downloaded_harvest_by_its_manifest(tmp_path: Path, shards: list[bytes]) -> None:
     entries = []
     for index, data in enumerate(shards):

@@ -10,8 +10,10 @@ import random
 import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 from nnsight.modeling.vllm import VLLM
 from safetensors.torch import load
 from sqlalchemy import select
@@ -21,6 +23,8 @@ from nnqueue.scheduler.chunks import cancel_harvest
 from nnqueue.scheduler.harvest_dataset import Limits
 from nnqueue.scheduler.harvest_spec import HarvestSpec
 from nnqueue.scheduler.harvests import Submission, create_harvest
+from nnqueue.storage.results import load_result
+from tests.engines.test_harvest_generation import trace_payload_of
 from tests.utils.payloads import two_invoke_payload
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
@@ -37,16 +41,21 @@ def prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
 
 
 def harvest(
-    services: Services, token_ids: list[list[int]], prompts_per_chunk: int, selection: str = "all"
+    services: Services,
+    token_ids: list[list[int]],
+    prompts_per_chunk: int,
+    selection: str | dict[str, Any] = "all",
+    **extra: Any,
 ) -> uuid.UUID:
     spec = HarvestSpec.model_validate(
         {
             "model_key": MODEL_KEY,
             "dataset": {"token_ids": token_ids},
             "captures": [{"module": "model.layers.0"}],
-            "selection": {"kind": selection},
+            "selection": {"kind": selection} if isinstance(selection, str) else selection,
             "prompts_per_chunk": prompts_per_chunk,
         }
+        | extra
     )
     submission = Submission(
         owner="alice", limits=Limits(10**9, 10**6), stale_after_s=services.settings.worker_stale_after_s
@@ -161,4 +170,36 @@ def test_cancel_aborts_the_running_chunk_and_frees_the_engine(
     # No chunk of it ran after the cancel: only the aborted one ever started, once.
     started = [chunk for chunk in chunks_of(services, harvest_id) if chunk.started_at is not None]
     assert [(chunk.index, chunk.attempts) for chunk in started] == [(running.index, 1)]
+    worker.stop()
+
+
+def test_a_generating_harvest_through_the_queue_equals_a_trace_job_of_the_same_generation(
+    services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM
+) -> None:
+    from nnqueue.enginecore.harvest_spec import Generation
+
+    worker = start_worker(max_concurrent_jobs=1)
+    generation = Generation(max_tokens=6, temperature=0.8, seed=77, ignore_eos=True)
+    token_ids = prompts(1, 12, seed=4)
+    harvest_id = harvest(
+        services,
+        token_ids,
+        prompts_per_chunk=1,
+        selection={"kind": "all", "tokens": "both"},
+        generate=generation.to_json(),
+    )
+    job = services.submit(trace_payload_of(client_model, token_ids[0], generation), owner="bob")
+    done = wait_harvest(services, harvest_id)
+    assert done.status is S.COMPLETED, (done.error_type, done.error_message)
+    traced = services.wait_for(job.id, {S.COMPLETED, S.FAILED})
+    assert traced.status is S.COMPLETED and traced.result_key is not None
+    saves = load_result(services.store.get_bytes(traced.result_key))
+    [chunk] = chunks_of(services, harvest_id)
+    shard = load(services.store.get_bytes(chunk.shard_key))
+    generated = torch.cat(saves["generated"]).flatten().tolist()
+    ran = len(token_ids[0]) + len(generated) - 1
+    assert shard["token_position"].tolist() == list(range(ran))
+    assert shard["token_id"].tolist() == (token_ids[0] + generated)[:ran]  # the sampled tokens, as the trace's
+    assert torch.equal(shard["model.layers.0.output"], torch.cat(saves["residual"]))
+    assert chunk.tokens == ran
     worker.stop()
