@@ -126,6 +126,20 @@ class WeightsGuard:
             self._trust_fingerprint()
         return [self.names[index] for index in changed]
 
+    def refresh(self) -> None:
+        """The weights were changed on purpose (nnqueue's weights update RPCs): hold them as they are now (the
+        module's objects, storages, host copies and fingerprint)."""
+        with torch.no_grad():
+            for held in self.held:
+                current = held.module._parameters[held.attribute]
+                assert current is not None
+                held.parameter, held.storage = current, current.detach()
+                if held.host.shape == held.storage.shape and held.host.dtype == held.storage.dtype:
+                    held.host.copy_(held.storage)
+                else:
+                    held.host = _host_copy(held.storage)
+        self.fingerprint = self._fingerprint()
+
     def _same_object(self, held: _Held) -> bool:
         current = held.module._parameters.get(held.attribute)
         if current is not held.parameter:
@@ -238,6 +252,19 @@ class WeightsGuardWorker(_Worker):
         if changed:
             log.error("a trace changed parameters %s while it was finished; they were put back", changed[:20])
         return changed
+
+    def nnqueue_weights_loaded(self) -> None:
+        """After a legitimate weights update (nnqueue's RPC, never a trace): the guard holds the new weights."""
+        if self._nnqueue_guard is not None:
+            self._nnqueue_guard.refresh()
+
+    def nnqueue_restore_weights(self) -> bool:
+        """Put back the weights the guard holds (a weights update that failed midway); False without a guard."""
+        if self._nnqueue_guard is None:
+            return False
+        restored = self._nnqueue_guard.check()
+        log.warning("weights update rolled back: %d parameters put back", len(restored))
+        return True
 
     def _nnqueue_build_guard(self) -> None:
         if self._nnqueue_guard is not None:

@@ -101,3 +101,9 @@ class HarvestSpec(Strict):
     prompts_per_chunk: int = Field(64, ge=1, le=100_000, description="Prompts per chunk, and so per shard.")
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1, description="Higher runs earlier among an owner's peers.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Anything; kept in the manifest.")
+    weights_version: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="Run only on engines serving this weights version, or 'latest' (resolved at submit); null: any.",
+    )

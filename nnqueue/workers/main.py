@@ -12,6 +12,9 @@ under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`). SIG
 for running work is bounded by ``NNQUEUE_WORKER_DRAIN_S``; what is still held then goes back to the queue
 (:mod:`nnqueue.workers.drain`).
 
+The worker reports the weights version its engine serves and applies the model's checkpoint swaps between
+requests (:mod:`nnqueue.workers.weights`): a worker that starts after some replays them before it registers.
+
 The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
 the engine's processes run users' code (traces) and capture harvests, and must find no secret in their
 environment or their parent, and no network but their own loopback (:mod:`nnqueue.netns`); they hand results
@@ -60,6 +63,7 @@ from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
+from nnqueue.workers.weights import CheckpointUpdater, WeightsGate, base_version
 
 log = logging.getLogger(__name__)
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
@@ -115,10 +119,22 @@ def run_worker(
 
     worker_id = registry.new_worker_id()
     health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
-    runner = JobRunner(sessions, executor, model_key, worker_id, health)
+    gate = WeightsGate(*base_version(model, engine_kwargs.get("revision")))
+    runner = JobRunner(sessions, executor, model_key, worker_id, health, gate)
     register_run_job(app, host, runner)
-    chunks, points = None, None
+    chunks, points, updater = None, None, None
     if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
+        updater = CheckpointUpdater(
+            sessions,
+            store,
+            executor.model.vllm_entrypoint,
+            gate,
+            model_key,
+            worker_id,
+            crash_dir,
+            broken=lambda: _restart_for_weights(health),
+        )
+        host.call(updater.catch_up())  # the model's checkpoint swaps so far: serve the newest version
         chunks = ChunkRunner(
             sessions,
             store,
@@ -130,6 +146,7 @@ def run_worker(
             settings.harvest_chunk_attempts,
             engine_info(model, executor.model.vllm_entrypoint, executor.model.tokenizer),
             health,
+            gate,
         )
         points = host.call(capture_points(executor.model.vllm_entrypoint))
     try:
@@ -143,6 +160,7 @@ def run_worker(
             stale_after_s=settings.worker_stale_after_s,
             capture_points=points,
             containment=containment.report(),
+            weights=(gate.version, gate.source),
         )
     except registry.EngineConflict:
         host.call(executor.close())
@@ -190,6 +208,8 @@ def run_worker(
             requeue_orphan_chunks(
                 sessions, app, model_key, settings.worker_stale_after_s, settings.harvest_chunk_attempts
             )
+        if updater is not None:
+            updater.poll(host.loop)  # the model's new checkpoint swaps, applied on the engine loop
         if time.monotonic() >= next_reconcile:
             reconcile(sessions, app, model_key)  # a failure (broker down) is retried at the next beat
             next_reconcile = time.monotonic() + settings.reconcile_interval_s
@@ -220,6 +240,13 @@ def run_worker(
         shutil.rmtree(crash_dir, ignore_errors=True)
     if health.dead.is_set():
         sys.exit(EXIT_ENGINE_DIED)  # the supervisor starts a fresh worker
+
+
+def _restart_for_weights(health: EngineHealth) -> None:
+    """A failed weights update left the engine's weights changed with no copy to put back: stop this worker as if
+    its engine died (exit 75), so that the supervisor starts a fresh one, which replays the model's updates."""
+    health.dead.set()
+    health.stop()
 
 
 def default_concurrency(executor: Executor) -> int:
