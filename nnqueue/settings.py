@@ -170,6 +170,16 @@ class Settings(BaseSettings):
     # The port on which each worker serves Prometheus metrics (its jobs and its vLLM engine's own ``vllm:*``
     # series); unset: none. The API serves its metrics at ``/metrics`` on its own port.
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
+    # TRL's vLLM server protocol on a worker (nnqueue.workers.trl_server, docs/user/weights.md): its HTTP port
+    # (unset: off) and address; the one port (and address) the engine's NCCL group with a trainer listens on
+    # (unset: no NCCL updates); the deadline of every collective wait; and how long an update may sit silent
+    # before it is rolled back.
+    trainer_port: int | None = Field(None, ge=0, le=65535)
+    trainer_host: str = "127.0.0.1"
+    trainer_nccl_port: int | None = Field(None, ge=1, le=65535)
+    trainer_nccl_host: str = "127.0.0.1"
+    trainer_timeout_s: float = Field(300.0, gt=0)
+    trainer_update_idle_s: float = Field(120.0, gt=0)
     # How long the status page's sign-in cookie lasts.
     status_session_s: int = Field(8 * 3600, ge=1)
 

@@ -131,7 +131,7 @@ class NNqueueRPC:
     def nnqueue_load_weights(self, files: list[str], tensors: list[str] | None) -> dict[str, Any]:
         """Load the safetensors ``files`` (every tensor, or ``tensors``): ``{"loaded": n}`` or ``{"error", "restored"}``."""
         try:
-            loaded = weights_update.load_checkpoint(self.model_runner.get_model(), list(files), tensors)
+            loaded = weights_update.load_checkpoint(self.model_runner, list(files), tensors)
         except Exception as error:  # answered to the worker, which records it
             log.exception("loading weights from %s failed", files)
             return {"error": f"{type(error).__name__}: {error}", "restored": self.nnqueue_restore_weights()}

@@ -5,7 +5,7 @@ Both feed ``(name, tensor)`` pairs in the checkpoint's naming to the model's ``l
 classes, e.g. ``LlamaForCausalLM.load_weights``: it maps checkpoint names to its fused parameters and each
 parameter's ``weight_loader`` copies this rank's shard in place, so CUDA graphs' pointers stay valid). Under tensor
 parallelism every rank runs the same call with the full tensor and keeps its shard, as TRL's own worker extension
-does. Reached only through nnqueue's RPC methods (:mod:`nnqueue.enginecore.rpc`), between steps, never from users'
+does. A checkpoint goes through vLLM's in-place reload where it exists (:func:`load_checkpoint`). Reached only through nnqueue's RPC methods (:mod:`nnqueue.enginecore.rpc`), between steps, never from users'
 code; the worker pauses every request around them (:mod:`nnqueue.workers.weights`).
 
 The trainer's channel (:class:`TrainerChannel`) is TRL's: a ``StatelessProcessGroup`` (``vllm.distributed.utils``)
@@ -19,6 +19,7 @@ until ``timeout_s``): a trainer that goes away mid-update raises :class:`Channel
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -67,8 +68,16 @@ def read_checkpoint(files: list[str], tensors: list[str] | None) -> Iterator[tup
                     yield name, handle.get_tensor(name)
 
 
-def load_checkpoint(model: torch.nn.Module, files: list[str], tensors: list[str] | None) -> int:
-    """Load the checkpoint into ``model`` (vLLM's model) through its ``load_weights``; the number of tensors fed."""
+def load_checkpoint(model_runner: Any, files: list[str], tensors: list[str] | None) -> int:
+    """Load the checkpoint into the runner's model; the number of tensors fed.
+
+    Through the runner's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` where vLLM has it
+    (``vllm.model_executor.model_loader.reload``: it puts each layer back in checkpoint form, loads, and runs the
+    layer's ``process_weights_after_loading`` again, so weights that vLLM repacked after loading (the CPU
+    backend's packed GEMM weights, quantized kernels) are rebuilt, and copies the result into the same storage).
+    A layer is processed from what this load gave it, so a partial checkpoint must hold every tensor of each layer
+    it touches (``q_proj``, ``k_proj`` and ``v_proj`` together, say). Older vLLM: the model's ``load_weights``
+    (unquantized models on a GPU, where weights are used as loaded)."""
     count = 0
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -77,8 +86,12 @@ def load_checkpoint(model: torch.nn.Module, files: list[str], tensors: list[str]
             count += 1
             yield pair
 
+    reload = getattr(model_runner, "reload_weights", None)
     with torch.no_grad():
-        model.load_weights(counted())  # type: ignore[operator]
+        if callable(reload) and "weights_iterator" in inspect.signature(reload).parameters:
+            reload(weights_iterator=counted(), is_checkpoint_format=True)
+        else:
+            model_runner.get_model().load_weights(counted())
     return count
 
 

@@ -53,6 +53,7 @@ from nnqueue.scheduler.recovery import requeue_held, requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
+from nnqueue.workers import trl_server
 from nnqueue.workers.bulk import BulkConsumer
 from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
 from nnqueue.workers.drain import Drain
@@ -86,7 +87,11 @@ def run_worker(
     engine's ``max_num_seqs`` once it is up (one job at a time on the transformers engine)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
-    containment = isolate(settings, ray=engine_kwargs.get("distributed_executor_backend") == "ray")
+    containment = isolate(
+        settings,
+        ray=engine_kwargs.get("distributed_executor_backend") == "ray",
+        nccl=settings.trainer_port is not None and settings.trainer_nccl_port is not None,
+    )
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
@@ -167,6 +172,19 @@ def run_worker(
         host.stop()
         raise
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
+    trainer = None
+    if settings.trainer_port is not None and isinstance(executor, VLLMTraceExecutor):
+        trainer = host.call(
+            trl_server.serve(
+                executor.model.vllm_entrypoint,
+                gate,
+                settings,
+                sessions,
+                worker_id,
+                model_key,
+                broken=lambda: _restart_for_weights(health),
+            )
+        )
     bulk = None
     if chunks is not None:
         RUNNING_CHUNKS.labels(model_key).set_function(lambda: len(chunks.running_chunks()))
@@ -231,6 +249,8 @@ def run_worker(
         )
     finally:
         drain.finish()  # the heartbeat goes on meanwhile: the chunks still running here are not taken as lost
+        if trainer is not None:
+            trainer.should_exit = True
         if bulk is not None:
             bulk.stop()
         beat.stop()
@@ -273,7 +293,7 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def isolate(settings: Settings, ray: bool = False) -> isolation.Containment:
+def isolate(settings: Settings, ray: bool = False, nccl: bool = False) -> isolation.Containment:
     """Remove the secrets from the environment the engine will inherit, keep the engine out of ours, and
     choose the engine processes' user (:func:`nnqueue.isolation.plan_containment`: raises
     :class:`nnqueue.isolation.EngineUserError` when the worker must not start) and network
@@ -282,8 +302,18 @@ def isolate(settings: Settings, ray: bool = False) -> isolation.Containment:
     Also: the engine reads its settings from the environment (never ``.env``), and its processes are
     spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
     The engine's processes also find the network (``netns.ISOLATED`` or ``netns.HOST``) in their environment.
+    ``nccl``: a trainer pushes weights over NCCL (:mod:`nnqueue.workers.trl_server`): the engine's rank 0 listens
+    for the trainer's group, so its processes keep the host's network and may open TCP sockets, as with Ray.
     """
+    if nccl and settings.engine_network == netns.ISOLATED:
+        raise netns.NetworkIsolationError(
+            "NNQUEUE_TRAINER_NCCL_PORT needs the engine on the host's network (the trainer joins its NCCL group);"
+            " unset NNQUEUE_ENGINE_NETWORK=isolated or the NCCL port"
+        )
     network, why = netns.resolve(settings.engine_network, ray=ray)
+    if nccl and network == netns.ISOLATED:
+        network, why = netns.HOST, "a trainer's NCCL group (NNQUEUE_TRAINER_NCCL_PORT) needs the host's network"
+    ray = ray or nccl  # sockets: the seccomp filter's and the protected environment's allowances
     seccomp = seccomp_filter.unavailable_reason() if settings.engine_seccomp else "off (NNQUEUE_ENGINE_SECCOMP=false)"
     # The engine hands results to this process through files; only Ray's executor opens sockets after start-up.
     if seccomp is None and ray:
