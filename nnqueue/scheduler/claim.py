@@ -19,7 +19,7 @@ from __future__ import annotations
 import uuid
 
 from sqlalchemy import ColumnElement, func, or_, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from nnqueue.db.lifecycle import start_queued
 from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus, utcnow
@@ -32,7 +32,7 @@ MAX_TRIES = 8
 JOB_ORDER = (Job.priority.desc(), Job.queued_at, Job.id)
 
 
-def runnable_on(pin: ColumnElement[str | None], weights_version: str | None) -> ColumnElement[bool]:
+def runnable_on(pin: InstrumentedAttribute[str | None], weights_version: str | None) -> ColumnElement[bool]:
     """A unit whose weights pin (``pin``) lets it run on an engine serving ``weights_version``: unpinned, or pinned
     to that version (:mod:`nnqueue.scheduler.weights`)."""
     return or_(pin.is_(None), pin == weights_version) if weights_version is not None else pin.is_(None)
