@@ -130,7 +130,10 @@ class TrainerChannel:
             if time.monotonic() > deadline:
                 raise ChannelTimeout(f"the trainer sent no {name!r} within {self.timeout_s:g} s")
             time.sleep(0.0005)
-        self.group.barrier(timeout=self.timeout_s)
+        if "timeout" in inspect.signature(self.group.barrier).parameters:  # vLLM's barrier has had no deadline
+            self.group.barrier(timeout=self.timeout_s)
+        else:
+            self.group.barrier()
         return tensor
 
     def close(self) -> None:
