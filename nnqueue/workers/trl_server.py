@@ -290,7 +290,7 @@ def create_app(
 def sampling_params(body: GenerateRequest) -> Any:
     """vLLM's ``SamplingParams`` for a TRL generate request (TRL's server builds the same)."""
     from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import RequestOutputKind
 
     kwargs: dict[str, Any] = {
         "n": body.n,
@@ -304,6 +304,8 @@ def sampling_params(body: GenerateRequest) -> Any:
     }
     kwargs.update(body.generation_kwargs)
     if body.structured_outputs_regex is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
         kwargs["structured_outputs"] = StructuredOutputsParams(regex=body.structured_outputs_regex)
     kwargs["output_kind"] = RequestOutputKind.FINAL_ONLY  # one answer per prompt, with all of its n completions
     try:
