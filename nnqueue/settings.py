@@ -170,6 +170,19 @@ class Settings(BaseSettings):
     # The port on which each worker serves Prometheus metrics (its jobs and its vLLM engine's own ``vllm:*``
     # series); unset: none. The API serves its metrics at ``/metrics`` on its own port.
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
+    # The port of TRL's vLLM server protocol on a worker (a trainer's generations and weight pushes:
+    # nnqueue.workers.trl_server, docs/user/weights.md); unset: off.
+    trainer_port: int | None = Field(None, ge=0, le=65535)
+    # The address that protocol's HTTP server listens on.
+    trainer_host: str = "127.0.0.1"
+    # The one port the engine's NCCL group with a trainer listens on (its rank 0's store); unset: no NCCL updates.
+    trainer_nccl_port: int | None = Field(None, ge=1, le=65535)
+    # The address that NCCL group's store listens on (the trainer connects to the worker's URL's host).
+    trainer_nccl_host: str = "127.0.0.1"
+    # The deadline of every wait on the trainer (its store, broadcasts, barriers), in seconds.
+    trainer_timeout_s: float = Field(300.0, gt=0)
+    # An update left without a call from its trainer this long is rolled back.
+    trainer_update_idle_s: float = Field(120.0, gt=0)
     # How long the status page's sign-in cookie lasts.
     status_session_s: int = Field(8 * 3600, ge=1)
 

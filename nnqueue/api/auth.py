@@ -10,7 +10,10 @@ Scopes say what a key may do (checked by :func:`nnqueue.api.deps.require_scope`)
 * ``trace``: submit traces, i.e. run arbitrary nnsight (Python) code on the workers: give it only
   to people trusted with that (see the trust model, docs/operator/security.md);
 * ``harvest``: submit declarative harvest specs (no code);
-* ``admin``: see, cancel and download every owner's jobs.
+* ``admin``: see, cancel and download every owner's jobs; swap a model's checkpoint (``POST
+  /v1/models/{key}/weights``);
+* ``weights``: drive a worker's trainer endpoints (TRL's vLLM server protocol: generate, push weights over
+  NCCL; :mod:`nnqueue.workers.trl_server`); checked by the worker, which has no other use for keys.
 
 Any valid key reads its own jobs and the models. A key created without scopes gets
 :data:`DEFAULT_SCOPES`, ``harvest`` only: running code is never granted implicitly.
@@ -29,7 +32,7 @@ from nnqueue.db.models import ApiKey, utcnow
 from nnqueue.errors import NNqueueError
 
 SECRET_PREFIX = "nnq_"
-SCOPES = ("trace", "harvest", "admin")
+SCOPES = ("trace", "harvest", "admin", "weights")
 DEFAULT_SCOPES = ("harvest",)
 # "nnq_" and 8 random characters: enough to tell keys apart, far too little to guess the rest.
 PREFIX_LENGTH = len(SECRET_PREFIX) + 8

@@ -78,7 +78,8 @@ def _shared_metrics(processes: int) -> Iterator[None]:
 
 SCOPE_HELP = (
     "What the key may do (repeatable): trace (run nnsight code on the workers: trusted users only),"
-    " harvest (declarative harvests, no code), admin (every owner's jobs). Default: harvest."
+    " harvest (declarative harvests, no code), admin (every owner's jobs, checkpoint swaps), weights (a"
+    " worker's trainer endpoints: generate, push weights). Default: harvest."
 )
 
 

@@ -166,7 +166,8 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 SCOPE_PURPOSE = {
     "trace": "submit traces (they run arbitrary code on the workers)",
     "harvest": "submit harvests and keep their schedules",
-    "admin": "act on other owners' jobs, harvests and schedules",
+    "admin": "act on other owners' jobs, harvests and schedules, and swap models' checkpoints",
+    "weights": "drive a worker's trainer endpoints (generate, push weights)",
 }
 
 
@@ -196,6 +197,8 @@ TraceCallerDep = Annotated[Caller, Depends(require_scope("trace"))]
 # The caller of the routes that submit harvests or create schedules (declarative specs, no code): 403 unless
 # its key has ``harvest``.
 HarvestCallerDep = Annotated[Caller, Depends(require_scope("harvest"))]
+# The caller of the routes that change a model's weights (checkpoint swaps): 403 unless its key has ``admin``.
+AdminCallerDep = Annotated[Caller, Depends(require_scope("admin"))]
 
 
 async def harvest_reader(caller: CallerDep) -> Caller:

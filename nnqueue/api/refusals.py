@@ -16,6 +16,7 @@ from nnqueue.api import nnsight_protocol as protocol
 from nnqueue.errors import NNqueueError
 from nnqueue.scheduler.admission import ModelNotServed, TooManyJobsInFlight
 from nnqueue.scheduler.crash_cooldown import CrashCooldown
+from nnqueue.scheduler.weights import WeightsRejected
 
 # Most specific first: a PayloadTooLarge and a SessionTaken are ProtocolErrors too.
 STATUSES: tuple[tuple[type[NNqueueError], int], ...] = (
@@ -24,6 +25,7 @@ STATUSES: tuple[tuple[type[NNqueueError], int], ...] = (
     (CrashCooldown, status.HTTP_429_TOO_MANY_REQUESTS),
     (TooManyJobsInFlight, status.HTTP_429_TOO_MANY_REQUESTS),
     (ModelNotServed, status.HTTP_400_BAD_REQUEST),
+    (WeightsRejected, status.HTTP_400_BAD_REQUEST),  # its own status, below
     (protocol.ProtocolError, status.HTTP_400_BAD_REQUEST),
 )
 REFUSALS = tuple(kind for kind, _ in STATUSES)
@@ -32,6 +34,8 @@ REFUSALS = tuple(kind for kind, _ in STATUSES)
 def http_refusal(refused: NNqueueError) -> HTTPException:
     """The HTTP answer to ``refused`` (one of :data:`REFUSALS`); a cool-down also says when to retry."""
     code = next(code for kind, code in STATUSES if isinstance(refused, kind))
+    if isinstance(refused, WeightsRejected):
+        code = refused.status
     headers = None
     if isinstance(refused, CrashCooldown):
         headers = {"Retry-After": str(max(1, math.ceil(refused.retry_after_s)))}

@@ -69,6 +69,13 @@ class JobSpec(BaseModel):
     )
     metadata: dict[str, Any] = Field(default_factory=dict, description="Anything; returned with the job.")
     client: ClientVersions | None = Field(None, description="The submitting client's library versions.")
+    weights_version: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="Run only on an engine serving this weights version, or 'latest' (resolved at submit); "
+        "null: any (docs/user/weights.md).",
+    )
 
 
 class Progress(BaseModel):
@@ -117,9 +124,12 @@ class JobResponse(BaseModel):
     progress: Progress
     error: JobError | None
     result: JobResult | None
+    weights_pin: str | None = Field(None, description="The weights version the job must run on; null: any.")
+    weights_version: str | None = Field(None, description="The weights version the job ran on (once it ended).")
+    waiting_reason: str | None = Field(None, description="Why a queued job cannot run now (its pinned version).")
 
     @classmethod
-    def of(cls, job: Job, queue_position: int | None) -> JobResponse:
+    def of(cls, job: Job, queue_position: int | None, waiting_reason: str | None = None) -> JobResponse:
         return cls(
             id=job.id,
             owner=job.owner,
@@ -139,6 +149,9 @@ class JobResponse(BaseModel):
             progress=Progress(done=job.progress_done, total=job.progress_total),
             error=_error(job),
             result=_result(job),
+            weights_pin=job.weights_pin,
+            weights_version=job.weights_version,
+            waiting_reason=waiting_reason,
         )
 
 
@@ -154,10 +167,51 @@ class ModelInfo(BaseModel):
     engine: str = Field(
         description="The engine the workers hold: 'vllm' (VLLM traces) or 'transformers' (LanguageModel)."
     )
+    weights_versions: dict[str, int] = Field(
+        default_factory=dict, description="The weights versions the live workers serve, each with its workers."
+    )
 
 
 class ModelsResponse(BaseModel):
     models: list[ModelInfo]
+
+
+class WeightsUpdateRequest(BaseModel):
+    """The body of ``POST /v1/models/{model_key}/weights``: a checkpoint swap (docs/user/weights.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(
+        min_length=1,
+        max_length=2048,
+        description="s3://<the store's bucket>/<key> of a .safetensors file, or an absolute path (a file, or a "
+        "folder of .safetensors files) on the workers' hosts.",
+    )
+    tensors: list[str] | None = Field(
+        None, max_length=100_000, description="Load only these tensors (checkpoint names); null: every tensor."
+    )
+
+
+class WorkerWeights(BaseModel):
+    worker_id: str
+    version: str | None
+    since: datetime | None
+    source: dict[str, Any] | None = Field(description="Where the version came from; 'error' if an update failed.")
+
+
+class WeightsUpdateView(BaseModel):
+    id: int
+    version: str
+    source: str
+    tensors: list[str] | None
+    owner: str
+    created_at: datetime
+
+
+class ModelWeightsResponse(BaseModel):
+    model_key: str
+    workers: list[WorkerWeights]
+    updates: list[WeightsUpdateView]
 
 
 class HealthResponse(BaseModel):
@@ -210,6 +264,7 @@ class HarvestResponse(BaseModel):
     progress: HarvestProgress
     error: HarvestError | None
     manifest_key: str | None = Field(description="harvests/<id>/manifest.json once completed.")
+    weights_pin: str | None = Field(None, description="The weights version its chunks must run on; null: any.")
 
     @classmethod
     def of(cls, harvest: Harvest, progress: HarvestProgress) -> HarvestResponse:
@@ -231,6 +286,7 @@ class HarvestResponse(BaseModel):
             progress=progress,
             error=error,
             manifest_key=harvest.manifest_key,
+            weights_pin=harvest.weights_pin,
         )
 
 

@@ -52,6 +52,7 @@ class Submitter(Protocol):
         priority: int = ...,
         metadata: dict[str, Any] | None = ...,
         kind: str = ...,
+        weights_version: str | None = ...,
     ) -> Job: ...
 
 

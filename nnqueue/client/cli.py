@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -182,14 +183,65 @@ def download(
     console.print(f"wrote {written} ({written.stat().st_size:,} bytes); load it with {loader}")
 
 
-def models(url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
-    """List the models that live workers serve."""
+models_app = typer.Typer(help="The models live workers serve; their weights.", no_args_is_help=False)
+
+
+@models_app.callback(invoke_without_command=True)
+def models(ctx: typer.Context, url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
+    """List the models that live workers serve (and the weights versions they serve)."""
+    if ctx.invoked_subcommand is not None:
+        return
     with connected(url, api_key) as client:
         served = client.models()
-    table = Table("model key", "workers", "capacity")
+    table = Table("model key", "workers", "capacity", "weights versions")
     for model in served:
-        table.add_row(escape(model["model_key"]), str(model["workers"]), str(model["capacity"]))
+        versions = ", ".join(f"{version} ({count})" for version, count in model.get("weights_versions", {}).items())
+        table.add_row(escape(model["model_key"]), str(model["workers"]), str(model["capacity"]), escape(versions))
     console.print(table if served else "no live workers")
+
+
+@models_app.command("update-weights")
+def update_weights(
+    model_key: str = typer.Argument(..., help="The model key whose live engines load the checkpoint."),
+    source: str = typer.Option(
+        ..., "--from", help="s3://<bucket>/<key> of a .safetensors file, or an absolute path on the workers' hosts."
+    ),
+    tensor: list[str] = typer.Option(None, "--tensor", help="Load only this tensor (repeatable); default: all."),
+    wait: float = typer.Option(600.0, "--wait", help="Seconds to wait for every live worker to serve it (0: don't)."),
+    url: str | None = UrlOption,
+    api_key: str | None = KeyOption,
+) -> None:
+    """Load a safetensors checkpoint into every live engine of MODEL_KEY without restarting them (an admin key)."""
+    with connected(url, api_key) as client:
+        view = client.update_weights(model_key, source, list(tensor) or None)
+        version = view["updates"][-1]["version"]
+        console.print(f"update {escape(version)} asked of {len(view['workers'])} live worker(s)")
+        if wait <= 0:
+            return
+        workers = _await_version(client, model_key, version, wait)
+    behind = False
+    for worker in workers:
+        error = str((worker.get("source") or {}).get("error") or "")
+        failed = version in error
+        behind = behind or failed or worker["version"] != version
+        note = f"  [red]{escape(error)}[/]" if failed else ""
+        console.print(f"{escape(worker['worker_id'])}: {escape(str(worker['version']))}{note}")
+    if behind:
+        raise typer.Exit(1)
+
+
+def _await_version(client: Any, model_key: str, version: str, wait_s: float) -> list[dict[str, Any]]:
+    """The model's live workers once each serves ``version`` or failed to load it, or after ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        workers: list[dict[str, Any]] = client.model_weights(model_key)["workers"]
+        settled = all(
+            worker["version"] == version or version in str((worker.get("source") or {}).get("error") or "")
+            for worker in workers
+        )
+        if settled or time.monotonic() > deadline:
+            return workers
+        time.sleep(1.0)
 
 
 COMMANDS: dict[str, Callable[..., None]] = {
@@ -198,7 +250,6 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "jobs": jobs,
     "cancel": cancel,
     "download": download,
-    "models": models,
 }
 
 
@@ -206,6 +257,7 @@ def register(app: typer.Typer) -> None:
     """Add the client commands to the ``nnqueue`` app (the harvest and schedule groups too)."""
     for name, command in COMMANDS.items():
         app.command(name)(command)
+    app.add_typer(models_app, name="models")
     app.add_typer(harvest_app, name="harvest")
     app.add_typer(schedules_app, name="schedules")
 

@@ -106,12 +106,14 @@ class Client:
         priority: int = 0,
         metadata: dict[str, Any] | None = None,
         kind: str = "trace",
+        weights_version: str | None = None,
     ) -> Job:
         """Queue a trace for ``model_key``'s workers: a prebuilt payload (:func:`nnqueue.client.backend.build_payload`)
         or an nnsight serialized one (``RequestModel.serialize(tracer)`` bytes).
 
         ``timeout_s``: the job's run-time limit on the worker (server default when None). Higher
-        ``priority`` runs earlier. ``metadata``: free-form JSON kept with the job.
+        ``priority`` runs earlier. ``metadata``: free-form JSON kept with the job. ``weights_version``: run only on
+        an engine serving this weights version, or ``"latest"`` (the newest served now); None: any.
         """
         spec = {
             "model_key": model_key,
@@ -121,6 +123,8 @@ class Client:
             "metadata": metadata or {},
             "client": client_versions(),
         }
+        if weights_version is not None:  # left out otherwise: an API without weights versions refuses the field
+            spec["weights_version"] = weights_version
         job = self._job(self._post_job(json.dumps(spec), payload).json())
         for hook in list(submit_hooks):
             hook(job)
@@ -166,8 +170,19 @@ class Client:
             params["cursor"] = cursor
 
     def models(self) -> list[dict[str, Any]]:
-        """Models with live workers: ``[{"model_key", "workers", "capacity"}]``."""
+        """Models with live workers: ``[{"model_key", "workers", "capacity", "engine", "weights_versions"}]``."""
         return list(self.transport.get_json("/v1/models").get("models", []))
+
+    def model_weights(self, model_key: str) -> dict[str, Any]:
+        """The weights version each live worker of ``model_key`` serves, and the model's checkpoint swaps."""
+        return dict(self.transport.get_json(f"/v1/models/{model_key}/weights"))
+
+    def update_weights(self, model_key: str, source: str, tensors: list[str] | None = None) -> dict[str, Any]:
+        """Swap ``model_key``'s checkpoint (an admin key): ``source`` ``s3://<bucket>/<key>`` or a path on the
+        workers' hosts; ``tensors`` only these (None: all). Returns the update's view; each worker applies it at
+        its next heartbeat (follow with :meth:`model_weights`)."""
+        body = {"source": source, "tensors": tensors}
+        return dict(self.transport.request("POST", f"/v1/models/{model_key}/weights", json=body).json())
 
     # -- harvests and schedules -----------------------------------------------------------------
 

@@ -53,6 +53,11 @@ class Job:
         return str(self.info.get("model_key", ""))
 
     @property
+    def weights_version(self) -> str | None:
+        """The weights version the job ran on (once it ended; None before, or on an API without versions)."""
+        return self.info.get("weights_version")
+
+    @property
     def done(self) -> bool:
         """Whether the last known status is final (completed, failed or cancelled); does not refresh."""
         return self.info.get("status") in TERMINAL

@@ -188,6 +188,9 @@ class Job(Base):
     finished_at: Mapped[datetime | None] = mapped_column(Timestamp)
     # When retention deleted the job's payload and results (NNQUEUE_RETENTION_DAYS); the row stays.
     purged_at: Mapped[datetime | None] = mapped_column(Timestamp)
+    # The weights version the job must run on (null: any), and the one it ran on (nnqueue.workers.weights).
+    weights_pin: Mapped[str | None] = mapped_column(String(200))
+    weights_version: Mapped[str | None] = mapped_column(String(200))
 
     events: Mapped[list[JobEvent]] = relationship(
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan", passive_deletes=True
@@ -236,6 +239,11 @@ class Worker(Base):
     capture_points: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     # What its engine processes run under ({"engine_user", "note", "seccomp"}: nnqueue.isolation.Containment).
     containment: Mapped[dict[str, str] | None] = mapped_column(JSON)
+    # The weights version its engine serves, since when, and where it came from ({"source", "update_id",
+    # "error"}: nnqueue.workers.weights); null for workers registered before weights versions.
+    weights_version: Mapped[str | None] = mapped_column(String(200))
+    weights_since: Mapped[datetime | None] = mapped_column(Timestamp)
+    weights_source: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     started_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(Timestamp)
@@ -269,6 +277,8 @@ class Harvest(Base):
     manifest_key: Mapped[str | None] = mapped_column(String(1024))
     error_type: Mapped[str | None] = mapped_column(String(200))
     error_message: Mapped[str | None] = mapped_column(Text)
+    # The weights version its chunks must run on (null: any); each chunk records the version it ran on.
+    weights_pin: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(Timestamp)
     finished_at: Mapped[datetime | None] = mapped_column(Timestamp)
@@ -307,6 +317,9 @@ class HarvestChunk(Base):
     offsets: Mapped[list[int] | None] = mapped_column(JSON)
     # Per capture, the shard's mergeable statistics (nnqueue.enginecore.harvest_stats); summed into the manifest.
     stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # Copied from the harvest (claims read one table); the version the chunk ran on.
+    weights_pin: Mapped[str | None] = mapped_column(String(200))
+    weights_version: Mapped[str | None] = mapped_column(String(200))
     error: Mapped[str | None] = mapped_column(Text)
     queued_at: Mapped[datetime | None] = mapped_column(Timestamp)
     started_at: Mapped[datetime | None] = mapped_column(Timestamp)
@@ -330,6 +343,22 @@ class HarvestSchedule(Base):
     last_harvest_id: Mapped[uuid.UUID | None] = mapped_column()
     last_error: Mapped[str | None] = mapped_column(Text)
     runs: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+
+
+class WeightsUpdate(Base):
+    """A checkpoint swap asked for a model key: every live worker of the model loads ``source`` (all its
+    tensors, or the named ``tensors``) and then serves ``version``; a worker that starts later replays the
+    model's updates in order (nnqueue.workers.weights). Rows are only ever appended."""
+
+    __tablename__ = "weights_updates"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    model_key: Mapped[str] = mapped_column(String(500), index=True)
+    version: Mapped[str] = mapped_column(String(200))
+    source: Mapped[str] = mapped_column(String(2048))  # s3://<bucket>/<key> of the store, or a path on the workers
+    tensors: Mapped[list[str] | None] = mapped_column(JSON)
+    owner: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
 
 

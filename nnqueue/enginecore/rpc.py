@@ -19,6 +19,12 @@ rank (`stage_reporting`): a harvest chunk is captured and written by the stage t
   (:mod:`nnqueue.enginecore.harvest_capture`); ``nnqueue_harvest_stats``: what the capture path holds;
   ``nnqueue_capture_points``: the model's capturable points (:mod:`nnqueue.enginecore.capture_points`).
   A refusal comes back as ``{"error": reason}``, not as an exception in the engine.
+* ``nnqueue_load_weights``: load a safetensors checkpoint through vLLM's loader
+  (:mod:`nnqueue.enginecore.weights_update`), then refresh the weights guard's reference; a failed load is put
+  back from the guard's copy. ``nnqueue_trainer_open`` / ``_receive`` / ``_close``: a trainer's NCCL channel
+  (TRL's protocol) and one tensor received and loaded; ``nnqueue_weights_commit`` / ``_rollback``: end a
+  trainer's update (refresh the guard, or put the previous weights back). Every rank runs them (each loads its
+  shard); all answer ``{"error": ...}`` rather than raise, so an update never kills the engine.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from nnqueue.enginecore import outbox, pipeline_stages, trace_collect, trace_results, weights_guard
+import torch
+
+from nnqueue.enginecore import outbox, pipeline_stages, trace_collect, trace_results, weights_guard, weights_update
 
 log = logging.getLogger(__name__)
 _writer: list[trace_results.ResultWriter] = []
@@ -54,6 +62,9 @@ class NNqueueRPC:
     model_runner: Any
     nnqueue_check_weights: Callable[[bool], list[str]]  # weights_guard.WeightsGuardWorker's
     nnqueue_weights_read_due: Callable[[list[str]], bool]
+    nnqueue_weights_loaded: Callable[[], None]  # weights_guard.WeightsGuardWorker's
+    nnqueue_restore_weights: Callable[[], bool]  # weights_guard.WeightsGuardWorker's
+    _nnqueue_trainer: weights_update.TrainerChannel | None = None
 
     def nnqueue_finish_trace(
         self, trace_id: str, request_ids: list[str], outputs: bytes | None, sinks: dict[str, Any]
@@ -143,6 +154,59 @@ class NNqueueRPC:
             return self.model_runner.nnqueue_harvest().points
         except ValueError:
             return []
+
+    def nnqueue_load_weights(self, files: list[str], tensors: list[str] | None) -> dict[str, Any]:
+        """Load the safetensors ``files`` (every tensor, or ``tensors``): ``{"loaded": n}`` or ``{"error", "restored"}``."""
+        try:
+            loaded = weights_update.load_checkpoint(self.model_runner, list(files), tensors)
+        except Exception as error:  # answered to the worker, which records it
+            log.exception("loading weights from %s failed", files)
+            return {"error": f"{type(error).__name__}: {error}", "restored": self.nnqueue_restore_weights()}
+        self.nnqueue_weights_loaded()
+        return {"loaded": loaded}
+
+    def nnqueue_trainer_open(self, host: str, port: int, world_size: int, timeout_s: float) -> dict[str, Any]:
+        """Join a trainer's NCCL group as this engine rank (TRL's ``init_communicator``)."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        self.nnqueue_trainer_close()
+        try:
+            rank = get_world_group().rank
+            device = getattr(self, "device", None)
+            if device is None or getattr(device, "type", "cpu") != "cuda":
+                return {"error": "a trainer's NCCL weight updates need a CUDA engine"}
+            self._nnqueue_trainer = weights_update.TrainerChannel(host, port, rank, world_size, device, timeout_s)
+        except Exception as error:  # answered to the trainer's request
+            log.exception("joining the trainer's NCCL group at %s:%d failed", host, port)
+            return {"error": f"{type(error).__name__}: {error}"}
+        return {"rank": rank}
+
+    def nnqueue_trainer_receive(self, name: str, dtype: str, shape: list[int]) -> dict[str, Any]:
+        """Receive one tensor from the trainer and load it (TRL's ``update_named_param``)."""
+        channel = self._nnqueue_trainer
+        if channel is None:
+            return {"error": "no trainer channel: call init_communicator first"}
+        try:
+            tensor = channel.receive(name, dtype, list(shape))
+            with torch.no_grad():
+                self.model_runner.get_model().load_weights([(name, tensor)])
+        except Exception as error:  # answered to the worker, which rolls back
+            log.exception("receiving %s from the trainer failed", name)
+            return {"error": f"{type(error).__name__}: {error}"}
+        return {"loaded": 1}
+
+    def nnqueue_trainer_close(self) -> None:
+        channel, self._nnqueue_trainer = self._nnqueue_trainer, None
+        if channel is not None:
+            channel.close()
+
+    def nnqueue_weights_commit(self) -> None:
+        """A trainer's update is complete: the weights guard's reference becomes the new weights."""
+        self.nnqueue_weights_loaded()
+
+    def nnqueue_weights_rollback(self) -> bool:
+        """A trainer's update was cut off: put the previous weights back; whether that was possible (a guard)."""
+        return self.nnqueue_restore_weights()
 
 
 def _result_writer() -> trace_results.ResultWriter:

@@ -39,6 +39,7 @@ class ChunkOutput:
     tokens: int
     offsets: list[int]
     stats: dict[str, Any] | None = None
+    weights_version: str | None = None  # the weights version it ran on (nnqueue.workers.weights)
 
 
 def finish_chunk(sessions: sessionmaker[Session], chunk_id: int, worker_id: str, output: ChunkOutput) -> bool:
@@ -57,6 +58,7 @@ def finish_chunk(sessions: sessionmaker[Session], chunk_id: int, worker_id: str,
                 tokens=output.tokens,
                 offsets=output.offsets,
                 stats=output.stats,
+                weights_version=output.weights_version,
                 error=None,
             ),
         )
@@ -100,6 +102,22 @@ def retry_or_fail_chunk(
         except Exception:  # the reconciler sends it at a later heartbeat
             log.exception("chunk %s requeued, but its token could not be sent; the reconciler will", chunk_id)
     return target
+
+
+def requeue_chunk(sessions: sessionmaker[Session], app: Celery, chunk_id: int, worker_id: str, reason: str) -> bool:
+    """Put a chunk ``worker_id`` holds back to QUEUED, its attempt not counted (it did not run: a pinned chunk on an
+    engine that moved to another weights version); False if it was no longer held."""
+    with transaction(sessions) as session:
+        back = updated(
+            session,
+            update(HarvestChunk)
+            .where(HarvestChunk.id == chunk_id, HarvestChunk.status == S.RUNNING, HarvestChunk.worker_id == worker_id)
+            .values(status=S.QUEUED, queued_at=utcnow(), error=reason, attempts=HarvestChunk.attempts - 1),
+        )
+        model_key = session.scalar(select(HarvestChunk.model_key).where(HarvestChunk.id == chunk_id))
+    if back == 1 and model_key is not None:
+        send_chunk_tokens(app, model_key)
+    return back == 1
 
 
 def requeue_orphan_chunks(

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import uuid
 
-from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import ColumnElement, func, or_, select, update
+from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from nnqueue.db.lifecycle import start_queued
 from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus, utcnow
@@ -32,12 +32,20 @@ MAX_TRIES = 8
 JOB_ORDER = (Job.priority.desc(), Job.queued_at, Job.id)
 
 
-def claim_jobs(sessions: sessionmaker[Session], model_key: str, worker_id: str, limit: int) -> list[Job]:
-    """Move up to ``limit`` of the best QUEUED jobs of ``model_key`` to RUNNING under ``worker_id``, in one
-    transaction, and return them best first (fewer, or none, when fewer are queued)."""
+def runnable_on(pin: InstrumentedAttribute[str | None], weights_version: str | None) -> ColumnElement[bool]:
+    """A unit whose weights pin (``pin``) lets it run on an engine serving ``weights_version``: unpinned, or pinned
+    to that version (:mod:`nnqueue.scheduler.weights`)."""
+    return or_(pin.is_(None), pin == weights_version) if weights_version is not None else pin.is_(None)
+
+
+def claim_jobs(
+    sessions: sessionmaker[Session], model_key: str, worker_id: str, limit: int, weights_version: str | None = None
+) -> list[Job]:
+    """Move up to ``limit`` of the best QUEUED jobs of ``model_key`` that may run on ``weights_version`` to RUNNING
+    under ``worker_id``, in one transaction, and return them best first (fewer, or none, when fewer are queued)."""
     candidates = (
         select(Job.id)
-        .where(Job.model_key == model_key, Job.status == S.QUEUED)
+        .where(Job.model_key == model_key, Job.status == S.QUEUED, runnable_on(Job.weights_pin, weights_version))
         .order_by(*JOB_ORDER)
         .with_for_update(skip_locked=True)
     )
@@ -56,8 +64,11 @@ def claim_jobs(sessions: sessionmaker[Session], model_key: str, worker_id: str, 
         return list(session.scalars(select(Job).where(Job.id.in_(claimed)).order_by(*JOB_ORDER)))
 
 
-def claim_next_chunk(sessions: sessionmaker[Session], model_key: str, worker_id: str) -> HarvestChunk | None:
-    """Move the fairest QUEUED chunk of ``model_key`` to RUNNING under ``worker_id``; None if there is none.
+def claim_next_chunk(
+    sessions: sessionmaker[Session], model_key: str, worker_id: str, weights_version: str | None = None
+) -> HarvestChunk | None:
+    """Move the fairest QUEUED chunk of ``model_key`` that may run on ``weights_version`` to RUNNING under
+    ``worker_id``; None if there is none.
 
     The chunk's harvest becomes RUNNING with its first chunk.
     """
@@ -70,7 +81,11 @@ def claim_next_chunk(sessions: sessionmaker[Session], model_key: str, worker_id:
     candidate = (
         select(HarvestChunk.id)
         .outerjoin(running, running.c.owner == HarvestChunk.owner)
-        .where(HarvestChunk.model_key == model_key, HarvestChunk.status == S.QUEUED)
+        .where(
+            HarvestChunk.model_key == model_key,
+            HarvestChunk.status == S.QUEUED,
+            runnable_on(HarvestChunk.weights_pin, weights_version),
+        )
         .order_by(
             func.coalesce(running.c.running, 0), HarvestChunk.priority.desc(), HarvestChunk.queued_at, HarvestChunk.id
         )

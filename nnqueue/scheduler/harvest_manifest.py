@@ -6,8 +6,10 @@ worker loaded and its revision, and its ``provenance`` (:mod:`nnqueue.workers.pr
 revision or the checkpoint's sha256, the tokenizer, whether it adds a BOS token, the engine's dtype); the
 versions of nnqueue, vLLM, nnsight and torch; the frozen dataset's key and sha256; and per shard its file, rows,
 bytes and sha256 (of the shard as the worker uploaded it), tokens and the row offsets of its prompts:
-global prompt ``first_prompt + i`` has the shard's rows ``row_offsets[i]:row_offsets[i + 1]``. ``statistics``
-sums the shards' per-capture statistics (count, mean and std per dimension, norm percentiles, NaN/Inf:
+global prompt ``first_prompt + i`` has the shard's rows ``row_offsets[i]:row_offsets[i + 1]``.
+``weights_versions`` lists the weights versions the chunks ran on (each shard has its ``weights_version``:
+:mod:`nnqueue.workers.weights`; one, unless the model's weights changed while the harvest ran, which its
+``weights_pin`` prevents). ``statistics`` sums the shards' per-capture statistics (count, mean and std per dimension, norm percentiles, NaN/Inf:
 :mod:`nnqueue.enginecore.harvest_stats`); they are what the engine reported, as the rows are.
 """
 
@@ -35,6 +37,8 @@ def build_manifest(harvest: Harvest, chunks: list[HarvestChunk], engine: dict[st
         "versions": engine.get("versions", {}),
         "provenance": _provenance(harvest, engine.get("provenance")),
         "spec": harvest.spec,
+        "weights_pin": harvest.weights_pin,
+        "weights_versions": sorted({chunk.weights_version for chunk in chunks if chunk.weights_version}),
         "dataset": {"key": harvest.dataset_key, "sha256": harvest.dataset_digest, "prompts": harvest.prompts},
         "rows": sum(chunk.rows or 0 for chunk in chunks),
         "tokens": sum(chunk.tokens or 0 for chunk in chunks),
@@ -51,6 +55,7 @@ def build_manifest(harvest: Harvest, chunks: list[HarvestChunk], engine: dict[st
                 "sha256": chunk.sha256,
                 "tokens": chunk.tokens,
                 "row_offsets": chunk.offsets,
+                "weights_version": chunk.weights_version,
             }
             for chunk in sorted(chunks, key=lambda chunk: chunk.index)
         ],

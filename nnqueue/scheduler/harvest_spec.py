@@ -113,6 +113,13 @@ class HarvestSpec(Strict):
         None, description="Let the model generate after each prompt (max_tokens, temperature, seed, ignore_eos)."
     )
 
+    weights_version: str | None = Field(
+        None,
+        min_length=1,
+        max_length=200,
+        description="Run only on engines serving this weights version, or 'latest' (resolved at submit); null: any.",
+    )
+
     @model_validator(mode="after")
     def _generated_rows_need_generation(self) -> Self:
         check_generation(self.selection, self.generate)

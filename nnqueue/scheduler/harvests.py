@@ -31,6 +31,7 @@ from nnqueue.scheduler.harvest_dataset import Example, Limits, freeze, load_exam
 from nnqueue.scheduler.harvest_estimate import HarvestEstimate, estimate, refusal
 from nnqueue.scheduler.harvest_spec import HarvestRejected, HarvestSpec
 from nnqueue.scheduler.registry import live_capture_points, live_workers
+from nnqueue.scheduler.weights import WeightsRejected, resolve_pin
 from nnqueue.storage.keys import DATASET_FILE, harvest_key, shard_name
 from nnqueue.storage.object_store import ObjectStore
 
@@ -65,6 +66,10 @@ def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, subm
     """Check the spec, store its dataset frozen, and add the QUEUED harvest and its chunks to the caller's
     transaction; raises :class:`HarvestRejected`. The caller commits, then calls :func:`queue_harvest`."""
     points = check_captures(session, spec, submission)
+    try:
+        pin = resolve_pin(session, spec.model_key, spec.weights_version, submission.stale_after_s)
+    except WeightsRejected as refused:
+        raise HarvestRejected(refused.status, refused.reason) from None
     _refuse_if_full(session, submission)
     harvest_id = uuid.uuid4()
     if submission.upload is not None:
@@ -98,6 +103,7 @@ def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, subm
         prompts=frozen.prompts,
         chunks_total=-(-frozen.prompts // per_chunk),
         schedule_id=submission.schedule_id,
+        weights_pin=pin,
         created_at=now,
     )
     session.add(harvest)
@@ -115,6 +121,7 @@ def accept_harvest(session: Session, store: ObjectStore, spec: HarvestSpec, subm
             dataset_start=frozen.line_starts[first],
             dataset_end=frozen.line_starts[min(first + per_chunk, frozen.prompts)],
             shard_key=harvest_key(harvest_id, shard_name(index)),
+            weights_pin=pin,
             queued_at=now,
         )
         for index, first in enumerate(range(0, frozen.prompts, per_chunk))

@@ -63,10 +63,12 @@ def register(
     stale_after_s: float | None = None,
     capture_points: list[dict[str, Any]] | None = None,
     containment: dict[str, str] | None = None,
+    weights: tuple[str, dict[str, Any]] | None = None,
 ) -> None:
     """Add the worker's row; with ``stale_after_s``, after :func:`check_engine`. ``capture_points``: what its
     engine can capture for harvests (None: it runs none); ``containment``: what its engine processes run under
-    (``nnqueue.isolation.Containment.report``, shown on ``/readyz``)."""
+    (``nnqueue.isolation.Containment.report``, shown on ``/readyz``); ``weights``: the version its engine serves
+    and its source (:mod:`nnqueue.workers.weights`)."""
     with transaction(sessions) as session:
         if stale_after_s is not None:
             check_engine(session, model_key, engine, stale_after_s)
@@ -81,8 +83,22 @@ def register(
                 engine=engine.value,
                 capture_points=capture_points,
                 containment=containment,
+                weights_version=weights[0] if weights else None,
+                weights_since=utcnow() if weights else None,
+                weights_source=weights[1] if weights else None,
             )
         )
+
+
+def set_weights(sessions: sessionmaker[Session], worker_id: str, version: str, source: dict[str, Any]) -> None:
+    """Record the weights version the worker's engine serves now (after an update, or a failed one's error)."""
+    with transaction(sessions) as session:
+        row = session.get(Worker, worker_id)
+        changed = row is None or row.weights_version != version
+        values: dict[str, Any] = {"weights_version": version, "weights_source": source}
+        if changed:
+            values["weights_since"] = utcnow()
+        session.execute(update(Worker).where(Worker.id == worker_id).values(**values))
 
 
 def heartbeat(sessions: sessionmaker[Session], worker_id: str) -> None:

@@ -29,6 +29,7 @@ from nnqueue.scheduler.admission import AdmissionPolicy, require_served
 from nnqueue.scheduler.enqueue import send_job_tokens
 from nnqueue.scheduler.intake import add_job
 from nnqueue.scheduler.payloads import object_key, store_payload
+from nnqueue.scheduler.weights import resolve_pin
 from nnqueue.storage.object_store import ObjectStore
 
 
@@ -47,6 +48,7 @@ class JobFields(TypedDict, total=False):
     engine: (
         EngineKind | None
     )  # the engine kind the job needs (admission refuses a model served by others); default: any
+    weights_pin: str | None  # a weights version, or "latest" (nnqueue.scheduler.weights); default: any
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,9 @@ def accept_job(
     ):
         admission.crash_cooldowns.check(session, key_id)
     payload = fields["payload"]
+    fields["weights_pin"] = resolve_pin(
+        session, fields["model_key"], fields.get("weights_pin"), admission.stale_after_s
+    )
     job = _new_job(fields, inline_payload_max_bytes)
     position = add_job(session, job, payload if job.payload_key is None else None, admission.max_jobs_in_flight_per_key)
     if job.payload_key is not None:
@@ -121,6 +126,7 @@ def _new_job(fields: JobFields, inline_payload_max_bytes: int) -> Job:
         payload_size=len(fields["payload"]),
         attempts=0,
         progress_done=0,
+        weights_pin=fields.get("weights_pin"),
         created_at=now,
         queued_at=now,
     )

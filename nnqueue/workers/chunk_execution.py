@@ -43,6 +43,7 @@ from nnqueue.scheduler.chunks import (
     complete_harvest,
     finish_chunk,
     held_chunks,
+    requeue_chunk,
     retry_or_fail_chunk,
 )
 from nnqueue.scheduler.claim import claim_next_chunk
@@ -57,6 +58,7 @@ from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.job_execution import Outcome
 from nnqueue.workers.provenance import provenance
 from nnqueue.workers.sinks import ResultSinks
+from nnqueue.workers.weights import WeightsGate, WrongWeights
 
 log = logging.getLogger(__name__)
 # Room in a shard's size bound for its safetensors header (tensor names, shapes, offsets, metadata).
@@ -76,6 +78,8 @@ class ChunkRunner:
     engine_info: dict[str, Any]  # model, revision and library versions, for the manifest
     # The worker's engine health (shared with its JobRunner); None in tests.
     health: EngineHealth | None = None
+    # The engine's weights version and update gate (nnqueue.workers.weights); None: versions are not tracked.
+    weights: WeightsGate | None = None
     _running: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
     _aborted: set[int] = field(default_factory=set)
 
@@ -84,7 +88,8 @@ class ChunkRunner:
         if self.health is not None and self.health.dead.is_set():
             await asyncio.to_thread(send_chunk_tokens, self.app, self.model_key)  # for another worker
             return Outcome.SKIPPED
-        chunk = await asyncio.to_thread(claim_next_chunk, self.sessions, self.model_key, self.worker_id)
+        version = self.weights.version if self.weights is not None else None
+        chunk = await asyncio.to_thread(claim_next_chunk, self.sessions, self.model_key, self.worker_id, version)
         if chunk is None:
             log.info("a bulk token for %s found no queued chunk; dropped", self.model_key)
             return Outcome.NO_WORK
@@ -93,7 +98,7 @@ class ChunkRunner:
         self._running[chunk.id] = task
         started = time.monotonic()
         try:
-            outcome = await self._run(chunk)
+            outcome = await self._on_weights(chunk)
         except asyncio.CancelledError:
             if chunk.id not in self._aborted:
                 raise  # the worker is shutting down: a live worker's heartbeat requeues the chunk
@@ -120,7 +125,19 @@ class ChunkRunner:
             metrics.HARVEST_CHUNK_TIME.labels(self.model_key).observe(time.monotonic() - started)
         return outcome
 
-    async def _run(self, chunk: HarvestChunk) -> Outcome:
+    async def _on_weights(self, chunk: HarvestChunk) -> Outcome:
+        """Run the chunk holding the weights still (no update in between); one that reached this engine after it
+        moved off the chunk's pinned version goes back to the queue, uncharged."""
+        if self.weights is None:
+            return await self._run(chunk, None)
+        try:
+            async with self.weights.serving(chunk.weights_pin) as version:
+                return await self._run(chunk, version)
+        except WrongWeights as wrong:
+            await asyncio.to_thread(requeue_chunk, self.sessions, self.app, chunk.id, self.worker_id, str(wrong))
+            return Outcome.SKIPPED
+
+    async def _run(self, chunk: HarvestChunk, weights_version: str | None) -> Outcome:
         harvest = await asyncio.to_thread(self._harvest, chunk.harvest_id)
         spec = HarvestSpec.model_validate(harvest.spec)
         data = await asyncio.to_thread(
@@ -154,7 +171,9 @@ class ChunkRunner:
             if not committed:
                 await asyncio.to_thread(self.sinks.discard_shard, sink)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
-        output = ChunkOutput(result.rows, stored.size, stored.sha256, result.tokens, offsets, result.stats)
+        output = ChunkOutput(
+            result.rows, stored.size, stored.sha256, result.tokens, offsets, result.stats, weights_version
+        )
         if not await asyncio.to_thread(finish_chunk, self.sessions, chunk.id, self.worker_id, output):
             return Outcome.SKIPPED
         metrics.STORE_BYTES_WRITTEN.labels("shard").inc(stored.size)

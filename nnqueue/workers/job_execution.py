@@ -24,7 +24,7 @@ import functools
 import logging
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -33,7 +33,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
-from nnqueue.db.lifecycle import Ending, InvalidTransition, finish_held
+from nnqueue.db.lifecycle import Ending, InvalidTransition, finish_held, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.errors import NNqueueError
@@ -42,6 +42,7 @@ from nnqueue.scheduler.claim import claim_jobs
 from nnqueue.storage.results import StoredResult
 from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.grouped_calls import GroupedCalls
+from nnqueue.workers.weights import WeightsGate, WrongWeights
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -95,7 +96,10 @@ class JobRunner:
     worker_id: str
     # Settles the worker's jobs if the engine dies (and runs `run_alone` jobs alone); None in tests.
     health: EngineHealth | None = None
+    # The engine's weights version and update gate (nnqueue.workers.weights); None: versions are not tracked.
+    weights: WeightsGate | None = None
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
+    _versions: dict[uuid.UUID, str] = field(default_factory=dict)  # the weights each running job runs on
     # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
     _aborted: dict[uuid.UUID, Outcome] = field(default_factory=dict)
     _progress: ProgressBook = field(init=False)
@@ -128,7 +132,9 @@ class JobRunner:
         assert task is not None
         self._running[job_id] = task
         try:
-            running = self.executor.execute(job, functools.partial(self._progress.report, job_id))
+            running = self._on_weights(
+                job, self.executor.execute(job, functools.partial(self._progress.report, job_id))
+            )
             if self.health is not None:  # a job that was in a step that crashed an engine runs alone
                 running = self.health.gate.run(job.meta, running)
             execution = await asyncio.wait_for(running, timeout=job.timeout_s)
@@ -155,6 +161,9 @@ class JobRunner:
             why = "cancelled" if outcome is Outcome.CANCELLED else "taken over by another worker"
             log.info("job %s %s; its requests were aborted", job_id, why)
             return outcome  # its status is the canceller's or the new holder's
+        except WrongWeights as wrong:
+            await asyncio.to_thread(self._hand_back, job_id, str(wrong))
+            return Outcome.SKIPPED
         except TimeoutError:
             failure = JobFailure("JobTimeout", f"job exceeded its timeout of {job.timeout_s:g} s and was aborted")
             return await self._fail(job_id, failure)
@@ -168,10 +177,32 @@ class JobRunner:
             return await self._fail(job_id, JobFailure(type(error).__name__, str(error), traceback.format_exc()))
         finally:
             self._progress.forget(job_id)
+            self._versions.pop(job_id, None)
             self._running.pop(job_id, None)
             self._aborted.pop(job_id, None)
 
+    async def _on_weights(self, job: Job, execution: Coroutine[Any, Any, Execution]) -> Execution:
+        """Run ``execution`` holding the weights still (no update in between), noting the version it runs on."""
+        if self.weights is None:
+            return await execution
+        try:
+            async with self.weights.serving(job.weights_pin) as version:
+                self._versions[job.id] = version
+                return await execution
+        finally:
+            execution.close()  # never started when the gate refused it: no "never awaited" warning
+
+    def _hand_back(self, job_id: uuid.UUID, reason: str) -> None:
+        """A pinned job that reached this engine after it moved to another version: back to the queue."""
+        with transaction(self.sessions) as session:
+            transition(session, job_id, S.QUEUED, detail={"reason": reason}, held_by=self.worker_id)
+        if self.health is not None:  # a token for a worker serving its pin (the reconciler's otherwise)
+            self.health.hand_back()
+        log.info("job %s handed back to the queue: %s", job_id, reason)
+
     async def _finish(self, job_id: uuid.UUID, target: JobStatus, detail: dict[str, Any], **fields: Any) -> Outcome:
+        if job_id in self._versions:
+            fields["weights_version"] = self._versions[job_id]
         try:
             job = await self._endings(Ending(job_id, target, detail, fields))
         except InvalidTransition as lost:
@@ -197,7 +228,8 @@ class JobRunner:
 
     def _claim(self, tokens: list[None]) -> list[Job | None]:
         """A job for each of the tokens that arrived together, in one transaction (None: no more queued)."""
-        jobs: list[Job | None] = list(claim_jobs(self.sessions, self.model_key, self.worker_id, len(tokens)))
+        version = self.weights.version if self.weights is not None else None
+        jobs: list[Job | None] = list(claim_jobs(self.sessions, self.model_key, self.worker_id, len(tokens), version))
         return jobs + [None] * (len(tokens) - len(jobs))
 
     def _end(self, endings: list[Ending]) -> list[Job | Exception]:

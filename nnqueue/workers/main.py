@@ -12,6 +12,9 @@ under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`). SIG
 for running work is bounded by ``NNQUEUE_WORKER_DRAIN_S``; what is still held then goes back to the queue
 (:mod:`nnqueue.workers.drain`).
 
+The worker reports the weights version its engine serves and applies the model's checkpoint swaps between
+requests (:mod:`nnqueue.workers.weights`): a worker that starts after some replays them before it registers.
+
 The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
 the engine's processes run users' code (traces) and capture harvests, and must find no secret in their
 environment or their parent, and no network but their own loopback (:mod:`nnqueue.netns`); they hand results
@@ -50,6 +53,7 @@ from nnqueue.scheduler.recovery import requeue_held, requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
+from nnqueue.workers import trl_server
 from nnqueue.workers.bulk import BulkConsumer
 from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
 from nnqueue.workers.drain import Drain
@@ -60,6 +64,7 @@ from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
+from nnqueue.workers.weights import CheckpointUpdater, WeightsGate, base_version
 
 log = logging.getLogger(__name__)
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
@@ -82,7 +87,11 @@ def run_worker(
     engine's ``max_num_seqs`` once it is up (one job at a time on the transformers engine)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
-    containment = isolate(settings, ray=engine_kwargs.get("distributed_executor_backend") == "ray")
+    containment = isolate(
+        settings,
+        ray=engine_kwargs.get("distributed_executor_backend") == "ray",
+        nccl=settings.trainer_port is not None and settings.trainer_nccl_port is not None,
+    )
     sessions = session_factory(make_engine(settings.resolved_database_url))
     store = object_store_from_settings(settings)
     log_store(settings, log)
@@ -115,10 +124,22 @@ def run_worker(
 
     worker_id = registry.new_worker_id()
     health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
-    runner = JobRunner(sessions, executor, model_key, worker_id, health)
+    gate = WeightsGate(*base_version(model, engine_kwargs.get("revision")))
+    runner = JobRunner(sessions, executor, model_key, worker_id, health, gate)
     register_run_job(app, host, runner)
-    chunks, points = None, None
+    chunks, points, updater = None, None, None
     if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
+        updater = CheckpointUpdater(
+            sessions,
+            store,
+            executor.model.vllm_entrypoint,
+            gate,
+            model_key,
+            worker_id,
+            crash_dir,
+            broken=lambda: _restart_for_weights(health),
+        )
+        host.call(updater.catch_up())  # the model's checkpoint swaps so far: serve the newest version
         chunks = ChunkRunner(
             sessions,
             store,
@@ -130,6 +151,7 @@ def run_worker(
             settings.harvest_chunk_attempts,
             engine_info(model, executor.model.vllm_entrypoint, executor.model.tokenizer),
             health,
+            gate,
         )
         points = host.call(capture_points(executor.model.vllm_entrypoint))
     try:
@@ -143,12 +165,26 @@ def run_worker(
             stale_after_s=settings.worker_stale_after_s,
             capture_points=points,
             containment=containment.report(),
+            weights=(gate.version, gate.source),
         )
     except registry.EngineConflict:
         host.call(executor.close())
         host.stop()
         raise
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
+    trainer = None
+    if settings.trainer_port is not None and isinstance(executor, VLLMTraceExecutor):
+        trainer = host.call(
+            trl_server.serve(
+                executor.model.vllm_entrypoint,
+                gate,
+                settings,
+                sessions,
+                worker_id,
+                model_key,
+                broken=lambda: _restart_for_weights(health),
+            )
+        )
     bulk = None
     if chunks is not None:
         RUNNING_CHUNKS.labels(model_key).set_function(lambda: len(chunks.running_chunks()))
@@ -190,6 +226,8 @@ def run_worker(
             requeue_orphan_chunks(
                 sessions, app, model_key, settings.worker_stale_after_s, settings.harvest_chunk_attempts
             )
+        if updater is not None:
+            updater.poll(host.loop)  # the model's new checkpoint swaps, applied on the engine loop
         if time.monotonic() >= next_reconcile:
             reconcile(sessions, app, model_key)  # a failure (broker down) is retried at the next beat
             next_reconcile = time.monotonic() + settings.reconcile_interval_s
@@ -211,6 +249,8 @@ def run_worker(
         )
     finally:
         drain.finish()  # the heartbeat goes on meanwhile: the chunks still running here are not taken as lost
+        if trainer is not None:
+            trainer.should_exit = True
         if bulk is not None:
             bulk.stop()
         beat.stop()
@@ -220,6 +260,13 @@ def run_worker(
         shutil.rmtree(crash_dir, ignore_errors=True)
     if health.dead.is_set():
         sys.exit(EXIT_ENGINE_DIED)  # the supervisor starts a fresh worker
+
+
+def _restart_for_weights(health: EngineHealth) -> None:
+    """A failed weights update left the engine's weights changed with no copy to put back: stop this worker as if
+    its engine died (exit 75), so that the supervisor starts a fresh one, which replays the model's updates."""
+    health.dead.set()
+    health.stop()
 
 
 def default_concurrency(executor: Executor) -> int:
@@ -246,7 +293,7 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def isolate(settings: Settings, ray: bool = False) -> isolation.Containment:
+def isolate(settings: Settings, ray: bool = False, nccl: bool = False) -> isolation.Containment:
     """Remove the secrets from the environment the engine will inherit, keep the engine out of ours, and
     choose the engine processes' user (:func:`nnqueue.isolation.plan_containment`: raises
     :class:`nnqueue.isolation.EngineUserError` when the worker must not start) and network
@@ -255,8 +302,18 @@ def isolate(settings: Settings, ray: bool = False) -> isolation.Containment:
     Also: the engine reads its settings from the environment (never ``.env``), and its processes are
     spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
     The engine's processes also find the network (``netns.ISOLATED`` or ``netns.HOST``) in their environment.
+    ``nccl``: a trainer pushes weights over NCCL (:mod:`nnqueue.workers.trl_server`): the engine's rank 0 listens
+    for the trainer's group, so its processes keep the host's network and may open TCP sockets, as with Ray.
     """
+    if nccl and settings.engine_network == netns.ISOLATED:
+        raise netns.NetworkIsolationError(
+            "NNQUEUE_TRAINER_NCCL_PORT needs the engine on the host's network (the trainer joins its NCCL group);"
+            " unset NNQUEUE_ENGINE_NETWORK=isolated or the NCCL port"
+        )
     network, why = netns.resolve(settings.engine_network, ray=ray)
+    if nccl and network == netns.ISOLATED:
+        network, why = netns.HOST, "a trainer's NCCL group (NNQUEUE_TRAINER_NCCL_PORT) needs the host's network"
+    ray = ray or nccl  # sockets: the seccomp filter's and the protected environment's allowances
     seccomp = seccomp_filter.unavailable_reason() if settings.engine_seccomp else "off (NNQUEUE_ENGINE_SECCOMP=false)"
     # The engine hands results to this process through files; only Ray's executor opens sockets after start-up.
     if seccomp is None and ray:

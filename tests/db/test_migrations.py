@@ -24,6 +24,7 @@ TABLES = {
     "harvests",
     "harvest_chunks",
     "harvest_schedules",
+    "weights_updates",
     "alembic_version",
 }
 

@@ -18,7 +18,6 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from sqlalchemy import select
-from sqlalchemy.orm import Session
 
 from nnqueue import trace_payload
 from nnqueue.api.deps import (
@@ -42,6 +41,7 @@ from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import accept_job, queue_job
+from nnqueue.scheduler.weights import waiting_reason
 from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
 from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
@@ -102,6 +102,7 @@ def submit(
             timeout_s=settings.default_job_timeout_s if job_spec.timeout_s is None else job_spec.timeout_s,
             priority=job_spec.priority,
             meta=meta,
+            weights_pin=job_spec.weights_version,
             inline_payload_max_bytes=settings.inline_payload_max_bytes,
         )
     session.commit()
@@ -146,8 +147,12 @@ def list_jobs(
 
 
 @router.get("/{job_id}", responses=NOT_YOURS)
-def get_job(job_id: uuid.UUID, caller: CallerDep, session: SessionDep) -> JobResponse:
-    return _view(session, owned_or_404(session, Job, job_id, caller))
+def get_job(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, settings: SettingsDep) -> JobResponse:
+    job = owned_or_404(session, Job, job_id, caller)
+    waiting = None
+    if job.status is JobStatus.QUEUED:
+        waiting = waiting_reason(session, job.model_key, job.weights_pin, settings.worker_stale_after_s)
+    return JobResponse.of(job, queue_positions(session, [job]).get(job.id), waiting)
 
 
 @router.post("/{job_id}/cancel", responses={**NOT_YOURS, 409: {"description": "The job has already ended."}})
@@ -231,10 +236,6 @@ def _require_trace(data: bytes) -> None:
             " (RequestModel.serialize: pickle protocol 4, or zstd-compressed)",
             None,
         )
-
-
-def _view(session: Session, job: Job) -> JobResponse:
-    return JobResponse.of(job, queue_positions(session, [job]).get(job.id))
 
 
 def _result_object(job: Job, fmt: str) -> str:

@@ -1,0 +1,70 @@
+"""The weights gate: an update waits for the requests running, new ones wait for the update, the version moves with
+it, and a request pinned to the version that went away is refused (nnqueue.workers.weights)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from nnqueue.workers.weights import WeightsGate, WrongWeights, base_version
+
+
+def test_an_update_waits_for_running_requests_and_holds_new_ones_back() -> None:
+    async def scenario() -> list[str]:
+        gate, events = WeightsGate("v1", {}), []
+
+        async def request(name: str, hold: asyncio.Event) -> None:
+            async with gate.serving() as version:
+                events.append(f"{name} on {version}")
+                await hold.wait()
+                events.append(f"{name} done")
+
+        running = asyncio.Event()
+        first = asyncio.ensure_future(request("first", running))
+        await asyncio.sleep(0.01)
+
+        async def update() -> None:
+            async with gate.paused() as bump:
+                events.append("update")
+                bump["version"] = "v2"
+
+        updating = asyncio.ensure_future(update())
+        await asyncio.sleep(0.01)
+        later = asyncio.ensure_future(request("later", asyncio.Event()))
+        await asyncio.sleep(0.01)
+        assert events == ["first on v1"], "neither the update nor a new request ran while the first held the gate"
+        running.set()
+        await updating
+        await asyncio.sleep(0.01)
+        later.cancel()
+        await asyncio.gather(first, later, return_exceptions=True)
+        assert gate.version == "v2" and len(gate.pauses) == 1 and gate.pauses[0] > 0
+        return events
+
+    assert asyncio.run(scenario()) == ["first on v1", "first done", "update", "later on v2"]
+
+
+def test_a_request_pinned_to_a_version_gone_is_refused() -> None:
+    async def scenario() -> None:
+        gate = WeightsGate("v2", {})
+        async with gate.serving("v2") as version:
+            assert version == "v2"
+        with pytest.raises(WrongWeights, match="'v1'"):
+            async with gate.serving("v1"):
+                pass
+        assert gate._running == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_base_version_names_the_checkpoint(tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"x" * 10)
+    first, source = base_version(str(folder), None)
+    assert first.startswith("base-") and source["identity"]["files"] == [("model.safetensors", 10)]
+    (folder / "model.safetensors").write_bytes(b"x" * 11)
+    assert base_version(str(folder), None)[0] != first
+    assert base_version("org/model", "abc")[0] != base_version("org/model", "def")[0]
