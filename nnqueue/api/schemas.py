@@ -154,6 +154,11 @@ class ModelInfo(BaseModel):
     engine: str = Field(
         description="The engine the workers hold: 'vllm' (VLLM traces) or 'transformers' (LanguageModel)."
     )
+    taps: list[str] | None = Field(
+        None,
+        description="The locations the workers serve with CUDA graphs on (nnqueue worker --taps), the ones every"
+        " tapped worker serves; a trace touching any other fails. Null: the workers run eagerly, every location.",
+    )
 
 
 class ModelsResponse(BaseModel):

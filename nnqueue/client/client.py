@@ -166,8 +166,18 @@ class Client:
             params["cursor"] = cursor
 
     def models(self) -> list[dict[str, Any]]:
-        """Models with live workers: ``[{"model_key", "workers", "capacity"}]``."""
+        """Models with live workers: ``[{"model_key", "workers", "capacity", "engine", "taps"}]``."""
         return list(self.transport.get_json("/v1/models").get("models", []))
+
+    def taps(self, model_key: str) -> list[str] | None:
+        """The locations ``model_key``'s workers serve with CUDA graphs on (``nnqueue worker --taps``); a trace
+        touching any other fails. None: its workers run eagerly and serve every location (or none is live).
+        Build the meta model with them, ``VLLM(path, taps=client.taps(key))``, and a trace's own declared taps
+        are checked against them when it is submitted (docs/user/taps.md)."""
+        for model in self.models():
+            if model.get("model_key") == model_key:
+                return model.get("taps")
+        return None
 
     # -- harvests and schedules -----------------------------------------------------------------
 

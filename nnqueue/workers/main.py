@@ -40,6 +40,7 @@ from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore import sandbox
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
+from nnqueue.enginecore.taps import UnservableTaps, mark_taps, served_taps
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.harvest_runner import capture_points
 from nnqueue.engines.outbox import poller
@@ -133,6 +134,9 @@ def run_worker(
         )
         points = host.call(capture_points(executor.model.vllm_entrypoint))
     try:
+        if points is not None and executor.model.taps:  # published with the capture points (enginecore.taps)
+            points = mark_taps(points, executor.model.taps)
+            log.info("serving taps %s with CUDA graphs on", served_taps(points))
         registry.register(
             sessions,
             worker_id,
@@ -144,7 +148,7 @@ def run_worker(
             capture_points=points,
             containment=containment.report(),
         )
-    except registry.EngineConflict:
+    except (registry.EngineConflict, UnservableTaps):
         host.call(executor.close())
         host.stop()
         raise
