@@ -162,8 +162,10 @@ def worker(
 
     settings = Settings()
     logs.configure(settings.log_format)
-    if kind.value == "transformers" and (taps or settings.engine_taps):
-        raise typer.BadParameter("taps are for vllm engines (CUDA graphs)", param_hint="--taps")
+    if (taps or settings.engine_taps) and (kind.value == "transformers" or engine_args(ctx.args).get("enforce_eager")):
+        raise typer.BadParameter(
+            "taps replay CUDA graphs: they are for the vllm engine, without --enforce-eager", param_hint="--taps"
+        )
     if supervise:
         from nnqueue.isolation import blank_initial_environment
         from nnqueue.workers.supervisor import Supervisor
