@@ -143,9 +143,8 @@ def check_taps(tracer: Any, client: Submitter, model_key: str) -> None:
     """Refuse, before submitting, a trace whose model declares taps (``VLLM(..., taps=[...])``) that the model's
     workers do not all serve: a location outside a worker's taps is never reached there. A trace on an untapped
     meta model is checked by the engine instead (its job fails naming the location and the taps served)."""
-    model = getattr(tracer, "envoy", None)
-    declared = getattr(model, "taps", ())
-    if not declared:
+    model: Any = getattr(tracer, "envoy", None)
+    if not getattr(model, "taps", ()):
         return
     served = client.taps(model_key)
     if served is None:

@@ -118,7 +118,7 @@ def run_worker(
     health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
     runner = JobRunner(sessions, executor, model_key, worker_id, health)
     register_run_job(app, host, runner)
-    chunks, points = None, None
+    chunks, points, taps = None, None, ()
     if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
         chunks = ChunkRunner(
             sessions,
@@ -133,9 +133,10 @@ def run_worker(
             health,
         )
         points = host.call(capture_points(executor.model.vllm_entrypoint))
+        taps = executor.model.taps  # resolved by nnsight (VLLM._resolve_taps); empty on an eager engine
     try:
-        if points is not None and executor.model.taps:  # published with the capture points (enginecore.taps)
-            points = mark_taps(points, executor.model.taps)
+        if points is not None and taps:  # published with the capture points (enginecore.taps)
+            points = mark_taps(points, taps)
             log.info("serving taps %s with CUDA graphs on", served_taps(points))
         registry.register(
             sessions,

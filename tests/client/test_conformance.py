@@ -502,7 +502,13 @@ def _request_output(output: Any) -> dict[str, Any]:
 
 
 def _normalized(message: str) -> str:
-    return re.sub(r"<edit-\d+>", "<edit>", message)
+    message = re.sub(r"<edit-\d+>", "<edit>", message)
+    # The frame that ended a block parked outside the taps: nnsight's finish_dangling, or nnqueue's unwind_untapped.
+    return re.sub(
+        r'File "[^"]+", line \d+, in (finish_dangling|unwind_untapped)\n\s*mediator\.worker\.throw\(.*\)',
+        "<unwound>",
+        message,
+    )
 
 
 NOT_A_TAP = re.compile(
