@@ -135,8 +135,8 @@ def run_worker(
         points = host.call(capture_points(executor.model.vllm_entrypoint))
         taps = executor.model.taps  # resolved by nnsight (VLLM._resolve_taps); empty on an eager engine
     try:
-        if points is not None and taps:  # published with the capture points (enginecore.taps)
-            points = mark_taps(points, taps)
+        if taps:  # published with the capture points (enginecore.taps); none published: none servable
+            points = mark_taps(points or [], taps)
             log.info("serving taps %s with CUDA graphs on", served_taps(points))
         registry.register(
             sessions,
