@@ -38,6 +38,9 @@ Modes (one engine per process; each mode is one process, so one device call can 
   at TP=1 PP=1 then ``--compare-ref`` at PP/TP compares both (``bitwise_equal`` per value too). In the default
   mode ``--pp`` > 1 implies ``--harvest-only`` with the one-layer variants (a harvest's captures live on one
   stage; nnsight's own async path (c) reports rank 0's saves alone, so it is not a reference there).
+* ``--generation``: decode-heavy trace jobs (`benchmarks/generation_gpu.py`): P prompts of ``--tokens``
+  (default 128 here) generating ``--generate`` each, steered at ``--layer`` on every step: raw vLLM with CUDA
+  graphs and eager, nnsight's own taps engine, nnqueue's worker path eager and with taps; ratios printed.
 
 Results go to stdout and ``--out`` (JSON, and TP reference values for ``--compare-ref``).
 """
@@ -1173,7 +1176,15 @@ def main() -> None:
     parser.add_argument("--plain-vllm", action="store_true")
     parser.add_argument("--weights", choices=["dummy", "seeded"], default="dummy", help="--check-1b only")
     parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--tokens", type=int, help="tokens per prompt (default 512; 128 with --generation)")
+    parser.add_argument("--generation", action="store_true", help="the decode-heavy rows (generation_gpu.py)")
+    parser.add_argument("--generate", type=int, default=128, help="--generation: tokens generated per prompt")
+    parser.add_argument(
+        "--variants",
+        default="raw-graphs,raw-eager,nnsight-taps,nnqueue-eager,nnqueue-taps",
+        help="--generation: which variants to run, in order",
+    )
+    parser.add_argument("--generation-variant", help=argparse.SUPPRESS)  # one variant, in a child process
     parser.add_argument("--layer", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=256, help="jobs in flight (worker threads)")
     parser.add_argument(
@@ -1238,6 +1249,8 @@ def main() -> None:
         "ran a trace, a full read where a trace names a road past them); its cost is (b) 'on' against (b) 'off'",
     )
     args = parser.parse_args()
+    if args.tokens is None:
+        args.tokens = 128 if args.generation else 512
     os.environ["NNQUEUE_WEIGHTS_GUARD"] = "true" if args.weights_guard == "on" else "false"
     if args.tiny:
         args.prompts, args.tokens, args.layer, args.dtype, args.reps = 4, 32, 1, "float32", 1
@@ -1245,6 +1258,7 @@ def main() -> None:
         args.prompts_per_chunk, args.chunks = 2, 2
         args.prompts_per_job = 2
         args.tolerance = 1e-4
+        args.generate = 4
 
     if args.pp > 1 and not args.check_1b:
         args.harvest_only = True
@@ -1256,9 +1270,26 @@ def main() -> None:
     if args.engine_profile:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     work = Path(tempfile.mkdtemp(prefix="harvest-"))
-    mode = "check" if args.check_1b else "plain" if args.plain_vllm else "bench"
+    mode = "check" if args.check_1b else "plain" if args.plain_vllm else "generation" if args.generation else "bench"
+    if args.generation_variant:  # a child of run_all: one variant's row, for its parent
+        import generation_gpu
+
+        try:
+            report = generation_gpu.variant(args, work)
+        except BaseException:  # noqa: BLE001 - as below: fail now, loudly, without waiting on the engine
+            traceback.print_exc()
+            sys.stdout.flush()
+            os._exit(1)
+        Path(args.out, f"generation-{args.generation_variant}.json").write_text(json.dumps(report))
+        sys.stdout.flush()
+        os._exit(0)
     try:
-        report = {"check": check_1b, "plain": plain_vllm, "bench": bench}[mode](args, work)
+        if mode == "generation":
+            import generation_gpu
+
+            report = generation_gpu.run_all(args, sys.argv[1:], work)
+        else:
+            report = {"check": check_1b, "plain": plain_vllm, "bench": bench}[mode](args, work)
     except BaseException:  # noqa: BLE001 - Ctrl-C too: exit now rather than wait on the engine's threads
         # Don't wait on the engine's threads and child processes: fail the call now, loudly.
         traceback.print_exc()

@@ -152,16 +152,26 @@ def worker(
     supervise: bool = typer.Option(
         True, help="Run the worker under a supervisor that starts it again when it fails (its engine died)."
     ),
+    taps: str | None = typer.Option(
+        None,
+        help="vllm: serve only these locations, with CUDA graphs on (comma-separated, e.g. 'model.layers.*.output';"
+        " default NNQUEUE_ENGINE_TAPS, none: eager, every location). See docs/user/taps.md.",
+    ),
 ) -> None:
     """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments
     (vllm) or to the model's from_pretrained (transformers, e.g. --dtype float32)."""
     kind = _engine_kind(engine)
+    from nnqueue.enginecore.taps import UnservableTaps
     from nnqueue.isolation import EngineUserError
     from nnqueue.scheduler.registry import EngineConflict
     from nnqueue.workers.main import run_worker
 
     settings = Settings()
     logs.configure(settings.log_format)
+    if (taps or settings.engine_taps) and (kind.value == "transformers" or engine_args(ctx.args).get("enforce_eager")):
+        raise typer.BadParameter(
+            "taps replay CUDA graphs: they are for the vllm engine, without --enforce-eager", param_hint="--taps"
+        )
     if supervise:
         from nnqueue.isolation import blank_initial_environment
         from nnqueue.workers.supervisor import Supervisor
@@ -177,6 +187,8 @@ def worker(
             command += ["--max-concurrent-jobs", str(max_concurrent_jobs)]
         if bulk_slots is not None:
             command += ["--bulk-slots", str(bulk_slots)]
+        if taps is not None:
+            command += ["--taps", taps]
         raise typer.Exit(Supervisor([*command, *ctx.args]).run())
     from nnqueue.workers.supervisor import exit_with_supervisor
 
@@ -196,9 +208,12 @@ def worker(
         engine_kwargs = {"tensor_parallel_size": tensor_parallel_size, **engine_args(ctx.args)}
         if pipeline_parallel_size != 1:
             engine_kwargs["pipeline_parallel_size"] = pipeline_parallel_size
+        served = settings.engine_taps if taps is None else [tap.strip() for tap in taps.split(",") if tap.strip()]
+        if served:
+            engine_kwargs["taps"] = served
     try:
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
-    except (EngineConflict, EngineUserError) as conflict:
+    except (EngineConflict, EngineUserError, UnservableTaps) as conflict:
         typer.echo(str(conflict), err=True)
         raise typer.Exit(2) from None  # a configuration error: the supervisor does not restart it
 

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # Sandboxed processes per worker that rebuild raw nnsight payloads (nnsight's own clients, old nnqueue
     # clients) into prebuilt ones; started on first use. 0: the worker runs only client-prebuilt payloads.
     trace_builders: int = Field(2, ge=0)
+    # Locations a vLLM worker serves with CUDA graphs on (``nnqueue worker --taps``, comma-separated nnsight tap
+    # patterns, e.g. ``model.layers.*.output``); a trace touching any other fails. Empty: eager, every location.
+    engine_taps: Annotated[list[str], NoDecode] = []
 
     # Harvests. A chunk that fails (or whose worker dies) is tried again until it has run this many times;
     # then its harvest fails, naming it.
@@ -188,7 +191,7 @@ class Settings(BaseSettings):
 
     _store_dir_defaulted: bool = PrivateAttr(default=False)
 
-    @field_validator("secret_env_patterns", "allowed_modules", mode="before")
+    @field_validator("secret_env_patterns", "allowed_modules", "engine_taps", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):

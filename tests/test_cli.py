@@ -104,3 +104,10 @@ def test_engine_args_become_vllm_keyword_arguments() -> None:
         "dtype": "float32",
         "seed": -1,
     }
+
+
+@pytest.mark.parametrize("extra", [["--engine", "transformers"], ["--enforce-eager"]])
+def test_a_worker_refuses_taps_it_cannot_replay(extra: list[str]) -> None:
+    refused = runner.invoke(app, ["worker", "--model", "m", "--taps", "model.layers.*.output", *extra])
+    assert refused.exit_code == 2, refused.output
+    assert "taps replay CUDA graphs" in refused.output

@@ -170,6 +170,11 @@ class ModelInfo(BaseModel):
     weights_versions: dict[str, int] = Field(
         default_factory=dict, description="The weights versions the live workers serve, each with its workers."
     )
+    taps: list[str] | None = Field(
+        None,
+        description="The locations the workers serve with CUDA graphs on (nnqueue worker --taps), the ones every"
+        " tapped worker serves; a trace touching any other fails. Null: the workers run eagerly, every location.",
+    )
 
 
 class ModelsResponse(BaseModel):

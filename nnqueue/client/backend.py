@@ -12,6 +12,9 @@ invoke's mediator), and submits them as a prebuilt payload (:mod:`nnqueue.trace_
 reads without unpickling. Other models' traces are submitted as nnsight serializes them for its own
 remote clients (``RequestModel.serialize``).
 
+A model built with taps (``VLLM(path, taps=client.taps(key))``, for workers that serve CUDA-graph taps) has
+them checked against the ones its workers serve before the trace is submitted (`check_taps`).
+
 The job is waited for (with a progress display) and its saves are marked and pushed into the caller's
 frame, as nnsight's ``VLLM._collect`` and ``VLLMTracer.execute`` do for a local run (the worker merged them
 the same way). A job that failed pushes what the other invokes saved, then raises
@@ -55,6 +58,8 @@ class Submitter(Protocol):
         weights_version: str | None = ...,
     ) -> Job: ...
 
+    def taps(self, model_key: str) -> list[str] | None: ...
+
 
 class NNqueueBackend(Backend):
     """Submit the captured trace as a job; blocking, bring its saves home. Reusable: each trace is a new job."""
@@ -86,6 +91,7 @@ class NNqueueBackend(Backend):
                 " backend=client.backend() instead; their saved values come back."
             )
         model_key = self.model_key or default_model_key(tracer)
+        check_taps(tracer, self.client, model_key)
         payload = build_payload(tracer)
         self.job = self.client.submit(model_key, payload, **self.submit_options)
         self.jobs.append(self.job)
@@ -132,6 +138,26 @@ def build_payload(tracer: Any) -> bytes:
         model.interleaver.cancel()
         clear_shared_locals()
     return trace_payload.encode(trace_payload.from_vllm_requests(prompts, params, lora_requests))
+
+
+def check_taps(tracer: Any, client: Submitter, model_key: str) -> None:
+    """Refuse, before submitting, a trace whose model declares taps (``VLLM(..., taps=[...])``) that the model's
+    workers do not all serve: a location outside a worker's taps is never reached there. A trace on an untapped
+    meta model is checked by the engine instead (its job fails naming the location and the taps served)."""
+    model: Any = getattr(tracer, "envoy", None)
+    if not getattr(model, "taps", ()):
+        return
+    served = client.taps(model_key)
+    if served is None:
+        return  # eager workers: every location is served
+    # nnsight's own resolution (patterns -> full locations under the root envoy, "model.model.layers.0.output").
+    wanted = {tap.removeprefix("model.") for tap in model._resolve_taps(model._module)}
+    missing = sorted(wanted - set(served))
+    if missing:
+        raise ValueError(
+            f"the workers of {model_key!r} serve the taps {served}, not {missing} that this model declares:"
+            f" build it with VLLM(..., taps=client.taps({model_key!r})), and touch only those in its traces"
+        )
 
 
 def default_model_key(tracer: Any) -> str:

@@ -170,7 +170,7 @@ class Client:
             params["cursor"] = cursor
 
     def models(self) -> list[dict[str, Any]]:
-        """Models with live workers: ``[{"model_key", "workers", "capacity", "engine", "weights_versions"}]``."""
+        """Models with live workers: ``[{"model_key", "workers", "capacity", "engine", "weights_versions", "taps"}]``."""
         return list(self.transport.get_json("/v1/models").get("models", []))
 
     def model_weights(self, model_key: str) -> dict[str, Any]:
@@ -183,6 +183,16 @@ class Client:
         its next heartbeat (follow with :meth:`model_weights`)."""
         body = {"source": source, "tensors": tensors}
         return dict(self.transport.request("POST", f"/v1/models/{model_key}/weights", json=body).json())
+
+    def taps(self, model_key: str) -> list[str] | None:
+        """The locations ``model_key``'s workers serve with CUDA graphs on (``nnqueue worker --taps``); a trace
+        touching any other fails. None: its workers run eagerly and serve every location (or none is live).
+        Build the meta model with them, ``VLLM(path, taps=client.taps(key))``, and a trace's own declared taps
+        are checked against them when it is submitted (docs/user/taps.md)."""
+        for model in self.models():
+            if model.get("model_key") == model_key:
+                return model.get("taps")
+        return None
 
     # -- harvests and schedules -----------------------------------------------------------------
 

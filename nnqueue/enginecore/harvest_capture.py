@@ -622,13 +622,37 @@ def settle(selection: Selection, blocks: list[Block], spans: dict[int, tuple[int
         block.keep = None if keep.all() else keep
 
 
+@contextmanager
+def eager_step() -> Iterator[None]:
+    """Run this step's model eagerly, its inputs as prepared: a replayed CUDA graph runs no hooks.
+
+    An engine serving taps (:mod:`nnqueue.enginecore.taps`) replays graphs; vLLM's graph wrappers
+    (``CUDAGraphWrapper``, ``BreakableCUDAGraphWrapper``) read the step's mode from the forward context when
+    called and run the model itself for ``CUDAGraphMode.NONE``. The inputs stay padded to the graph's size;
+    a harvest reads only its requests' rows (``query_start_loc``).
+    """
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        yield
+        return
+    context = get_forward_context()
+    mode, context.cudagraph_runtime_mode = context.cudagraph_runtime_mode, CUDAGraphMode.NONE
+    try:
+        yield
+    finally:
+        context.cudagraph_runtime_mode = mode
+
+
 class HarvestRunnerMixin:
     """Mixed into the model runner (above nnsight's): the two points where capture hooks into a step.
 
     ``execute_model`` sees the scheduler's new and finished requests; ``_model_forward`` (vLLM's own
     override point around ``self.model(...)``) runs after the step's inputs are prepared and is the
     one call of the model per step (vLLM's dummy and profiling runs call the model directly). Both are
-    pass-throughs until a harvest chunk has been begun on this rank.
+    pass-throughs until a harvest chunk has been begun on this rank; a step with harvest requests in it runs
+    eagerly (`eager_step`), so its hooks fire on an engine that replays CUDA graphs.
     """
 
     nnqueue_capture: HarvestCapture | None = None
@@ -642,7 +666,7 @@ class HarvestRunnerMixin:
         capture = self.nnqueue_capture
         if capture is None or not capture.slot_of:
             return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
-        with capture.step():
+        with capture.step(), eager_step():
             return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
 
     def nnqueue_harvest(self) -> HarvestCapture:

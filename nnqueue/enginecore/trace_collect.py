@@ -5,7 +5,8 @@ engine, and merge them in the client (``VLLM._collect``, then ``VLLMTracer.execu
 trace's frame). Here both halves run in the engine process, on the model runner's thread, with no pickling:
 
 * per request, the steps of nnsight 0.8.1's ``NNsightGPUModelRunner.collect_nnsight`` for a traced request:
-  serve ``tracer.result`` with the finished output, unwind a block still parked (its deferred error), read
+  serve ``tracer.result`` with the finished output, unwind a block still parked (its deferred error; one
+  parked outside a tapped engine's taps is told which it serves, :mod:`nnqueue.enginecore.taps`), read
   the saved names, forget their ids in the save set, and drop the request's runner state;
 * across the trace, ``VLLM._collect``'s merge: containers saved at trace level merge across requests
   (nnsight's ``merge_shared_saves``), a name saved by several runs (invokes, or ``n`` sequences) becomes a
@@ -22,6 +23,8 @@ from typing import Any
 
 from nnsight.modeling.vllm.collect import merge_shared_saves
 from nnsight.tracing.tracer import _saves
+
+from nnqueue.enginecore.taps import unwind_untapped
 
 
 @dataclass
@@ -116,6 +119,7 @@ def _take(runner: Any, request_ids: list[str], outputs: dict[str, Any] | None) -
         if mediator is not None:
             if outputs and engine_id in outputs:
                 requests.serve_result(mediator, outputs[engine_id])
+            unwind_untapped(mediator, taps)  # parked outside a tapped engine's taps: say which it serves
             requests.finish_dangling(mediator, taps)
             values = request.saves()
             invoke.mediators.append(mediator)

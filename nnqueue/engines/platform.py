@@ -9,6 +9,13 @@
   vLLM's CPU worker avoids that by importing ``vllm.v1.worker.cpu.shm`` (no-op accelerator,
   streams and events), so this process imports it too.
 
+* CUDA-graph taps (`graph_settings`): from vLLM's change that scoped breakable graphs to the PIECEWISE path
+  (vllm-project/vllm#56312: ``BreakableCUDAGraphWrapper`` took a ``runtime_mode``), a FULL graph (vLLM's
+  default for uniform decode steps) is a plain CUDA graph in which nnsight's taps never run; before it, the
+  breakable wrapper captured every graph. A tapped engine asks for PIECEWISE graphs where the wrapper is
+  scoped, so every replayed step serves its taps, and keeps vLLM's default before (faster: one graph per
+  step, broken only at the taps).
+
 Call `prepare_process` before building any ``VLLM`` in a process; `load_engine` does.
 """
 
@@ -55,11 +62,25 @@ class EngineVLLM(VLLM):
         return CPU_WORKER_CLS if is_cpu() else GPU_WORKER_CLS
 
 
+def graph_settings() -> dict[str, Any]:
+    """The engine arguments a tapped engine needs on this vLLM for its CUDA graphs to serve the taps."""
+    import inspect
+
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphWrapper
+
+    if "runtime_mode" in inspect.signature(BreakableCUDAGraphWrapper).parameters:
+        return {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+    return {}
+
+
 def load_engine(model_path: str, **engine_kwargs: Any) -> EngineVLLM:
     """Start an async, dispatched engine for ``model_path``.
 
     ``engine_kwargs`` go to vLLM's ``AsyncEngineArgs`` (``dtype``, ``max_model_len``,
-    ``seed``, ...). Returns once the engine is up; ``.vllm_entrypoint`` is its ``AsyncLLM``.
+    ``seed``, ...), but ``taps``, nnsight's: the locations the engine serves with CUDA graphs on (none: it
+    runs eagerly and serves every location). Returns once the engine is up; ``.vllm_entrypoint`` is its ``AsyncLLM``.
     """
     prepare_process()
+    if engine_kwargs.get("taps"):
+        engine_kwargs = {**graph_settings(), **engine_kwargs}  # an operator's compilation_config wins
     return EngineVLLM(model_path, mode="async", dispatch=True, **engine_kwargs)

@@ -43,6 +43,7 @@ from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore import sandbox
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
+from nnqueue.enginecore.taps import UnservableTaps, mark_taps, served_taps
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.harvest_runner import capture_points
 from nnqueue.engines.outbox import poller
@@ -127,7 +128,7 @@ def run_worker(
     gate = WeightsGate(*base_version(model, engine_kwargs.get("revision")))
     runner = JobRunner(sessions, executor, model_key, worker_id, health, gate)
     register_run_job(app, host, runner)
-    chunks, points, updater = None, None, None
+    chunks, points, updater, taps = None, None, None, ()
     if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
         updater = CheckpointUpdater(
             sessions,
@@ -154,7 +155,11 @@ def run_worker(
             gate,
         )
         points = host.call(capture_points(executor.model.vllm_entrypoint))
+        taps = executor.model.taps  # resolved by nnsight (VLLM._resolve_taps); empty on an eager engine
     try:
+        if taps:  # published with the capture points (enginecore.taps); none published: none servable
+            points = mark_taps(points or [], taps)
+            log.info("serving taps %s with CUDA graphs on", served_taps(points))
         registry.register(
             sessions,
             worker_id,
@@ -167,7 +172,7 @@ def run_worker(
             containment=containment.report(),
             weights=(gate.version, gate.source),
         )
-    except registry.EngineConflict:
+    except (registry.EngineConflict, UnservableTaps):
         host.call(executor.close())
         host.stop()
         raise

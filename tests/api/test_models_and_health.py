@@ -106,3 +106,29 @@ def test_readyz_is_503_naming_what_is_unreachable(services: Services) -> None:
     with api_client(services, database_url=database) as api:
         body = api.http.get("/readyz").json()
     assert body["checks"]["broker"] == "ok" and body["checks"]["database"] != "ok"
+
+
+def test_models_lists_the_taps_every_tapped_worker_of_a_model_serves(services: Services) -> None:
+    from nnqueue.enginecore.taps import mark_taps
+
+    points = [
+        {"module": f"model.layers.{n}", "io": io, "parts": [], "width": 8}
+        for n in range(3)
+        for io in ("input", "output")
+    ]
+    with api_client(services) as api:
+        headers = {"ndif-api-key": create_secret(services.sessions, "alice")}
+        register_worker(services.sessions, "eager", capture_points=points)
+        register_worker(
+            services.sessions,
+            "tapped",
+            capture_points=mark_taps(points, ["model.model.layers.0.output", "model.model.layers.2.output"]),
+        )
+        register_worker(services.sessions, "tapped", capture_points=mark_taps(points, ["model.model.layers.2.output"]))
+        register_worker(services.sessions, "mixed", capture_points=points)
+        register_worker(services.sessions, "mixed", capture_points=mark_taps(points, ["model.model.layers.1.input"]))
+        response = api.http.get("/v1/models", headers=headers)
+    assert response.status_code == 200, response.text
+    taps = {model["model_key"]: model["taps"] for model in response.json()["models"]}
+    # A job may run on any worker of its model: what every tapped worker serves (an eager one serves all).
+    assert taps == {"eager": None, "tapped": ["model.layers.2.output"], "mixed": ["model.layers.1.input"]}

