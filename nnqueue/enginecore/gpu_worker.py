@@ -12,10 +12,11 @@ from nnqueue.enginecore.crash_report import CrashReportingWorker
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
+from nnqueue.enginecore.steering import SteerRunnerMixin
 from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
-class NNqueueGPUModelRunner(HarvestRunnerMixin, NNsightGPUModelRunner):
+class NNqueueGPUModelRunner(SteerRunnerMixin, HarvestRunnerMixin, NNsightGPUModelRunner):
     """nnqueue's harvest capture over nnsight's runner; adds no constructor state (re-classed in place)."""
 
 
