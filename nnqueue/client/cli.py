@@ -42,6 +42,7 @@ from nnqueue.client.client import submit_hooks
 from nnqueue.client.errors import JobCancelled, JobFailed
 from nnqueue.client.harvest_cli import harvest_app, schedules_app
 from nnqueue.client.job import Job
+from nnqueue.client.steer_cli import steer_app
 
 
 def submit(
@@ -208,6 +209,7 @@ def register(app: typer.Typer) -> None:
         app.command(name)(command)
     app.add_typer(harvest_app, name="harvest")
     app.add_typer(schedules_app, name="schedules")
+    app.add_typer(steer_app, name="steer")
 
 
 # -- rendering ------------------------------------------------------------------------------------
