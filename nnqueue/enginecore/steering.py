@@ -25,13 +25,14 @@ edit is the full one. Pipeline and data parallelism are refused, as for harvests
 CUDA graphs: the operation reads only the persistent buffers, so it is static-shaped; under vLLM's
 breakable graphs (``VLLM_USE_BREAKABLE_CUDAGRAPH``, what nnsight's taps use) a hook that runs while a graph
 is recorded registers itself with the recording's ``add_eager`` (as nnsight's ``VLLMInterleaver.handle``),
-so replays apply it. The hooks must then exist before the recording: an eager engine (nnqueue's default)
-installs them on first use.
+so replays apply it. The hooks must then exist before the recording (``NNQUEUE_STEER_POINTS``, hooked at
+load); an eager engine (nnqueue's default) installs them on first use.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,6 +49,7 @@ from nnqueue.enginecore.harvest_spec import RESIDUAL_STREAM, Capture, SpecError
 from nnqueue.enginecore.steer_spec import WITH_VECTOR, Edit, check_edits
 
 TAG = "nnqueue_steer"  # the key of a steered request's extra_args
+PREINSTALL_ENV = "NNQUEUE_STEER_POINTS"  # points hooked at load, for engines that record CUDA graphs
 MAX_VECTORS = 1024  # rows of a point's vector table (row 0 is zeros: unedited tokens read it)
 _APPLY_BITS = {"prompt": 1, "generated": 2, "both": 3}
 log = logging.getLogger(__name__)
@@ -208,18 +210,32 @@ class Steering:
         point.coefficient[n] = edit.coefficient if edit.op in WITH_VECTOR - {"project_out"} else 0.0
         point.row[n] = row
 
+    def preinstall(self, names: list[str]) -> None:
+        """Hook these points now (``module`` for its output, or ``module.input`` / ``module.output``), before vLLM
+        records its CUDA graphs: a graph replays only the hooks that ran while it was recorded."""
+        for name in filter(None, (n.strip() for n in names)):
+            module, _, io = name.rpartition(".")
+            if io not in ("input", "output"):
+                module, io = name, "output"
+            capture_points.check_against([Capture(module, io)], self.points)
+            with self.lock:
+                self._state(module, io, None)
+
     def _point(self, edit: Edit) -> PointState:
-        key = edit.point
+        if edit.vector is not None and self.widths.get(edit.point) is None:
+            raise SpecError(f"{edit.module}.{edit.io} does not say its width: only scale and zero edit it")
+        return self._state(edit.module, edit.io, edit.part)
+
+    def _state(self, module: str, io: str, part: str | None) -> PointState:
+        key = (module, io)
         point = self.state.get(key)
         if point is None:
             width = self.widths.get(key)
-            if width is None and edit.vector is not None:
-                raise SpecError(f"{edit.module}.{edit.io} does not say its width: only scale and zero edit it")
-            self.readers.setdefault(edit.module, capture_points.reader(self.modules[edit.module]))
-            part = capture_points.default_part(self.readers[edit.module], Capture(edit.module, edit.io, edit.part))
+            self.readers.setdefault(module, capture_points.reader(self.modules[module]))
+            part = capture_points.default_part(self.readers[module], Capture(module, io, part))
             point = PointState(
-                edit.module,
-                edit.io,
+                module,
+                io,
                 part,
                 width,
                 torch.zeros(MAX_VECTORS if width else 0, width or 0, dtype=torch.float32, device=self.device),
@@ -435,10 +451,19 @@ class Steering:
 class SteerRunnerMixin:
     """Mixed into the model runner: steering's two points in a step, as `HarvestRunnerMixin`'s.
 
-    Pass-throughs until a steering job has been begun on this rank.
+    Pass-throughs until a steering job has been begun on this rank, or points were preinstalled: the
+    comma-separated ``NNQUEUE_STEER_POINTS`` of the engine's environment are hooked when the model is loaded,
+    before vLLM records CUDA graphs (`Steering.preinstall`); an eager engine needs none.
     """
 
     nnqueue_steering: Steering | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> Any:
+        loaded = super().load_model(*args, **kwargs)  # type: ignore[misc]
+        points = os.environ.get(PREINSTALL_ENV, "")
+        if points.strip():
+            self.nnqueue_steer().preinstall(points.split(","))
+        return loaded
 
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if self.nnqueue_steering is not None:
