@@ -59,9 +59,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(OperationalError, _broker_unreachable)
     app.add_exception_handler(PoolTimeout, _database_busy)
     errors.install(app)
-    routers = (jobs.router, harvests.router, schedules.router, models.router, health.router, metrics.router)
-    routers += (steering.router,)
-    for router in (*routers, status_page.router, ndif.router, ndif_serve.router):
+    routers = (jobs.router, harvests.router, steering.router, schedules.router, models.router, health.router)
+    for router in (*routers, metrics.router, status_page.router, ndif.router, ndif_serve.router):
         app.include_router(router)
     return app
 

@@ -45,7 +45,7 @@ import torch
 
 from nnqueue.enginecore import capture_points
 from nnqueue.enginecore.capture_points import Reader
-from nnqueue.enginecore.harvest_spec import RESIDUAL_STREAM, Capture, SpecError
+from nnqueue.enginecore.harvest_spec import IO, RESIDUAL_STREAM, Capture, SpecError
 from nnqueue.enginecore.steer_spec import WITH_VECTOR, Edit, check_edits
 
 TAG = "nnqueue_steer"  # the key of a steered request's extra_args
@@ -214,9 +214,10 @@ class Steering:
         """Hook these points now (``module`` for its output, or ``module.input`` / ``module.output``), before vLLM
         records its CUDA graphs: a graph replays only the hooks that ran while it was recorded."""
         for name in filter(None, (n.strip() for n in names)):
-            module, _, io = name.rpartition(".")
-            if io not in ("input", "output"):
-                module, io = name, "output"
+            module, _, suffix = name.rpartition(".")
+            io: IO = "input" if suffix == "input" else "output"
+            if suffix not in ("input", "output"):
+                module = name
             capture_points.check_against([Capture(module, io)], self.points)
             with self.lock:
                 self._state(module, io, None)
@@ -226,7 +227,7 @@ class Steering:
             raise SpecError(f"{edit.module}.{edit.io} does not say its width: only scale and zero edit it")
         return self._state(edit.module, edit.io, edit.part)
 
-    def _state(self, module: str, io: str, part: str | None) -> PointState:
+    def _state(self, module: str, io: IO, part: str | None) -> PointState:
         key = (module, io)
         point = self.state.get(key)
         if point is None:
