@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     # The largest harvest output (its shards' estimated bytes, as `nnqueue harvest submit --dry-run` answers) one
     # harvest may have; unset: no limit. A bigger one is refused (413) with its estimate.
     harvest_max_output_bytes: int | None = Field(None, gt=0)
+    # The most prompts one steering job (``POST /v1/steering``) may have (413 beyond).
+    steer_max_prompts: int = Field(10_000, gt=0)
+    # The largest vectors file (safetensors) a steering job may send (413 beyond).
+    steer_max_vector_bytes: int = Field(16 * 1024 * 1024, gt=0)
     # How often ``nnqueue beat`` looks for schedules that are due.
     beat_interval_s: float = Field(5.0, gt=0)
 

@@ -20,13 +20,14 @@ runner = CliRunner()
 
 
 SERVER_COMMANDS = {"version", "db", "gc", "keys", "serve-api", "worker", "beat", "demo", "up"}
-CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models", "harvest", "schedules"}
+CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models", "harvest", "schedules", "steer"}
 COMMANDS = {
     (): SERVER_COMMANDS | CLIENT_COMMANDS,
     ("db",): {"upgrade", "downgrade"},
     ("keys",): {"create", "list", "revoke", "scopes"},
     ("harvest",): {"submit", "status", "list", "cancel", "manifest", "inspect", "download", "export"},
     ("schedules",): {"create", "list", "pause", "resume", "delete"},
+    ("steer",): {"submit", "status", "list", "cancel", "result"},
 }
 
 

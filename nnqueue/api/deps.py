@@ -165,7 +165,7 @@ CallerDep = Annotated[Caller, Depends(get_caller)]
 
 SCOPE_PURPOSE = {
     "trace": "submit traces (they run arbitrary code on the workers)",
-    "harvest": "submit harvests and keep their schedules",
+    "harvest": "submit harvests and steering jobs, and keep harvest schedules",
     "admin": "act on other owners' jobs, harvests and schedules, and swap models' checkpoints",
     "weights": "drive a worker's trainer endpoints (generate, push weights)",
 }

@@ -43,6 +43,7 @@ from nnqueue.client.client import submit_hooks
 from nnqueue.client.errors import JobCancelled, JobFailed
 from nnqueue.client.harvest_cli import harvest_app, schedules_app
 from nnqueue.client.job import Job
+from nnqueue.client.steer_cli import steer_app
 
 
 def submit(
@@ -260,6 +261,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(models_app, name="models")
     app.add_typer(harvest_app, name="harvest")
     app.add_typer(schedules_app, name="schedules")
+    app.add_typer(steer_app, name="steer")
 
 
 # -- rendering ------------------------------------------------------------------------------------

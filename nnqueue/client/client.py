@@ -24,6 +24,7 @@ from nnqueue.client.errors import APIError
 from nnqueue.client.harvest import Harvest
 from nnqueue.client.job import Job
 from nnqueue.client.settings import ClientSettings
+from nnqueue.client.steering import Steering, vectors_file
 from nnqueue.client.transport import Transport
 
 if TYPE_CHECKING:
@@ -279,6 +280,38 @@ class Client:
             **submit_options,
         )
 
+    # -- steering --------------------------------------------------------------------------------
+
+    def steer(
+        self,
+        spec: dict[str, Any] | str | os.PathLike[str],
+        vectors: dict[str, Any] | str | os.PathLike[str] | None = None,
+        dataset: str | os.PathLike[str] | None = None,
+    ) -> Steering:
+        """Submit a steering job (``harvest`` scope): ``spec`` a dict, or a YAML/JSON file's path; ``vectors`` the
+        vectors its edits name (name -> 1-D tensor or array, or a ``.safetensors`` file's path); ``dataset`` a
+        local JSONL, Parquet or text file of prompts. See docs/user/steering.md."""
+        files: dict[str, Any] = {}
+        if vectors is not None:
+            data = vectors_file(vectors) if isinstance(vectors, dict) else Path(vectors).read_bytes()
+            files["vectors"] = ("vectors.safetensors", data, "application/octet-stream")
+        if dataset is not None:
+            path = Path(dataset)
+            files["dataset"] = (path.name, path.read_bytes(), "application/octet-stream")
+        body = {"spec": json.dumps(load_spec(spec), allow_nan=False)}
+        response = self.transport.request("POST", "/v1/steering", data=body, files=files or None)
+        return Steering(self.transport, response.json())
+
+    def get_steering(self, job_id: str) -> Steering:
+        return Steering(self.transport, self.transport.get_json(f"/v1/steering/{job_id}"))
+
+    def steering_jobs(self, status: str | None = None, limit: int = 50) -> list[Steering]:
+        """Your steering jobs, newest first."""
+        params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {})}
+        return [
+            Steering(self.transport, info) for info in self.transport.get_json("/v1/steering", params=params)["jobs"]
+        ]
+
     def _job(self, info: dict[str, Any]) -> Job:
         return Job(self.transport, info, self.console)
 
@@ -287,7 +320,7 @@ class Client:
 
 
 def load_spec(spec: dict[str, Any] | str | os.PathLike[str]) -> dict[str, Any]:
-    """A harvest spec from a dict, or from a YAML or JSON file (YAML is a superset of JSON)."""
+    """A harvest or steering spec from a dict, or from a YAML or JSON file (YAML is a superset of JSON)."""
     if isinstance(spec, dict):
         return spec
     import yaml

@@ -201,3 +201,13 @@ class HarvestFailed(NNqueueError):
         error = info.get("error") or {}
         why = f": {error.get('type')}: {error.get('message')}" if error else ""
         super().__init__(f"harvest {info.get('id')} {info.get('status')}{why}")
+
+
+class SteeringFailed(NNqueueError):
+    """The steering job FAILED (the engine's or vLLM's refusal) or was CANCELLED; ``info`` is its state."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        self.info = info
+        error = info.get("error") or {}
+        why = f": {error.get('type')}: {error.get('message')}" if error else ""
+        super().__init__(f"steering job {info.get('id')} {info.get('status')}{why}")

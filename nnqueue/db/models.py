@@ -63,6 +63,7 @@ ENDED = frozenset({JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED})
 class JobKind(enum.StrEnum):
     TRACE = "trace"  # a serialized nnsight trace
     HARVEST = "harvest"  # a declarative "save these activations for this dataset" spec
+    STEER = "steer"  # a declarative "generate with these edits" spec (nnqueue.scheduler.steering)
 
 
 class EngineKind(enum.StrEnum):

@@ -28,10 +28,11 @@ from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.pipeline_stages import PipelineStageMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
+from nnqueue.enginecore.steering import SteerRunnerMixin
 from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
-class NNsightCPUModelRunner(HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner, CPUModelRunner):
+class NNsightCPUModelRunner(SteerRunnerMixin, HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner, CPUModelRunner):
     """nnqueue's harvest capture and nnsight's hooks (``load_model``, ``execute_model``, ...) over vLLM's CPU runner.
 
     Adds no constructor state (nnsight's runner builds its own in ``load_model``), so an

@@ -13,10 +13,11 @@ from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.pipeline_stages import PipelineStageMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
+from nnqueue.enginecore.steering import SteerRunnerMixin
 from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
-class NNqueueGPUModelRunner(HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner):
+class NNqueueGPUModelRunner(SteerRunnerMixin, HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner):
     """nnqueue's harvest capture over nnsight's runner; adds no constructor state (re-classed in place)."""
 
 

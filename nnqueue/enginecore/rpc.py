@@ -18,6 +18,8 @@ rank (`stage_reporting`): a harvest chunk is captured and written by the stage t
 * ``nnqueue_harvest_begin`` / ``nnqueue_harvest_abort``: start or drop a harvest chunk
   (:mod:`nnqueue.enginecore.harvest_capture`); ``nnqueue_harvest_stats``: what the capture path holds;
   ``nnqueue_capture_points``: the model's capturable points (:mod:`nnqueue.enginecore.capture_points`).
+  ``nnqueue_steer_begin`` / ``nnqueue_steer_end``: start or drop a steering job on every rank
+  (:mod:`nnqueue.enginecore.steering`).
   A refusal comes back as ``{"error": reason}``, not as an exception in the engine.
 * ``nnqueue_load_weights``: load a safetensors checkpoint through vLLM's loader
   (:mod:`nnqueue.enginecore.weights_update`), then refresh the weights guard's reference; a failed load is put
@@ -154,6 +156,18 @@ class NNqueueRPC:
             return self.model_runner.nnqueue_harvest().points
         except ValueError:
             return []
+
+    def nnqueue_steer_begin(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Begin a steering job on this rank (`Steering.begin`): ``{"job": key}`` or ``{"error": reason}``."""
+        try:
+            return self.model_runner.nnqueue_steer().begin(spec)
+        except (ValueError, KeyError, TypeError) as error:
+            return {"error": str(error)}
+
+    def nnqueue_steer_end(self, job: str) -> dict[str, Any]:
+        """Drop a steering job's requests and vectors on this rank (`Steering.end`)."""
+        steering = self.model_runner.nnqueue_steering
+        return steering.end(job) if steering is not None else {"ended": False, "error": None}
 
     def nnqueue_load_weights(self, files: list[str], tensors: list[str] | None) -> dict[str, Any]:
         """Load the safetensors ``files`` (every tensor, or ``tensors``): ``{"loaded": n}`` or ``{"error", "restored"}``."""

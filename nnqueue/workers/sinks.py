@@ -103,6 +103,18 @@ class ResultSinks:
         torch = digests["torch"]
         return StoredResult(sinks.keys["torch"], torch.size, fmt, torch.sha256, digests.get("safetensors"))
 
+    def put_result(self, job_id: uuid.UUID, attempt: int, name: str, data: bytes, fmt: str = "json") -> StoredResult:
+        """Upload a result this worker made itself (a steering job's generations) as ``name`` of the attempt,
+        hashing what is uploaded. A blocking call."""
+        writer = self.store.open_writer(result_key(job_id, name, attempt), size_hint=len(data))
+        try:
+            writer.write(data)
+            digest = writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        return StoredResult(result_key(job_id, name, attempt), digest.size, fmt, digest.sha256)
+
     def discard(self, sinks: JobSinks) -> None:
         """Remove what an attempt left in the handoff directory."""
         for spec in sinks.specs.values():

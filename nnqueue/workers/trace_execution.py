@@ -24,7 +24,7 @@ import nnsight
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import trace_payload
-from nnqueue.db.models import Job
+from nnqueue.db.models import Job, JobKind
 from nnqueue.engines import prebuilt, trace_runner
 from nnqueue.engines.builders import BuilderPool, BuildFailed
 from nnqueue.engines.outbox import OutboxPoller
@@ -32,6 +32,7 @@ from nnqueue.scheduler.payloads import PayloadMissing, load_payload
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
+from nnqueue.workers.steer_execution import execute_steering
 
 try:  # vLLM's checks of a request raise these (0.32); older vLLM (0.24 on the GPU) raises ValueError
     from vllm.exceptions import VLLMClientError as RequestRefused
@@ -49,6 +50,8 @@ class VLLMTraceExecutor:
     builders: BuilderPool
 
     async def execute(self, job: Job, progress: Callable[[int, int], None]) -> Execution:
+        if job.kind is JobKind.STEER:  # declarative, on the engine's steering path: no trace to build
+            return await execute_steering(self, job, progress)
         try:
             payload = await asyncio.to_thread(load_payload, self.sessions, self.store, job)
         except PayloadMissing as missing:

@@ -218,7 +218,8 @@ def result_response(
             return RedirectResponse(url, status_code=status.HTTP_302_FOUND, headers=digest_headers(sha256))
         except PresignUnsupported:
             pass  # a local store: stream it ourselves
-    filename = f"{job.id}.{'pt' if format == 'torch' else 'safetensors'}"
+    suffix = "json" if job.result_format == "json" else "pt" if format == "torch" else "safetensors"  # json: steering
+    filename = f"{job.id}.{suffix}"
     return stream_object(store, key, filename=filename, sha256=sha256)
 
 

