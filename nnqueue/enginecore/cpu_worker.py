@@ -32,7 +32,9 @@ from nnqueue.enginecore.steering import SteerRunnerMixin
 from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
-class NNsightCPUModelRunner(SteerRunnerMixin, HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner, CPUModelRunner):
+class NNsightCPUModelRunner(
+    SteerRunnerMixin, HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner, CPUModelRunner
+):
     """nnqueue's harvest capture and nnsight's hooks (``load_model``, ``execute_model``, ...) over vLLM's CPU runner.
 
     Adds no constructor state (nnsight's runner builds its own in ``load_model``), so an
