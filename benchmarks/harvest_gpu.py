@@ -654,7 +654,7 @@ def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any
         "enable_chunked_prefill": False,
         "tensor_parallel_size": args.tp,
     }
-    if args.pp > 1:
+    if getattr(args, "pp", 1) > 1:  # steer_gpu.py shares this without a --pp
         kwargs["pipeline_parallel_size"] = args.pp
     if not args.tiny:
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
@@ -1314,6 +1314,7 @@ def main() -> None:
         "args": vars(args),
     }
     name = f"{mode}{'-' + args.weights if args.check_1b else ''}-tp{args.tp}{f'-pp{args.pp}' if args.pp > 1 else ''}{'-' + (args.distributed_executor_backend or '') if args.distributed_executor_backend else ''}.json"
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, name).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k not in ("rows", "args")}, indent=1))
     shutil.rmtree(work, ignore_errors=True)
