@@ -91,6 +91,8 @@ class ResultSinks:
         is uploaded; raises :class:`ResultNotWritten` when a file does not hold what was reported. A blocking call."""
         if "torch" not in written:
             raise ResultNotWritten("the engine reported no saves.pt")
+        if unknown := set(written) - set(sinks.specs):
+            raise ResultNotWritten(f"the engine reported {len(unknown)} object(s) it was given no sink for")
         digests = {
             name: self._upload_file(sinks.specs[name]["path"], sinks.keys[name], size, name)
             for name, size in written.items()
