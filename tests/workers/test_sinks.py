@@ -72,7 +72,7 @@ def test_a_wrong_size_a_link_or_a_missing_file_is_not_committed(tmp_path: Path) 
         sinks.commit(opened, {"torch": 6})
     with pytest.raises(ResultNotWritten, match=r"no saves\.pt"):
         sinks.commit(opened, {})
-    with pytest.raises(ResultNotWritten, match="1 object.s. it was given no sink for"):
+    with pytest.raises(ResultNotWritten, match=r"1 object\(s\) it was given no sink for"):
         sinks.commit(opened, {"torch": 5, "../../elsewhere": 5})  # an engine's report names objects it was given
     secret = tmp_path / "secret"
     secret.write_bytes(b"root's")
