@@ -1,4 +1,4 @@
-"""The import graph of ``nnqueue/`` keeps the layering of PLAN.md / ARCHITECTURE.md: parsed with ``ast``, so
+"""The import graph of ``nnqueue/`` keeps the layering of PLAN.md / docs/architecture/index.md: parsed with ``ast``, so
 imports inside functions and under ``TYPE_CHECKING`` count too.
 
 Units are the subpackages (``nnqueue.db``, ...) and the top-level modules (``nnqueue.settings``, ...). Bottom
@@ -173,7 +173,9 @@ def graph_edges() -> dict[tuple[str, str], list[str]]:
 def test_every_unit_has_a_layer(graph_edges: dict[tuple[str, str], list[str]]) -> None:
     units = {path.stem for path in PACKAGE.glob("*.py")} | {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
     units -= {"__init__"}
-    assert units - set(LAYERS) == set(), "new top-level modules or packages need a layer here and in ARCHITECTURE.md"
+    assert units - set(LAYERS) == set(), (
+        "new top-level modules or packages need a layer here and in docs/architecture/index.md"
+    )
 
 
 def test_no_cycles_between_units(graph_edges: dict[tuple[str, str], list[str]]) -> None:

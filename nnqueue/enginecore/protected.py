@@ -349,9 +349,13 @@ ALLOWED_BUILTINS = frozenset(
         "zip",
     }
 )
-# Audit events refused while intervention code runs (see `_in_user_code`): processes, sockets, native code,
-# signals, the environment, the file system beyond reading the Python installation, other threads' frames.
-USER_EVENTS = frozenset(
+# Audit events refused in every thread once `lock_down` ran (the engine is up, users' code may run): a thread
+# or callback that intervention code left behind must not start programs, load native code or reach the
+# network. Sockets of the AF_UNIX family stay allowed (vLLM's and torch's local IPC); so is what the compilers
+# torch and Triton run (a kernel first compiled for a new shape) do, when no intervention code is on the stack
+# (`_trusted_code`). Results leave the engine through files the worker uploads (nnqueue.workers.sinks).
+SOCKET_EVENTS = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"})
+LOCKDOWN_EVENTS = SOCKET_EVENTS | frozenset(
     {
         "os.system",
         "os.exec",
@@ -359,6 +363,16 @@ USER_EVENTS = frozenset(
         "os.spawn",
         "os.fork",
         "os.forkpty",
+        "pty.spawn",
+        "subprocess.Popen",
+        "ctypes.dlopen",
+    }
+)
+# Audit events refused while intervention code runs (see `_in_user_code`): those of the lockdown, and the
+# environment, signals, the file system beyond reading the Python installation, native memory, other threads'
+# frames.
+USER_EVENTS = LOCKDOWN_EVENTS | frozenset(
+    {
         "os.kill",
         "os.killpg",
         "os.putenv",
@@ -394,18 +408,11 @@ USER_EVENTS = frozenset(
         "tempfile.mkstemp",
         "tempfile.mkdtemp",
         "mmap.__new__",
-        "subprocess.Popen",
-        "pty.spawn",
-        "socket.connect",
-        "socket.bind",
-        "socket.sendto",
-        "socket.sendmsg",
         "socket.getaddrinfo",
         "socket.gethostbyname",
         "socket.gethostbyaddr",
         "urllib.Request",
         "http.client.connect",
-        "ctypes.dlopen",
         "ctypes.dlsym",
         "ctypes.call_function",
         "ctypes.string_at",
@@ -420,29 +427,6 @@ USER_EVENTS = frozenset(
         "gc.get_referents",
     }
 )
-# Audit events refused in every thread once `lock_down` ran (the engine is up, users' code may run): a thread
-# or callback that intervention code left behind must not start programs, load native code or reach the
-# network. Sockets of the AF_UNIX family stay allowed (vLLM's and torch's local IPC); so is what the compilers
-# torch and Triton run (a kernel first compiled for a new shape) do, when no intervention code is on the stack
-# (`_trusted_code`). Results leave the engine through files the worker uploads (nnqueue.workers.sinks).
-LOCKDOWN_EVENTS = frozenset(
-    {
-        "os.system",
-        "os.exec",
-        "os.posix_spawn",
-        "os.spawn",
-        "os.fork",
-        "os.forkpty",
-        "pty.spawn",
-        "subprocess.Popen",
-        "ctypes.dlopen",
-        "socket.connect",
-        "socket.bind",
-        "socket.sendto",
-        "socket.sendmsg",
-    }
-)
-SOCKET_EVENTS = frozenset({"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg"})
 # Audit events refused when raised directly by intervention code (its innermost frame): CPython raises
 # these for the introspection attributes (``__code__``, ``f_back``, ``tb_frame``...), which nnsight's
 # own code may use, so they are refused only when the user's code asks, e.g. through operator.attrgetter.

@@ -25,47 +25,26 @@ This process runs users' code: the worker starts it with the secrets removed fro
 imports nothing that holds credentials, and once the model is loaded it enters the same sandbox as vLLM's
 engine processes (:mod:`nnqueue.isolation`: the engine user when root; :mod:`nnqueue.enginecore.protected`).
 
-Run as ``python -m nnqueue.enginecore.transformers_engine --model M``; it loads the model, writes a ready frame, then answers one job per request frame on stdin/stdout (what user
-code prints goes to stderr, the worker's log). Frames: 8-byte big-endian length, a type byte, the body.
-A job's body is a 4-byte header length, the JSON header ``{"job", "env", "sinks": {"torch", "safetensors"}}``
-and the payload; its answer is JSON ``{"objects": {name: {"size", "sha256"}}, "error": DeferredError | None,
-"invokes": int}``.
+Run as ``python -m nnqueue.enginecore.transformers_engine --model M``; it loads the model, then answers one job
+per request frame (:mod:`nnqueue.enginecore.child_process`, which also starts and replaces it for the worker;
+what user code prints goes to stderr, the worker's log). A job's body is a 4-byte header length, the JSON
+header ``{"job", "env", "sinks": {"torch", "safetensors"}}`` and the payload; its answer is the JSON report a
+vLLM engine posts for a trace (``{"kind": "trace_result", "objects": {name: {"size", "sha256"}}, "error":
+DeferredError | None, "load_failed": bool}``), or, when writing the result failed, that error.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import traceback
-from typing import Any, BinaryIO
+from typing import Any
 
-from nnqueue import netns
-from nnqueue.enginecore import protected
+from nnqueue.enginecore import child_process, protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 
-FRAME_HEADER = 8
-READY, JOB, DONE = 2, 3, 4
 JSON_HEADER = 4
-
-
-def write_frame(out: BinaryIO, kind: int, body: bytes) -> None:
-    out.write((len(body) + 1).to_bytes(FRAME_HEADER, "big") + bytes([kind]) + body)
-    out.flush()
-
-
-def read_frame(source: BinaryIO) -> tuple[int, bytes] | None:
-    """One frame's type and body from ``source``, or None at end of input."""
-    header = source.read(FRAME_HEADER)
-    if len(header) < FRAME_HEADER:
-        return None
-    size = int.from_bytes(header, "big")
-    body = source.read(size)
-    if len(body) != size or size < 1:
-        return None
-    return body[0], body[1:]
 
 
 def job_frame(header: dict[str, Any], payload: bytes) -> bytes:
@@ -99,12 +78,15 @@ class Engine:
         self.loaded = False  # whether the current job's payload was rebuilt (else its error is a rebuild error)
 
     def run(self, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
-        """Run one job's payload; write its saves to ``header["sinks"]``; the answer for the worker."""
+        """Run one job's payload; write its saves to ``header["sinks"]``; the answer for the worker: the report
+        vLLM engines post for a trace (:mod:`nnqueue.enginecore.trace_results`). Writing the result raises (the
+        worker fails the job with that error)."""
         from nnsight.intervention.errors import capture_exception
         from nnsight.tracing.util import clean_traceback
 
-        from nnqueue.enginecore.trace_results import snapshot, write_saves
+        from nnqueue.enginecore.trace_results import TRACE_RESULT, snapshot, write_saves
 
+        report: dict[str, Any] = {"kind": TRACE_RESULT, "objects": {}, "error": None, "load_failed": False}
         self.loaded = False
         try:
             saves = snapshot(self.execute(payload, header.get("env") or {}))  # copied before the weights go back
@@ -112,10 +94,12 @@ class Engine:
             # As a local trace re-raises it: the user's frames, not nnsight's (Tracer.__exit__).
             cleaned = clean_traceback(getattr(error, "__intervention_tb__", None) or error.__traceback__)
             setattr(error, "__intervention_tb__", cleaned)  # noqa: B010 - nnsight's attribute, not the class's
-            return {"objects": {}, "error": capture_exception(error), "load_failed": not self.loaded}
+            report.update(error=capture_exception(error), load_failed=not self.loaded)
+        else:
+            report["objects"] = write_saves(saves, header["sinks"])
         finally:
             self.restore_weights(header.get("job"))
-        return {"objects": write_saves(saves, header["sinks"]), "error": None, "load_failed": False}
+        return report
 
     def restore_weights(self, job: Any) -> None:
         """Put back what the job changed of the weights (its edits lasted for its own run only)."""
@@ -149,15 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-kwargs", default="{}")
     parser.add_argument("--stall-timeout-s", type=float, default=60.0)
     args = parser.parse_args(argv)
-    # First, while this process has one thread: no network but its own loopback (nnqueue.netns).
-    netns.isolate_if_asked()
+    protocol = child_process.open_protocol()
+    from nnqueue.enginecore import stall_watchdog  # imports nnsight: after open_protocol's single-threaded steps
 
-    # The protocol owns the original stdout; anything else printed (user code) goes to stderr.
-    protocol = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    from nnqueue.enginecore import lifetime, stall_watchdog
-
-    lifetime.exit_with_worker()
     engine = Engine(load_model(args.model, json.loads(args.model_kwargs)))
     # Only now, with the model loaded: no secret in the environment, the engine user when root, and
     # payloads unpickled and run in the protected environment (what vLLM's engine processes do).
@@ -166,26 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     import nnsight
 
     ready = {"nnsight": nnsight.__version__, "device": str(engine.model.device)}
-    write_frame(protocol, READY, json.dumps(ready).encode())
-    requests = sys.stdin.buffer
-    while (frame := read_frame(requests)) is not None:
-        kind, body = frame
-        if kind != JOB:
-            break
-        header, payload = split_job(body)
-        try:
-            answer = engine.run(header, payload)
-        except Exception as error:  # noqa: BLE001 - writing the result failed: the job fails with it
-            answer = {
-                "objects": {},
-                "error": {
-                    "type_name": "ResultWriteFailed",
-                    "message": f"{type(error).__name__}: {error}",
-                    "traceback": traceback.format_exc(),
-                    "is_control_flow": False,
-                },
-            }
-        write_frame(protocol, DONE, json.dumps(answer).encode())
+    child_process.serve(protocol, ready, lambda body: json.dumps(engine.run(*split_job(body))).encode())
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ malformed one fails its job at claim instead of reaching the engine. Loading use
 rebuilding, so it happens here too, never in the worker.
 
 Run as ``python -m nnqueue.engines.trace_builder --model M --engine-kwargs JSON``: it loads the meta model,
-writes a ready frame, then answers one request frame at a time on its stdin/stdout (see `main`): a raw
-payload is rebuilt (the answer is the prebuilt payload), a prebuilt one checked (the answer is empty). What the
-user's code prints goes to stderr (the worker's log), never into the protocol.
+then answers one request frame at a time (:mod:`nnqueue.enginecore.child_process`, which also starts and
+replaces builders for the worker): a raw payload is rebuilt (the answer is the prebuilt payload), a prebuilt
+one checked (the answer is empty), and a failure is answered with its error. What the user's code prints goes
+to stderr (the worker's log), never into the protocol.
 """
 
 from __future__ import annotations
@@ -31,19 +32,13 @@ import argparse
 import ast
 import json
 import linecache
-import os
-import sys
-import traceback
-from typing import Any, BinaryIO
+from typing import Any
 
-from nnqueue import netns, trace_payload
-from nnqueue.enginecore import protected
+from nnqueue import trace_payload
+from nnqueue.enginecore import child_process, protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 from nnqueue.errors import NNqueueError
-
-FRAME_HEADER = 8
-OK, FAILED, READY = 0, 1, 2
 
 
 class MediatorRejected(NNqueueError):
@@ -110,64 +105,27 @@ def load_meta_model(model: str, engine_kwargs: dict[str, Any]) -> Any:
     return meta
 
 
-def write_frame(out: BinaryIO, status: int, body: bytes) -> None:
-    out.write((len(body) + 1).to_bytes(FRAME_HEADER, "big") + bytes([status]) + body)
-    out.flush()
-
-
-def read_frame(source: BinaryIO) -> bytes | None:
-    """One frame's body from ``source``, or None at end of input."""
-    header = source.read(FRAME_HEADER)
-    if len(header) < FRAME_HEADER:
-        return None
-    size = int.from_bytes(header, "big")
-    body = source.read(size)
-    return body if len(body) == size else None
-
-
-def failure(error: BaseException) -> bytes:
-    return json.dumps(
-        {
-            "type_name": getattr(error, "type_name", type(error).__name__),
-            "message": str(error),
-            "traceback": "".join(traceback.format_exception(error)),
-        }
-    ).encode()
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="nnqueue's sandboxed trace builder (started by a worker)")
     parser.add_argument("--model", required=True)
     parser.add_argument("--engine-kwargs", default="{}")
     args = parser.parse_args(argv)
-    # First, while this process has one thread: no network but its own loopback (nnqueue.netns).
-    netns.isolate_if_asked()
-
-    # The protocol owns the original stdout; anything else printed (user code) goes to stderr.
-    protocol = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    from nnqueue.enginecore.lifetime import exit_with_worker
-
-    exit_with_worker()
+    protocol = child_process.open_protocol()
     model = load_meta_model(args.model, json.loads(args.engine_kwargs))
     # Only now, with the model read: no secret in the environment, the engine user when root, and
     # payloads unpickled and run in the protected environment.
     enter_child_sandbox()
     import nnsight
 
-    write_frame(protocol, READY, json.dumps({"nnsight": nnsight.__version__}).encode())
-    requests = sys.stdin.buffer
-    while (payload := read_frame(requests)) is not None:
-        try:
-            if payload.startswith(trace_payload.MAGIC):
-                check_prebuilt(model, payload)
-                built = b""
-            else:
-                built = build_prebuilt(model, payload)
-        except Exception as error:  # noqa: BLE001 - the build's error, whatever it is, goes to the worker
-            write_frame(protocol, FAILED, failure(error))
-        else:
-            write_frame(protocol, OK, built)
+    child_process.serve(protocol, {"nnsight": nnsight.__version__}, lambda payload: answer(model, payload))
+
+
+def answer(model: Any, payload: bytes) -> bytes:
+    """A request's answer: a raw payload's prebuilt one, or nothing for a prebuilt payload that passed its check."""
+    if payload.startswith(trace_payload.MAGIC):
+        check_prebuilt(model, payload)
+        return b""
+    return build_prebuilt(model, payload)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,8 @@ class ResultSinks:
         raises :class:`ResultNotWritten` when a file does not hold what was reported. A blocking call."""
         if "torch" not in written:
             raise ResultNotWritten("the engine reported no saves.pt")
+        if unknown := set(written) - set(sinks.specs):
+            raise ResultNotWritten(f"the engine reported {len(unknown)} object(s) it was given no sink for")
         digests = {
             name: self._upload(sinks.specs[name]["path"], sinks.keys[name], reported, name)
             for name, reported in written.items()

@@ -25,7 +25,8 @@ from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.platform import EngineVLLM
 from nnqueue.engines.prebuilt import to_requests
-from nnqueue.engines.trace_runner import TraceReport, abort_trace, run_trace
+from nnqueue.engines.trace_report import TraceReport
+from nnqueue.engines.trace_runner import abort_trace, run_trace
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend, two_invoke_payload

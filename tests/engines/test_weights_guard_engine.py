@@ -21,7 +21,8 @@ from nnsight.modeling.vllm import VLLM
 from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.prebuilt import to_requests
-from nnqueue.engines.trace_runner import TraceReport, run_trace
+from nnqueue.engines.trace_report import TraceReport
+from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine, running_engine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend

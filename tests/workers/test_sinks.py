@@ -72,6 +72,8 @@ def test_a_wrong_size_a_link_someone_elses_file_or_a_missing_file_is_not_committ
         sinks.commit(opened, {"torch": WrittenObject(6, five.sha256)})
     with pytest.raises(ResultNotWritten, match=r"no saves\.pt"):
         sinks.commit(opened, {})
+    with pytest.raises(ResultNotWritten, match=r"1 object\(s\) it was given no sink for"):
+        sinks.commit(opened, {"torch": 5, "../../elsewhere": 5})  # an engine's report names objects it was given
     secret = tmp_path / "secret"
     secret.write_bytes(b"root's")
     os.unlink(path)

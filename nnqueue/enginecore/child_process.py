@@ -1,0 +1,252 @@
+"""The worker's child processes that run users' code, and the frames they speak on their stdin and stdout.
+
+Two kinds of child run users' code outside the worker process, which holds the service's credentials: the
+trace builders (:mod:`nnqueue.engines.trace_builder`: raw nnsight payloads rebuilt against a meta model) and
+the transformers engine (:mod:`nnqueue.enginecore.transformers_engine`). Both are ``python -m <module>``,
+spawned fresh (never forked: no copy of the worker's heap comes along) with the worker's environment less its
+secrets (`scrubbed_environment`). A child first isolates itself (`open_protocol`: no network but its own
+loopback, :mod:`nnqueue.netns`), loads its model, then enters the sandbox
+(:func:`nnqueue.enginecore.sandbox.enter_child_sandbox`: no secret left, the engine user when the worker is
+root, the seccomp filter, the protected environment) and only then says it is ready (`serve`).
+
+Frames, both ways: an 8-byte big-endian length of what follows, a type byte, the body. The child writes
+``READY`` once (JSON describing it), then answers each ``REQUEST`` with ``OK`` (the answer) or ``FAILED`` (the
+request's error as JSON: type name, message, traceback). The protocol owns the child's original stdout; what
+user code prints goes to stderr, the worker's log.
+
+The worker's side is :class:`ChildPool`: up to ``size`` children, started on first use (or by
+:meth:`ChildPool.start`) and reused. What a child sends is untrusted: frames are bounded and error reports
+validated. A child that dies, breaks the protocol (a malformed frame, error report or answer) or whose
+request is cancelled (its job timed out or was cancelled: its user code may be stuck) is killed and never
+reused; so is one that died while idle. The next request starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, BinaryIO, TypeVar
+
+from nnqueue import isolation, netns
+from nnqueue.enginecore.lifetime import exit_with_worker
+from nnqueue.errors import NNqueueError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+FRAME_HEADER = 8
+OK, FAILED, READY, REQUEST = 0, 1, 2, 3
+READY_BYTES = 1 << 16
+MAX_REPORT_TEXT = 1 << 16
+STREAM_LIMIT = 1 << 20
+
+
+def frame(kind: int, body: bytes) -> bytes:
+    return (len(body) + 1).to_bytes(FRAME_HEADER, "big") + bytes([kind]) + body
+
+
+# The child's side.
+
+
+def write_frame(out: BinaryIO, kind: int, body: bytes) -> None:
+    out.write(frame(kind, body))
+    out.flush()
+
+
+def read_frame(source: BinaryIO) -> tuple[int, bytes] | None:
+    """One frame's type and body from ``source``, or None at the end of input."""
+    header = source.read(FRAME_HEADER)
+    if len(header) < FRAME_HEADER:
+        return None
+    size = int.from_bytes(header, "big")
+    body = source.read(size)
+    if len(body) != size or size < 1:
+        return None
+    return body[0], body[1:]
+
+
+def open_protocol() -> BinaryIO:
+    """What a child does first, while it has one thread: no network but its own loopback (:mod:`nnqueue.netns`),
+    the original stdout kept for the protocol (returned) and stdout pointed at stderr, exit with the worker."""
+    netns.isolate_if_asked()
+    protocol = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    exit_with_worker()
+    return protocol
+
+
+def serve(protocol: BinaryIO, ready: dict[str, Any], handle: Callable[[bytes], bytes]) -> None:
+    """Say the child is ready (``ready`` describes it, in the worker's log), then answer request frames from stdin
+    until it closes: ``handle``'s answer, or the report of what it raised. Call it inside the sandbox."""
+    write_frame(protocol, READY, json.dumps(ready).encode())
+    requests = sys.stdin.buffer
+    while (request := read_frame(requests)) is not None:
+        kind, body = request
+        if kind != REQUEST:
+            break
+        try:
+            answer = handle(body)
+        except Exception as error:  # noqa: BLE001 - the request's error, whatever it is, goes to the worker
+            write_frame(protocol, FAILED, error_report(error))
+        else:
+            write_frame(protocol, OK, answer)
+
+
+def error_report(error: BaseException) -> bytes:
+    """A ``FAILED`` frame's body: the error's type name (its ``type_name`` when it names another), message and
+    traceback."""
+    return json.dumps(
+        {
+            "type_name": getattr(error, "type_name", type(error).__name__),
+            "message": str(error),
+            "traceback": "".join(traceback.format_exception(error)),
+        }
+    ).encode()
+
+
+# The worker's side.
+
+
+@dataclass
+class ChildError(NNqueueError):
+    """The error a child reported for one request (the child lives on)."""
+
+    type_name: str
+    message: str
+    traceback: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message}"
+
+
+class ChildFailed(NNqueueError):
+    """A child could not start (``started`` False), or died or broke the protocol during a request."""
+
+    def __init__(self, message: str, started: bool = True) -> None:
+        super().__init__(message)
+        self.started = started
+
+
+def scrubbed_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A child's environment: the worker's, without its credentials (:mod:`nnqueue.isolation`'s patterns,
+    ``NNQUEUE_SECRET_ENV_PATTERNS`` included). The child then enters the sandbox itself."""
+    environ = dict(os.environ if environ is None else environ)
+    return isolation.without_secrets(environ, environ.get(isolation.EXTRA_SECRETS_ENV, "").split(","))
+
+
+class ChildPool:
+    """Up to ``size`` children running ``command`` (``[sys.executable, "-m", ...]``), named ``name`` in messages;
+    use it on one event loop only."""
+
+    def __init__(
+        self, name: str, command: list[str], size: int, *, ready_timeout_s: float, max_answer_bytes: int
+    ) -> None:
+        self.name, self.command = name, command
+        self.ready_timeout_s, self.max_answer_bytes = ready_timeout_s, max_answer_bytes
+        self._slots = asyncio.Semaphore(size)
+        self._idle: list[asyncio.subprocess.Process] = []
+        self._all: set[asyncio.subprocess.Process] = set()
+
+    async def start(self) -> None:
+        """Start a child now (rather than at the first request) and wait until it is ready."""
+        async with self._slots:
+            if (child := self._take_idle()) is None:
+                child = await self._spawn()
+            self._idle.append(child)
+
+    async def call(self, request: bytes, doing: str, read: Callable[[bytes], T]) -> T:
+        """``read`` of a child's answer to ``request``. Raises :class:`ChildError` with the error the child
+        reported, :class:`ChildFailed` when it did not start, died, or broke the protocol (``read`` raising
+        ``ValueError`` included: the answer is malformed); ``doing`` ("while ...") says when, in the message."""
+        async with self._slots:
+            child = self._take_idle() or await self._spawn()
+            stdin, stdout = child.stdin, child.stdout
+            assert stdin is not None and stdout is not None
+            try:
+                stdin.write(frame(REQUEST, request))
+                await stdin.drain()
+                kind, answer = await _read_frame(stdout, self.max_answer_bytes)
+                if kind not in (OK, FAILED):
+                    raise ValueError(f"a frame of type {kind}")
+                outcome = read(answer) if kind == OK else _reported_error(answer)
+            except BaseException as error:
+                code = await self._stop(child)
+                if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
+                    raise ChildFailed(f"the {self.name} process died {doing} (exit code {code})") from None
+                if isinstance(error, ValueError):
+                    raise ChildFailed(f"the {self.name} process broke the protocol {doing} ({error})") from None
+                raise  # cancelled: the job timed out or was cancelled
+            self._idle.append(child)
+            if isinstance(outcome, ChildError):
+                raise outcome
+            return outcome
+
+    async def close(self) -> None:
+        for child in list(self._all):
+            await self._stop(child)
+        self._idle.clear()
+
+    def _take_idle(self) -> asyncio.subprocess.Process | None:
+        """An idle child that is still alive (one that died idle is dropped)."""
+        while self._idle:
+            child = self._idle.pop()
+            if child.returncode is None:
+                return child
+            self._all.discard(child)
+            log.warning("the %s process %d died while idle (exit code %s)", self.name, child.pid, child.returncode)
+        return None
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        child = await asyncio.create_subprocess_exec(
+            *self.command,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=scrubbed_environment(),
+            limit=STREAM_LIMIT,
+        )
+        self._all.add(child)
+        assert child.stdout is not None
+        try:
+            kind, body = await asyncio.wait_for(_read_frame(child.stdout, READY_BYTES), self.ready_timeout_s)
+            if kind != READY:
+                raise ValueError(f"a frame of type {kind}")
+        except BaseException as error:
+            await self._stop(child)
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            raise ChildFailed(f"the {self.name} process did not start: {error!r}", started=False) from None
+        log.info("%s process %d ready (%s)", self.name, child.pid, body.decode(errors="replace"))
+        return child
+
+    async def _stop(self, child: asyncio.subprocess.Process) -> int:
+        """Kill ``child`` (if it still runs) and wait for it; its exit code."""
+        self._all.discard(child)
+        if child.returncode is None:
+            child.kill()
+        return await child.wait()
+
+
+async def _read_frame(stream: asyncio.StreamReader, limit: int) -> tuple[int, bytes]:
+    """A frame's type and body, the body at most ``limit`` bytes; ``ValueError`` for a larger one."""
+    size = int.from_bytes(await stream.readexactly(FRAME_HEADER), "big")
+    if not 1 <= size <= limit + 1:
+        raise ValueError(f"a frame of {size} bytes")
+    body = await stream.readexactly(size)
+    return body[0], body[1:]
+
+
+def _reported_error(body: bytes) -> ChildError:
+    """A ``FAILED`` frame's report (untrusted JSON); ``ValueError`` when it is malformed."""
+    raw = json.loads(body)
+    fields = [raw.get(name) for name in ("type_name", "message", "traceback")] if isinstance(raw, dict) else []
+    texts = [value[:MAX_REPORT_TEXT] for value in fields if isinstance(value, str)]
+    if len(texts) != 3:
+        raise ValueError("a malformed error report")
+    type_name, message, trace = texts
+    return ChildError(type_name[:200], message, trace)

@@ -1,0 +1,156 @@
+"""The child-process pool and its frames (nnqueue.enginecore.child_process), with real child processes: what both
+the trace builders and the transformers engine rely on. Each child here serves a small handler through the
+module's own `serve`; what it does on a request is named by the request."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from nnqueue.enginecore.child_process import ChildError, ChildFailed, ChildPool
+
+# The child: reports its environment and pid, echoes, raises, exits, hangs or breaks the protocol on request.
+CHILD = """
+import json, os, sys, time
+from nnqueue.enginecore import child_process
+
+def handle(request):
+    if request == b"env":
+        return json.dumps(dict(os.environ)).encode()
+    if request == b"pid":
+        return str(os.getpid()).encode()
+    if request == b"raise":
+        raise KeyError("no such thing")
+    if request == b"exit":
+        os._exit(7)
+    if request == b"hang":
+        time.sleep(600)
+    if request == b"garbage":
+        os.write(protocol.fileno(), b"not a frame at all")
+        time.sleep(600)
+    if request == b"big":
+        return b"x" * (2 << 20)
+    return b"echo:" + request
+
+protocol = child_process.open_protocol()
+print("user code's print goes to stderr")
+child_process.serve(protocol, {"child": "test"}, handle)
+"""
+
+
+@pytest.fixture()
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+def pool(size: int = 1, command: list[str] | None = None) -> ChildPool:
+    return ChildPool(
+        "test child", command or [sys.executable, "-c", CHILD], size, ready_timeout_s=60, max_answer_bytes=1 << 20
+    )
+
+
+def test_answers_errors_and_deaths_each_have_their_outcome(loop: asyncio.AbstractEventLoop) -> None:
+    children = pool()
+
+    async def scenario() -> None:
+        first = int(await children.call(b"pid", "while testing", bytes))
+        assert await children.call(b"hello", "while testing", bytes) == b"echo:hello"  # print() did not break it
+        with pytest.raises(ChildError) as reported:
+            await children.call(b"raise", "while testing", bytes)
+        assert reported.value.type_name == "KeyError" and "no such thing" in reported.value.message
+        assert "handle" in reported.value.traceback
+        assert int(await children.call(b"pid", "while testing", bytes)) == first  # an error keeps the child
+        with pytest.raises(ChildFailed, match=r"the test child process died while testing \(exit code 7\)"):
+            await children.call(b"exit", "while testing", bytes)
+        assert int(await children.call(b"pid", "while testing", bytes)) != first  # replaced
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_child_that_breaks_the_protocol_is_killed_and_replaced(loop: asyncio.AbstractEventLoop) -> None:
+    children = pool()
+
+    async def scenario() -> None:
+        first = int(await children.call(b"pid", "while testing", bytes))
+        with pytest.raises(ChildFailed, match="broke the protocol while testing"):
+            await children.call(b"garbage", "while testing", bytes)
+        with pytest.raises(ChildFailed, match="broke the protocol"):
+            await children.call(b"big", "while testing", bytes)  # over max_answer_bytes
+        with pytest.raises(ChildFailed, match="broke the protocol"):
+            await children.call(b"hello", "while testing", lambda answer: int(answer))  # read refuses the answer
+        assert int(await children.call(b"pid", "while testing", bytes)) not in (first, 0)
+        await children.close()
+        with pytest.raises(ProcessLookupError):
+            os.kill(first, 0)
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_cancelled_request_kills_its_child(loop: asyncio.AbstractEventLoop) -> None:
+    children = pool()
+
+    async def scenario() -> None:
+        pid = int(await children.call(b"pid", "while testing", bytes))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(children.call(b"hang", "while testing", bytes), 1)
+        with pytest.raises(ProcessLookupError):  # killed and reaped, not left to hang
+            os.kill(pid, 0)
+        assert int(await children.call(b"pid", "while testing", bytes)) != pid
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_child_that_died_idle_is_replaced_before_the_next_request(loop: asyncio.AbstractEventLoop) -> None:
+    children = pool()
+
+    async def scenario() -> None:
+        await children.start()
+        pid = int(await children.call(b"pid", "while testing", bytes))
+        os.kill(pid, 9)
+        await asyncio.sleep(0.5)  # asyncio's child watcher sees it exit
+        assert int(await children.call(b"pid", "while testing", bytes)) != pid  # no failed request
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_children_get_no_secrets_and_run_concurrently(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NNQUEUE_DATABASE_URL", "postgresql://secret")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    monkeypatch.setenv("NNQUEUE_SECRET_ENV_PATTERNS", "MY_TOKEN_*")
+    monkeypatch.setenv("MY_TOKEN_A", "secret")
+    monkeypatch.setenv("NNQUEUE_HARMLESS", "kept")
+    children = pool(size=2)
+
+    async def scenario() -> None:
+        import json
+
+        environ = json.loads(await children.call(b"env", "while testing", bytes))
+        assert environ["NNQUEUE_HARMLESS"] == "kept"
+        assert not {"NNQUEUE_DATABASE_URL", "AWS_SECRET_ACCESS_KEY", "MY_TOKEN_A"} & set(environ)
+        pids = await asyncio.gather(*(children.call(b"pid", "while testing", bytes) for _ in range(2)))
+        assert len(set(pids)) == 2  # two requests at once: two children
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_child_that_does_not_start_says_so(loop: asyncio.AbstractEventLoop) -> None:
+    children = pool(command=[sys.executable, "-c", "import sys; sys.exit(4)"])
+
+    async def scenario() -> None:
+        with pytest.raises(ChildFailed, match="the test child process did not start") as failed:
+            await children.call(b"pid", "while testing", bytes)
+        assert not failed.value.started
+
+    loop.run_until_complete(scenario())
