@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from nnqueue.enginecore import sink
-from nnqueue.engines.trace_runner import WrittenObject
+from nnqueue.engines.trace_report import WrittenObject
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.object_store import Digest
 from nnqueue.workers.sinks import ResultSinks

@@ -89,7 +89,7 @@ async def harvest(
     the chunk's slot (as a bulk slot holds a chunk until its shard is stored); else the engine writes it to
     ``out_dir``."""
     from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
-    from nnqueue.engines.trace_runner import WrittenObject
+    from nnqueue.engines.trace_report import WrittenObject
 
     slots = asyncio.Semaphore(chunks_in_flight)
     tag = uuid.uuid4().hex[:8]

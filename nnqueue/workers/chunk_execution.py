@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue import metrics
 from nnqueue.db.models import Harvest, HarvestChunk
 from nnqueue.engines.harvest_runner import ChunkWork, run_chunk
-from nnqueue.engines.trace_runner import WrittenObject
+from nnqueue.engines.trace_report import WrittenObject
 from nnqueue.scheduler.chunks import (
     ChunkOutput,
     all_chunks_completed,

@@ -29,8 +29,8 @@ from nnqueue.engines.trace_report import TraceReport
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultSinks
-from nnqueue.workers.trace_jobs import load_job_payload, rebuild_message, run_and_commit
 from nnqueue.workers.steer_execution import execute_steering
+from nnqueue.workers.trace_jobs import load_job_payload, rebuild_message, run_and_commit
 
 try:  # vLLM's checks of a request raise these (0.32); older vLLM (0.24 on the GPU) raises ValueError
     from vllm.exceptions import VLLMClientError as RequestRefused

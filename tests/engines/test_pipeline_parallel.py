@@ -23,7 +23,8 @@ from nnqueue import trace_payload
 from nnqueue.engines.harvest_runner import ChunkWork, HarvestError, capture_points, run_chunk
 from nnqueue.engines.outbox import poller
 from nnqueue.engines.prebuilt import to_requests
-from nnqueue.engines.trace_runner import TraceReport, run_trace
+from nnqueue.engines.trace_report import TraceReport
+from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import SELECTIONS, Capture, batched, load, run, work
 from tests.utils.engines import InProcessEngine, running_engine

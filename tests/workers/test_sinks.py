@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nnqueue.enginecore import sink
-from nnqueue.engines.trace_runner import WrittenObject
+from nnqueue.engines.trace_report import WrittenObject
 from nnqueue.settings import S3Settings
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.object_store import ObjectStore
