@@ -391,6 +391,15 @@ class Queue:
         root = self.settings.resolved_store_dir / "results"
         return pt, sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
 
+    def failure(self, job_id: uuid.UUID) -> tuple[Any, ...]:
+        """A job's status, error type and message (the first 2,000 characters)."""
+        from nnqueue.db.models import Job
+
+        with self.sessions() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            return job.status.value, job.error_type, (job.error_message or "")[:2000]
+
     def load(self, job_id: uuid.UUID) -> dict[str, Any]:
         from nnqueue.db.models import Job
         from nnqueue.storage.results import load_result
@@ -1080,7 +1089,9 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         )
     ]
     job_ids = queue.submit([check_trace(client, ids, CHECK_LAYER, PrebuiltBackend()).payload for ids in prompts])
-    assert queue.run(host, job_ids, len(job_ids)) == ["completed"] * len(job_ids)
+    outcomes = queue.run(host, job_ids, len(job_ids))
+    if outcomes != ["completed"] * len(job_ids):
+        raise AssertionError(f"check jobs did not complete: {[queue.failure(j) for j in job_ids]}")
     saved = [queue.load(j) for j in job_ids]
     report: dict[str, Any] = {"weights": args.weights, "layer": CHECK_LAYER, "lengths": CHECK_LENGTHS, "tp": args.tp}
     report["pp"] = args.pp

@@ -296,7 +296,7 @@ def versus_bounds(report: dict[str, Any], raw_tok_s: float) -> dict[str, float]:
     four-layer target)."""
     tokens = report["prompts"] * report["tokens_per_prompt"]
     bounds = {}
-    store_mb_s = min(report["sink_write_MB_s"], report.get("store_put_MB_s", float("inf")))
+    store_mb_s = min(report.get("sink_write_MB_s", float("inf")), report.get("store_put_MB_s", float("inf")))
     for name, row in report["rows"].items():
         if "shard_bytes" in row:
             store_tok_s = store_mb_s * 1e6 / (row["shard_bytes"] / tokens)

@@ -225,7 +225,8 @@ def checks(args: argparse.Namespace, host: Any, engine: Any, client: Any, prompt
     with client.trace(ids, temperature=0.0, max_tokens=steps, ignore_eos=True, backend=backend) as tracer:
         logits = nnsight.save(list())
         for _ in tracer.iter[:]:
-            client.model.layers[layer].output[0][:] += COEFFICIENT * vec
+            hidden = client.model.layers[layer].output[0]
+            hidden[:] += COEFFICIENT * vec.to(hidden.device)  # the payload's tensors arrive on the CPU
             logits.append(client.logits)
     handoff = Path(tempfile.mkdtemp(prefix="steer-check-"))
     sinks = {name: {"kind": "handoff", "path": str(handoff / name)} for name in ("torch", "safetensors")}
