@@ -210,7 +210,12 @@ def engine_writable_dir(prefix: str, user: str | None = None, parent: Path | Non
     can write after dropping to the engine user (owned by it when this process is root) and this process
     can read."""
     directory = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    account = engine_user(user) if os.geteuid() == 0 else None
+    account = None
+    if os.geteuid() == 0:
+        try:
+            account = engine_user(user)
+        except ValueError:  # no such account (a library use, not a worker, which creates it): the engine keeps root
+            account = None
     if account is not None:
         os.chown(directory, account.uid, account.gid)
     return directory
