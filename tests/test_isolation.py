@@ -294,3 +294,14 @@ def test_secrets_are_blanked_in_the_environment_block_proc_shows() -> None:
     assert done.returncode == 0, done.stderr
     assert "'MY_TOKEN', 'NNQUEUE_DATABASE_URL'" in done.stdout
     assert done.stdout.strip().endswith("False False True")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a handoff folder is chowned only by a root process")
+def test_a_handoff_folder_where_the_engine_account_does_not_exist_is_the_roots_own(tmp_path: Path) -> None:
+    """Outside a worker (which creates the account) a root process whose engine keeps root still gets its folder."""
+    from nnqueue.isolation import engine_writable_dir
+
+    directory = engine_writable_dir("handoff-", user="nnqueue-no-such-account", parent=tmp_path)
+    assert directory.parent == tmp_path
+    assert directory.stat().st_uid == 0
+    assert directory.stat().st_mode & 0o777 == 0o700
