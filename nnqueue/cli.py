@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,8 @@ def worker(
         served = settings.engine_taps if taps is None else [tap.strip() for tap in taps.split(",") if tap.strip()]
         if served:
             engine_kwargs["taps"] = served
+            # Steering hooks must exist before vLLM records its graphs: hook the taps at load (see steering.py)
+            os.environ.setdefault("NNQUEUE_STEER_POINTS", ",".join(served))
     try:
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
     except (EngineConflict, EngineUserError, UnservableTaps) as conflict:

@@ -31,10 +31,11 @@ load); an eager engine (nnqueue's default) installs them on first use.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -213,7 +214,7 @@ class Steering:
     def preinstall(self, names: list[str]) -> None:
         """Hook these points now (``module`` for its output, or ``module.input`` / ``module.output``), before vLLM
         records its CUDA graphs: a graph replays only the hooks that ran while it was recorded."""
-        for name in filter(None, (n.strip() for n in names)):
+        for name in self._expand(filter(None, (n.strip() for n in names))):
             module, _, suffix = name.rpartition(".")
             io: IO = "input" if suffix == "input" else "output"
             if suffix not in ("input", "output"):
@@ -221,6 +222,17 @@ class Steering:
             capture_points.check_against([Capture(module, io)], self.points)
             with self.lock:
                 self._state(module, io, None)
+
+    def _expand(self, names: Iterable[str]) -> list[str]:
+        """Names as given, and patterns (a worker's taps, ``model.layers.*.output``) as the points they match."""
+        offered = [f"{p['module']}.{p['io']}" for p in self.points]
+        expanded: list[str] = []
+        for name in names:
+            matches = fnmatch.filter(offered, name) if any(c in name for c in "*?[") else [name]
+            if not matches:
+                raise SpecError(f"{name} matches none of the engine's capture points")
+            expanded += matches
+        return expanded
 
     def _point(self, edit: Edit) -> PointState:
         if edit.vector is not None and self.widths.get(edit.point) is None:
