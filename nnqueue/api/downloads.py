@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi import HTTPException, status
-from fastapi.responses import StreamingResponse
+from fastapi.responses import RedirectResponse, StreamingResponse
 
-from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
+from nnqueue.storage.object_store import ObjectNotFound, ObjectStore, PresignUnsupported
 
 STREAM_CHUNK = 1 << 20
 
@@ -26,6 +26,27 @@ def digest_headers(sha256: str | None) -> dict[str, str]:
         return {}
     encoded = base64.b64encode(bytes.fromhex(sha256)).decode()
     return {"Digest": f"sha-256={encoded}", "Repr-Digest": f"sha-256=:{encoded}:"}
+
+
+def object_response(
+    store: ObjectStore,
+    key: str,
+    expiry_s: int,
+    *,
+    filename: str,
+    sha256: str | None,
+    inline: bool,
+    what: str = "the result",
+) -> StreamingResponse | RedirectResponse:
+    """A redirect to the object's presigned URL (valid ``expiry_s``) with its digest headers, or its bytes
+    (`stream_object`) when ``inline`` or the store cannot presign (a local store)."""
+    if not inline:
+        try:
+            url = store.presigned_get_url(key, expiry_s)
+            return RedirectResponse(url, status_code=status.HTTP_302_FOUND, headers=digest_headers(sha256))
+        except PresignUnsupported:
+            pass
+    return stream_object(store, key, filename=filename, what=what, sha256=sha256)
 
 
 def stream_object(

@@ -18,42 +18,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from nnqueue.client.errors import APIError, HarvestFailed, IntegrityError
+from nnqueue.client.resource import Resource
 from nnqueue.client.transport import Transport
-from nnqueue.client.waiting import TERMINAL, wait_until_ended
+from nnqueue.client.waiting import wait_until_ended
 
 CHUNK_SIZE = 1 << 20
 MANIFEST = "manifest.json"
 
 
-class Harvest:
-    """One harvest. ``info`` is the API's last answer about it; `refresh` updates it."""
+class Harvest(Resource):
+    """One harvest. ``info`` is the API's last answer about it; `refresh` updates it; `cancel`: queued chunks
+    never run, running ones are aborted."""
+
+    PATH = "/v1/harvests"
 
     def __init__(self, transport: Transport, info: dict[str, Any], console: Console) -> None:
-        self.transport, self.info, self.console = transport, info, console
-
-    @property
-    def id(self) -> str:
-        return str(self.info["id"])
-
-    @property
-    def status(self) -> str:
-        return str(self.info.get("status"))
-
-    @property
-    def done(self) -> bool:
-        return self.status in TERMINAL
-
-    def __repr__(self) -> str:
-        return f"<Harvest {self.id} {self.status} model={self.info.get('model_key')!r}>"
-
-    def refresh(self) -> Harvest:
-        self.info = self.transport.get_json(f"/v1/harvests/{self.id}")
-        return self
-
-    def cancel(self) -> Harvest:
-        """Cancel it: queued chunks never run, running ones are aborted."""
-        self.info = self.transport.request("POST", f"/v1/harvests/{self.id}/cancel").json()
-        return self
+        super().__init__(transport, info)
+        self.console = console
 
     def wait(
         self, timeout: float | None = None, progress: bool = True, *, poll_interval: float | None = None

@@ -13,40 +13,16 @@ import json
 from typing import Any
 
 from nnqueue.client.errors import IntegrityError, SteeringFailed
-from nnqueue.client.transport import Transport
-from nnqueue.client.waiting import TERMINAL, wait_until_ended
+from nnqueue.client.resource import Resource
+from nnqueue.client.waiting import wait_until_ended
 
 RESULT_FORMAT = "nnqueue-steer-result/1"
 
 
-class Steering:
+class Steering(Resource):
     """One steering job. ``info`` is the API's last answer about it (a job's fields); `refresh` updates it."""
 
-    def __init__(self, transport: Transport, info: dict[str, Any]) -> None:
-        self.transport, self.info = transport, info
-
-    @property
-    def id(self) -> str:
-        return str(self.info["id"])
-
-    @property
-    def status(self) -> str:
-        return str(self.info.get("status"))
-
-    @property
-    def done(self) -> bool:
-        return self.status in TERMINAL
-
-    def __repr__(self) -> str:
-        return f"<Steering {self.id} {self.status} model={self.info.get('model_key')!r}>"
-
-    def refresh(self) -> Steering:
-        self.info = self.transport.get_json(f"/v1/steering/{self.id}")
-        return self
-
-    def cancel(self) -> Steering:
-        self.info = self.transport.request("POST", f"/v1/steering/{self.id}/cancel").json()
-        return self
+    PATH = "/v1/steering"
 
     def wait(self, timeout: float | None = None, *, poll_interval: float | None = None) -> Steering:
         """Poll until it ends; returns it once COMPLETED, raises :class:`SteeringFailed` (failed or cancelled) or

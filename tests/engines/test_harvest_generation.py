@@ -26,8 +26,8 @@ from nnqueue.engines.outbox import poller
 from nnqueue.engines.prebuilt import to_requests
 from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
-from tests.engines.test_harvest_runner import batched, load, run, stats
-from tests.utils.engines import InProcessEngine, running_engine
+from tests.engines.test_harvest_runner import batched, load, stats
+from tests.utils.engines import InProcessEngine, run, running_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 

@@ -35,7 +35,7 @@ from nnqueue.engines.outbox import poller
 from nnqueue.engines.prebuilt import to_requests
 from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
-from tests.utils.engines import InProcessEngine, running_engine
+from tests.utils.engines import InProcessEngine, run, running_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
@@ -66,13 +66,6 @@ SELECTIONS = {
     "mean_skip6": Selection("mean", skip=6),
     "positions_skip3": Selection("positions", positions=(0, 2, -1, -6, 30), skip=3),
 }
-
-
-def run(engine: InProcessEngine, awaitable: Awaitable[T]) -> T:
-    async def wrap() -> T:
-        return await awaitable
-
-    return engine.run(wrap())
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ run makes them.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import nnsight
@@ -23,20 +22,13 @@ from nnqueue.engines.steer_runner import Edit, Sampling, SteerError, SteerWork, 
 from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import batched
-from tests.utils.engines import InProcessEngine
+from tests.utils.engines import InProcessEngine, run
 from tests.utils.payloads import PrebuiltBackend
 
 T = TypeVar("T")
 STEPS = 6
 COEF = 4.0
 WIDTH = 128  # the tiny model's hidden size
-
-
-def run(engine: InProcessEngine, awaitable: Awaitable[T]) -> T:
-    async def wrap() -> T:
-        return await awaitable
-
-    return engine.run(wrap())
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Iterator
+from collections.abc import Awaitable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,15 @@ class InProcessEngine:
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self.host.call(coroutine)
+
+
+def run(engine: InProcessEngine, awaitable: Awaitable[T]) -> T:
+    """``awaitable`` (a coroutine, a future, vLLM's ``collective_rpc``) awaited on ``engine``'s loop."""
+
+    async def wrap() -> T:
+        return await awaitable
+
+    return engine.run(wrap())
 
 
 @contextmanager

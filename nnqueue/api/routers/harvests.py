@@ -16,7 +16,7 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, File, Form, HTTPException, Path, Query, UploadFile, status
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -31,7 +31,7 @@ from nnqueue.api.deps import (
     SettingsDep,
     StoreDep,
 )
-from nnqueue.api.downloads import digest_headers, stream_object
+from nnqueue.api.downloads import object_response
 from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import HarvestListResponse, HarvestResponse, ShardFile, ShardList, parse_spec_field
@@ -228,13 +228,10 @@ def shard(
     sha256 = session.scalar(
         select(HarvestChunk.sha256).where(HarvestChunk.harvest_id == harvest.id, HarvestChunk.index == index)
     )
-    if not inline:
-        try:
-            url = store.presigned_get_url(key, settings.result_url_expiry_s)
-            return RedirectResponse(url, status.HTTP_302_FOUND, headers=digest_headers(sha256))
-        except PresignUnsupported:
-            pass
-    return stream_object(store, key, filename=shard_name(index), what="the shard", sha256=sha256)
+    expiry_s = settings.result_url_expiry_s
+    return object_response(
+        store, key, expiry_s, filename=shard_name(index), sha256=sha256, inline=inline, what="the shard"
+    )
 
 
 def _completed(session: Session, harvest_id: uuid.UUID, caller: Caller) -> Harvest:

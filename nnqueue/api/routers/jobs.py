@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, status
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import trace_payload
 from nnqueue.api.deps import (
@@ -29,7 +30,7 @@ from nnqueue.api.deps import (
     StoreDep,
     check_scope,
 )
-from nnqueue.api.downloads import digest_headers, stream_object
+from nnqueue.api.downloads import object_response
 from nnqueue.api.job_body import OPENAPI_BODY, Submission, read_submission
 from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
@@ -44,7 +45,7 @@ from nnqueue.scheduler.submission import accept_job, queue_job
 from nnqueue.scheduler.weights import waiting_reason
 from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
-from nnqueue.storage.object_store import ObjectStore, PresignUnsupported
+from nnqueue.storage.object_store import ObjectStore
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ReleasingRoute)
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such job, or another owner's."}}
@@ -159,10 +160,15 @@ def get_job(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, settings:
 def cancel(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, sessions: SessionsDep) -> JobResponse:
     """Cancel a queued or running job (a running one is aborted by its worker within a heartbeat)."""
     owned_or_404(session, Job, job_id, caller)
+    return cancel_response(sessions, job_id, caller.owner, "job")
+
+
+def cancel_response(sessions: sessionmaker[Session], job_id: uuid.UUID, by: str, noun: str) -> JobResponse:
+    """Cancel the caller's job (a trace, or a steering job: ``noun`` names it in the 409 when it has ended)."""
     try:
-        job = cancel_job(sessions, job_id, by=caller.owner)
+        job = cancel_job(sessions, job_id, by=by)
     except InvalidTransition as refused:
-        detail = f"job {job_id} is {refused.current.value}; only queued or running jobs can be cancelled"
+        detail = f"{noun} {job_id} is {refused.current.value}; only queued or running jobs can be cancelled"
         raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
     return JobResponse.of(job, None)
 
@@ -212,15 +218,9 @@ def result_response(
     (:func:`nnqueue.api.downloads.digest_headers`); 409 or 410 when there is none."""
     key = _result_object(job, format)
     sha256 = job.result_sha256 if format == "torch" else job.result_safetensors_sha256
-    if not inline:
-        try:
-            url = store.presigned_get_url(key, settings.result_url_expiry_s)
-            return RedirectResponse(url, status_code=status.HTTP_302_FOUND, headers=digest_headers(sha256))
-        except PresignUnsupported:
-            pass  # a local store: stream it ourselves
     suffix = "json" if job.result_format == "json" else "pt" if format == "torch" else "safetensors"  # json: steering
     filename = f"{job.id}.{suffix}"
-    return stream_object(store, key, filename=filename, sha256=sha256)
+    return object_response(store, key, settings.result_url_expiry_s, filename=filename, sha256=sha256, inline=inline)
 
 
 def _require_trace(data: bytes) -> None:

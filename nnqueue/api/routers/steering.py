@@ -21,20 +21,18 @@ from fastapi.responses import RedirectResponse, StreamingResponse
 from sqlalchemy import select
 
 from nnqueue.api.deps import HarvestCallerDep, HarvestReaderDep, ResourcesDep, SessionDep, SessionsDep
-from nnqueue.api.downloads import digest_headers, stream_object
+from nnqueue.api.downloads import object_response
 from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.refusals import refusals_as_http
+from nnqueue.api.routers.jobs import cancel_response
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import JobListResponse, JobResponse, parse_spec_field
-from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
-from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.harvest_dataset import Limits
 from nnqueue.scheduler.harvest_spec import HarvestRejected
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.steering import SteerSpec, SteerSubmission, accept_steering
 from nnqueue.scheduler.submission import queue_job
-from nnqueue.storage.object_store import PresignUnsupported
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"], route_class=ReleasingRoute)
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such steering job, or another owner's."}}
@@ -115,12 +113,7 @@ def get_steering(job_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDe
 def cancel(job_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, sessions: SessionsDep) -> JobResponse:
     """Cancel a queued or running steering job (a running one's requests are aborted within a heartbeat)."""
     _steering(session, job_id, caller)
-    try:
-        job = cancel_job(sessions, job_id, by=caller.owner)
-    except InvalidTransition as refused:
-        detail = f"steering job {job_id} is {refused.current.value}; only queued or running jobs can be cancelled"
-        raise HTTPException(status.HTTP_409_CONFLICT, detail) from None
-    return JobResponse.of(job, None)
+    return cancel_response(sessions, job_id, caller.owner, "steering job")
 
 
 @router.get(
@@ -145,13 +138,9 @@ def download_result(
         raise HTTPException(status.HTTP_409_CONFLICT, f"steering job {job_id} is {job.status.value}; no result yet")
     if job.purged_at is not None:
         raise HTTPException(status.HTTP_410_GONE, f"the result of steering job {job_id} was deleted")
-    if not inline:
-        try:
-            url = resources.store.presigned_get_url(job.result_key, resources.settings.result_url_expiry_s)
-            return RedirectResponse(url, status_code=status.HTTP_302_FOUND, headers=digest_headers(job.result_sha256))
-        except PresignUnsupported:
-            pass
-    return stream_object(resources.store, job.result_key, filename=f"{job.id}.json", sha256=job.result_sha256)
+    expiry_s = resources.settings.result_url_expiry_s
+    filename, sha256 = f"{job.id}.json", job.result_sha256
+    return object_response(resources.store, job.result_key, expiry_s, filename=filename, sha256=sha256, inline=inline)
 
 
 def _steering(session: Any, job_id: uuid.UUID, caller: Any) -> Job:
