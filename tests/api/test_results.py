@@ -85,7 +85,10 @@ def wait_ended(api: Api, headers: dict[str, str], job_id: str, timeout: float = 
 
 def test_models_shows_the_running_worker(api: Api, worker: WorkerProcess, alice: dict[str, str]) -> None:
     models = api.http.get("/v1/models", headers=alice).json()["models"]
-    assert models == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4, "engine": "vllm"}]
+    (versions,) = [model.pop("weights_versions") for model in models]
+    assert models == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4, "engine": "vllm", "taps": None}]
+    (version,) = versions  # the checkpoint's base version, served by the one worker
+    assert version.startswith("base-") and versions[version] == 1
 
 
 def test_the_presigned_download_equals_an_in_process_run(
