@@ -1091,7 +1091,9 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     job_ids = queue.submit([check_trace(client, ids, CHECK_LAYER, PrebuiltBackend()).payload for ids in prompts])
     outcomes = queue.run(host, job_ids, len(job_ids))
     if outcomes != ["completed"] * len(job_ids):
-        raise AssertionError(f"check jobs did not complete: {[queue.failure(j) for j in job_ids]}")
+        failures = [queue.failure(j) for j in job_ids]
+        stop(host, engine)  # a clean shutdown: a worker that dies after this died of the jobs, not of the exit
+        raise AssertionError(f"check jobs did not complete: {failures}")
     saved = [queue.load(j) for j in job_ids]
     report: dict[str, Any] = {"weights": args.weights, "layer": CHECK_LAYER, "lengths": CHECK_LENGTHS, "tp": args.tp}
     report["pp"] = args.pp

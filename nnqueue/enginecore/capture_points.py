@@ -133,20 +133,29 @@ def replicated(module: Any, io: str, decoder: bool) -> bool:
     return False
 
 
-def capture_points(model: Any, tp_size: int = 1, stage: int | None = None) -> list[dict[str, Any]]:
+def capture_points(model: Any, tp_size: int = 1, stage: int | None = None, last: bool = True) -> list[dict[str, Any]]:
     """Every capturable point of ``model``: ``{"module", "io", "parts", "width"}``, in module order.
 
     ``parts`` lists the decoder-layer parts a capture may name (``residual_stream`` first, the
     default), or is empty for a plain tensor. The first decoder layer's input has no residual.
     ``width`` is the value's features where the module says (`width`), else None: for size estimates.
-    ``stage``: this pipeline stage's index, added to every point (pipeline parallelism only).
+    ``stage``: this pipeline stage's index, added to every point (pipeline parallelism only), and ``last``
+    whether it is the last stage: modules this stage holds but another runs (a tied ``embed_tokens`` on the
+    last stage: `pipeline_stages.other_stages`) are left out.
     """
     points: list[dict[str, Any]] = []
     first_decoder = True
-    for name, module in model.named_modules():
+    named = list(model.named_modules())
+    elsewhere: set[str] = set()
+    if stage is not None:
+        from nnqueue.enginecore.pipeline_stages import other_stages
+
+        earlier, later, _ = other_stages(named, stage == 0, last)
+        elsewhere = {*earlier, *later}
+    for name, module in named:
         if _missing(module):  # a layer of an earlier stage: none of this stage's is the model's first
             first_decoder = False
-        if _excluded(name, module):
+        if _excluded(name, module) or any(name == path or name.startswith(path + ".") for path in elsewhere):
             continue
         read = reader(module)
         for io in ("input", "output"):

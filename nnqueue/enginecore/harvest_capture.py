@@ -207,7 +207,9 @@ class HarvestCapture:
         self.modules = dict(model.named_modules())
         self.staged = pipeline.world_size > 1
         stage = pipeline.rank_in_group if self.staged else None
-        self.points = capture_points.capture_points(model, get_tensor_model_parallel_world_size(), stage)
+        self.points = capture_points.capture_points(
+            model, get_tensor_model_parallel_world_size(), stage, bool(pipeline.is_last_rank)
+        )
         self.device: torch.device = runner.device
         # Under async scheduling the host input ids of decode tokens are placeholders; the device holds them.
         self.device_token_ids = bool(getattr(runner, "use_async_scheduling", False))

@@ -13,9 +13,11 @@ process. Here, on an engine with more than one stage:
   so the trace's module tree loads on every stage;
 * `PipelineStageMixin._model_forward`: around the stage's forward, a mediator parked on a location of an
   earlier stage (before the forward) or of a later one (after it; and the logits and samples on every stage
-  but the last) is served a *placeholder*: a meta tensor shaped as the value (a decoder layer's
-  ``(hidden, residual)`` pair, else ``[tokens, hidden]``), so the code runs on to the locations this stage
-  holds. A read out of order stays parked, and fails as it does on one engine;
+  but the last) is served a *placeholder*. Another stage's module is a ``PPMissingLayer`` or one this stage
+  holds but never runs (`other_stages`: a tied ``embed_tokens`` on the last stage). The placeholder is a
+  meta tensor shaped as the value (a decoder layer's ``(hidden, residual)`` pair, else ``[tokens, hidden]``),
+  so the code runs on to the locations this stage holds. A read out of order stays parked, and fails as it
+  does on one engine;
 * `gather`: in ``nnqueue_finish_trace`` every stage's reporting rank (tensor-parallel rank 0) sends its
   collected saves, error and weights-guard findings to global rank 0 over vLLM's pipeline group
   (``GroupCoordinator.send_object``, the CPU group); rank 0 merges them (`merge`): per saved name the value
@@ -69,27 +71,11 @@ class StageLayout:
     last: bool
 
     @classmethod
-    def of(cls, root: Any, last: bool) -> StageLayout:
-        envoys = list(root.modules())
-        missing = [envoy for envoy in envoys if type(envoy._module).__name__ == "PPMissingLayer"]
-        lists = {envoy.path.rsplit(".", 1)[0] for envoy in missing if envoy.path.rsplit(".", 1)[-1].isdigit()}
-        first_real = next(
-            (
-                position
-                for position, envoy in enumerate(envoys)
-                if envoy.path.rsplit(".", 1)[0] in lists
-                and envoy.path.rsplit(".", 1)[-1].isdigit()
-                and type(envoy._module).__name__ != "PPMissingLayer"
-            ),
-            len(envoys),
+    def of(cls, root: Any, first: bool, last: bool) -> StageLayout:
+        earlier, later, decoder_layers = other_stages(
+            [(envoy.path, envoy._module) for envoy in root.modules()], first, last
         )
-        position = {id(envoy): index for index, envoy in enumerate(envoys)}
-        return cls(
-            earlier=tuple(e.path for e in missing if position[id(e)] < first_real),
-            later=tuple(e.path for e in missing if position[id(e)] > first_real),
-            decoder_layers=frozenset(e.path for e in missing if e.path.rsplit(".", 1)[0] in lists),
-            last=last,
-        )
+        return cls(earlier=earlier, later=later, decoder_layers=decoder_layers, last=last)
 
     def elsewhere(self, provider: str, before: bool) -> str | None:
         """The missing module (or eproperty) ``provider`` reads, if it is served at this point, else None."""
@@ -100,6 +86,49 @@ class StageLayout:
         if not before and not self.last and provider.rsplit(".", 1)[-1] in _LATER_PROVIDERS:
             return provider
         return None
+
+
+def other_stages(
+    named: list[tuple[str, Any]], first: bool, last: bool
+) -> tuple[tuple[str, ...], tuple[str, ...], frozenset[str]]:
+    """Which of a stage's modules (``(path, module)`` in module order) another stage runs: those before this
+    stage's first decoder layer, those after it, and those that are decoder layers.
+
+    Another stage's module is either vLLM's ``PPMissingLayer`` stand-in or a module this stage holds but never
+    runs. vLLM's decoder models compute the input embeddings on the first stage only (``if
+    get_pp_group().is_first_rank: ... embed_input_ids`` / ``get_input_embeddings``, else the hidden states
+    come in ``intermediate_tensors``), and the final norm and head on the last only (the others return
+    ``IntermediateTensors`` after their last layer). A model with tied embeddings
+    (``tie_word_embeddings``: Llama 3.2 1B) builds a real ``embed_tokens`` on the last stage too, to tie
+    ``lm_head`` to (``LlamaModel.__init__``), which that stage never calls: so on a stage other than the
+    first, every module before its first decoder layer that is neither an ancestor nor a part of one of its
+    layers is an earlier stage's, whatever its class; on a stage other than the last, likewise every module
+    after its last layer is a later stage's.
+    """
+    missing = {path for path, module in named if type(module).__name__ == "PPMissingLayer"}
+    lists = {path.rpartition(".")[0] for path in missing if path.rpartition(".")[2].isdigit()}
+    held = [
+        index
+        for index, (path, _) in enumerate(named)
+        if path not in missing and path.rpartition(".")[2].isdigit() and path.rpartition(".")[0] in lists
+    ]
+    first_real, last_real = (held[0], held[-1]) if held else (len(named), len(named))
+    layers = [named[index][0] for index in held]
+
+    def runs(path: str) -> bool:  # an ancestor of this stage's layers, one of them, or a part of one
+        return any(not path or layer.startswith(path + ".") or (path + ".").startswith(layer + ".") for layer in layers)
+
+    earlier = tuple(
+        path
+        for index, (path, _) in enumerate(named)
+        if index < first_real and (path in missing or (not first and held and not runs(path)))
+    )
+    later = tuple(
+        path
+        for index, (path, _) in enumerate(named)
+        if index > first_real and (path in missing or (not last and index > last_real and not runs(path)))
+    )
+    return earlier, later, frozenset(path for path in missing if path.rpartition(".")[0] in lists)
 
 
 class PipelineStageMixin:
@@ -116,7 +145,9 @@ class PipelineStageMixin:
         if pipeline.world_size > 1:
             runner: Any = self
             runner.nnsight_persistent_objects = StageObjects(runner.nnsight_persistent_objects)
-            self.nnqueue_stage = StageLayout.of(runner.nnsight_model, bool(pipeline.is_last_rank))
+            self.nnqueue_stage = StageLayout.of(
+                runner.nnsight_model, bool(pipeline.is_first_rank), bool(pipeline.is_last_rank)
+            )
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         layout = self.nnqueue_stage
@@ -290,7 +321,12 @@ def _stage_error(message: str) -> dict[str, Any]:
 def gather(report: StageReport) -> StageReport | None:
     """On every stage's reporting rank: send this stage's report to global rank 0; there, receive the others'
     and return the merged report (None on the other stages). Call on tensor-parallel rank 0 of every stage,
-    for every trace, in the same order (every rank runs the same RPCs in order)."""
+    for every trace, in the same order (every rank runs the same RPCs in order), whatever happened to the
+    trace there (`failed` when collecting failed): a stage that skipped it would leave rank 0 waiting on its
+    send, or feed its next trace's report to this one.
+
+    Rank 0 receives every stage's bytes before loading any, so a report that does not load (a saved object
+    the protected unpickler refuses) fails the trace and leaves the other stages' sends matched."""
     from vllm.distributed.parallel_state import get_pp_group
 
     from nnqueue.enginecore import protected, trace_results
@@ -308,8 +344,15 @@ def gather(report: StageReport) -> StageReport | None:
             data = pickle.dumps(failed(error).__dict__)
         group.send_object(data, dst=0)
         return None
-    reports = [report]
-    for stage in range(1, group.world_size):
-        fields = protected.RestrictedUnpickler(io.BytesIO(group.recv_object(src=stage))).load()
-        reports.append(StageReport(**fields))
-    return merge(reports)
+    received = [group.recv_object(src=stage) for stage in range(1, group.world_size)]
+    return merge([report, *(_load(data) for data in received)])
+
+
+def _load(data: bytes) -> StageReport:
+    """A stage's report as `gather` sent it; a report that does not load is that stage's failure."""
+    from nnqueue.enginecore import protected
+
+    try:
+        return StageReport(**protected.RestrictedUnpickler(io.BytesIO(data)).load())
+    except Exception as error:  # noqa: BLE001  (the trace fails; the engine and the other reports go on)
+        return failed(error)

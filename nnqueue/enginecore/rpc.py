@@ -85,12 +85,11 @@ class NNqueueRPC:
             collected = trace_collect.collect_trace(self.model_runner, list(request_ids), finished)
             changed = self.nnqueue_check_weights(read_weights)
             if across:
-                across = False  # sent or received: never twice for one trace
-                merged = pipeline_stages.gather(
-                    pipeline_stages.StageReport(
-                        pipeline_stages.strip(collected.saves), collected.error, collected.load_failed, changed
-                    )
+                report = pipeline_stages.StageReport(
+                    pipeline_stages.strip(collected.saves), collected.error, collected.load_failed, changed
                 )
+                across = False  # sent or received: never twice for one trace
+                merged = pipeline_stages.gather(report)
                 if merged is None:
                     return None
                 collected = trace_collect.CollectedTrace(merged.saves, merged.error, merged.load_failed)

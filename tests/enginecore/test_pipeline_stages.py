@@ -3,12 +3,23 @@ computed it, containers element by element, mixed values and placeholder errors 
 
 from __future__ import annotations
 
+import pickle
+
+import nnsight
 import pytest
 import torch
 
-from nnqueue.enginecore.capture_points import check_against
+from nnqueue.enginecore.capture_points import capture_points, check_against
 from nnqueue.enginecore.harvest_spec import Capture, SpecError
-from nnqueue.enginecore.pipeline_stages import ELSEWHERE, MIXED_ERROR, StageReport, merge, strip
+from nnqueue.enginecore.pipeline_stages import (
+    ELSEWHERE,
+    MIXED_ERROR,
+    StageLayout,
+    StageReport,
+    _load,
+    merge,
+    strip,
+)
 
 META = torch.empty(2, 3, device="meta")
 
@@ -65,3 +76,57 @@ def test_a_spec_whose_captures_span_stages_is_refused() -> None:
     check_against([Capture("model.layers.1"), Capture("model.norm")], points)  # one stage: fine
     with pytest.raises(SpecError, match=r"one pipeline stage.*'model\.layers\.0\.output': 0.*'model\.norm\.output': 1"):
         check_against([Capture("model.layers.0"), Capture("model.norm")], points)
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = torch.nn.Linear(4, 4)
+
+
+def llama(stage: int, tied: bool) -> torch.nn.Module:
+    """vLLM's module tree of a four-layer Llama on ``stage`` of two (``LlamaForCausalLM``, ``make_layers``)."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    first, last = stage == 0, stage == 1
+    body = torch.nn.Module()
+    body.embed_tokens = torch.nn.Embedding(8, 4) if first or (tied and last) else PPMissingLayer()
+    body.layers = torch.nn.ModuleList(Block() if index // 2 == stage else PPMissingLayer() for index in range(4))
+    body.norm = torch.nn.LayerNorm(4) if last else PPMissingLayer()
+    root = torch.nn.Module()
+    root.model = body
+    root.lm_head = torch.nn.Linear(4, 8) if last else PPMissingLayer()
+    return root
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_module_another_stage_runs_is_served_there(tied: bool) -> None:
+    """A tied ``embed_tokens`` is real on the last stage (for ``lm_head``) but runs on the first only: a read of
+    it there is served a placeholder before the forward, as for the layers of the first stage."""
+    last = StageLayout.of(nnsight.NNsight(llama(1, tied)), first=False, last=True)
+    assert set(last.earlier) == {"model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1"}
+    assert last.later == () and last.decoder_layers == {"model.model.layers.0", "model.model.layers.1"}
+    assert last.elsewhere("model.model.embed_tokens.output", before=True) == "model.model.embed_tokens"
+    assert last.elsewhere("model.model.layers.2.output", before=True) is None
+    assert last.elsewhere("model.model.layers.2.mlp.output", before=False) is None
+    first = StageLayout.of(nnsight.NNsight(llama(0, tied)), first=True, last=False)
+    assert first.earlier == ()
+    assert set(first.later) == {"model.model.layers.2", "model.model.layers.3", "model.model.norm", "model.lm_head"}
+    assert first.elsewhere("model.model.embed_tokens.output", before=True) is None
+    assert first.elsewhere("model.logits", before=False) == "model.logits"
+
+
+def test_a_report_that_does_not_load_fails_the_trace() -> None:
+    """Rank 0 loads each stage's report after receiving them all: one that does not load is that stage's error."""
+    report = _load(pickle.dumps({"saves": {}, "error": None, "load_failed": False, "changed": [], "extra": 1}))
+    assert report.error is not None and report.error["type_name"] == MIXED_ERROR
+    assert "collecting a pipeline stage's saves failed" in report.error["message"]
+    good = _load(pickle.dumps(StageReport({"a": torch.ones(1)}, None, False, ["w"]).__dict__))
+    assert torch.equal(good.saves["a"], torch.ones(1)) and good.changed == ["w"]
+
+
+def test_a_stage_offers_no_capture_point_it_never_runs() -> None:
+    """The last stage's tied ``embed_tokens`` is the first stage's point alone (a harvest of it goes there)."""
+    points = {p["module"] for p in capture_points(llama(1, tied=True), 1, stage=1, last=True)}
+    assert "model.embed_tokens" not in points and {"model.layers.2", "model.norm", "lm_head"} <= points
+    assert "model.embed_tokens" in {p["module"] for p in capture_points(llama(0, tied=True), 1, stage=0, last=False)}
