@@ -195,7 +195,15 @@ def test_listing_fetching_cancelling_and_http_errors(
     assert next(j.id for j in client.jobs(status="completed", model_key=MODEL_KEY)) == job.id
     assert all(j.info["status"] == "failed" for j in client.jobs(status="failed"))
     assert client.job(job.id).info["status"] == "completed"
-    assert client.models() == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4, "engine": "vllm"}]
+    (listed_model,) = client.models()
+    assert {key: listed_model[key] for key in ("model_key", "workers", "capacity", "engine", "taps")} == {
+        "model_key": MODEL_KEY,
+        "workers": 1,
+        "capacity": 4,
+        "engine": "vllm",
+        "taps": None,
+    }
+    assert list(listed_model["weights_versions"].values()) == [1]  # the one worker's base version
 
     with pytest.raises(ConflictError) as conflict:
         job.cancel()
