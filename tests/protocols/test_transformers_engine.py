@@ -79,9 +79,14 @@ def test_language_model_traces_through_the_nnqueue_client_equal_a_local_run(
     assert backend.job is not None and backend.job.model_key == str(tiny_model_path)
     assert backend.job.info["result"]["format"] == "torch+safetensors"
     assert_equal_saves(two_invokes(meta, backend=backend), two_invokes(local))
-    assert client.models() == [
-        {"model_key": str(tiny_model_path), "workers": 1, "capacity": 1, "engine": "transformers"}
-    ]
+    (model,) = client.models()
+    assert {key: model[key] for key in ("model_key", "workers", "capacity", "engine", "taps")} == {
+        "model_key": str(tiny_model_path),
+        "workers": 1,
+        "capacity": 1,
+        "engine": "transformers",
+        "taps": None,
+    }
 
 
 def test_language_model_traces_and_sessions_through_nnsights_remote_equal_a_local_run(
