@@ -66,7 +66,8 @@ def test_answers_errors_and_deaths_each_have_their_outcome(loop: asyncio.Abstrac
         assert reported.value.type_name == "KeyError" and "no such thing" in reported.value.message
         assert "handle" in reported.value.traceback
         assert int(await children.call(b"pid", "while testing", bytes)) == first  # an error keeps the child
-        with pytest.raises(ChildFailed, match=r"the test child process died while testing \(exit code 7\)"):
+        # 7, its own; 255 where another part of the process reaped it first (asyncio then reports 255)
+        with pytest.raises(ChildFailed, match=r"the test child process died while testing \(exit code (7|255)\)"):
             await children.call(b"exit", "while testing", bytes)
         assert int(await children.call(b"pid", "while testing", bytes)) != first  # replaced
         await children.close()
