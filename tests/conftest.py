@@ -13,6 +13,7 @@ model), per-module service namespaces (``services``) with real ``nnqueue worker`
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,6 +36,18 @@ from tests.utils.services import Services, WorkerProcess
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 TEST_BUCKET = "nnqueue-test"
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger() -> Iterator[None]:
+    """A CLI command run in-process (``worker``, ``beat``) points the root logger at that run's stderr, which
+    closes with it; later records in this process would then fail ("--- Logging error ---" in another CLI
+    run's output). Each test gets back the root logger it began with."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -7,24 +7,14 @@ import json
 import logging
 import logging.config
 import uuid
-from collections.abc import Iterator
 
 import pytest
 
 from nnqueue import logs
 
 
-@pytest.fixture
-def restore_root_logger() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
 def test_json_lines_name_the_job_in_its_task_and_threads(
-    restore_root_logger: None, capsys: pytest.CaptureFixture[str]
+    capsys: pytest.CaptureFixture[str]
 ) -> None:
     logs.configure("json")
     log = logging.getLogger("nnqueue.test")
@@ -57,7 +47,7 @@ def test_json_lines_name_the_job_in_its_task_and_threads(
     assert "ValueError: boom" in lines[-1]["exc_info"]
 
 
-def test_text_lines_end_with_the_job(restore_root_logger: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_text_lines_end_with_the_job(capsys: pytest.CaptureFixture[str]) -> None:
     logs.configure("text")
     job_id = uuid.uuid4()
     with logs.job_context(job_id):
@@ -66,7 +56,7 @@ def test_text_lines_end_with_the_job(restore_root_logger: None, capsys: pytest.C
 
 
 @pytest.mark.parametrize("log_format", ["text", "json"])
-def test_uvicorn_config_is_valid(log_format: logs.LogFormat, restore_root_logger: None) -> None:
+def test_uvicorn_config_is_valid(log_format: logs.LogFormat) -> None:
     logging.config.dictConfig(logs.uvicorn_log_config(log_format))
     handler = logging.getLogger().handlers[0]
     assert isinstance(handler.formatter, logs.JsonFormatter) is (log_format == "json")
