@@ -346,8 +346,9 @@ class Queue:
         )
         self.runner = JobRunner(self.sessions, executor, "bench", f"bench:{os.getpid()}")
 
-    def submit(self, payloads: list[bytes]) -> list[uuid.UUID]:
-        """What ``submit_job`` does, minus the broker: payload to the store, QUEUED row to the DB."""
+    def submit(self, payloads: list[bytes], kind: str = "trace") -> list[uuid.UUID]:
+        """What ``submit_job`` does, minus the broker: payload to the store, QUEUED row to the DB (jobs of
+        ``kind``: trace, or steer for `benchmarks/steer_gpu.py`'s payloads)."""
         from nnqueue.db.lifecycle import create_job
         from nnqueue.db.models import Job, JobKind
         from nnqueue.db.session import transaction
@@ -364,7 +365,7 @@ class Queue:
                         id=job_id,
                         owner="bench",
                         model_key="bench",
-                        kind=JobKind.TRACE,
+                        kind=JobKind(kind),
                         timeout_s=600.0,
                         priority=0,
                         meta={},

@@ -17,6 +17,10 @@ default runs them all, one after the other, and prints the ratios to (raw).
 * (graphs) the same engine with CUDA graphs: nnsight's taps (vLLM's breakable graphs) at the steered layer, and
   the steering hook installed before the graphs are recorded (``NNQUEUE_STEER_POINTS``); rows as (eager).
   Needs a vLLM with breakable CUDA graphs; the row says so when it is missing.
+* (queue) rows, in (eager) and (graphs): the same J jobs through the worker's whole path (`harvest_gpu.Queue`:
+  payloads frozen as the API does, ``steer`` job rows in SQLite or ``--postgres``, claimed by ``JobRunner`` with
+  J Celery-like threads, run by the worker's steering executor, generations stored, committed), the other prompts
+  plain meanwhile; submission (the API's work) is not timed.
 
 Run (the lead, on the H100):  python benchmarks/steer_gpu.py --out $OUT
 TP=4:                          python benchmarks/steer_gpu.py --tp 4 --out $OUT
@@ -36,13 +40,14 @@ import tempfile
 import time
 import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # harvest_gpu's helpers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # nnqueue, when run from a checkout
 
-from harvest_gpu import SHAPES, build_model_dir, engine_kwargs, prompt_ids, start, stop
+from harvest_gpu import SHAPES, Queue, build_model_dir, engine_kwargs, prompt_ids, start, stop
 
 JOBS = (1, 16, 256)
 COEFFICIENT = 4.0
@@ -77,12 +82,9 @@ def steer_work(name: str, prompts: list[list[int]], layer: int, vector: Any, max
     )
 
 
-async def mixed(llm: Any, prompts: list[list[int]], jobs: int, layer: int, width: int, max_tokens: int) -> int:
-    """``jobs`` steering jobs of ``max(1, P // (2 jobs))`` prompts each and the rest plain, all at once; returns
-    the steered prompts."""
+def split(prompts: list[list[int]], jobs: int, layer: int, width: int, max_tokens: int) -> tuple[list[Any], int]:
+    """``jobs`` steering jobs of ``max(1, P // (2 jobs))`` prompts each, each its own vector; the steered prompts."""
     import torch
-
-    from nnqueue.engines.steer_runner import run_steering
 
     per_job = max(1, len(prompts) // (2 * jobs))
     steered = min(jobs * per_job, len(prompts))
@@ -99,9 +101,53 @@ async def mixed(llm: Any, prompts: list[list[int]], jobs: int, layer: int, width
         for j in range(jobs)
         if j * per_job < len(prompts)
     ]
-    runs = [run_steering(llm, w) for w in work]
-    await asyncio.gather(*runs, plain(llm, prompts[steered:], max_tokens))
+    return work, steered
+
+
+async def mixed(llm: Any, prompts: list[list[int]], jobs: int, layer: int, width: int, max_tokens: int) -> int:
+    """`split`'s steering jobs and the rest of the prompts plain, all at once; returns the steered prompts."""
+    from nnqueue.engines.steer_runner import run_steering
+
+    work, steered = split(prompts, jobs, layer, width, max_tokens)
+    await asyncio.gather(*(run_steering(llm, w) for w in work), plain(llm, prompts[steered:], max_tokens))
     return steered
+
+
+def payload(work: Any) -> bytes:
+    """A steering job's payload as the API freezes it (`nnqueue.scheduler.steering.accept_steering`)."""
+    import dataclasses
+
+    import numpy as np
+
+    from nnqueue.scheduler.steering import FORMAT, encode_payload
+
+    body = {
+        "format": FORMAT,
+        "prompts": work.token_ids,
+        "edits": [edit.to_json() for edit in work.edits],
+        "sampling": dataclasses.asdict(work.sampling),
+    }
+    return encode_payload(body, {name: np.frombuffer(v, dtype=np.float32) for name, v in work.vectors.items()})
+
+
+def through_queue(host: Any, queue: Any, llm: Any, prompts: list[list[int]], jobs: int, args: Any, width: int) -> Any:
+    """`split`'s jobs through the worker's path, the rest plain meanwhile: one timer per rep (submission, the
+    API's work, is not timed)."""
+    work, steered = split(prompts, jobs, args.layer, width, args.max_tokens)
+    payloads = [payload(w) for w in work]
+    times = []
+    for _ in range(args.reps):
+        queue.clear()
+        ids = queue.submit(payloads, kind="steer")
+        started = time.perf_counter()
+        with ThreadPoolExecutor(1) as side:
+            rest = side.submit(host.call, plain(llm, prompts[steered:], args.max_tokens))
+            outcomes = queue.run(host, ids, len(ids))
+            rest.result()
+        times.append(time.perf_counter() - started)
+        if outcomes != ["completed"] * len(ids):
+            raise RuntimeError(f"steering jobs did not complete: {outcomes[:4]} {queue.failure(ids[0])}")
+    return times, steered
 
 
 def timed(host: Any, make: Any, reps: int) -> list[float]:
@@ -164,6 +210,11 @@ def nnqueue_mode(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
     width = SHAPES["tiny" if args.tiny else args.shape]["hidden_size"]
     tokens = len(prompts) * args.max_tokens
     rows: dict[str, Any] = {}
+    postgres = None
+    if args.postgres:
+        from tests.utils.servers import start_postgres
+
+        postgres = start_postgres()
     try:
         host.call(plain(llm, prompts[:8], args.max_tokens))
         host.call(mixed(llm, prompts[:8], 2, args.layer, width, args.max_tokens))  # hooks installed, warm
@@ -180,10 +231,19 @@ def nnqueue_mode(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
 
             name = f"({label}) {jobs} steering job(s) + unsteered"
             rows[name] = row(name, timed(host, go, args.reps), tokens, {"steered_prompts": steered["n"]})
+        queue = Queue(Path(tempfile.mkdtemp(prefix="steer-queue-")), engine, postgres.url if postgres else None)
+        for jobs in JOBS:
+            times, steered_n = through_queue(host, queue, llm, prompts, jobs, args, width)
+            name = f"({label}) queue: {jobs} steering job(s) + unsteered"
+            rows[name] = row(
+                name, times, tokens, {"steered_prompts": steered_n, "db": "postgres" if postgres else "sqlite"}
+            )
         if not graphs:
             rows["checks"] = checks(args, host, engine, client, prompts, width)
     finally:
         stop(host, engine)
+        if postgres is not None:
+            postgres.stop()
     return rows
 
 
@@ -261,7 +321,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 def parent(args: argparse.Namespace, argv: list[str]) -> None:
     rows: dict[str, Any] = {}
-    modes = ["raw", "eager"] if args.tiny else ["raw", "eager", "graphs", "raw"]
+    modes = ["raw", "eager"] if args.tiny else args.modes.split(",")
     for mode in modes:
         out = Path(tempfile.mkdtemp(prefix="steer-mode-")) / "rows.json"
         print(f"--- {mode}", flush=True)
@@ -297,6 +357,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU logic test: tiny model, float32, P=8 x L=16")
     parser.add_argument("--mode", choices=["raw", "eager", "graphs"], help="one mode, in this process (internal)")
     parser.add_argument("--rows", help="(internal) where a mode writes its rows")
+    parser.add_argument("--modes", default="raw,eager,graphs,raw", help="the modes run, in order (not with --tiny)")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -310,6 +371,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--postgres", action="store_true", help="the queue rows on Postgres (tests' binaries)")
     parser.add_argument("--tolerance", type=float, default=0.05, help="log-probability error vs nnsight (bf16)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
