@@ -13,9 +13,7 @@ import pytest
 from nnqueue import logs
 
 
-def test_json_lines_name_the_job_in_its_task_and_threads(
-    capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_json_lines_name_the_job_in_its_task_and_threads(capsys: pytest.CaptureFixture[str]) -> None:
     logs.configure("json")
     log = logging.getLogger("nnqueue.test")
     job_a, job_b = uuid.uuid4(), uuid.uuid4()
