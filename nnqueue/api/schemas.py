@@ -270,9 +270,12 @@ class HarvestResponse(BaseModel):
     error: HarvestError | None
     manifest_key: str | None = Field(description="harvests/<id>/manifest.json once completed.")
     weights_pin: str | None = Field(None, description="The weights version its chunks must run on; null: any.")
+    waiting_reason: str | None = Field(
+        None, description="Why its chunks cannot run now (no live worker serves its pinned version)."
+    )
 
     @classmethod
-    def of(cls, harvest: Harvest, progress: HarvestProgress) -> HarvestResponse:
+    def of(cls, harvest: Harvest, progress: HarvestProgress, waiting_reason: str | None = None) -> HarvestResponse:
         error = None
         if harvest.error_type is not None:
             error = HarvestError(type=harvest.error_type, message=harvest.error_message or "")
@@ -292,6 +295,7 @@ class HarvestResponse(BaseModel):
             error=error,
             manifest_key=harvest.manifest_key,
             weights_pin=harvest.weights_pin,
+            waiting_reason=waiting_reason,
         )
 
 

@@ -8,6 +8,10 @@ tokens waiting on the queue, and sends the difference. Tokens that workers hold 
 counted, nor needed: they belong to RUNNING work. A token too many is harmless (it finds no work, or
 other work, and is dropped), so racing with a submission or with another worker's reconciler only costs
 a message.
+
+Units pinned to a weights version that no live worker of the model serves (:mod:`nnqueue.scheduler.weights`) are
+not counted: no worker could claim them, so their tokens would be taken and dropped at every interval. They wait
+without one, and the reconciler of a worker that serves their version (one that comes back) sends it.
 """
 
 from __future__ import annotations
@@ -17,12 +21,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from celery import Celery
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.broker import bulk_queue_name, queue_name, ready_messages
 from nnqueue.db.models import HarvestChunk, Job, JobStatus, utcnow
 from nnqueue.scheduler.enqueue import send_chunk_tokens, send_job_tokens
+from nnqueue.scheduler.weights import served_versions
 
 log = logging.getLogger(__name__)
 # Units queued this recently are left alone: their own token may be on its way.
@@ -35,14 +40,21 @@ class Resent:
     chunks: int
 
 
-def reconcile(sessions: sessionmaker[Session], app: Celery, model_key: str) -> Resent:
-    """Send ``model_key``'s missing tokens, on both queues; returns how many were sent."""
+def reconcile(sessions: sessionmaker[Session], app: Celery, model_key: str, stale_after_s: float) -> Resent:
+    """Send ``model_key``'s missing tokens, on both queues; returns how many were sent. ``stale_after_s``: how
+    recent a worker's heartbeat must be for the versions it serves to count."""
     cutoff = utcnow() - timedelta(seconds=GRACE_S)
     with sessions() as session:
+        served = list(served_versions(session, model_key, stale_after_s))
         jobs = session.scalar(
             select(func.count())
             .select_from(Job)
-            .where(Job.model_key == model_key, Job.status == JobStatus.QUEUED, Job.queued_at <= cutoff)
+            .where(
+                Job.model_key == model_key,
+                Job.status == JobStatus.QUEUED,
+                Job.queued_at <= cutoff,
+                or_(Job.weights_pin.is_(None), Job.weights_pin.in_(served)),
+            )
         )
         chunks = session.scalar(
             select(func.count())
@@ -51,6 +63,7 @@ def reconcile(sessions: sessionmaker[Session], app: Celery, model_key: str) -> R
                 HarvestChunk.model_key == model_key,
                 HarvestChunk.status == JobStatus.QUEUED,
                 HarvestChunk.queued_at <= cutoff,
+                or_(HarvestChunk.weights_pin.is_(None), HarvestChunk.weights_pin.in_(served)),
             )
         )
     missing_jobs = max(0, (jobs or 0) - ready_messages(app, queue_name(model_key)))

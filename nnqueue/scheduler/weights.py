@@ -11,7 +11,7 @@ A pin (``weights_version`` in a job's or harvest's spec) is a version string, or
 model's live workers took most recently, resolved once at submit. A pin must name a version that is served now or
 that an update will bring (400 otherwise: nothing could ever run it). A pinned job is claimed only by a worker
 serving that version (:mod:`nnqueue.scheduler.claim`); when no live worker serves it any more (the model moved
-on), the job stays QUEUED and its API view says why (:func:`waiting_reason`) until it is cancelled or a worker
+on), the job stays QUEUED and its API views say why (:func:`waiting_reasons`) until it is cancelled or a worker
 serving that version comes back.
 """
 
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import PurePosixPath
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import WeightsUpdate, Worker
+from nnqueue.db.models import Harvest, Job, JobStatus, WeightsUpdate, Worker
 from nnqueue.errors import NNqueueError
 from nnqueue.scheduler.registry import live_workers
 
@@ -138,18 +140,26 @@ def resolve_pin(session: Session, model_key: str, pin: str | None, stale_after_s
     return pin
 
 
-def waiting_reason(session: Session, model_key: str, pin: str | None, stale_after_s: float) -> str | None:
-    """Why a QUEUED unit pinned to ``pin`` is not running, when no live worker serves that version (else None)."""
-    if pin is None:
-        return None
-    served = served_versions(session, model_key, stale_after_s)
-    if pin in served:
-        return None
-    shown = ", ".join(sorted(served)) or "none"
-    return (
-        f"waiting for a worker serving weights version {pin!r}; the live workers of {model_key!r} serve {shown}. "
-        "It runs if such a worker comes back; cancel it, or submit it again pinned to a served version"
-    )
+def waiting_reasons(session: Session, units: Iterable[Job | Harvest], stale_after_s: float) -> dict[uuid.UUID, str]:
+    """Why each pinned job (QUEUED) or harvest (QUEUED or RUNNING: its chunks left) of ``units`` is not running,
+    for those whose pinned version no live worker of their model serves (the others are absent). One query per
+    model key."""
+    served: dict[str, Counter[str]] = {}
+    reasons = {}
+    for unit in units:
+        waits = unit.status is JobStatus.QUEUED or (isinstance(unit, Harvest) and unit.status is JobStatus.RUNNING)
+        if not waits or unit.weights_pin is None:
+            continue
+        if unit.model_key not in served:
+            served[unit.model_key] = served_versions(session, unit.model_key, stale_after_s)
+        if unit.weights_pin not in served[unit.model_key]:
+            shown = ", ".join(sorted(served[unit.model_key])) or "none"
+            reasons[unit.id] = (
+                f"waiting for a worker serving weights version {unit.weights_pin!r}; the live workers of "
+                f"{unit.model_key!r} serve {shown}. It runs if such a worker comes back; cancel it, or submit it "
+                "again pinned to a served version"
+            )
+    return reasons
 
 
 def _since(worker: Worker) -> float:

@@ -234,7 +234,8 @@ def run_worker(
         if updater is not None:
             updater.poll(host.loop)  # the model's new checkpoint swaps, applied on the engine loop
         if time.monotonic() >= next_reconcile:
-            reconcile(sessions, app, model_key)  # a failure (broker down) is retried at the next beat
+            # A failure (broker down) is retried at the next beat.
+            reconcile(sessions, app, model_key, settings.worker_stale_after_s)
             next_reconcile = time.monotonic() + settings.reconcile_interval_s
 
     beat = HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)

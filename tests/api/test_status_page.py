@@ -67,7 +67,7 @@ def server(services: Services) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def jobs(server: str, services: Services) -> dict[str, Any]:
     """Alice's jobs in every state, bob's one queued job, and their keys."""
-    register_worker(services.sessions, capacity=4)
+    register_worker(services.sessions, capacity=4, weights=("base-3f2a1c", {"kind": "checkpoint"}))
     alice, bob = (create_secret(services.sessions, owner, ("trace", "harvest")) for owner in ("alice", "bob"))
     with transaction(services.sessions) as session:
         _, admin = auth.create_key(session, "root", ["admin"])
@@ -158,6 +158,7 @@ def test_a_user_sees_their_jobs_with_progress_errors_and_downloads(
     assert LIVE_MODEL in models
     assert page.inner_text(f"#models tr[data-model='{LIVE_MODEL}'] td.queued") == "2"  # alice's and bob's
     assert LIVE_MODEL in page.inner_text("#workers")
+    assert "base-3f2a1c (since" in page.inner_text("#workers")  # the weights version it serves
 
     links = rows[f"job-{jobs['completed']}"].query_selector_all("a.download")
     assert [link.inner_text() for link in links] == ["saves.pt", "safetensors"]

@@ -87,11 +87,14 @@ def register_worker(
     model_key: str = LIVE_MODEL,
     capacity: int = 4,
     capture_points: list[dict[str, Any]] | None = None,
+    weights: tuple[str, dict[str, Any]] | None = None,
 ) -> str:
     """A live worker row (its heartbeat is fresh until worker_stale_after_s passes); with ``capture_points``,
-    one that runs harvests."""
+    one that runs harvests; ``weights``: the version it serves and its source."""
     worker_id = registry.new_worker_id()
-    registry.register(sessions, worker_id, model_key, f"queue-{model_key}", capacity, capture_points=capture_points)
+    registry.register(
+        sessions, worker_id, model_key, f"queue-{model_key}", capacity, capture_points=capture_points, weights=weights
+    )
     return worker_id
 
 

@@ -133,6 +133,8 @@ def test_a_checkpoint_swap_between_two_traces_gives_a_fresh_engines_values_and_n
     view = admin.get(f"/v1/jobs/{pinned}").json()  # an admin key sees every owner's jobs
     assert view["status"] == "queued" and view["weights_pin"] == version
     assert version in view["waiting_reason"], view
+    listed = {job["id"]: job for job in admin.get("/v1/jobs", params={"status": "queued"}).json()["jobs"]}
+    assert listed[str(pinned)]["waiting_reason"] == view["waiting_reason"]
     # Pinned to the version served now: claimed by the worker, which then finds the version gone (the swap
     # came first) and hands it back; it waits for a worker serving the old version.
     stale = services.submit(payload, weights_pin=base.weights_version).id

@@ -49,6 +49,7 @@ from nnqueue.scheduler.harvests import (
     queue_harvest,
     recent_harvests,
 )
+from nnqueue.scheduler.weights import waiting_reasons
 from nnqueue.settings import Settings
 from nnqueue.storage.keys import harvest_key, shard_name
 from nnqueue.storage.object_store import PresignUnsupported
@@ -130,6 +131,7 @@ def _submission(caller: Caller, settings: Settings, dataset: UploadFile | None) 
 def list_harvests(
     caller: HarvestReaderDep,
     session: SessionDep,
+    settings: SettingsDep,
     status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
     owner: Annotated[
         str | None, Query(description="Only this owner's harvests (admins; others may name only themselves).")
@@ -139,12 +141,19 @@ def list_harvests(
     """The caller's harvests (an admin's: every owner's), newest first."""
     harvests = recent_harvests(session, caller.listed_owner(owner), status_filter, limit)
     done = progress(session, harvests)
-    return HarvestListResponse(harvests=[HarvestResponse.of(harvest, done[harvest.id]) for harvest in harvests])
+    waiting = waiting_reasons(session, harvests, settings.worker_stale_after_s)
+    return HarvestListResponse(
+        harvests=[HarvestResponse.of(harvest, done[harvest.id], waiting.get(harvest.id)) for harvest in harvests]
+    )
 
 
 @router.get("/{harvest_id}", responses=NOT_YOURS)
-def get_harvest(harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep) -> HarvestResponse:
-    return _view(session, owned_or_404(session, Harvest, harvest_id, caller))
+def get_harvest(
+    harvest_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, settings: SettingsDep
+) -> HarvestResponse:
+    harvest = owned_or_404(session, Harvest, harvest_id, caller)
+    waiting = waiting_reasons(session, [harvest], settings.worker_stale_after_s)
+    return HarvestResponse.of(harvest, progress(session, [harvest])[harvest.id], waiting.get(harvest.id))
 
 
 @router.post("/{harvest_id}/cancel", responses={**NOT_YOURS, 409: {"description": "The harvest has ended."}})

@@ -42,7 +42,7 @@ from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.scheduler.cancellation import cancel_job
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import accept_job, queue_job
-from nnqueue.scheduler.weights import waiting_reason
+from nnqueue.scheduler.weights import waiting_reasons
 from nnqueue.settings import Settings
 from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
 from nnqueue.storage.object_store import ObjectStore
@@ -117,6 +117,7 @@ def submit(
 def list_jobs(
     caller: CallerDep,
     session: SessionDep,
+    settings: SettingsDep,
     status_filter: Annotated[JobStatus | None, Query(alias="status")] = None,
     model_key: str | None = None,
     owner: Annotated[
@@ -141,8 +142,9 @@ def list_jobs(
     jobs = list(session.scalars(query.order_by(*NEWEST_FIRST).limit(limit + 1)))
     page, more = jobs[:limit], len(jobs) > limit
     positions = queue_positions(session, page)
+    waiting = waiting_reasons(session, page, settings.worker_stale_after_s)
     return JobListResponse(
-        jobs=[JobResponse.of(job, positions.get(job.id)) for job in page],
+        jobs=[JobResponse.of(job, positions.get(job.id), waiting.get(job.id)) for job in page],
         next_cursor=encode_cursor(page[-1]) if more else None,
     )
 
@@ -150,10 +152,8 @@ def list_jobs(
 @router.get("/{job_id}", responses=NOT_YOURS)
 def get_job(job_id: uuid.UUID, caller: CallerDep, session: SessionDep, settings: SettingsDep) -> JobResponse:
     job = owned_or_404(session, Job, job_id, caller)
-    waiting = None
-    if job.status is JobStatus.QUEUED:
-        waiting = waiting_reason(session, job.model_key, job.weights_pin, settings.worker_stale_after_s)
-    return JobResponse.of(job, queue_positions(session, [job]).get(job.id), waiting)
+    waiting = waiting_reasons(session, [job], settings.worker_stale_after_s)
+    return JobResponse.of(job, queue_positions(session, [job]).get(job.id), waiting.get(job.id))
 
 
 @router.post("/{job_id}/cancel", responses={**NOT_YOURS, 409: {"description": "The job has already ended."}})
