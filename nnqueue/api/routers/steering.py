@@ -1,4 +1,5 @@
-"""``/v1/steering``: submit a declarative steering job, follow it, cancel it, read its generations.
+"""``/v1/steering``: submit a declarative steering job, follow it, cancel it, read its generations (and the
+activations its captures recorded).
 
 A steering job runs no user code (`nnqueue.scheduler.steering`), so submitting needs the ``harvest`` scope (a
 default key's), not ``trace``; the other routes ``harvest`` or ``admin``. Like jobs, every route sees only the
