@@ -3,7 +3,7 @@
 nnqueue steer submit spec.yaml [--vectors vectors.safetensors] [--dataset prompts.jsonl] [--wait]
 nnqueue steer status ID [--wait]
 nnqueue steer list | cancel ID
-nnqueue steer result ID [--output generations.json]
+nnqueue steer result ID [--output generations.json] [--activations activations.safetensors]
 """
 
 from __future__ import annotations
@@ -80,12 +80,19 @@ def cancel(job_id: str = typer.Argument(...), url: str | None = UrlOption, api_k
 def result(
     job_id: str = typer.Argument(...),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the generations (JSON) here."),
+    activations: Path | None = typer.Option(
+        None, "--activations", help="Also write the activations the spec's captures recorded (safetensors) here."
+    ),
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
     """Print each prompt's generated text (or write all generations, JSON, with --output)."""
     with connected(url, api_key) as client:
-        generations = client.get_steering(job_id).result()
+        job = client.get_steering(job_id)
+        generations = job.result()
+        if activations is not None:
+            job.download_activations(activations)
+            console.print(f"activations written to {activations}")
     if output is not None:
         output.write_text(json.dumps(generations))
         console.print(f"{len(generations)} generations written to {output}")

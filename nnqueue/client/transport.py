@@ -103,13 +103,13 @@ class Transport:
             raise APIConnectionError(f"cannot download the result from {target.host}: {error}") from error
 
     @contextmanager
-    def download(self, url: str) -> Iterator[httpx.Response]:
-        """GET a file as a streaming response: an API path (``/v1/...``, streamed through the API with this key)
-        or a presigned URL (without the key)."""
+    def download(self, url: str, params: dict[str, Any] | None = None) -> Iterator[httpx.Response]:
+        """GET a file as a streaming response: an API path (``/v1/...``, streamed through the API with this key,
+        with the query ``params``) or a presigned URL (without the key)."""
         api = url.startswith("/")
         http = self._http if api else self._plain_http()
         try:
-            with http.stream("GET", url, params={"inline": 1} if api else None) as response:
+            with http.stream("GET", url, params={**(params or {}), "inline": 1} if api else None) as response:
                 _check(response)
                 yield response
         except httpx.TransportError as error:

@@ -13,7 +13,9 @@ buffers: per token a mask, a scale, a projection flag, a coefficient and a row o
 One forward hook per point, installed the first time a job edits it, then applies every row's operation at
 once (the `Edit` formula with per-row parameters) and keeps unedited rows exactly as they were
 (``torch.where`` on the mask): requests without an edit there are untouched. Python work per step grows
-with the points edited, not with the requests.
+with the points edited, not with the requests. The hooks are installed first in line (``prepend``): whatever
+else hooks the module, a harvest capture of the same point (`harvest_capture`, e.g. a steering job's own
+captures) included, sees the edited value, whichever was installed first.
 
 Positions: a token is a prompt token when its position is below its request's prompt length, else a
 generated one (the last sampled token fed back); ``apply_to`` selects on that.
@@ -394,13 +396,13 @@ class Steering:
             def on_output(_module: Any, _args: Any, output: Any) -> None:
                 self._edit(key, point, *read.output_parts(output))
 
-            self.hooks[key] = module.register_forward_hook(on_output)
+            self.hooks[key] = module.register_forward_hook(on_output, prepend=True)
         else:
 
             def on_input(_module: Any, args: Any, kwargs: Any) -> None:
                 self._edit(key, point, *read.input_parts(args, kwargs))
 
-            self.hooks[key] = module.register_forward_pre_hook(on_input, with_kwargs=True)
+            self.hooks[key] = module.register_forward_pre_hook(on_input, with_kwargs=True, prepend=True)
 
     def _edit(self, key: tuple[str, str], point: PointState, hidden: Any, residual: Any) -> None:
         """A hook never fails the step (other users' requests share it): a failure fails the point's jobs."""

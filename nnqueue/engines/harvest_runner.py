@@ -17,10 +17,10 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
+from typing import Any, TypeVar
 
 from nnqueue.enginecore import harvest_stats
 from nnqueue.enginecore.capture_points import merge_stages
@@ -45,11 +45,13 @@ __all__ = [
     "HarvestError",
     "PromptRows",
     "Selection",
+    "capture_chunk",
     "run_chunk",
     "sampling_params",
 ]
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+T = TypeVar("T")
 
 
 class HarvestError(NNqueueError, RuntimeError):
@@ -137,36 +139,55 @@ async def run_chunk(llm: Any, work: ChunkWork) -> ChunkResult:
     waiting for its remaining prompts); on any failure or cancellation the chunk's requests are aborted
     and the chunk is dropped on the engine.
     """
-    started = time.perf_counter()
-    key = f"{work.chunk_id}/{secrets.token_hex(4)}"  # this attempt's name on the engine
-    report = poller(llm).expect(key)  # before the engine can post it
     request_ids = [f"nnqh-{uuid.uuid4().hex[:12]}-{index}" for index in work.prompt_indices]
-    prefills: asyncio.Future[Any] | None = None
-    try:
-        answers = await llm.collective_rpc("nnqueue_harvest_begin", args=(_engine_spec(work, key),))
-        answer = _taken(answers)
-        if not isinstance(answer, dict) or answer.get("chunk") != key:
-            raise HarvestError(f"the engine refused chunk {work.chunk_id}: {_reason(answer)}")
-        prefills = asyncio.gather(
+
+    def prefills(key: str) -> Awaitable[Any]:
+        return asyncio.gather(
             *(
                 _request(llm, request_id, ids, sampling_params(work.generation, {"chunk": key, "prompt": index}))
                 for request_id, index, ids in zip(request_ids, work.prompt_indices, work.token_ids, strict=True)
             )
         )
-        pending: set[asyncio.Future[Any]] = {prefills, report}
+
+    _, result = await capture_chunk(llm, work, request_ids, prefills)
+    return result
+
+
+async def capture_chunk(
+    llm: Any, work: ChunkWork, request_ids: list[str], requests: Callable[[str], Awaitable[T]]
+) -> tuple[T, ChunkResult]:
+    """Begin ``work`` on the engine, run ``requests(key)``, await the shard; what the requests returned, and the
+    shard's `ChunkResult`.
+
+    ``requests(key)`` sends the chunk's prompts (ids ``request_ids``), each tagged ``extra_args[TAG] = {"chunk":
+    key, "prompt": its index}``: `run_chunk`'s prefills, or a steering job's generations
+    (`nnqueue.engines.steer_runner.run_steering_captured`). Failures and cancellation as `run_chunk`'s.
+    """
+    started = time.perf_counter()
+    key = f"{work.chunk_id}/{secrets.token_hex(4)}"  # this attempt's name on the engine
+    report = poller(llm).expect(key)  # before the engine can post it
+    running: asyncio.Future[T] | None = None
+    try:
+        answers = await llm.collective_rpc("nnqueue_harvest_begin", args=(_engine_spec(work, key),))
+        answer = _taken(answers)
+        if not isinstance(answer, dict) or answer.get("chunk") != key:
+            raise HarvestError(f"the engine refused chunk {work.chunk_id}: {_reason(answer)}")
+        running = asyncio.ensure_future(requests(key))
+        pending: set[asyncio.Future[Any]] = {running, report}
         await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
         if not report.done() or report.result().get("error") is None:  # a failure ends the chunk early
-            await prefills
+            await running
         entry = await report
         if entry.get("kind") != SHARD_ENTRY or entry.get("error") is not None:
             raise HarvestError(f"chunk {work.chunk_id} failed on the engine: {str(entry.get('error'))[:4000]}")
     except BaseException:
-        if prefills is not None:
-            prefills.cancel()
+        if running is not None:
+            running.cancel()
         report.cancel()
         await asyncio.shield(_drop(llm, key, request_ids))
         raise
-    return _result(work, entry, time.perf_counter() - started)
+    assert running is not None
+    return running.result(), _result(work, entry, time.perf_counter() - started)
 
 
 async def capture_points(llm: Any) -> list[dict[str, Any]]:

@@ -7,6 +7,16 @@ otherwise, while identical steering shares them. The generations come back as vL
 read from the engine process but those.
 
 Cancelling `run_steering` (or any failure) aborts the job's requests and drops the job on every rank.
+
+`run_steering_captured` also records activations in the same pass: a harvest chunk (`SteerCapture`: a harvest's
+captures, selection and dtype) is begun on the engine for the job (`harvest_runner.capture_chunk`), and every
+steered request carries both tags in its ``extra_args``, the steering path's and the capture path's
+(`nnqueue.enginecore.harvest_capture`), which each read only their own. The engine writes the shard, a harvest
+shard's format (one row per selected token: ``prompt_index``, ``token_position``, ``token_id`` and a tensor per
+capture; prompt indices are the job's prompt order), to the capture's sink. At a point that is both edited and
+captured the capture sees the edited value: steering's hooks run before any other hook of the module
+(`nnqueue.enginecore.steering`). Captured requests skip reading vLLM's prefix cache (every token must run through
+the model to be captured), as a harvest's do.
 """
 
 from __future__ import annotations
@@ -15,15 +25,28 @@ import asyncio
 import hashlib
 import json
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from nnqueue.enginecore.harvest_capture import TAG as CAPTURE_TAG
+from nnqueue.enginecore.harvest_spec import Capture, Selection
+from nnqueue.enginecore.harvest_spec import Generation as ChunkGeneration
 from nnqueue.enginecore.steer_spec import Edit, check_edits
 from nnqueue.enginecore.steering import TAG
+from nnqueue.engines.harvest_runner import ChunkResult, ChunkWork, capture_chunk
 from nnqueue.errors import NNqueueError
 
-__all__ = ["Edit", "Generation", "Sampling", "SteerError", "SteerWork", "run_steering"]
+__all__ = [
+    "Edit",
+    "Generation",
+    "Sampling",
+    "SteerCapture",
+    "SteerError",
+    "SteerWork",
+    "run_steering",
+    "run_steering_captured",
+]
 
 
 class SteerError(NNqueueError, RuntimeError):
@@ -41,7 +64,8 @@ class Sampling:
     logprobs: int | None = None  # the top-k log-probabilities of each generated token, and the chosen one's
     ignore_eos: bool = False
 
-    def to_vllm(self, extra_args: dict[str, Any]) -> Any:
+    def to_vllm(self, extra_args: dict[str, Any], captured: bool = False) -> Any:
+        """vLLM's ``SamplingParams``; ``captured``: every token runs through the model (no prefix-cache reads)."""
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -51,8 +75,24 @@ class Sampling:
             seed=self.seed,
             logprobs=self.logprobs,
             ignore_eos=self.ignore_eos,
+            skip_reading_prefix_cache=captured,
             extra_args=extra_args,
         )
+
+    def generation(self) -> ChunkGeneration:
+        """This sampling as a harvest chunk's generation (the capture path bounds each request's rows with it)."""
+        return ChunkGeneration(self.max_tokens, self.temperature, self.seed, self.ignore_eos)
+
+
+@dataclass(frozen=True)
+class SteerCapture:
+    """What to record while a job steers: a harvest's captures, token selection and stored dtype, and the sink the
+    engine writes the shard to (`nnqueue.enginecore.sink`)."""
+
+    captures: Sequence[Capture]
+    selection: Selection
+    dtype: str
+    sink: Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -104,14 +144,53 @@ class Generation:
 async def run_steering(llm: Any, work: SteerWork, on_finished: Callable[[int], None] | None = None) -> list[Generation]:
     """Run ``work`` on ``llm`` (an ``AsyncLLM`` whose workers mix in ``NNqueueRPC``); a `Generation` per prompt,
     in prompt order. ``on_finished(done)`` is called as prompts finish."""
+    return await _steer(llm, work, _request_ids(work), on_finished, lambda _index: {})
+
+
+async def run_steering_captured(
+    llm: Any, work: SteerWork, capture: SteerCapture, on_finished: Callable[[int], None] | None = None
+) -> tuple[list[Generation], ChunkResult]:
+    """`run_steering`, recording ``capture`` in the same pass: the generations, and the shard the engine wrote to
+    ``capture.sink`` (its rows, size, sha256). Raises `SteerError`, or `HarvestError` when the capture failed."""
+    chunk = ChunkWork(
+        chunk_id=work.job_id,
+        prompt_indices=range(len(work.token_ids)),
+        token_ids=work.token_ids,
+        captures=capture.captures,
+        selection=capture.selection,
+        dtype=capture.dtype,
+        sink=capture.sink,
+        metadata={"steering_job_id": work.job_id},
+        generation=work.sampling.generation(),
+    )
+    request_ids = _request_ids(work)
+
+    def steered(key: str) -> Awaitable[list[Generation]]:
+        return _steer(llm, work, request_ids, on_finished, lambda index: {CAPTURE_TAG: {"chunk": key, "prompt": index}})
+
+    return await capture_chunk(llm, chunk, request_ids, steered)
+
+
+def _request_ids(work: SteerWork) -> list[str]:
+    return [f"nnqs-{uuid.uuid4().hex[:12]}-{i}" for i in range(len(work.token_ids))]
+
+
+async def _steer(
+    llm: Any,
+    work: SteerWork,
+    request_ids: list[str],
+    on_finished: Callable[[int], None] | None,
+    tags: Callable[[int], dict[str, Any]],
+) -> list[Generation]:
+    """Begin the job on every rank, generate its prompts (prompt ``i``'s request also tagged ``tags(i)``), end it."""
     key = f"{work.job_id}/{uuid.uuid4().hex[:8]}"
-    request_ids = [f"nnqs-{uuid.uuid4().hex[:12]}-{i}" for i in range(len(work.token_ids))]
     spec = {"job": key, "edits": [e.to_json() for e in work.edits], "vectors": dict(work.vectors)}
     done = 0
 
-    async def generate(request_id: str, ids: Sequence[int]) -> Generation:
+    async def generate(index: int, request_id: str, ids: Sequence[int]) -> Generation:
         nonlocal done
-        generation = await _generate(llm, request_id, ids, work, key)
+        extra_args = {TAG: {"job": key}, **tags(index)}
+        generation = await _generate(llm, request_id, ids, work, extra_args)
         done += 1
         if on_finished is not None:
             on_finished(done)
@@ -123,7 +202,7 @@ async def run_steering(llm: Any, work: SteerWork, on_finished: Callable[[int], N
         if refused:
             raise SteerError(f"the engine refused steering job {work.job_id}: {_reason(refused[0])}")
         generations = await asyncio.gather(
-            *(generate(r, ids) for r, ids in zip(request_ids, work.token_ids, strict=True))
+            *(generate(i, r, ids) for i, (r, ids) in enumerate(zip(request_ids, work.token_ids, strict=True)))
         )
     except BaseException:
         await asyncio.shield(llm.abort(request_ids))
@@ -136,11 +215,13 @@ async def run_steering(llm: Any, work: SteerWork, on_finished: Callable[[int], N
     return list(generations)
 
 
-async def _generate(llm: Any, request_id: str, token_ids: Sequence[int], work: SteerWork, key: str) -> Generation:
+async def _generate(
+    llm: Any, request_id: str, token_ids: Sequence[int], work: SteerWork, extra_args: dict[str, Any]
+) -> Generation:
     from vllm.inputs import TokensPrompt
 
     prompt = TokensPrompt(prompt_token_ids=list(token_ids), cache_salt=work.salt())
-    params = work.sampling.to_vllm({TAG: {"job": key}})
+    params = work.sampling.to_vllm(extra_args, captured=CAPTURE_TAG in extra_args)
     final = None
     async for output in llm.generate(prompt, params, request_id):
         final = output

@@ -81,7 +81,7 @@ class DatasetSpec(Strict):
         return self.prompts if self.prompts is not None else self.token_ids
 
 
-def _selection(selection: Selection) -> Selection:
+def checked_selection(selection: Selection) -> Selection:
     if len(selection.positions) > MAX_POSITIONS:
         raise ValueError(f"a selection lists at most {MAX_POSITIONS} positions, not {len(selection.positions)}")
     return selection
@@ -102,7 +102,7 @@ class HarvestSpec(Strict):
     )
     add_special_tokens: bool = Field(True, description="Let the tokenizer add its special tokens (BOS).")
     captures: Annotated[list[Capture], AfterValidator(check_captures)] = Field(min_length=1, max_length=MAX_CAPTURES)
-    selection: Annotated[Selection, AfterValidator(_selection)] = Field(default_factory=Selection)
+    selection: Annotated[Selection, AfterValidator(checked_selection)] = Field(default_factory=Selection)
     dtype: Annotated[str, AfterValidator(check_dtype)] = Field(
         "float32", description="The stored dtype: bfloat16, float16 or float32."
     )

@@ -13,6 +13,8 @@ JSON over HTTP (``POST /v1/steering``, with an optional safetensors file of vect
         op: project_out
         vector: {harvest: <id>, capture: model.layers.16.output, stat: mean,
                  minus: {harvest: <id>, capture: model.layers.16.output}}         # a mean difference
+    captures: [{module: model.layers.16}]      # optional: record activations of the steered pass, as a harvest
+    selection: {kind: all, tokens: both}       # which tokens become rows (a harvest's selection); dtype: float32
 
 A steering job is a job of kind ``steer`` (it is queued, claimed, cancelled and kept like a trace) that runs no
 user code, so a ``harvest``-scope key may submit it. At submit every edit is checked against the capture
@@ -20,7 +22,9 @@ points the model's live workers published (`nnqueue.enginecore.capture_points`: 
 each vector's width), vectors named from harvests are read from their manifests' statistics (owned, completed
 harvests), the prompts are read as a harvest's are (`harvest_dataset`), and the whole is frozen into the job's
 payload: one safetensors file, the vectors as float32 tensors and the rest (prompts, edits, sampling) as JSON in
-its metadata (`encode_payload`, read back by the worker with `decode_payload`). Every refusal is a
+its metadata (`encode_payload`, read back by the worker with `decode_payload`). ``captures`` (optional) are a
+harvest's, checked against the same published points with the harvest's check (`check_against`); the worker
+records them in the same generation pass (`nnqueue.engines.steer_runner.run_steering_captured`). Every refusal is a
 :class:`~nnqueue.scheduler.harvest_spec.HarvestRejected` whose status and message are the HTTP answer.
 """
 
@@ -30,19 +34,19 @@ import json
 import struct
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy.orm import Session
 
 from nnqueue.db.models import EngineKind, Harvest, JobKind, JobStatus
 from nnqueue.enginecore.capture_points import check_against
-from nnqueue.enginecore.harvest_spec import Capture, SpecError
+from nnqueue.enginecore.harvest_spec import Capture, Selection, SpecError, check_captures, check_dtype
 from nnqueue.enginecore.steer_spec import MAX_EDITS, Edit, check_edits
 from nnqueue.scheduler.admission import AdmissionPolicy
 from nnqueue.scheduler.harvest_dataset import Example, Limits, load_examples, uploaded_examples
-from nnqueue.scheduler.harvest_spec import DatasetSpec, HarvestRejected
+from nnqueue.scheduler.harvest_spec import MAX_CAPTURES, DatasetSpec, HarvestRejected, checked_selection
 from nnqueue.scheduler.registry import live_capture_points, live_workers
 from nnqueue.scheduler.submission import Accepted, accept_job
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
@@ -102,6 +106,29 @@ class SteerSpec(Strict):
     priority: int = Field(0, ge=-(1 << 31), le=(1 << 31) - 1)
     timeout_s: float | None = Field(None, gt=0, le=7 * 24 * 3600)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    captures: Annotated[list[Capture], AfterValidator(check_captures)] | None = Field(
+        None,
+        max_length=MAX_CAPTURES,
+        description="Record these values (a harvest's captures) in the steered generation pass; null: none.",
+    )
+    selection: Annotated[Selection, AfterValidator(checked_selection)] = Field(
+        default_factory=lambda: Selection(tokens="both"),
+        description="Which tokens of each sequence become rows of the captures (a harvest's selection).",
+    )
+    dtype: Annotated[str, AfterValidator(check_dtype)] = Field("float32", description="The captures' stored dtype.")
+
+    @model_validator(mode="after")
+    def _selection_without_captures(self) -> Self:
+        if self.captures is None and ("selection" in self.model_fields_set or "dtype" in self.model_fields_set):
+            raise ValueError("selection and dtype are for captures; give captures too")
+        return self
+
+    def capture_json(self) -> dict[str, Any] | None:
+        """What the worker records, as the payload holds it; None without captures."""
+        if self.captures is None:
+            return None
+        captures = [capture.to_json() for capture in self.captures]
+        return {"captures": captures, "selection": self.selection.to_json(), "dtype": self.dtype}
 
 
 @dataclass(frozen=True)
@@ -126,6 +153,11 @@ def accept_steering(session: Session, store: ObjectStore, spec: SteerSpec, submi
     points = _capture_points(session, spec.model_key, submission.stale_after_s)
     edits = _edits(spec)
     _check_points(edits, points)
+    if spec.captures is not None:
+        try:
+            check_against(spec.captures, points)
+        except SpecError as error:
+            raise HarvestRejected(422, f"{spec.model_key!r}: {error}") from None
     uploaded = _uploaded_vectors(submission)
     vectors = _vectors(session, store, spec, submission.owner, uploaded)
     _check_widths(edits, vectors, {(p["module"], p["io"]): p.get("width") for p in points})
@@ -135,6 +167,7 @@ def accept_steering(session: Session, store: ObjectStore, spec: SteerSpec, submi
         "prompts": prompts,
         "edits": [edit.to_json() for edit in edits],
         "sampling": spec.sampling.model_dump(),
+        "capture": spec.capture_json(),
     }
     return accept_job(
         session,

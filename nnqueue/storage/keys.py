@@ -7,6 +7,7 @@ from uuid import UUID
 # The names of a job's results (see nnqueue.storage.results, which writes them).
 TORCH_FILE = "saves.pt"
 SAFETENSORS_FILE = "saves.safetensors"
+ACTIVATIONS_FILE = "activations.safetensors"  # a steering job's captures, beside its generations
 
 
 def payload_key(job_id: str | int | UUID) -> str:

@@ -35,7 +35,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
 from nnqueue.db.models import Harvest, HarvestChunk
-from nnqueue.engines.harvest_runner import ChunkWork, run_chunk
+from nnqueue.engines.harvest_runner import ChunkWork, Selection, run_chunk
 from nnqueue.engines.trace_report import WrittenObject
 from nnqueue.scheduler.chunks import (
     ChunkOutput,
@@ -145,7 +145,14 @@ class ChunkRunner:
         )
         token_ids = await asyncio.to_thread(tokenize, self.model, read_slice(data), spec)
         name = f"{chunk.harvest_id}-{chunk.index:05d}-{chunk.attempts}.safetensors"
-        bound = shard_bound(spec, token_ids, self.model.vllm_entrypoint.model_config)
+        bound = shard_bound(
+            token_ids,
+            self.model.vllm_entrypoint.model_config,
+            captures=len(spec.captures),
+            selection=spec.selection,
+            dtype=spec.dtype,
+            generated=spec.generated_positions,
+        )
         sink = await asyncio.to_thread(self.sinks.open_shard, chunk.shard_key, name, bound)
         committed = False
         try:
@@ -248,12 +255,21 @@ def tokenize(model: Any, examples: list[Example], spec: HarvestSpec) -> list[lis
     return ids
 
 
-def shard_bound(spec: HarvestSpec, token_ids: Sequence[Sequence[int]], model_config: Any) -> int:
-    """An upper bound of the chunk's shard size: its rows (from the token selection) times, per capture, the
-    widest activation the model's config names, plus the columns and the header. For the multipart upload's
-    part URLs, which must be presigned before the engine knows the shard's size."""
-    rows = sum(spec.selection.max_rows(len(ids), spec.generated_positions) for ids in token_ids)
-    row_bytes = len(spec.captures) * width_bound(model_config.hf_text_config) * DTYPE_BYTES[spec.dtype] + COLUMN_BYTES
+def shard_bound(
+    token_ids: Sequence[Sequence[int]],
+    model_config: Any,
+    *,
+    captures: int,
+    selection: Selection,
+    dtype: str,
+    generated: int,
+) -> int:
+    """An upper bound of a shard's size (``captures`` values of ``dtype`` at the tokens ``selection`` takes of
+    prompts ``token_ids`` that run at most ``generated`` generated tokens through the model): its rows times, per
+    capture, the widest activation the model's config names, plus the columns and the header. For the multipart
+    upload's part URLs, which must be presigned before the engine knows the shard's size."""
+    rows = sum(selection.max_rows(len(ids), generated) for ids in token_ids)
+    row_bytes = captures * width_bound(model_config.hf_text_config) * DTYPE_BYTES[dtype] + COLUMN_BYTES
     return rows * row_bytes + HEADER_BYTES
 
 

@@ -134,6 +134,27 @@ def test_a_key_without_the_harvest_scope_is_refused(api: Api) -> None:
         (spec(model_key="no-steering-model"), {}, 400, "run no steering"),
         (spec(dataset={}, edits=[{"module": "model.layers.1", "op": "zero"}]), {}, 422, "no source"),
         (spec(sampling={"temperature": -1}), {}, 422, "temperature"),
+        (
+            spec(edits=[{"module": "model.layers.1", "op": "zero"}], captures=[{"module": "model.layers.7"}]),
+            {},
+            422,
+            "not capturable on this model: ['model.layers.7.output']",
+        ),
+        (
+            spec(edits=[{"module": "model.layers.1", "op": "zero"}], captures=[{"module": "model.layers.1"}] * 2),
+            {},
+            422,
+            "more than once",
+        ),
+        (spec(edits=[{"module": "model.layers.1", "op": "zero"}], selection={"kind": "last"}), {}, 422, "captures"),
+        (
+            spec(
+                edits=[{"module": "model.layers.1", "op": "zero"}], captures=[{"module": "model.layers.1"}], dtype="i8"
+            ),
+            {},
+            422,
+            "dtype",
+        ),
     ],
 )
 def test_refusals_at_submit(api: Api, body: dict[str, Any], files: dict[str, bytes], status: int, reason: str) -> None:
@@ -141,6 +162,29 @@ def test_refusals_at_submit(api: Api, body: dict[str, Any], files: dict[str, byt
     response = submit(api, dave, body, files)
     assert response.status_code == status, response.text
     assert reason in json.dumps(response.json()["detail"])
+
+
+def test_captures_are_frozen_with_the_job(api: Api, services: Services) -> None:
+    """Captures are checked against the published points as a harvest's are, and frozen into the payload with the
+    selection and dtype; a spec without them freezes none (the job steers only)."""
+    fay = api.new_key("fay", ("harvest",))
+    edits = [{"module": "model.layers.1", "op": "zero"}]
+    captures = [{"module": "model.layers.0"}, {"module": "model.layers.1", "part": "hidden"}]
+    selection = {"kind": "last", "n": 2, "tokens": "generated"}
+    response = submit(api, fay, spec(edits=edits, captures=captures, selection=selection, dtype="bfloat16"))
+    assert response.status_code == 201, response.text
+    body, _ = payload_of(services, response.json()["id"])
+    assert body["capture"] == {
+        "captures": [
+            {"module": "model.layers.0", "io": "output", "part": None},
+            {"module": "model.layers.1", "io": "output", "part": "hidden"},
+        ],
+        "selection": {"kind": "last", "n": 2, "positions": [], "skip": 0, "tokens": "generated"},
+        "dtype": "bfloat16",
+    }
+    plain = submit(api, fay, spec(edits=edits))
+    assert plain.status_code == 201, plain.text
+    assert payload_of(services, plain.json()["id"])[0]["capture"] is None
 
 
 def completed_harvest(services: Services, owner: str, means: dict[str, list[float]], done: bool = True) -> str:

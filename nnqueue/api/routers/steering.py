@@ -1,4 +1,5 @@
-"""``/v1/steering``: submit a declarative steering job, follow it, cancel it, read its generations.
+"""``/v1/steering``: submit a declarative steering job, follow it, cancel it, read its generations (and the
+activations its captures recorded).
 
 A steering job runs no user code (`nnqueue.scheduler.steering`), so submitting needs the ``harvest`` scope (a
 default key's), not ``trace``; the other routes ``harvest`` or ``admin``. Like jobs, every route sees only the
@@ -14,7 +15,7 @@ The job itself is a job of kind ``steer``: its row, queue, cancel and retention 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, File, Form, HTTPException, Query, UploadFile, status
 from fastapi.responses import RedirectResponse, StreamingResponse
@@ -33,6 +34,7 @@ from nnqueue.scheduler.harvest_spec import HarvestRejected
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.steering import SteerSpec, SteerSubmission, accept_steering
 from nnqueue.scheduler.submission import queue_job
+from nnqueue.storage.keys import ACTIVATIONS_FILE, sibling_key
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"], route_class=ReleasingRoute)
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such steering job, or another owner's."}}
@@ -122,25 +124,45 @@ def cancel(job_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, ses
     response_class=StreamingResponse,
     responses={
         **NOT_YOURS,
-        200: {"content": {"application/json": {}}, "description": "The generations (inline)."},
+        200: {
+            "content": {"application/json": {}, "application/octet-stream": {}},
+            "description": "The generations, or the activations (inline).",
+        },
         302: {"description": "Redirect to a presigned object-store URL."},
-        409: {"description": "The job has not completed."},
+        409: {"description": "The job has not completed, or recorded no activations (its spec had no captures)."},
         410: {"description": "The result was deleted (NNQUEUE_RETENTION_DAYS)."},
     },
 )
 def download_result(
-    job_id: uuid.UUID, caller: HarvestReaderDep, session: SessionDep, resources: ResourcesDep, inline: bool = False
+    job_id: uuid.UUID,
+    caller: HarvestReaderDep,
+    session: SessionDep,
+    resources: ResourcesDep,
+    inline: bool = False,
+    file: Annotated[
+        Literal["generations", "activations"],
+        Query(description="generations (JSON), or activations (safetensors: the spec's captures)."),
+    ] = "generations",
 ) -> StreamingResponse | RedirectResponse:
     """The generations, JSON (``{"format", "generations": [{"token_ids", "text", "finish_reason", "logprobs",
-    "top_logprobs"}]}``, one per prompt in order): a presigned redirect, or the bytes when ``inline``."""
+    "top_logprobs"}]}``, one per prompt in order), or with ``file=activations`` the captures recorded while
+    steering (a harvest shard's safetensors: ``prompt_index``, ``token_position``, ``token_id`` and a tensor per
+    capture): a presigned redirect, or the bytes when ``inline``."""
     job = _steering(session, job_id, caller)
     if job.status is not JobStatus.COMPLETED or job.result_key is None:
         raise HTTPException(status.HTTP_409_CONFLICT, f"steering job {job_id} is {job.status.value}; no result yet")
     if job.purged_at is not None:
         raise HTTPException(status.HTTP_410_GONE, f"the result of steering job {job_id} was deleted")
     expiry_s = resources.settings.result_url_expiry_s
-    filename, sha256 = f"{job.id}.json", job.result_sha256
-    return object_response(resources.store, job.result_key, expiry_s, filename=filename, sha256=sha256, inline=inline)
+    key, filename, sha256 = job.result_key, f"{job.id}.json", job.result_sha256
+    if file == "activations":
+        if job.result_safetensors_size is None:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT, f"steering job {job_id} recorded no activations: its spec has no captures"
+            )
+        key, filename = sibling_key(job.result_key, ACTIVATIONS_FILE), f"{job.id}-activations.safetensors"
+        sha256 = job.result_safetensors_sha256
+    return object_response(resources.store, key, expiry_s, filename=filename, sha256=sha256, inline=inline)
 
 
 def _steering(session: Any, job_id: uuid.UUID, caller: Any) -> Job:
