@@ -5,6 +5,7 @@ survivor, and the harvest completes with every prompt exactly once (each prompt'
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import signal
 import time
@@ -42,9 +43,11 @@ def wait_for(services: Services, harvest_id: object, done: object, what: str, ti
         time.sleep(0.05)
 
 
-def freeze_busy(services: Services, harvest_id: object, victim: WorkerProcess, busy: object) -> list[HarvestChunk]:
-    """Stop (SIGSTOP) the victim's processes at a moment it is ``busy``; the harvest's chunks then. Read while it
-    runs, a chunk it held may complete before a kill arrives (seen under the full suite's load)."""
+def freeze_busy(
+    services: Services, harvest_id: object, victim: WorkerProcess, busy: object
+) -> tuple[list[int], list[HarvestChunk]]:
+    """Stop (SIGSTOP) the victim's processes at a moment it is ``busy``; their pids and the harvest's chunks then.
+    Read while it runs, a chunk it held may complete before a kill arrives (seen under the full suite's load)."""
     while True:
         wait_for(services, harvest_id, busy, "the victim completing a chunk and holding the next")
         frozen = [victim.process.pid, *(child.pid for child in victim.children())]
@@ -52,7 +55,7 @@ def freeze_busy(services: Services, harvest_id: object, victim: WorkerProcess, b
             os.kill(pid, signal.SIGSTOP)
         chunks = chunks_of(services, harvest_id)
         if busy(chunks):  # type: ignore[operator]
-            return chunks
+            return frozen, chunks
         for pid in frozen:
             os.kill(pid, signal.SIGCONT)
 
@@ -70,9 +73,12 @@ def test_three_workers_share_one_harvest_and_a_killed_ones_chunk_is_run_by_the_o
         mine = [chunk for chunk in chunks if chunk.worker_id == victim_id]
         return any(c.status is S.COMPLETED for c in mine) and any(c.status is S.RUNNING for c in mine)
 
-    frozen = freeze_busy(services, harvest_id, victim, victim_busy)
+    stopped, frozen = freeze_busy(services, harvest_id, victim, victim_busy)
     held = next(c for c in frozen if c.worker_id == victim_id and c.status is S.RUNNING)
     victim.kill()
+    for pid in stopped:  # the victim's surviving processes (its engine) act on their parent's death once continued
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
     done = wait_harvest(services, harvest_id, timeout=600)
     assert done.status is S.COMPLETED, (done.error_type, done.error_message)
