@@ -18,15 +18,9 @@ import nnsight
 import pytest
 import torch
 
-from nnqueue import trace_payload
 from nnqueue.engines.harvest_runner import ChunkWork, HarvestError, capture_points, run_chunk
-from nnqueue.engines.outbox import poller
-from nnqueue.engines.prebuilt import to_requests
-from nnqueue.engines.trace_report import TraceReport
-from nnqueue.engines.trace_runner import run_trace
-from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import SELECTIONS, Capture, batched, load, run, work
-from tests.utils.engines import InProcessEngine, running_pipeline_engine
+from tests.utils.engines import InProcessEngine, run_prebuilt, running_pipeline_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
@@ -92,15 +86,6 @@ def test_captures_on_two_stages_are_refused(pipeline_engine, tmp_path, prompts) 
     assert [s["chunks"] for s in stats if s is not None] == [0, 0]
 
 
-def trace(engine: InProcessEngine, payload: bytes, tmp_path: Path, name: str) -> tuple[TraceReport, dict[str, Any]]:
-    llm = engine.model.vllm_entrypoint
-    sinks = {kind: {"kind": "handoff", "path": str(tmp_path / f"{name}.{kind}")} for kind in ("torch", "safetensors")}
-    requests = to_requests(trace_payload.decode(payload), name)
-    report = run(engine, run_trace(engine.model, requests, trace_id=name, sinks=sinks, outbox=poller(llm)))
-    saves = load_result((tmp_path / f"{name}.torch").read_bytes()) if report.error is None else {}
-    return report, saves
-
-
 def test_a_trace_across_stages_equals_one_stage(inprocess_engine, pipeline_engine, client_model, tmp_path) -> None:
     backend = PrebuiltBackend()
     model = client_model
@@ -115,7 +100,7 @@ def test_a_trace_across_stages_equals_one_stage(inprocess_engine, pipeline_engin
         norm = model.model.norm.output.save()
         logits = model.logits.save()  # sampled on the last stage
     one, staged = (
-        trace(engine, backend.payload, tmp_path, name)[1]
+        run_prebuilt(engine, backend.payload, tmp_path, name)[1]
         for engine, name in ((inprocess_engine, "pp1"), (pipeline_engine, "pp2"))
     )
     assert set(staged) == set(one) == {"mlp0", "h0", "attn1", "h1", "both", "norm", "logits"}
@@ -136,6 +121,6 @@ def test_a_value_mixing_stages_fails_the_trace(pipeline_engine, client_model, tm
         h0 = client_model.model.layers[0].output[0].save()
         h1 = client_model.model.layers[1].output[0]
         delta = (h1 - h0).save()
-    report, _ = trace(pipeline_engine, backend.payload, tmp_path, "mixed")
+    report, _ = run_prebuilt(pipeline_engine, backend.payload, tmp_path, "mixed")
     assert report.error is not None and report.error["type_name"] == "PipelineStageError"
     assert "combines values of different pipeline stages" in report.error["message"]

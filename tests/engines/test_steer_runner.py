@@ -11,16 +11,13 @@ computes.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 import nnsight
 import pytest
 import torch
 
-from nnqueue import trace_payload
 from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
-from nnqueue.engines.outbox import poller
-from nnqueue.engines.prebuilt import to_requests
 from nnqueue.engines.steer_runner import (
     Edit,
     Sampling,
@@ -30,13 +27,10 @@ from nnqueue.engines.steer_runner import (
     run_steering,
     run_steering_captured,
 )
-from nnqueue.engines.trace_runner import run_trace
-from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import batched, load, stats
-from tests.utils.engines import InProcessEngine, run
+from tests.utils.engines import InProcessEngine, run, run_prebuilt
 from tests.utils.payloads import PrebuiltBackend
 
-T = TypeVar("T")
 STEPS = 6
 COEF = 4.0
 WIDTH = 128  # the tiny model's hidden size
@@ -71,12 +65,9 @@ def nnsight_steered(engine: InProcessEngine, client: Any, tmp_path: Any, ids: li
         for _ in tracer.iter[:]:
             client.model.layers[1].output[0][:] += COEF * vector
             logits.append(client.logits)
-    sinks = {name: {"kind": "handoff", "path": str(tmp_path / name)} for name in ("torch", "safetensors")}
-    llm = engine.model.vllm_entrypoint
-    requests = to_requests(trace_payload.decode(backend.payload), "nnsight-steer")
-    report = run(engine, run_trace(engine.model, requests, trace_id="nnsight-steer", sinks=sinks, outbox=poller(llm)))
+    report, saves = run_prebuilt(engine, backend.payload, tmp_path, "nnsight-steer")
     assert report.error is None and report.write_error is None
-    return torch.cat(load_result((tmp_path / "torch").read_bytes())["logits"]).float()
+    return torch.cat(saves["logits"]).float()
 
 
 def test_add_matches_nnsight(inprocess_engine, client_model, tmp_path, prompts, vector) -> None:
@@ -177,21 +168,8 @@ def nnsight_down_proj(engine: InProcessEngine, client: Any, tmp_path: Any, ids: 
             out[0][:] += COEF * vector
             values.append(out[0].clone())
             samples.append(client.samples)
-    sinks = {name: {"kind": "handoff", "path": str(tmp_path / f"nn-{len(ids)}-{name}")} for name in ("pt", "st")}
-    llm = engine.model.vllm_entrypoint
-    requests = to_requests(trace_payload.decode(backend.payload), f"nnsight-cap-{len(ids)}")
-    report = run(
-        engine,
-        run_trace(
-            engine.model,
-            requests,
-            trace_id=f"nnsight-cap-{len(ids)}",
-            sinks={"torch": sinks["pt"], "safetensors": sinks["st"]},
-            outbox=poller(llm),
-        ),
-    )
+    report, saves = run_prebuilt(engine, backend.payload, tmp_path, f"nnsight-cap-{len(ids)}")
     assert report.error is None and report.write_error is None
-    saves = load_result((tmp_path / f"nn-{len(ids)}-pt").read_bytes())
     return torch.cat(saves["values"]).float(), torch.cat(saves["samples"]).flatten().tolist()
 
 

@@ -9,6 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nnqueue import trace_payload
+from nnqueue.engines.outbox import poller
+from nnqueue.engines.prebuilt import to_requests
+from nnqueue.engines.trace_report import TraceReport
+from nnqueue.engines.trace_runner import run_trace
+from nnqueue.storage.results import load_result
 from nnqueue.workers.engine_host import EngineHost
 
 T = TypeVar("T")
@@ -32,6 +38,19 @@ def run(engine: InProcessEngine, awaitable: Awaitable[T]) -> T:
         return await awaitable
 
     return engine.run(wrap())
+
+
+def run_prebuilt(
+    engine: InProcessEngine, payload: bytes, tmp_path: Path, name: str
+) -> tuple[TraceReport, dict[str, Any]]:
+    """A prebuilt trace payload run on ``engine`` as a worker runs it (results to handoff files under ``tmp_path``):
+    the engine's report, and the saves (empty when the trace failed)."""
+    llm = engine.model.vllm_entrypoint
+    sinks = {kind: {"kind": "handoff", "path": str(tmp_path / f"{name}.{kind}")} for kind in ("torch", "safetensors")}
+    requests = to_requests(trace_payload.decode(payload), name)
+    report = run(engine, run_trace(engine.model, requests, trace_id=name, sinks=sinks, outbox=poller(llm)))
+    saves = load_result((tmp_path / f"{name}.torch").read_bytes()) if report.error is None else {}
+    return report, saves
 
 
 @contextmanager
