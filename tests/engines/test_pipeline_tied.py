@@ -14,8 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.engines.test_pipeline_parallel import trace
-from tests.utils.engines import InProcessEngine, running_pipeline_engine
+from tests.utils.engines import InProcessEngine, run_prebuilt, running_pipeline_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
@@ -45,7 +44,7 @@ def test_a_trace_of_the_embeddings_and_both_stages_completes(tied_engine, tied_m
         embedded = client_model.model.embed_tokens.output.clone().save()  # stage 0's; stage 1 holds it too
         first = client_model.model.layers[0].output[0].clone().save()
         second = client_model.model.layers[1].output[0].clone().save()
-    report, saves = trace(tied_engine, backend.payload, tmp_path, "tied")
+    report, saves = run_prebuilt(tied_engine, backend.payload, tmp_path, "tied")
     assert report.error is None, report.error
     weights = load_file(str(next(tied_model_path.glob("*.safetensors"))))["model.embed_tokens.weight"]
     assert torch.equal(saves["embedded"], weights[ids].to(saves["embedded"].dtype))
