@@ -57,7 +57,7 @@ class JobRow:
 
     @property
     def has_safetensors(self) -> bool:
-        return "safetensors" in (self.job.result_format or "").split("+")
+        return self.job.result_safetensors_size is not None  # a steering job's: its captured activations
 
 
 @dataclass(frozen=True)

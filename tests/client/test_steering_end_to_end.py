@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -120,3 +121,16 @@ def test_captures_come_back_beside_the_generations(
     fetched = CliRunner().invoke(app, ["steer", "result", str(jobs[0].id), "--activations", str(out)], env=env)
     assert fetched.exit_code == 0, fetched.output
     assert out.read_bytes() == files[0].read_bytes()
+
+    # The job routes and the status page hand out the same files: safetensors is a steering job's activations.
+    headers = {"Authorization": f"Bearer {steerer}"}
+    generic = httpx.get(f"{api_server.url}/v1/jobs/{jobs[0].id}/result?format=safetensors&inline=true", headers=headers)
+    assert generic.status_code == 200 and generic.content == files[0].read_bytes()
+    refused = httpx.get(f"{api_server.url}/v1/jobs/{without.id}/result?format=safetensors", headers=headers)
+    assert refused.status_code == 409 and "recorded no activations" in refused.json()["detail"]
+    with httpx.Client(base_url=api_server.url, follow_redirects=True) as browser:
+        assert browser.post("/status/sign-in", data={"key": steerer}).status_code == 200
+        page = browser.get("/status").text
+        link = f'/status/jobs/{jobs[0].id}/result?format=safetensors">activations</a>'
+        assert link in page and f'/status/jobs/{without.id}/result?format=safetensors"' not in page
+        assert browser.get(f"/status/jobs/{jobs[0].id}/result?format=safetensors").content == files[0].read_bytes()

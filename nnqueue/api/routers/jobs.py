@@ -44,7 +44,7 @@ from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.submission import accept_job, queue_job
 from nnqueue.scheduler.weights import waiting_reasons
 from nnqueue.settings import Settings
-from nnqueue.storage.keys import SAFETENSORS_FILE, sibling_key
+from nnqueue.storage.keys import ACTIVATIONS_FILE, SAFETENSORS_FILE, sibling_key
 from nnqueue.storage.object_store import ObjectStore
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ReleasingRoute)
@@ -213,13 +213,11 @@ def result_response(
     *,
     inline: bool = False,
 ) -> StreamingResponse | RedirectResponse:
-    """A completed job's result in ``format`` (``torch`` or ``safetensors``): a redirect to a presigned URL,
-    or its bytes when ``inline`` or the store cannot presign, with the sha256 the worker recorded
+    """A completed job's result in ``format`` (``torch`` or ``safetensors``; a steering job's ``torch`` is its
+    generations, JSON, and its ``safetensors`` the activations it captured): a redirect to a presigned URL, or its
+    bytes when ``inline`` or the store cannot presign, with the sha256 the worker recorded
     (:func:`nnqueue.api.downloads.digest_headers`); 409 or 410 when there is none."""
-    key = _result_object(job, format)
-    sha256 = job.result_sha256 if format == "torch" else job.result_safetensors_sha256
-    suffix = "json" if job.result_format == "json" else "pt" if format == "torch" else "safetensors"  # json: steering
-    filename = f"{job.id}.{suffix}"
+    key, sha256, filename = _result_object(job, format)
     return object_response(store, key, settings.result_url_expiry_s, filename=filename, sha256=sha256, inline=inline)
 
 
@@ -239,8 +237,9 @@ def _require_trace(data: bytes) -> None:
         )
 
 
-def _result_object(job: Job, fmt: str) -> str:
-    """The object key of the job's result in format ``fmt``, or 409 (410 once deleted) when it has none."""
+def _result_object(job: Job, fmt: str) -> tuple[str, str | None, str]:
+    """The object key, recorded sha256 and download name of the job's result in format ``fmt``, or 409 (410 once
+    deleted) when it has none."""
     if job.status not in (JobStatus.COMPLETED, JobStatus.FAILED) or job.result_key is None:
         raise HTTPException(
             status.HTTP_409_CONFLICT,
@@ -253,14 +252,17 @@ def _result_object(job: Job, fmt: str) -> str:
             f"the result of job {job.id} was deleted at {job.purged_at.isoformat(timespec='seconds')} "
             "(the server keeps results for NNQUEUE_RETENTION_DAYS after a job ends)",
         )
+    steering = job.kind is JobKind.STEER
     if fmt == "torch":
-        return job.result_key
-    if "safetensors" not in (job.result_format or "").split("+"):
-        raise HTTPException(
-            status.HTTP_409_CONFLICT,
-            f"job {job.id} has no safetensors result (format {job.result_format}): not every saved value is a tensor",
-        )
-    return sibling_key(job.result_key, SAFETENSORS_FILE)
+        return job.result_key, job.result_sha256, f"{job.id}.{'json' if steering else 'pt'}"
+    if job.result_safetensors_size is None:
+        why = "recorded no activations: its spec has no captures" if steering else "not every saved value is a tensor"
+        raise HTTPException(status.HTTP_409_CONFLICT, f"job {job.id} has no safetensors result: {why}")
+    if steering:
+        key, filename = sibling_key(job.result_key, ACTIVATIONS_FILE), f"{job.id}-activations.safetensors"
+    else:
+        key, filename = sibling_key(job.result_key, SAFETENSORS_FILE), f"{job.id}.safetensors"
+    return key, job.result_safetensors_sha256, filename
 
 
 def _invalid(loc: tuple[str, ...], message: str, value: Any) -> RequestValidationError:

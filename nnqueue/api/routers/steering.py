@@ -22,10 +22,9 @@ from fastapi.responses import RedirectResponse, StreamingResponse
 from sqlalchemy import select
 
 from nnqueue.api.deps import HarvestCallerDep, HarvestReaderDep, ResourcesDep, SessionDep, SessionsDep
-from nnqueue.api.downloads import object_response
 from nnqueue.api.ownership import owned_or_404
 from nnqueue.api.refusals import refusals_as_http
-from nnqueue.api.routers.jobs import cancel_response
+from nnqueue.api.routers.jobs import cancel_response, result_response
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import JobListResponse, JobResponse, parse_spec_field
 from nnqueue.db.models import Job, JobKind, JobStatus
@@ -34,7 +33,6 @@ from nnqueue.scheduler.harvest_spec import HarvestRejected
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.steering import SteerSpec, SteerSubmission, accept_steering
 from nnqueue.scheduler.submission import queue_job
-from nnqueue.storage.keys import ACTIVATIONS_FILE, sibling_key
 
 router = APIRouter(prefix="/v1/steering", tags=["steering"], route_class=ReleasingRoute)
 NOT_YOURS: dict[int | str, dict[str, Any]] = {404: {"description": "No such steering job, or another owner's."}}
@@ -149,20 +147,8 @@ def download_result(
     steering (a harvest shard's safetensors: ``prompt_index``, ``token_position``, ``token_id`` and a tensor per
     capture): a presigned redirect, or the bytes when ``inline``."""
     job = _steering(session, job_id, caller)
-    if job.status is not JobStatus.COMPLETED or job.result_key is None:
-        raise HTTPException(status.HTTP_409_CONFLICT, f"steering job {job_id} is {job.status.value}; no result yet")
-    if job.purged_at is not None:
-        raise HTTPException(status.HTTP_410_GONE, f"the result of steering job {job_id} was deleted")
-    expiry_s = resources.settings.result_url_expiry_s
-    key, filename, sha256 = job.result_key, f"{job.id}.json", job.result_sha256
-    if file == "activations":
-        if job.result_safetensors_size is None:
-            raise HTTPException(
-                status.HTTP_409_CONFLICT, f"steering job {job_id} recorded no activations: its spec has no captures"
-            )
-        key, filename = sibling_key(job.result_key, ACTIVATIONS_FILE), f"{job.id}-activations.safetensors"
-        sha256 = job.result_safetensors_sha256
-    return object_response(resources.store, key, expiry_s, filename=filename, sha256=sha256, inline=inline)
+    fmt = "safetensors" if file == "activations" else "torch"  # the job routes' names for the two files
+    return result_response(job, fmt, resources.store, resources.settings, inline=inline)
 
 
 def _steering(session: Any, job_id: uuid.UUID, caller: Any) -> Job:
