@@ -153,9 +153,7 @@ class ChunkRunner:
             dtype=spec.dtype,
             generated=spec.generated_positions,
         )
-        sink = await asyncio.to_thread(self.sinks.open_shard, chunk.shard_key, name, bound)
-        committed = False
-        try:
+        async with self.sinks.staged_shard(chunk.shard_key, name, bound) as sink:
             work = ChunkWork(
                 chunk_id=f"{chunk.harvest_id}-{chunk.index:05d}",
                 prompt_indices=range(chunk.first_prompt, chunk.first_prompt + chunk.prompts),
@@ -173,10 +171,6 @@ class ChunkRunner:
                 return Outcome.SKIPPED
             reported = WrittenObject(result.bytes, result.sha256)
             stored = await asyncio.to_thread(self.sinks.commit_shard, sink, reported)
-            committed = True
-        finally:
-            if not committed:
-                await asyncio.to_thread(self.sinks.discard_shard, sink)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
         output = ChunkOutput(
             result.rows, stored.size, stored.sha256, result.tokens, offsets, result.stats, weights_version

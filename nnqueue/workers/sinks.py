@@ -23,10 +23,12 @@ file instead of uploading it. A shard larger than the bound its chunk allows is 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import stat
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -126,6 +128,16 @@ class ResultSinks:
         """A handoff file named ``name`` (unique to the attempt) for a shard of at most ``max_bytes`` bytes, to end
         up at ``key`` (`commit_shard`)."""
         return ShardSink({"kind": "handoff", "path": str(self._handoff() / name)}, key, max_bytes)
+
+    @contextlib.asynccontextmanager
+    async def staged_shard(self, key: str, name: str, max_bytes: int) -> AsyncIterator[ShardSink]:
+        """`open_shard` for an async executor: the handoff file is removed on leaving, whether the shard was
+        committed (`commit_shard`), abandoned or its attempt failed, so nothing outlives the attempt."""
+        sink = await asyncio.to_thread(self.open_shard, key, name, max_bytes)
+        try:
+            yield sink
+        finally:
+            await asyncio.to_thread(self.discard_shard, sink)
 
     def commit_shard(self, sink: ShardSink, reported: Reported) -> Digest:
         """Upload the shard the engine reported writing; its size and sha256. Raises :class:`ResultNotWritten` when

@@ -10,7 +10,7 @@ fails with the engine's refusal (an edit it cannot apply) or vLLM's (a prompt ov
 
 A job with ``captures`` records them in the same generation pass
 (`nnqueue.engines.steer_runner.run_steering_captured`): the engine writes one harvest-format shard to a handoff
-file of this worker's (`ResultSinks.open_shard`, bounded as a harvest chunk's shard is), which is checked and
+file of this worker's (`ResultSinks.staged_shard`, bounded as a harvest chunk's shard is), which is checked and
 uploaded beside ``generations.json`` as ``activations.safetensors`` (`ResultSinks.commit_shard`); its size and
 sha256 are recorded in the job's ``result_safetensors_*`` columns, the generations' in ``result_*``. A capture
 the engine could not make fails the job (``CaptureFailed``).
@@ -112,18 +112,12 @@ async def _steer_and_capture(
     )
     key = result_key(job.id, ACTIVATIONS_FILE, job.attempts)
     name = f"{job.id}-{job.attempts}-{ACTIVATIONS_FILE}"
-    sink: ShardSink = await asyncio.to_thread(executor.sinks.open_shard, key, name, bound)
-    committed = False
-    try:
+    async with executor.sinks.staged_shard(key, name, bound) as sink:
         total = len(work.token_ids)
         generations, result = await run_steering_captured(
             llm, work, SteerCapture(captures, selection, dtype, sink.spec), lambda done: progress(done, total)
         )
         digest = await _commit(executor, sink, result)
-        committed = True
-    finally:
-        if not committed:
-            await asyncio.to_thread(executor.sinks.discard_shard, sink)
     return generations, digest
 
 

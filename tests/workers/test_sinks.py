@@ -5,6 +5,7 @@ store."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import random
@@ -19,7 +20,7 @@ from nnqueue.settings import S3Settings
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.storage.s3 import S3ObjectStore
-from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
+from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ShardSink
 
 JOB = uuid.UUID("12345678-1234-5678-1234-567812345678")
 MiB = 1 << 20
@@ -121,9 +122,16 @@ def test_a_shard_is_uploaded_from_its_handoff_file(store: ObjectStore, tmp_path:
 
 
 def test_an_abandoned_shard_leaves_nothing(store: ObjectStore, tmp_path: Path) -> None:
+    """An attempt that fails after the engine wrote part of its shard: the staged file goes with it."""
     sinks = ResultSinks(store, tmp_path / "handoff")
     key = "harvests/h/shard-00001.safetensors"
-    half = sinks.open_shard(key, "half.safetensors", 64 * MiB)
-    Path(half.spec["path"]).write_bytes(random.Random(1).randbytes(9 * MiB))  # written, never reported
-    sinks.discard_shard(half)
+
+    async def fail_mid_shard() -> ShardSink:
+        async with sinks.staged_shard(key, "half.safetensors", 64 * MiB) as half:
+            Path(half.spec["path"]).write_bytes(random.Random(1).randbytes(9 * MiB))  # written, never reported
+            raise TimeoutError(half)
+
+    with pytest.raises(TimeoutError) as failed:
+        asyncio.run(fail_mid_shard())
+    half = failed.value.args[0]
     assert not store.exists(key) and not any(Path(half.spec["path"]).parent.iterdir())
