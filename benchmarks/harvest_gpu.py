@@ -346,9 +346,9 @@ class Queue:
         )
         self.runner = JobRunner(self.sessions, executor, "bench", f"bench:{os.getpid()}")
 
-    def submit(self, payloads: list[bytes], kind: str = "trace") -> list[uuid.UUID]:
+    def submit(self, payloads: list[bytes], kind: str = "trace", safetensors: bool = False) -> list[uuid.UUID]:
         """What ``submit_job`` does, minus the broker: payload to the store, QUEUED row to the DB (jobs of
-        ``kind``: trace, or steer for `benchmarks/steer_gpu.py`'s payloads)."""
+        ``kind``: trace, or steer for `benchmarks/steer_gpu.py`'s payloads; ``safetensors``: asking for the copy)."""
         from nnqueue.db.lifecycle import create_job
         from nnqueue.db.models import Job, JobKind
         from nnqueue.db.session import transaction
@@ -371,6 +371,7 @@ class Queue:
                         meta={},
                         payload_key=payload_key(job_id),
                         payload_size=size,
+                        wants_safetensors=safetensors,
                     ),
                 )
             ids.append(job_id)
@@ -791,12 +792,14 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     def run_c(last: bool) -> list[dict[str, Any]]:
         return host.call(nnsight_async(engine, prompts, layer, last))
 
-    def run_b(last: bool, concurrency: int, reps: int, name: str, jobs: list[bytes] | None = None) -> list[uuid.UUID]:
+    def run_b(
+        last: bool, concurrency: int, reps: int, name: str, jobs: list[bytes] | None = None, safetensors: bool = False
+    ) -> list[uuid.UUID]:
         jobs = payloads[last] if jobs is None else jobs
         times, written, job_ids = [], [], []
         for _ in range(reps):
             queue.clear()
-            job_ids = queue.submit(jobs)  # submission is the API's work, not timed
+            job_ids = queue.submit(jobs, safetensors=safetensors)  # submission is the API's work, not timed
             start_time = time.perf_counter()
             outcomes = queue.run(host, job_ids, concurrency)
             times.append(time.perf_counter() - start_time)
@@ -967,18 +970,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             1,
             f"(b) all-token, K={k} (the worker's default)" if args.default_concurrency < 0 else f"(b) all-token, K={k}",
         )
-    # What the second copy of each result costs: the same run with saves.pt alone (no saves.safetensors).
-    opened = ResultSinks.open
-
-    def torch_only(self: Any, *args_: Any, **kwargs: Any) -> Any:
-        sinks = opened(self, *args_, **kwargs)
-        sinks.specs.pop("safetensors", None)
-        sinks.keys.pop("safetensors", None)
-        return sinks
-
-    ResultSinks.open = torch_only  # type: ignore[method-assign]
-    run_b(False, args.concurrency, 1, "(b) all-token, saves.pt only (ablation)")
-    ResultSinks.open = opened  # type: ignore[method-assign]
+    # What the second copy costs a job that asks for it (safetensors: true): the same run with saves.safetensors.
+    run_b(False, args.concurrency, 1, "(b) all-token, with the safetensors copy", safetensors=True)
     report["micro_ms_per_job"] = micro_costs(c_saves[0], queue.store)
     print(json.dumps(report["micro_ms_per_job"]), flush=True)
 

@@ -76,6 +76,11 @@ class JobSpec(BaseModel):
         description="Run only on an engine serving this weights version, or 'latest' (resolved at submit); "
         "null: any (docs/user/weights.md).",
     )
+    safetensors: bool = Field(
+        False,
+        description="Also write the result as safetensors (when every saved value is a tensor), for readers "
+        "without torch: a second copy of every saved byte, so off unless asked.",
+    )
 
 
 class Progress(BaseModel):

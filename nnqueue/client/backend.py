@@ -56,6 +56,7 @@ class Submitter(Protocol):
         metadata: dict[str, Any] | None = ...,
         kind: str = ...,
         weights_version: str | None = ...,
+        safetensors: bool = ...,
     ) -> Job: ...
 
     def taps(self, model_key: str) -> list[str] | None: ...

@@ -171,7 +171,11 @@ def download(
     path: Path = typer.Argument(..., help="Where to write the result (a directory: <id>.pt in it)."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for an unfinished job first."),
     inline: bool = typer.Option(False, "--inline", help="Stream through the API instead of the presigned URL."),
-    safetensors: bool = typer.Option(False, "--safetensors", help="The safetensors copy (all saves are tensors)."),
+    safetensors: bool = typer.Option(
+        False,
+        "--safetensors",
+        help="The safetensors copy (a job submitted with safetensors=True whose saves are all tensors).",
+    ),
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:

@@ -108,6 +108,7 @@ class Client:
         metadata: dict[str, Any] | None = None,
         kind: str = "trace",
         weights_version: str | None = None,
+        safetensors: bool = False,
     ) -> Job:
         """Queue a trace for ``model_key``'s workers: a prebuilt payload (:func:`nnqueue.client.backend.build_payload`)
         or an nnsight serialized one (``RequestModel.serialize(tracer)`` bytes).
@@ -115,6 +116,8 @@ class Client:
         ``timeout_s``: the job's run-time limit on the worker (server default when None). Higher
         ``priority`` runs earlier. ``metadata``: free-form JSON kept with the job. ``weights_version``: run only on
         an engine serving this weights version, or ``"latest"`` (the newest served now); None: any.
+        ``safetensors``: also write the result as safetensors (``job.download(format="safetensors")``), when
+        every saved value is a tensor.
         """
         spec = {
             "model_key": model_key,
@@ -126,6 +129,8 @@ class Client:
         }
         if weights_version is not None:  # left out otherwise: an API without weights versions refuses the field
             spec["weights_version"] = weights_version
+        if safetensors:  # likewise
+            spec["safetensors"] = True
         job = self._job(self._post_job(json.dumps(spec), payload).json())
         for hook in list(submit_hooks):
             hook(job)

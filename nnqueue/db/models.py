@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Enum,
     ForeignKey,
@@ -173,6 +174,8 @@ class Job(Base):
     result_sha256: Mapped[str | None] = mapped_column(String(64))
     result_safetensors_size: Mapped[int | None] = mapped_column(BigInteger)
     result_safetensors_sha256: Mapped[str | None] = mapped_column(String(64))
+    # A trace's result is written as safetensors too only when asked (a second copy of every saved byte).
+    wants_safetensors: Mapped[bool] = mapped_column(Boolean, default=False)
 
     error_type: Mapped[str | None] = mapped_column(String(200))
     error_message: Mapped[str | None] = mapped_column(Text)

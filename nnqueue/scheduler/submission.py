@@ -49,6 +49,7 @@ class JobFields(TypedDict, total=False):
         EngineKind | None
     )  # the engine kind the job needs (admission refuses a model served by others); default: any
     weights_pin: str | None  # a weights version, or "latest" (nnqueue.scheduler.weights); default: any
+    wants_safetensors: bool  # also write the result as safetensors; default: no
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ def _new_job(fields: JobFields, inline_payload_max_bytes: int) -> Job:
         attempts=0,
         progress_done=0,
         weights_pin=fields.get("weights_pin"),
+        wants_safetensors=fields.get("wants_safetensors", False),
         created_at=now,
         queued_at=now,
     )

@@ -81,14 +81,16 @@ class ResultSinks:
         self.handoff_root = handoff_root
         self._handoff_dir: Path | None = None
 
-    def open(self, job_id: uuid.UUID, attempt: int) -> JobSinks:
-        """Files for the engine to leave the result of ``job_id``'s ``attempt`` in."""
+    def open(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool) -> JobSinks:
+        """Files for the engine to leave the result of ``job_id``'s ``attempt`` in: ``saves.pt``, and with
+        ``safetensors`` a sink the engine fills when every saved value is a tensor."""
         directory = self._handoff()
+        objects = {name: file for name, file in OBJECTS.items() if safetensors or name != "safetensors"}
         specs = {
             name: {"kind": "handoff", "path": str(directory / f"{job_id}-{attempt}-{file}")}
-            for name, file in OBJECTS.items()
+            for name, file in objects.items()
         }
-        keys = {name: result_key(job_id, file, attempt) for name, file in OBJECTS.items()}
+        keys = {name: result_key(job_id, file, attempt) for name, file in objects.items()}
         return JobSinks(specs, keys)
 
     def commit(self, sinks: JobSinks, written: Mapping[str, Reported]) -> StoredResult:

@@ -15,6 +15,7 @@ the store.
 from __future__ import annotations
 
 import asyncio
+import functools
 import platform
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -48,7 +49,9 @@ async def run_and_commit(
 ) -> Execution:
     """Open the attempt's sinks, ``run`` the engine with their specs, commit what it reports writing; the job's
     execution, ``units`` long. ``trace``: the prebuilt payload, whose versions a rebuild error names."""
-    handoff = await asyncio.to_thread(sinks.open, job.id, job.attempts)
+    handoff = await asyncio.to_thread(
+        functools.partial(sinks.open, job.id, job.attempts, safetensors=job.wants_safetensors)
+    )
     committed = False
     try:
         report = await run(handoff.specs)

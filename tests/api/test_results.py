@@ -67,7 +67,7 @@ def payload(client_model: Any) -> bytes:
 
 @pytest.fixture(scope="module")
 def completed(api: Api, worker: WorkerProcess, alice: dict[str, str], payload: bytes) -> dict[str, Any]:
-    job = api.submit_ok(alice, payload, model_key=MODEL_KEY, timeout_s=120, client=CLIENT)
+    job = api.submit_ok(alice, payload, model_key=MODEL_KEY, timeout_s=120, client=CLIENT, safetensors=True)
     done = wait_ended(api, alice, job["id"])
     assert done["status"] == "completed", done["error"]
     return done
@@ -117,6 +117,16 @@ def test_the_presigned_download_equals_an_in_process_run(
     tensors = safetensors_load(httpx.get(url).content)
     for name, value in saves.items():
         torch.testing.assert_close(tensors[name], value)
+
+
+def test_the_safetensors_copy_is_written_only_when_asked(
+    api: Api, worker: WorkerProcess, alice: dict[str, str], payload: bytes
+) -> None:
+    job = wait_ended(api, alice, api.submit_ok(alice, payload, model_key=MODEL_KEY, timeout_s=120)["id"])
+    assert job["status"] == "completed" and job["result"]["format"] == "torch" and job["result"]["safetensors"] is None
+    refused = api.http.get(f"/v1/jobs/{job['id']}/result", headers=alice, params={"format": "safetensors"})
+    assert refused.status_code == 409 and "submit it with safetensors" in refused.json()["detail"]
+    assert api.http.get(f"/v1/jobs/{job['id']}/result", headers=alice, params={"inline": 1}).status_code == 200
 
 
 def test_inline_download_streams_the_same_bytes(api: Api, alice: dict[str, str], completed: dict[str, Any]) -> None:

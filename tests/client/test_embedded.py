@@ -38,7 +38,7 @@ def test_the_embedded_stack_runs_a_trace_and_stops_everything(
             queued_logits = logits
             [job] = list(client.jobs())
             job_id = job.id
-            assert job.info["status"] == "completed" and job.info["result"]["format"] == "torch+safetensors"
+            assert job.info["status"] == "completed" and job.info["result"]["format"] == "torch"
         processes += psutil.Process(worker.pid).children(recursive=True)  # the engine core
     finally:
         stack.stop()

@@ -144,7 +144,7 @@ def test_a_result_changed_in_the_store_fails_every_download_loudly(
     tmp_path: Any,
 ) -> None:
     model = client_model
-    backend = client.backend(model_key=MODEL_KEY, blocking=False)
+    backend = client.backend(model_key=MODEL_KEY, blocking=False, safetensors=True)
     with model.trace(PROMPT, backend=backend, max_tokens=1, temperature=0.0):
         logits = model.logits.save()  # saved under its name; the non-blocking backend fills in nothing
     job = backend.job

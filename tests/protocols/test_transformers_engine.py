@@ -74,7 +74,9 @@ def test_language_model_traces_through_the_nnqueue_client_equal_a_local_run(
     client: Client, worker: WorkerProcess, models: tuple[Any, Any], tiny_model_path: Path
 ) -> None:
     meta, local = models
-    backend = client.backend(progress=False)  # the model key: the LanguageModel's repo id (here its path)
+    backend = client.backend(
+        progress=False, safetensors=True
+    )  # the model key: the LanguageModel's repo id (here its path)
     assert_equal_saves(gradient_trace(meta, backend=backend), gradient_trace(local))
     assert backend.job is not None and backend.job.model_key == str(tiny_model_path)
     assert backend.job.info["result"]["format"] == "torch+safetensors"

@@ -44,7 +44,8 @@ def test_results_are_handed_off_as_files_and_uploaded_by_the_worker_with_their_d
     store: ObjectStore, tmp_path: Path
 ) -> None:
     sinks = ResultSinks(store, tmp_path / "handoff")
-    opened = sinks.open(JOB, 2)
+    assert set(sinks.open(JOB, 2, safetensors=False).specs) == {"torch"}  # the second copy only when asked
+    opened = sinks.open(JOB, 2, safetensors=True)
     assert {spec["kind"] for spec in opened.specs.values()} == {"handoff"}
     assert "http" not in repr(opened.specs)  # nothing the engine gets reaches the store
     written = {
@@ -66,7 +67,7 @@ def test_results_are_handed_off_as_files_and_uploaded_by_the_worker_with_their_d
 def test_a_wrong_size_a_link_someone_elses_file_or_a_missing_file_is_not_committed(tmp_path: Path) -> None:
     store = LocalObjectStore(tmp_path / "objects")
     sinks = ResultSinks(store, tmp_path / "handoff")
-    opened = sinks.open(JOB, 1)
+    opened = sinks.open(JOB, 1, safetensors=True)
     path = opened.specs["torch"]["path"]
     five = write(opened.specs["torch"], b"12345")
     with pytest.raises(ResultNotWritten, match="handed off with 5 bytes, reported 6"):

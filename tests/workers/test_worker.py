@@ -95,7 +95,7 @@ def test_two_invoke_trace_matches_transformers_and_an_in_process_run(
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    job_id = submit(services, two_invoke_payload(client_model, raw=raw))
+    job_id = services.submit(two_invoke_payload(client_model, raw=raw), wants_safetensors=True).id
     saves = result_of(services, job_id)
 
     in_process = reference_saves(client_model, inprocess_engine, two_invoke_trace)

@@ -104,6 +104,7 @@ def submit(
             priority=job_spec.priority,
             meta=meta,
             weights_pin=job_spec.weights_version,
+            wants_safetensors=job_spec.safetensors,
             inline_payload_max_bytes=settings.inline_payload_max_bytes,
         )
     session.commit()
@@ -199,7 +200,8 @@ def download_result(
 ) -> StreamingResponse | RedirectResponse:
     """The result: a redirect to a presigned URL, or its bytes when ``inline`` or the store cannot presign.
 
-    ``torch`` is ``torch.save({name: value})``; ``safetensors`` exists when every saved value is a tensor.
+    ``torch`` is ``torch.save({name: value})``; ``safetensors`` exists when the job was submitted with
+    ``safetensors: true`` and every saved value is a tensor.
     A failed trace job has a result too when its other invokes saved values before the error.
     """
     return result_response(owned_or_404(session, Job, job_id, caller), format, store, settings, inline=inline)
@@ -256,7 +258,12 @@ def _result_object(job: Job, fmt: str) -> tuple[str, str | None, str]:
     if fmt == "torch":
         return job.result_key, job.result_sha256, f"{job.id}.{'json' if steering else 'pt'}"
     if job.result_safetensors_size is None:
-        why = "recorded no activations: its spec has no captures" if steering else "not every saved value is a tensor"
+        if steering:
+            why = "recorded no activations: its spec has no captures"
+        elif not job.wants_safetensors:
+            why = "it was not asked for (submit it with safetensors: true, client.backend(safetensors=True))"
+        else:
+            why = "not every saved value is a tensor"
         raise HTTPException(status.HTTP_409_CONFLICT, f"job {job.id} has no safetensors result: {why}")
     if steering:
         key, filename = sibling_key(job.result_key, ACTIVATIONS_FILE), f"{job.id}-activations.safetensors"
