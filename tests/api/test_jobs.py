@@ -379,7 +379,7 @@ def test_cancel_a_queued_job_and_409_once_it_has_ended(api: Api, services: Servi
 
 def test_a_result_is_409_until_the_job_completes(api: Api, services: Services) -> None:
     alice = api.new_key("alice")
-    job_id = api.submit_ok(alice)["id"]
+    job_id = api.submit_ok(alice, safetensors=True)["id"]
     early = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice)
     assert early.status_code == 409 and "is queued" in early.json()["detail"]
 
@@ -387,7 +387,7 @@ def test_a_result_is_409_until_the_job_completes(api: Api, services: Services) -
     body = api.http.get(f"/v1/jobs/{job_id}", headers=alice).json()
     assert body["status"] == "completed" and body["result"]["format"] == "torch" and body["result"]["size"] > 0
     no_safetensors = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "safetensors"})
-    assert no_safetensors.status_code == 409 and "no safetensors result" in no_safetensors.json()["detail"]
+    assert no_safetensors.status_code == 409 and "not every saved value is a tensor" in no_safetensors.json()["detail"]
     assert api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "npz"}).status_code == 422
 
 
