@@ -2,7 +2,7 @@
 
 Revision ID: 0015
 Revises: 0014
-Create Date: 2026-11-26 23:20:00.000000
+Create Date: 2026-11-26 22:55:00.000000
 """
 
 from collections.abc import Sequence
