@@ -55,10 +55,6 @@ class JobRow:
             return 100
         return 0 if not total else min(100, round(100 * done / total))
 
-    @property
-    def has_safetensors(self) -> bool:
-        return self.job.result_safetensors_size is not None  # a steering job's: its captured activations
-
 
 @dataclass(frozen=True)
 class HarvestRow:

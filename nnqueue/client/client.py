@@ -272,7 +272,7 @@ class Client:
         ``model_key`` defaults to the traced model's own key (the repo id or path it was built from).
         Blocking (the default), the trace waits for the job and its saved values land in the trace's
         variables; non-blocking, it only submits, and ``backend.job`` is the :class:`Job`.
-        ``submit_options`` go to `submit` (``timeout_s``, ``priority``, ``metadata``).
+        ``submit_options`` go to `submit` (``timeout_s``, ``priority``, ``metadata``, ``safetensors``...).
         """
         from nnqueue.client.backend import NNqueueBackend
 

@@ -149,7 +149,7 @@ class Job:
         format: str = "torch",  # noqa: A002 - the API's name
     ) -> Path:
         """Stream the result (``torch.save`` bytes of the saves dict; ``format="safetensors"``: its safetensors
-        copy) to ``path`` and return the file's path.
+        copy, for a job submitted with ``safetensors=True``) to ``path`` and return the file's path.
 
         ``path`` may be a directory (the file is then ``<job id>.pt`` or ``.safetensors`` in it). With ``wait``
         (default) a job that has not finished is waited for first. The file appears only once complete and

@@ -200,6 +200,12 @@ class Job(Base):
         back_populates="job", order_by="JobEvent.id", cascade="all, delete-orphan", passive_deletes=True
     )
 
+    @property
+    def has_safetensors(self) -> bool:
+        """Whether a safetensors file sits beside the result: a trace's copy, or a steering job's activations.
+        Jobs finished before its size was recorded (migration 0009) say so in their format only."""
+        return self.result_safetensors_size is not None or "safetensors" in (self.result_format or "").split("+")
+
 
 class JobPayload(Base):
     """A small payload kept beside its job rather than in the object store (``Job.payload_key`` is then null)."""

@@ -8,7 +8,8 @@ step is already queued on the GPU when the RPC runs, and a plain ``.to("cpu")`` 
 engine's thread until that step ended (17.5% of its samples on an H100, 6.5-8.6% with `HostCopies`),
 during which it could not schedule the step after. `ResultWriter` then does the slow part on its own
 threads, so the engine goes on stepping: it waits for the copies, then ``torch.save`` of the
-``{name: value}`` dict (``saves.pt``), a safetensors copy when every value is a tensor, each written to its
+``{name: value}`` dict (``saves.pt``), a safetensors copy when the worker gave a sink for it (the job asked) and
+every value is a tensor, each written to its
 sink (:mod:`nnqueue.enginecore.sink`), and an outbox entry for the frontend:
 
 ``{"id": trace id, "kind": "trace_result", "error": nnsight DeferredError | None, "load_failed": bool,
@@ -221,8 +222,8 @@ class ResultWriter:
 
 
 def write_saves(saves: dict[str, Any], sinks: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``torch.save`` the saves (and safetensors when all are tensors) to the sinks; each object's size and sha256,
-    hashed as written."""
+    """``torch.save`` the saves (and safetensors, when ``sinks`` has a sink for it and all are tensors) to the
+    sinks; each object's size and sha256, hashed as written."""
     torch_sink = sink.check(sinks.get(TORCH_OBJECT))
 
     def save_torch(file: sink.HashingFile) -> None:

@@ -4,8 +4,8 @@ What NDIF runs: a trace written against a meta ``LanguageModel`` (or a ``model.s
 client (``RequestModel.serialize``), rebuilt here against the loaded model (``RequestModel.deserialize``) and
 executed the way nnsight executes it locally (``tracer.execute`` inside a trace scope), so everything nnsight
 does on transformers works, gradients and ``backward()`` included. The saves are the values the trace
-marked (``push_result``'s filter), copied to the CPU and written here (``torch.save``, and safetensors when all
-are tensors: :func:`nnqueue.enginecore.trace_results.write_saves`) to the sinks the worker handed over
+marked (``push_result``'s filter), copied to the CPU and written here (``torch.save``, and safetensors when the
+worker gave a sink for it and all are tensors: :func:`nnqueue.enginecore.trace_results.write_saves`) to the sinks the worker handed over
 (:mod:`nnqueue.enginecore.sink`: files the worker reads and uploads itself); the worker never loads them.
 
 Jobs run one at a time: nnsight's local interleaver runs one trace's invokes as one batch, and putting
@@ -28,7 +28,7 @@ engine processes (:mod:`nnqueue.isolation`: the engine user when root; :mod:`nnq
 Run as ``python -m nnqueue.enginecore.transformers_engine --model M``; it loads the model, then answers one job
 per request frame (:mod:`nnqueue.enginecore.child_process`, which also starts and replaces it for the worker;
 what user code prints goes to stderr, the worker's log). A job's body is a 4-byte header length, the JSON
-header ``{"job", "env", "sinks": {"torch", "safetensors"}}`` and the payload; its answer is the JSON report a
+header ``{"job", "env", "sinks": {"torch"[, "safetensors"]}}`` and the payload; its answer is the JSON report a
 vLLM engine posts for a trace (``{"kind": "trace_result", "objects": {name: {"size", "sha256"}}, "error":
 DeferredError | None, "load_failed": bool}``), or, when writing the result failed, that error.
 """

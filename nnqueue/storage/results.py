@@ -1,8 +1,9 @@
 """A job's result in the object store: its formats, the record a worker keeps of it, and loading it.
 
 Every trace result is ``torch.save({name: value})`` (``saves.pt``), with CPU tensors: what nnsight clients
-load. When every saved value is a tensor it is also written as safetensors (``saves.safetensors``, beside
-it) for readers without Python pickles. The engine process writes both (:mod:`nnqueue.enginecore.trace_results`);
+load. When the job asked for it (``safetensors: true``) and every saved value is a tensor it is also written as
+safetensors (``saves.safetensors``, beside it) for readers without Python pickles. The engine process writes
+them (:mod:`nnqueue.enginecore.trace_results`);
 the worker uploads them and records where they are, with the size and sha256 of each as uploaded
 (:mod:`nnqueue.workers.sinks`), which clients check.
 """

@@ -391,6 +391,15 @@ def test_a_result_is_409_until_the_job_completes(api: Api, services: Services) -
     assert api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "npz"}).status_code == 422
 
 
+def test_a_copy_recorded_before_its_size_was_is_still_served(api: Api, services: Services) -> None:
+    """A job finished before migration 0009 has the copy in its format only (no size, no sha256)."""
+    alice = api.new_key("alice")
+    job_id = api.submit_ok(alice, safetensors=True)["id"]
+    complete(services, job_id, {"h": torch.ones(2)}, result_safetensors_size=None, result_safetensors_sha256=None)
+    copy = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice, params={"format": "safetensors", "inline": 1})
+    assert copy.status_code == 200 and copy.content == services.store.get_bytes(f"results/{job_id}/1/saves.safetensors")
+
+
 def test_a_purged_jobs_result_is_410_and_the_job_says_when(api: Api, services: Services) -> None:
     alice = api.new_key("alice")
     job_id = api.submit_ok(alice)["id"]

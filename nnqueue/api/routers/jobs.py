@@ -257,7 +257,7 @@ def _result_object(job: Job, fmt: str) -> tuple[str, str | None, str]:
     steering = job.kind is JobKind.STEER
     if fmt == "torch":
         return job.result_key, job.result_sha256, f"{job.id}.{'json' if steering else 'pt'}"
-    if job.result_safetensors_size is None:
+    if not job.has_safetensors:
         if steering:
             why = "recorded no activations: its spec has no captures"
         elif not job.wants_safetensors:
