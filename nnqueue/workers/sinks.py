@@ -93,6 +93,16 @@ class ResultSinks:
         keys = {name: result_key(job_id, file, attempt) for name, file in objects.items()}
         return JobSinks(specs, keys)
 
+    @contextlib.asynccontextmanager
+    async def staged_result(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool) -> AsyncIterator[JobSinks]:
+        """`open` for an async executor: what the attempt left in the handoff directory is removed on leaving,
+        whether its result was committed (`commit`), there was none, or the attempt failed."""
+        sinks = await asyncio.to_thread(self.open, job_id, attempt, safetensors=safetensors)
+        try:
+            yield sinks
+        finally:
+            await asyncio.to_thread(self.discard, sinks)
+
     def commit(self, sinks: JobSinks, written: Mapping[str, Reported]) -> StoredResult:
         """Upload the objects the engine reported writing (name -> size and sha256) from their handoff files;
         raises :class:`ResultNotWritten` when a file does not hold what was reported. A blocking call."""

@@ -71,15 +71,17 @@ async def execute_steering(executor: Any, job: Job, progress: Callable[[int, int
         raise JobFailure("InvalidPayload", f"the steering job's payload is not usable: {error}") from None
     total = len(token_ids)
     progress(0, total)
+
+    def finished(done: int) -> None:
+        progress(done, total)
+
     capture = body.get("capture")
     try:
         if capture is None:
-            generations = await run_steering(
-                executor.model.vllm_entrypoint, work, on_finished=lambda done: progress(done, total)
-            )
+            generations = await run_steering(executor.model.vllm_entrypoint, work, on_finished=finished)
             activations = None
         else:
-            generations, activations = await _steer_and_capture(executor, job, work, capture, progress)
+            generations, activations = await _steer_and_capture(executor, job, work, capture, finished)
     except SteerError as error:
         raise JobFailure("SteerFailed", str(error)) from None
     except HarvestError as error:
@@ -92,7 +94,7 @@ async def execute_steering(executor: Any, job: Job, progress: Callable[[int, int
 
 
 async def _steer_and_capture(
-    executor: Any, job: Job, work: SteerWork, capture: dict[str, Any], progress: Callable[[int, int], None]
+    executor: Any, job: Job, work: SteerWork, capture: dict[str, Any], finished: Callable[[int], None]
 ) -> tuple[list[Generation], Digest]:
     """Steer and capture in one pass; the generations, and the activations file as uploaded (size, sha256)."""
     llm = executor.model.vllm_entrypoint
@@ -113,9 +115,8 @@ async def _steer_and_capture(
     key = result_key(job.id, ACTIVATIONS_FILE, job.attempts)
     name = f"{job.id}-{job.attempts}-{ACTIVATIONS_FILE}"
     async with executor.sinks.staged_shard(key, name, bound) as sink:
-        total = len(work.token_ids)
         generations, result = await run_steering_captured(
-            llm, work, SteerCapture(captures, selection, dtype, sink.spec), lambda done: progress(done, total)
+            llm, work, SteerCapture(captures, selection, dtype, sink.spec), finished
         )
         digest = await _commit(executor, sink, result)
     return generations, digest

@@ -15,7 +15,6 @@ the store.
 from __future__ import annotations
 
 import asyncio
-import functools
 import platform
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -49,11 +48,7 @@ async def run_and_commit(
 ) -> Execution:
     """Open the attempt's sinks, ``run`` the engine with their specs, commit what it reports writing; the job's
     execution, ``units`` long. ``trace``: the prebuilt payload, whose versions a rebuild error names."""
-    handoff = await asyncio.to_thread(
-        functools.partial(sinks.open, job.id, job.attempts, safetensors=job.wants_safetensors)
-    )
-    committed = False
-    try:
+    async with sinks.staged_result(job.id, job.attempts, safetensors=job.wants_safetensors) as handoff:
         report = await run(handoff.specs)
         failure = trace_failure(report, job, trace)
         if report.write_error is not None and failure is None:
@@ -65,10 +60,6 @@ async def run_and_commit(
                 stored = await asyncio.to_thread(sinks.commit, handoff, report.objects)
             except (ResultNotWritten, OSError, ObjectNotFound) as error:
                 raise JobFailure("ResultWriteFailed", f"the result did not reach the store: {error}") from None
-            committed = True
-    finally:
-        if not committed:
-            await asyncio.to_thread(sinks.discard, handoff)
     return Execution(units, stored, failure)
 
 
