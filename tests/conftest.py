@@ -18,22 +18,22 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from pydantic import SecretStr
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
 
-from nnqueue.client import Client
-from nnqueue.db import migrate
-from nnqueue.embedded import ApiServer
 from nnqueue.settings import S3Settings, Settings
 from tests.utils import servers
-from tests.utils.api import create_secret
-from tests.utils.engines import InProcessEngine, running_engine
-from tests.utils.services import Services, WorkerProcess
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+
+# Only what each fixture needs, imported when it runs: every pytest process imports this file before its first
+# test, and the engine, nnsight and the API would cost it about 25 s (collection <= 10 s: docs/development.md).
+if TYPE_CHECKING:
+    from nnqueue.client import Client
+    from nnqueue.embedded import ApiServer
+    from tests.utils.engines import InProcessEngine
+    from tests.utils.services import Services, WorkerProcess
 
 TEST_BUCKET = "nnqueue-test"
 
@@ -105,6 +105,11 @@ def s3_settings() -> Iterator[S3Settings]:
 @pytest.fixture(scope="session")
 def database_factory(postgres_url: str) -> Iterator[Callable[..., str]]:
     """Makes fresh databases on the suite's Postgres server, migrated to head; drops them at the end."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from nnqueue.db import migrate
+
     admin = create_engine(postgres_url, isolation_level="AUTOCOMMIT")
     names: list[str] = []
 
@@ -128,6 +133,8 @@ def database_factory(postgres_url: str) -> Iterator[Callable[..., str]]:
 @pytest.fixture(params=["postgres", "sqlite"])
 def any_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """A fresh database migrated to head: once on the suite's Postgres, once an embedded SQLite file."""
+    from nnqueue.db import migrate
+
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'nnqueue.db'}"
         migrate.upgrade(url)
@@ -146,6 +153,8 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def inprocess_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
     """The tiny model on a dispatched async engine with nnqueue's worker class, shared by the session."""
+    from tests.utils.engines import running_engine
+
     with running_engine(tiny_model_path, **TINY_ENGINE_KWARGS) as engine:
         yield engine
 
@@ -164,6 +173,8 @@ def client_model(tiny_model_path: Path) -> Any:
 @pytest.fixture(scope="module")
 def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
     """The module's own service namespace: a fresh migrated database, a Redis database number, an S3 bucket."""
+    from tests.utils.services import Services
+
     redis = servers.redis_database_url(redis_url)
     s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
     return Services(database_factory(), redis, s3)
@@ -172,6 +183,8 @@ def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S
 @pytest.fixture(scope="module")
 def api_server(services: Services) -> Iterator[ApiServer]:
     """The HTTP API under uvicorn, in a thread of the test process, on the module's services."""
+    from nnqueue.embedded import ApiServer
+
     server = ApiServer(Settings(_env_file=None, **services.settings.model_dump()))
     yield server
     server.stop()
@@ -180,12 +193,16 @@ def api_server(services: Services) -> Iterator[ApiServer]:
 @pytest.fixture(scope="module")
 def secret(services: Services) -> str:
     """A key of alice's on the module's services."""
+    from tests.utils.api import create_secret
+
     return create_secret(services.sessions, "alice")
 
 
 @pytest.fixture(scope="module")
 def client(api_server: ApiServer, secret: str) -> Iterator[Client]:
     """The nnqueue client on ``api_server`` with alice's key."""
+    from nnqueue.client import Client
+
     with Client(api_server.url, secret) as client:
         yield client
 
@@ -195,6 +212,8 @@ def start_worker(
     services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., WorkerProcess]]:
     """Starts ``nnqueue worker`` processes for the tiny model on the module's services; stops them at the end."""
+    from tests.utils.services import WorkerProcess
+
     started: list[WorkerProcess] = []
     logs = tmp_path_factory.mktemp("worker-logs")
 

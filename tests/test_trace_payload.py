@@ -11,10 +11,8 @@ from typing import Any
 
 import msgspec
 import pytest
-from vllm.sampling_params import RequestOutputKind, SamplingParams
 
 from nnqueue import trace_payload
-from nnqueue.engines.prebuilt import to_requests
 from nnqueue.trace_payload import Invoke, PayloadError, PrebuiltTrace, UnsupportedTrace
 from tests.utils.payloads import PROMPTS, PayloadBackend, PrebuiltBackend
 
@@ -43,7 +41,16 @@ def mixed_trace(model: Any, backend: Any) -> None:
             b = model.logits.save()
 
 
+def to_requests(trace: PrebuiltTrace, job: str) -> Any:
+    """The worker's requests for ``trace`` (``nnqueue.engines.prebuilt`` imports vLLM: only when a test runs)."""
+    from nnqueue.engines.prebuilt import to_requests
+
+    return to_requests(trace, job)
+
+
 def test_the_worker_builds_the_requests_nnsight_builds(client_model: Any) -> None:
+    from vllm.sampling_params import RequestOutputKind
+
     local, prebuilt = Requests(), PrebuiltBackend()
     mixed_trace(client_model, local)
     mixed_trace(client_model, prebuilt)
@@ -146,6 +153,8 @@ def test_what_the_format_cannot_carry_is_refused_on_the_client(client_model: Any
 
 
 def test_a_trace_cannot_set_nnqueues_own_extra_args() -> None:
+    from vllm.sampling_params import SamplingParams
+
     params = SamplingParams(extra_args={"nnsight_mediator": b"m", "nnqueue_harvest": {"chunk": "c", "prompt": 0}})
     with pytest.raises(UnsupportedTrace, match=r"invoke 0: extra_args \['nnqueue_harvest'\] use the 'nnqueue_' prefix"):
         trace_payload.from_vllm_requests(["x"], [params], [None])

@@ -7,7 +7,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from torch._inductor.exc import InductorError
 
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV, write_report
 from nnqueue.workers.engine_health import blame, read_crash_report
@@ -24,6 +23,8 @@ def raised(make: object) -> BaseException:
 
 
 def inductor_permission() -> None:
+    from torch._inductor.exc import InductorError  # torch's compiler stack: seconds to import, so only here
+
     try:
         open("/proc/1/mem", "rb").read(1)  # noqa: SIM115 - a real PermissionError (or EIO) from the host
     except OSError as error:

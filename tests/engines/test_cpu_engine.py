@@ -24,9 +24,7 @@ from nnsight.modeling.vllm import VLLM
 from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.platform import EngineVLLM
-from nnqueue.engines.prebuilt import to_requests
 from nnqueue.engines.trace_report import TraceReport
-from nnqueue.engines.trace_runner import abort_trace, run_trace
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend, two_invoke_payload
@@ -97,6 +95,9 @@ def direct_trace(loop: InProcessEngine, model: EngineVLLM, prompt: str) -> dict[
 async def run_prebuilt(engine: EngineVLLM, outbox: OutboxPoller, payload: bytes, trace_id: str) -> dict[str, Any]:
     """Run a prebuilt payload as a worker does; the engine writes the result to handoff files. Returns
     the report and the saves read back from the written ``saves.pt``."""
+    from nnqueue.engines.prebuilt import to_requests  # imports vLLM: only when a test runs (fast collection)
+    from nnqueue.engines.trace_runner import run_trace
+
     with tempfile.TemporaryDirectory() as directory:
         sinks = {name: {"kind": "handoff", "path": f"{directory}/{name}"} for name in ("torch", "safetensors")}
         requests = to_requests(trace_payload.decode(payload), trace_id)
@@ -158,6 +159,8 @@ def test_two_traces_share_an_engine_step(loop, engine, client, outbox) -> None:
 
 
 def test_abort_and_cancel_free_the_engine(loop, engine, client, outbox) -> None:
+    from nnqueue.engines.trace_runner import abort_trace
+
     payload = probe_payload(client, PROMPTS[0], max_tokens=200, ignore_eos=True)
 
     async def aborted() -> Any:

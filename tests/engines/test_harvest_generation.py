@@ -23,8 +23,6 @@ import torch
 from nnqueue import trace_payload
 from nnqueue.engines.harvest_runner import Capture, ChunkWork, Generation, Selection, run_chunk
 from nnqueue.engines.outbox import poller
-from nnqueue.engines.prebuilt import to_requests
-from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import batched, load, stats
 from tests.utils.engines import InProcessEngine, run, running_engine
@@ -99,6 +97,9 @@ def traced_and_harvested(
     generation: Generation = GENERATION,
 ) -> tuple[list[dict[str, Any]], ChunkWork, Any]:
     """Run a trace per prompt and the harvest chunk together; the traces' saves, the chunk and its result."""
+    from nnqueue.engines.prebuilt import to_requests  # imports vLLM: only when a test runs (fast collection)
+    from nnqueue.engines.trace_runner import run_trace
+
     llm = engine.model.vllm_entrypoint
     traces = []
     for index, ids in enumerate(prompts):

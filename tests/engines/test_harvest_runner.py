@@ -32,8 +32,6 @@ from nnqueue.engines.harvest_runner import (
     run_chunk,
 )
 from nnqueue.engines.outbox import poller
-from nnqueue.engines.prebuilt import to_requests
-from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine, run, running_engine
 from tests.utils.payloads import PrebuiltBackend
@@ -206,6 +204,9 @@ def test_every_selection_matches_transformers(inprocess_engine, tmp_path, prompt
 
 
 def test_trace_and_harvest_share_a_step(inprocess_engine, client_model, tmp_path, prompts, reference) -> None:
+    from nnqueue.engines.prebuilt import to_requests  # imports vLLM: only when a test runs (fast collection)
+    from nnqueue.engines.trace_runner import run_trace
+
     backend = PrebuiltBackend()
     with client_model.trace(prompts[1], temperature=0.0, max_tokens=1, backend=backend):
         out = client_model.model.layers[0].output

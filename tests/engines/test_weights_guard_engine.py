@@ -20,9 +20,7 @@ from nnsight.modeling.vllm import VLLM
 
 from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
-from nnqueue.engines.prebuilt import to_requests
 from nnqueue.engines.trace_report import TraceReport
-from nnqueue.engines.trace_runner import run_trace
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine, running_engine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
@@ -50,6 +48,9 @@ def run(engine: InProcessEngine, awaitable: Awaitable[T]) -> T:
 
 
 async def run_prebuilt(engine: InProcessEngine, outbox: OutboxPoller, payload: bytes, trace_id: str) -> dict[str, Any]:
+    from nnqueue.engines.prebuilt import to_requests  # imports vLLM: only when a test runs (fast collection)
+    from nnqueue.engines.trace_runner import run_trace
+
     with tempfile.TemporaryDirectory() as directory:
         sinks = {name: {"kind": "handoff", "path": f"{directory}/{name}"} for name in ("torch", "safetensors")}
         requests = to_requests(trace_payload.decode(payload), trace_id)

@@ -28,7 +28,6 @@ from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler import registry
 from nnqueue.settings import Settings
-from tests.utils.payloads import fake_trace
 from tests.utils.results import result_fields, store_result
 from tests.utils.servers import free_ports
 from tests.utils.services import Services
@@ -46,6 +45,8 @@ class Api:
         return {"Authorization": f"Bearer {create_secret(self.resources.sessions, owner, scopes)}"}
 
     def submit(self, headers: dict[str, str], payload: bytes | None = None, **spec: Any) -> httpx.Response:
+        from tests.utils.payloads import fake_trace  # payloads imports nnsight (torch): not for every API test
+
         body = {"model_key": spec.pop("model_key", LIVE_MODEL), **spec}
         files = {"payload": ("trace.bin", fake_trace() if payload is None else payload)}
         return self.http.post("/v1/jobs", headers=headers, data={"spec": json.dumps(body)}, files=files)
@@ -55,6 +56,8 @@ class Api:
     ) -> httpx.Response:
         """``POST /v1/jobs`` as the Python client sends it: the payload as the body, the spec in its header
         (``spec_header`` verbatim when given)."""
+        from tests.utils.payloads import fake_trace
+
         if spec_header is None:
             spec_header = json.dumps({"model_key": spec.pop("model_key", LIVE_MODEL), **spec})
         raw = {**headers, "Content-Type": "application/octet-stream", "Nnqueue-Spec": spec_header}

@@ -7,15 +7,12 @@ from collections.abc import Awaitable, Coroutine, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from nnqueue import trace_payload
-from nnqueue.engines.outbox import poller
-from nnqueue.engines.prebuilt import to_requests
-from nnqueue.engines.trace_report import TraceReport
-from nnqueue.engines.trace_runner import run_trace
-from nnqueue.storage.results import load_result
 from nnqueue.workers.engine_host import EngineHost
+
+if TYPE_CHECKING:  # the engine modules import vLLM: only the helpers that run one import them
+    from nnqueue.engines.trace_report import TraceReport
 
 T = TypeVar("T")
 
@@ -45,6 +42,12 @@ def run_prebuilt(
 ) -> tuple[TraceReport, dict[str, Any]]:
     """A prebuilt trace payload run on ``engine`` as a worker runs it (results to handoff files under ``tmp_path``):
     the engine's report, and the saves (empty when the trace failed)."""
+    from nnqueue import trace_payload
+    from nnqueue.engines.outbox import poller
+    from nnqueue.engines.prebuilt import to_requests
+    from nnqueue.engines.trace_runner import run_trace
+    from nnqueue.storage.results import load_result
+
     llm = engine.model.vllm_entrypoint
     sinks = {kind: {"kind": "handoff", "path": str(tmp_path / f"{name}.{kind}")} for kind in ("torch", "safetensors")}
     requests = to_requests(trace_payload.decode(payload), name)

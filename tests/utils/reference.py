@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nnsight.tracing.backend import Backend
 
-from tests.utils.engines import InProcessEngine
+if TYPE_CHECKING:
+    from tests.utils.engines import InProcessEngine
 
 
 class InProcessBackend(Backend):

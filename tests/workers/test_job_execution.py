@@ -24,7 +24,6 @@ from nnqueue.storage.keys import payload_key
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.workers.job_execution import JobRunner, Outcome
 from nnqueue.workers.sinks import ResultSinks
-from nnqueue.workers.trace_execution import VLLMTraceExecutor
 from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import slow_payload, two_invoke_payload
 from tests.utils.queued import queue_job
@@ -131,6 +130,8 @@ def _queue(sessions: sessionmaker[Session], store: LocalObjectStore, payloads: l
 def _runner(
     sessions: sessionmaker[Session], store: LocalObjectStore, engine: InProcessEngine, tmp_path: Path, worker_id: str
 ) -> JobRunner:
+    from nnqueue.workers.trace_execution import VLLMTraceExecutor  # imports vLLM: only when a test runs
+
     model = engine.model
     executor = VLLMTraceExecutor(
         sessions,

@@ -20,7 +20,11 @@ from tests.utils.services import Services, WorkerProcess
 
 pytestmark = pytest.mark.slow  # a real worker process
 
-trl_client = pytest.importorskip("trl.generation.vllm_client", reason="TRL (the train extra) is not installed")
+
+@pytest.fixture(scope="module")
+def trl_client() -> Any:
+    """TRL's client module, imported when a test asks (TRL imports vLLM, datasets and pandas: not at collection)."""
+    return pytest.importorskip("trl.generation.vllm_client", reason="TRL (the train extra) is not installed")
 
 
 def free_port() -> int:
@@ -51,7 +55,7 @@ def greedy(engine: InProcessEngine, prompt: str, max_tokens: int) -> list[int]:
 
 
 def test_an_unmodified_vllm_client_generates_with_the_worker_while_jobs_run(
-    services: Services, trainer_port: int, inprocess_engine: InProcessEngine, client_model: Any
+    services: Services, trainer_port: int, inprocess_engine: InProcessEngine, client_model: Any, trl_client: Any
 ) -> None:
     client = trl_client.VLLMClient(base_url=f"http://127.0.0.1:{trainer_port}", connection_timeout=30)
     secret = create_secret(services.sessions, "trainer", ("weights",))
