@@ -14,8 +14,8 @@ Frames, both ways: an 8-byte big-endian length of what follows, a type byte, the
 request's error as JSON: type name, message, traceback). The protocol owns the child's original stdout; what
 user code prints goes to stderr, the worker's log.
 
-The worker's side is :class:`ChildPool`: up to ``size`` children, started on first use (or by
-:meth:`ChildPool.start`) and reused. What a child sends is untrusted: frames are bounded and error reports
+The worker's side is :class:`ChildPool`: up to ``size`` children, started on first use (or ahead of it, by
+:meth:`ChildPool.start` or :meth:`ChildPool.launch`) and reused. What a child sends is untrusted: frames are bounded and error reports
 validated. A child that dies, breaks the protocol (a malformed frame, error report or answer) or whose
 request is cancelled (its job timed out or was cancelled: its user code may be stuck) is killed and never
 reused; so is one that died while idle. The next request starts a fresh one.
@@ -160,6 +160,25 @@ class ChildPool:
                 child = await self._spawn()
             self._idle.append(child)
 
+    async def launch(self, count: int) -> asyncio.Task[None]:
+        """Start ``count`` children (at most the pool's size) now, rather than at the first requests, and return the
+        task that waits until they are ready; each then waits idle for a request, and one that does not start is only
+        logged (the next request starts a fresh one). The processes run when this returns, so they load while the
+        caller keeps its loop busy (a worker loading its engine); the task reads their READY frames once the loop
+        runs again. Requests meanwhile wait for these children instead of starting more."""
+        children: list[asyncio.subprocess.Process] = []
+        try:
+            for _ in range(count):
+                await self._slots.acquire()
+                try:
+                    children.append(await self._launch())
+                except BaseException:
+                    self._slots.release()
+                    raise
+        finally:
+            settling = asyncio.ensure_future(self._settle(children))
+        return settling
+
     async def call(self, request: bytes, doing: str, read: Callable[[bytes], T]) -> T:
         """``read`` of a child's answer to ``request``. Raises :class:`ChildError` with the error the child
         reported, :class:`ChildFailed` when it did not start, died, or broke the protocol (``read`` raising
@@ -202,7 +221,24 @@ class ChildPool:
             log.warning("the %s process %d died while idle (exit code %s)", self.name, child.pid, child.returncode)
         return None
 
+    async def _settle(self, children: list[asyncio.subprocess.Process]) -> None:
+        """Wait until each of ``children`` (launched, each holding a slot) is ready, and leave it idle."""
+        for child in children:
+            try:
+                await self._ready(child)
+            except ChildFailed as failed:
+                log.warning("%s", failed)
+            else:
+                self._idle.append(child)
+            finally:
+                self._slots.release()
+
     async def _spawn(self) -> asyncio.subprocess.Process:
+        child = await self._launch()
+        await self._ready(child)
+        return child
+
+    async def _launch(self) -> asyncio.subprocess.Process:
         child = await asyncio.create_subprocess_exec(
             *self.command,
             stdin=asyncio.subprocess.PIPE,
@@ -211,6 +247,10 @@ class ChildPool:
             limit=STREAM_LIMIT,
         )
         self._all.add(child)
+        return child
+
+    async def _ready(self, child: asyncio.subprocess.Process) -> None:
+        """Wait for ``child``'s READY frame; it is killed, and :class:`ChildFailed` raised, if none comes in time."""
         assert child.stdout is not None
         try:
             kind, body = await asyncio.wait_for(_read_frame(child.stdout, READY_BYTES), self.ready_timeout_s)
@@ -222,7 +262,6 @@ class ChildPool:
                 raise
             raise ChildFailed(f"the {self.name} process did not start: {error!r}", started=False) from None
         log.info("%s process %d ready (%s)", self.name, child.pid, body.decode(errors="replace"))
-        return child
 
     async def _stop(self, child: asyncio.subprocess.Process) -> int:
         """Kill ``child`` (if it still runs) and wait for it; its exit code."""

@@ -367,7 +367,8 @@ async def _start_executor(
     """The engine, loaded, and its executor. Built on the engine loop: vLLM's AsyncLLM binds to the loop it
     first runs on, and the transformers engine's process pipes to the loop that started it. ``isolated``: the
     vLLM engine core is spawned in a network namespace of its own (the other engine processes isolate
-    themselves, told by ``$NNQUEUE_ENGINE_NETWORK``)."""
+    themselves, told by ``$NNQUEUE_ENGINE_NETWORK``). The trace builders start before the engine and load beside
+    it: the worker registers with them ready, so its first trace job runs as fast as the next ones."""
     sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff")
     if engine_kind is EngineKind.TRANSFORMERS:
         from nnqueue.engines.transformers import TransformersEngine
@@ -378,13 +379,14 @@ async def _start_executor(
         return TransformersExecutor(sessions, store, engine, sinks)
     from nnqueue.engines.platform import load_engine
 
-    with netns.engine_core_isolated(isolated):
-        vllm = load_engine(model, **engine_kwargs)
-    return VLLMTraceExecutor(
-        sessions,
-        store,
-        vllm,
-        sinks,
-        poller(vllm.vllm_entrypoint),  # the engine's one poller, shared with harvest chunks
-        BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes),
-    )
+    builders = BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes)
+    builders_ready = await builders.launch()
+    try:
+        with netns.engine_core_isolated(isolated):
+            vllm = load_engine(model, **engine_kwargs)  # blocks this loop; the builders load in their own processes
+        await builders_ready
+    except BaseException:
+        await builders.close()
+        raise
+    # The engine's one poller, shared with harvest chunks.
+    return VLLMTraceExecutor(sessions, store, vllm, sinks, poller(vllm.vllm_entrypoint), builders)

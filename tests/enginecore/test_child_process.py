@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
 from nnqueue.enginecore.child_process import ChildError, ChildFailed, ChildPool
@@ -142,6 +143,45 @@ def test_children_get_no_secrets_and_run_concurrently(
         pids = await asyncio.gather(*(children.call(b"pid", "while testing", bytes) for _ in range(2)))
         assert len(set(pids)) == 2  # two requests at once: two children
         await children.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_launched_children_start_before_the_loop_runs_again_and_take_the_first_requests(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """What a worker does while its engine loads: the children run as soon as `launch` returns, before the loop
+    gets to read their READY frames, and the first requests, even those made before they are ready, go to them."""
+    children = pool(size=2)
+
+    def running() -> set[int]:
+        return {
+            child.pid for child in psutil.Process().children() if "child_process.serve" in " ".join(child.cmdline())
+        }
+
+    async def scenario() -> None:
+        ready = await children.launch(2)
+        launched = running()
+        assert len(launched) == 2 and not ready.done()
+        early = [asyncio.ensure_future(children.call(b"pid", "while testing", bytes)) for _ in range(3)]
+        await ready
+        answered = {int(pid) for pid in await asyncio.gather(*early)}
+        assert answered <= launched and running() == launched  # no third child was started
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_launched_child_that_does_not_start_is_logged_and_the_request_starts_another(
+    loop: asyncio.AbstractEventLoop, caplog: pytest.LogCaptureFixture
+) -> None:
+    children = pool(command=[sys.executable, "-c", "import sys; sys.exit(4)"])
+
+    async def scenario() -> None:
+        await (await children.launch(1))
+        assert "the test child process did not start" in caplog.text
+        with pytest.raises(ChildFailed, match="did not start"):
+            await children.call(b"pid", "while testing", bytes)
 
     loop.run_until_complete(scenario())
 
