@@ -8,15 +8,25 @@ nothing is started. How the servers are started lives in ``tests/utils/servers.p
 
 Also here, so that every test directory finds them: the tiny model (in-process engine and client meta
 model), per-module service namespaces (``services``) with real ``nnqueue worker`` processes
-(``start_worker``), and the real API under uvicorn with a key and a client (``api_server``, ``secret``, ``client``). Helpers are in ``tests/utils/``.
+(``start_worker``), and the real API under uvicorn with a key and a client (``api_server``, ``secret``, ``client``).
+Helpers are in ``tests/utils/``.
+
+Starting a worker costs 30-60 s of the suite's budget (docs/development.md), so the tests that only need one
+running share the session's: ``worker`` (``MODEL_KEY``) and ``path_worker`` (keyed by the model's path, as
+nnsight's own clients ask), in modules marked ``shared_worker``, whose ``services`` (and so ``api_server``,
+``secret`` and ``client``) are then the session's shared namespace. Those modules run one after another, and each
+shared worker stops after its last test. A test that kills, poisons or reconfigures a worker starts its own with
+``start_worker``, in a module not so marked (or, in a marked one, for a model key of its own).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +35,7 @@ from pydantic import SecretStr
 
 from nnqueue.settings import S3Settings, Settings
 from tests.utils import servers
-from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+from tests.utils.tiny_model import TAPS, TINY_ENGINE_KWARGS
 
 # Only what each fixture needs, imported when it runs: every pytest process imports this file before its first
 # test, and the engine, nnsight and the API would cost it about 25 s (collection <= 10 s: docs/development.md).
@@ -160,6 +170,18 @@ def inprocess_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
 
 
 @pytest.fixture(scope="session")
+def taps_engine(request: pytest.FixtureRequest, tiny_model_path: Path) -> Iterator[InProcessEngine]:
+    """The tiny model on an engine serving ``TAPS`` (nnsight's ``VLLM(..., taps=TAPS)``): the tapped worker's
+    reference, and the weights guard's engine with taps. Shut down after its last test."""
+    from tests.utils.engines import running_engine
+
+    with ExitStack() as resources:
+        engine = resources.enter_context(running_engine(tiny_model_path, taps=TAPS, **TINY_ENGINE_KWARGS))
+        release_after_last_module(request, resources.close)
+        yield engine
+
+
+@pytest.fixture(scope="session")
 def client_model(tiny_model_path: Path) -> Any:
     """A meta model, as a CPU-only client writes traces against (stock nnsight class)."""
     from nnsight.modeling.vllm import VLLM
@@ -170,14 +192,30 @@ def client_model(tiny_model_path: Path) -> Any:
     return VLLM(str(tiny_model_path), **TINY_ENGINE_KWARGS)
 
 
-@pytest.fixture(scope="module")
-def services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
-    """The module's own service namespace: a fresh migrated database, a Redis database number, an S3 bucket."""
+def new_namespace(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
+    """A service namespace of its own: a fresh migrated database, a Redis database number, an S3 bucket."""
     from tests.utils.services import Services
 
     redis = servers.redis_database_url(redis_url)
     s3 = s3_settings.model_copy(update={"bucket": f"nnqueue-{uuid.uuid4().hex[:8]}"})
     return Services(database_factory(), redis, s3)
+
+
+@pytest.fixture(scope="session")
+def shared_services(database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings) -> Services:
+    """The namespace of the session's shared workers: the ``services`` of every module marked ``shared_worker``."""
+    return new_namespace(database_factory, redis_url, s3_settings)
+
+
+@pytest.fixture(scope="module")
+def services(
+    request: pytest.FixtureRequest, database_factory: Callable[[], str], redis_url: str, s3_settings: S3Settings
+) -> Services:
+    """The module's service namespace: its own, or, in a module marked ``shared_worker``, the session's shared one
+    (``shared_services``), where the shared workers run."""
+    if request.node.get_closest_marker("shared_worker") is not None:
+        return request.getfixturevalue("shared_services")
+    return new_namespace(database_factory, redis_url, s3_settings)
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +265,152 @@ def start_worker(
     yield start
     for worker in started:
         worker.stop()
+
+
+@contextmanager
+def running_worker(
+    services: Services, model_path: Path, log: Path, model_key: str, env: dict[str, str] | None = None
+) -> Iterator[WorkerProcess]:
+    """An ``nnqueue worker`` for ``model_path`` (four jobs at once), registered, stopped on exit."""
+    from tests.utils.services import WorkerProcess
+
+    worker = WorkerProcess(services, model_path, log, 4, env, model_key=model_key)
+    try:
+        worker.wait_registered()
+        yield worker
+    finally:
+        worker.stop()
+
+
+# The shared workers, and the modules marked shared_worker that use them, which run one after another.
+SHARED_WORKERS = ("shared_worker", "shared_path_worker")
+# Session fixtures that start when their first test needs them and stop after the last module whose tests take
+# them as arguments (pytest_runtest_teardown), not at the end of the session: each holds processes, gigabytes and
+# some CPU that the tests after it need. (A test that asks with request.getfixturevalue alone would get it stopped.)
+RELEASED_EARLY = (*SHARED_WORKERS, "taps_engine")
+LAST_USER = pytest.StashKey[dict[str, str]]()
+RELEASE = pytest.StashKey[dict[str, Callable[[], object]]]()
+
+
+def release_after_last_module(request: pytest.FixtureRequest, release: Callable[[], object]) -> None:
+    """Call ``release`` after the last module that uses the (session) fixture of ``request``, one of RELEASED_EARLY."""
+    request.config.stash[RELEASE][request.fixturename] = release
+
+
+def module_of(item: pytest.Item | None) -> str | None:
+    module = item.getparent(pytest.Module) if item is not None else None
+    return module.nodeid if module is not None else None
+
+
+@pytest.fixture(scope="session")
+def shared_worker(
+    request: pytest.FixtureRequest,
+    shared_services: Services,
+    tiny_model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerProcess]:
+    """The session's tiny-model worker (``MODEL_KEY``, four jobs at once, two trace builders): JSON logs, its metrics
+    on a port (``NNQUEUE_WORKER_METRICS_PORT``) and TRL's server protocol on another (``NNQUEUE_TRAINER_PORT``),
+    both in its ``env``. Tests leave it as they found it: no weights update, no kill, no job left running."""
+    from tests.utils.services import MODEL_KEY
+
+    metrics, trainer = servers.free_ports(2)
+    env = {
+        "NNQUEUE_LOG_FORMAT": "json",
+        "NNQUEUE_WORKER_METRICS_PORT": str(metrics),
+        "NNQUEUE_TRAINER_PORT": str(trainer),
+    }
+    log = tmp_path_factory.mktemp("shared-worker") / "worker.log"
+    with running_worker(shared_services, tiny_model_path, log, MODEL_KEY, env) as worker:
+        release_after_last_module(request, worker.stop)
+        yield worker
+
+
+@pytest.fixture(scope="session")
+def shared_path_worker(
+    request: pytest.FixtureRequest,
+    shared_services: Services,
+    tiny_model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[WorkerProcess]:
+    """The session's tiny-model worker under the key nnsight's own clients send for ``VLLM(<path>)``: the path."""
+    log = tmp_path_factory.mktemp("shared-path-worker") / "worker.log"
+    with running_worker(shared_services, tiny_model_path, log, str(tiny_model_path)) as worker:
+        release_after_last_module(request, worker.stop)
+        yield worker
+
+
+def alive(worker: WorkerProcess) -> WorkerProcess:
+    """A shared worker whose process still runs; a test fails saying why when it does not."""
+    if (code := worker.process.poll()) is not None:
+        pytest.fail(
+            f"the shared worker exited ({code}): a test killed it, or it was stopped after the last module that"
+            f" takes it as an argument (take it as one: not with request.getfixturevalue alone). Log: {worker.log_path}",
+            pytrace=False,
+        )
+    return worker
+
+
+@pytest.fixture(scope="module")
+def worker(shared_worker: WorkerProcess) -> WorkerProcess:
+    """The session's shared tiny-model worker, for modules marked ``shared_worker``."""
+    return alive(shared_worker)
+
+
+@pytest.fixture(scope="module")
+def path_worker(shared_path_worker: WorkerProcess) -> WorkerProcess:
+    """The session's shared worker keyed by the model's path, for modules marked ``shared_worker``."""
+    return alive(shared_path_worker)
+
+
+def marked_shared(item: pytest.Item) -> bool:
+    """Whether ``item``'s module is marked ``shared_worker`` (the mark is a module's: ``services`` reads it there)."""
+    module = item.getparent(pytest.Module)
+    return module is not None and module.get_closest_marker("shared_worker") is not None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a shared worker to a module not marked ``shared_worker`` (its jobs would never reach it); run the marked
+    modules one after another, where the first of them was; note the last module that uses each of RELEASED_EARLY."""
+    for item in items:
+        if not marked_shared(item) and any(name in item.fixturenames for name in SHARED_WORKERS):
+            raise pytest.UsageError(
+                f"{item.nodeid} uses a shared worker: mark its module (pytestmark = pytest.mark.shared_worker) so"
+                " that it runs on the workers' services, or start a worker of its own with start_worker"
+                " (docs/development.md)"
+            )
+    shared = [item for item in items if marked_shared(item)]
+    if shared:
+        first = items.index(shared[0])
+        rest = [item for item in items if not marked_shared(item)]
+        # The modules of the path-keyed worker first, so that the two shared workers seldom run at once.
+        by_path = {module_of(item) for item in shared if "shared_path_worker" in item.fixturenames}
+        shared.sort(key=lambda item: module_of(item) not in by_path)
+        items[:] = rest[:first] + shared + rest[first:]
+    config.stash[LAST_USER] = {
+        name: str(module_of(item)) for item in items for name in RELEASED_EARLY if name in item.fixturenames
+    }
+    config.stash[RELEASE] = {}
+
+
+# What collecting the tests imported of the packages that take seconds to import (tests/test_collection.py).
+SLOW_IMPORTS = ("vllm", "trl", "torch._inductor")
+COLLECTION_IMPORTED = pytest.StashKey[list[str]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    session.config.stash[COLLECTION_IMPORTED] = [name for name in SLOW_IMPORTS if name in sys.modules]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last module that uses a fixture of RELEASED_EARLY, release what it holds (its teardown at the
+    session's end then finds nothing left to stop)."""
+    yield
+    module = module_of(item)
+    if module == module_of(nextitem):
+        return
+    for name, last in item.config.stash[LAST_USER].items():
+        if last == module and (release := item.config.stash[RELEASE].pop(name, None)) is not None:
+            release()

@@ -2,8 +2,9 @@
 
 Each module gets its own service namespace (a fresh migrated database, a Redis database number and an
 S3 bucket): the ``services`` fixture. Jobs are submitted for models that "live" workers serve: real worker
-rows, registered and kept fresh through :mod:`nnqueue.scheduler.registry`; only ``test_results.py`` starts
-a real worker process. The helpers are in tests/utils/api.py.
+rows, registered and kept fresh through :mod:`nnqueue.scheduler.registry`; only ``test_results.py`` uses a
+real worker process, the session's shared one (it is marked ``shared_worker``: its namespace is the shared one). The
+helpers are in tests/utils/api.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Through the API to a real worker and back: the downloaded result equals the same trace run in-process.
 
-One ``nnqueue worker`` process serves the tiny model for this module. Results live in S3 (SeaweedFS,
+The session's shared ``nnqueue worker`` process serves the tiny model. Results live in S3 (SeaweedFS,
 which checks signatures and expiry), so downloads go through presigned URLs by default.
 """
 
@@ -10,7 +10,6 @@ import json
 import platform
 import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +25,18 @@ from tests.api.test_metrics import value as sample
 from tests.utils.api import Api, api_client
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.reference import reference_saves
-from tests.utils.servers import free_ports
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
-pytestmark = pytest.mark.slow  # end to end: a real worker process
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # end to end: a real worker process (the shared one)
 
 PROMPT = "The Eiffel Tower is in"
 CLIENT = {"nnsight": nnsight.__version__, "python": platform.python_version()}
 
 
 @pytest.fixture(scope="module")
-def worker_metrics_port() -> int:
-    return free_ports(1)[0]
-
-
-@pytest.fixture(scope="module")
-def worker(start_worker: Callable[..., WorkerProcess], worker_metrics_port: int) -> WorkerProcess:
-    env = {"NNQUEUE_WORKER_METRICS_PORT": str(worker_metrics_port), "NNQUEUE_LOG_FORMAT": "json"}
-    return start_worker(max_concurrent_jobs=4, env=env)
+def worker_metrics_port(worker: WorkerProcess) -> int:
+    """The shared worker's metrics port (it logs JSON too)."""
+    return int(worker.env["NNQUEUE_WORKER_METRICS_PORT"])
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +77,8 @@ def wait_ended(api: Api, headers: dict[str, str], job_id: str, timeout: float = 
 
 
 def test_models_shows_the_running_worker(api: Api, worker: WorkerProcess, alice: dict[str, str]) -> None:
-    models = api.http.get("/v1/models", headers=alice).json()["models"]
+    listed = api.http.get("/v1/models", headers=alice).json()["models"]
+    models = [model for model in listed if model["model_key"] == MODEL_KEY]  # the shared services serve others too
     (versions,) = [model.pop("weights_versions") for model in models]
     assert models == [{"model_key": MODEL_KEY, "workers": 1, "capacity": 4, "engine": "vllm", "taps": None}]
     (version,) = versions  # the checkpoint's base version, served by the one worker

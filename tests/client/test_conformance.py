@@ -43,18 +43,18 @@ import torch
 from nnqueue.client import Client
 from nnqueue.embedded import ApiServer
 from nnqueue.enginecore.taps import untapped_message
-from tests.utils.engines import InProcessEngine, running_engine
+from tests.utils.engines import InProcessEngine
 from tests.utils.reference import InProcessBackend
 from tests.utils.services import WorkerProcess
-from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+from tests.utils.tiny_model import TAPS, TINY_ENGINE_KWARGS
 
-pytestmark = pytest.mark.slow  # end to end: a real worker process behind a real API server
+# End to end: a real worker process behind a real API server: the shared one.
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]
 
 
 P0, P1 = "The Eiffel Tower is in", "A job queue runs many traces"
 # What the tapped worker serves: every decoder layer's input and output, and the final norm's input (so most
 # features run, and those reaching anything else, the embeddings or a layer's skip, are refused).
-TAPS = ["model.layers.*.output", "model.layers.*.input", "model.norm.input"]
 TAPS_KEY = "tiny-llama-taps"
 Feature = Callable[[Any, Any], dict[str, Any]]
 FEATURES: dict[str, Feature] = {}
@@ -524,9 +524,9 @@ def _served(message: str, taps: list[str] | None) -> str:
 
 
 @pytest.fixture(scope="module")
-def worker(start_worker: Callable[..., WorkerProcess], tiny_model_path: Path) -> WorkerProcess:
+def worker(path_worker: WorkerProcess) -> WorkerProcess:
     """Served under the key nnsight's own remote client sends for ``VLLM(<path>)`` (the path)."""
-    return start_worker(max_concurrent_jobs=4, model_key=str(tiny_model_path))
+    return path_worker
 
 
 @pytest.fixture(scope="module")
@@ -537,13 +537,6 @@ def queue_backend(client: Client, worker: WorkerProcess, tiny_model_path: Path) 
 @pytest.fixture(scope="module")
 def taps_worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
     return start_worker(max_concurrent_jobs=4, model_key=TAPS_KEY, env={"NNQUEUE_ENGINE_TAPS": ",".join(TAPS)})
-
-
-@pytest.fixture(scope="module")
-def taps_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
-    """nnsight's own taps engine: the tapped worker's reference."""
-    with running_engine(tiny_model_path, taps=TAPS, **TINY_ENGINE_KWARGS) as engine:
-        yield engine
 
 
 @pytest.fixture(scope="module")

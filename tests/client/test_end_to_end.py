@@ -36,7 +36,8 @@ from tests.utils.payloads import fake_trace
 from tests.utils.reference import InProcessBackend
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
-pytestmark = pytest.mark.slow  # end to end: a real worker process behind a real API server
+# End to end: a real worker process behind a real API server: the shared one.
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]
 
 PROMPT = "The Eiffel Tower is in"
 
@@ -195,7 +196,7 @@ def test_listing_fetching_cancelling_and_http_errors(
     assert next(j.id for j in client.jobs(status="completed", model_key=MODEL_KEY)) == job.id
     assert all(j.info["status"] == "failed" for j in client.jobs(status="failed"))
     assert client.job(job.id).info["status"] == "completed"
-    (listed_model,) = client.models()
+    (listed_model,) = [model for model in client.models() if model["model_key"] == MODEL_KEY]
     assert {key: listed_model[key] for key in ("model_key", "workers", "capacity", "engine", "taps")} == {
         "model_key": MODEL_KEY,
         "workers": 1,

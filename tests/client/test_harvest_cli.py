@@ -23,7 +23,7 @@ from tests.utils.api import create_secret
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 from tests.utils.tiny_model import CORPUS
 
-pytestmark = pytest.mark.slow  # a worker process runs the harvest
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # a worker process runs the harvest (the shared one)
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 SPEC = f"""\

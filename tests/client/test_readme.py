@@ -21,7 +21,8 @@ from nnqueue.embedded import ApiServer
 from tests.utils.api import create_secret
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
-pytestmark = pytest.mark.slow  # end to end: fresh interpreters against a real API server and worker
+# End to end: fresh interpreters against a real API server and the shared worker.
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]
 
 
 ROOT = Path(__file__).resolve().parents[2]

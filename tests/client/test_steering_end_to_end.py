@@ -24,7 +24,7 @@ from nnqueue.embedded import ApiServer
 from tests.utils.api import create_secret
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
-pytestmark = pytest.mark.slow  # a worker process runs the jobs
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # a worker process runs the jobs (the shared one)
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 WIDTH = 128  # the tiny model's hidden size

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,9 +22,8 @@ from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.trace_report import TraceReport
 from nnqueue.storage.results import load_result
-from tests.utils.engines import InProcessEngine, running_engine
+from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
-from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 T = TypeVar("T")
 
@@ -32,12 +31,6 @@ T = TypeVar("T")
 @pytest.fixture(scope="module")
 def outbox(inprocess_engine: InProcessEngine) -> OutboxPoller:
     return OutboxPoller(inprocess_engine.model.vllm_entrypoint)
-
-
-@pytest.fixture(scope="module")
-def taps_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
-    with running_engine(tiny_model_path, taps=["model.layers.*.output"], **TINY_ENGINE_KWARGS) as engine:
-        yield engine
 
 
 def run(engine: InProcessEngine, awaitable: Awaitable[T]) -> T:
@@ -89,13 +82,16 @@ def assert_weights_modified(report: TraceReport, says: str) -> None:
 
 @pytest.mark.parametrize("served", ["eager", "taps"])
 def test_a_trace_that_zeroes_a_weight_fails_and_the_next_job_runs_on_the_original_weights(
-    served: str, request: pytest.FixtureRequest, client_model: VLLM
+    served: str,
+    inprocess_engine: InProcessEngine,
+    outbox: OutboxPoller,
+    taps_engine: InProcessEngine,
+    client_model: VLLM,
 ) -> None:
     if served == "eager":
-        engine, outbox = request.getfixturevalue("inprocess_engine"), request.getfixturevalue("outbox")
+        engine = inprocess_engine
     else:
-        engine = request.getfixturevalue("taps_engine")
-        outbox = OutboxPoller(engine.model.vllm_entrypoint)
+        engine, outbox = taps_engine, OutboxPoller(taps_engine.model.vllm_entrypoint)
     before = clean(engine, outbox, client_model, "guard-before")
     assert before.abs().sum() > 0
     zeroing = run(engine, run_prebuilt(engine, outbox, zeroing_payload(client_model), "guard-0"))

@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +32,16 @@ from nnqueue.scheduler import registry
 from nnqueue.settings import Settings
 from tests.utils.services import Services, WorkerProcess
 
-pytestmark = pytest.mark.slow  # a real worker process behind a real API server
+# A real worker process behind a real API server: the shared one.
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]
 
 PROMPT = "The Eiffel Tower is in"
 PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
 
 
 @pytest.fixture(scope="module")
-def worker(start_worker: Callable[..., WorkerProcess], tiny_model_path: Path) -> WorkerProcess:
-    return start_worker(max_concurrent_jobs=4, model_key=str(tiny_model_path))
+def worker(path_worker: WorkerProcess) -> WorkerProcess:
+    return path_worker
 
 
 def nnqueue_saves(client: Client, model: Any, two_invokes: bool = False) -> dict[str, Any]:

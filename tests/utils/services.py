@@ -114,7 +114,7 @@ class WorkerProcess:
         """``engine``: ``vllm`` (the tiny model's engine arguments) or ``transformers`` (one job at a time);
         ``env`` adds to the module's service settings; ``user`` runs the worker as that account;
         ``max_concurrent_jobs`` None: the worker's default; ``engine_args`` go after the tiny model's."""
-        self.services, self.log_path = services, log_path
+        self.services, self.log_path, self.env = services, log_path, env or {}
         command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", model_key]
         if engine == "vllm":
             if max_concurrent_jobs is not None:
@@ -136,7 +136,8 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_registered(self, timeout: float = 420) -> Worker:
+    def wait_registered(self, timeout: float = 600) -> Worker:
+        """The worker's row once it has registered: its engine and trace builders loaded (minutes on a loaded machine)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -91,3 +91,6 @@ def build_tiny_llama(path: str | Path) -> Path:
 
 # Engine arguments for the tiny model, the same for in-process engines, worker processes and client models.
 TINY_ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "seed": 0}
+# The locations a tapped engine of the tiny model serves (nnsight's ``VLLM(..., taps=TAPS)``, ``nnqueue worker``'s
+# NNQUEUE_ENGINE_TAPS): every layer's input and output and the final norm's input.
+TAPS = ["model.layers.*.output", "model.layers.*.input", "model.norm.input"]

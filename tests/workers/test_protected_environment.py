@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from collections.abc import Callable
 
 import pytest
 from nnsight.modeling.vllm import VLLM
@@ -16,12 +15,7 @@ from nnqueue.storage.results import load_result
 from tests.utils.payloads import PayloadBackend, PrebuiltBackend
 from tests.utils.services import Services, WorkerProcess
 
-pytestmark = pytest.mark.slow  # a real worker process
-
-
-@pytest.fixture(scope="module")
-def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
-    return start_worker()
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # a real worker process (the shared one)
 
 
 def run(services: Services, payload: bytes) -> tuple[JobStatus, str, dict]:

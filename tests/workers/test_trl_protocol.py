@@ -5,8 +5,6 @@ itself needs a CUDA engine: tests/gpu/test_trl_nccl.py)."""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -18,7 +16,7 @@ from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, two_invoke_payload
 from tests.utils.services import Services, WorkerProcess
 
-pytestmark = pytest.mark.slow  # a real worker process
+pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # a real worker process (the shared one)
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +25,10 @@ def trl_client() -> Any:
     return pytest.importorskip("trl.generation.vllm_client", reason="TRL (the train extra) is not installed")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def trainer_port(start_worker: Callable[..., WorkerProcess]) -> int:
-    port = free_port()
-    start_worker(env={"NNQUEUE_TRAINER_PORT": str(port)})
-    return port
+def trainer_port(worker: WorkerProcess) -> int:
+    """The shared worker's port for TRL's server protocol."""
+    return int(worker.env["NNQUEUE_TRAINER_PORT"])
 
 
 def greedy(engine: InProcessEngine, prompt: str, max_tokens: int) -> list[int]:
