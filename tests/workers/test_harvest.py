@@ -108,12 +108,19 @@ def check_every_prompt_once(services: Services, done: Harvest, token_ids: list[l
     assert seen == list(range(len(token_ids)))
 
 
+@pytest.fixture(scope="module")
+def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
+    """The module's worker with one job slot, which a trace and the harvests' chunks compete for; each test leaves it
+    idle (the one SIGKILLed holding a chunk is another)."""
+    return start_worker(max_concurrent_jobs=1)
+
+
 def test_a_harvest_survives_a_worker_killed_holding_a_chunk_and_holds_every_prompt_once(
-    services: Services, start_worker: Callable[..., WorkerProcess]
+    services: Services, start_worker: Callable[..., WorkerProcess], worker: WorkerProcess
 ) -> None:
-    first = start_worker(max_concurrent_jobs=1)
+    second = worker
+    first = start_worker(max_concurrent_jobs=1, env={"NNQUEUE_TRACE_BUILDERS": "0"})  # chunks only: no builders
     first_id = first.wait_registered().id
-    second = start_worker(max_concurrent_jobs=1)
     token_ids = prompts(192, 200)
     harvest_id = harvest(services, token_ids, prompts_per_chunk=16)
     held = wait_chunk(services, harvest_id, lambda chunk: chunk.status is S.RUNNING and chunk.worker_id == first_id)
@@ -123,13 +130,11 @@ def test_a_harvest_survives_a_worker_killed_holding_a_chunk_and_holds_every_prom
     check_every_prompt_once(services, done, token_ids)
     rerun = next(chunk for chunk in chunks_of(services, harvest_id) if chunk.index == held.index)
     assert rerun.attempts == 2 and rerun.worker_id == second.wait_registered().id
-    second.stop()
 
 
 def test_a_trace_submitted_during_a_harvest_starts_before_its_remaining_chunks(
-    services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM
+    services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
-    worker = start_worker(max_concurrent_jobs=1)
     harvest_id = harvest(services, prompts(192, 200, seed=1), prompts_per_chunk=16)
     wait_chunk(services, harvest_id, lambda chunk: chunk.status is S.RUNNING)
     job = services.submit(two_invoke_payload(client_model), owner="bob")
@@ -145,13 +150,11 @@ def test_a_trace_submitted_during_a_harvest_starts_before_its_remaining_chunks(
     done = wait_harvest(services, harvest_id)
     assert done.status is S.COMPLETED, (done.error_type, done.error_message)
     assert services.wait_for(job.id, {S.COMPLETED, S.FAILED}).status is S.COMPLETED
-    worker.stop()
 
 
 def test_cancel_aborts_the_running_chunk_and_frees_the_engine(
-    services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM
+    services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
-    worker = start_worker(max_concurrent_jobs=1)
     # Chunks of 1500 prompts of up to 250 tokens: seconds of prefill each on the tiny model, so the first is
     # still running when it is cancelled (its last-token rows keep the shard small).
     harvest_id = harvest(services, prompts(3000, 250, seed=2), prompts_per_chunk=1500, selection="last")
@@ -170,15 +173,13 @@ def test_cancel_aborts_the_running_chunk_and_frees_the_engine(
     # No chunk of it ran after the cancel: only the aborted one ever started, once.
     started = [chunk for chunk in chunks_of(services, harvest_id) if chunk.started_at is not None]
     assert [(chunk.index, chunk.attempts) for chunk in started] == [(running.index, 1)]
-    worker.stop()
 
 
 def test_a_generating_harvest_through_the_queue_equals_a_trace_job_of_the_same_generation(
-    services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM
+    services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
     from nnqueue.enginecore.harvest_spec import Generation
 
-    worker = start_worker(max_concurrent_jobs=1)
     generation = Generation(max_tokens=6, temperature=0.8, seed=77, ignore_eos=True)
     token_ids = prompts(1, 12, seed=4)
     harvest_id = harvest(
@@ -202,4 +203,3 @@ def test_a_generating_harvest_through_the_queue_equals_a_trace_job_of_the_same_g
     assert shard["token_id"].tolist() == (token_ids[0] + generated)[:ran]  # the sampled tokens, as the trace's
     assert torch.equal(shard["model.layers.0.output"], torch.cat(saves["residual"]))
     assert chunk.tokens == ran
-    worker.stop()

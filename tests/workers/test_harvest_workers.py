@@ -25,8 +25,12 @@ S = JobStatus
 
 @pytest.fixture
 def three_workers(services: Services, tiny_model_path: Path, tmp_path: Path) -> Iterator[list[WorkerProcess]]:
-    """Three workers started together (their engines load at once), stopped at the end."""
-    started = [WorkerProcess(services, tiny_model_path, tmp_path / f"worker-{n}.log", 1) for n in range(3)]
+    """Three workers started together (their engines load at once), stopped at the end; harvests only, so no
+    trace builders (each would load a meta model beside the engines)."""
+    started = [
+        WorkerProcess(services, tiny_model_path, tmp_path / f"worker-{n}.log", 1, {"NNQUEUE_TRACE_BUILDERS": "0"})
+        for n in range(3)
+    ]
     try:
         for worker in started:
             worker.wait_registered(timeout=600)
