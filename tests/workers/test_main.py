@@ -1,8 +1,15 @@
-"""The worker's start-up: the heap made while the engine loaded is frozen out of garbage collection."""
+"""The worker's start-up: the heap made while the engine loaded is frozen out of garbage collection, and the trace
+builders start beside the engine, so that they are ready before the worker takes its first job."""
 
 from __future__ import annotations
 
 import gc
+
+import pytest
+
+from tests.utils.services import WorkerProcess
+
+pytestmark = pytest.mark.shared_worker  # the start-up test reads the shared worker's log
 
 
 def test_the_startup_heap_is_out_of_the_collectors_reach() -> None:
@@ -16,3 +23,15 @@ def test_the_startup_heap_is_out_of_the_collectors_reach() -> None:
         assert not any(obj is startup for obj in gc.get_objects())  # in no generation a collection walks
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.slow
+def test_every_trace_builder_is_ready_before_the_worker_takes_jobs(worker: WorkerProcess) -> None:
+    """Started on first use, a builder made the first trace job wait 18-39 s (2-core CPU machine) while it loaded its
+    meta model; now they load while the engine does, and the worker says how many jobs it runs at once (then
+    registers, then takes jobs) only once both of its builders (the default NNQUEUE_TRACE_BUILDERS) are ready."""
+    worker.wait_registered()
+    lines = worker.log().splitlines()
+    taking_jobs = next(index for index, line in enumerate(lines) if "running up to 4 jobs at once" in line)
+    builders = [line for line in lines[:taking_jobs] if "trace builder process" in line and " ready (" in line]
+    assert len(builders) == 2, "\n".join(lines[: taking_jobs + 1])[-5000:]
