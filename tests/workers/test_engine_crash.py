@@ -1,7 +1,7 @@
 """A trace that kills the engine fails alone; the jobs it shared the engine with complete, and the
 worker (restarted by its supervisor) serves again (nnqueue.workers.engine_health, supervisor). While it
 restarts, jobs for the model are accepted and queued (the restart grace), and the crash counts against the
-key whose trace caused it (the crash cool-down)."""
+owner whose trace caused it (the crash cool-down)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_the_trace_that_kills_the_engine_fails_alone_and_the_worker_serves_again
 
     # The crash is the key's: with a limit of one crash, its next trace is refused for the cool-down.
     strict = AdmissionPolicy.from_settings(services.settings.model_copy(update={"engine_crash_limit": 1}))
-    with pytest.raises(CrashCooldown, match="crashed the engine 1 times"):
+    with pytest.raises(CrashCooldown, match="crashed the engine or changed its state 1 times"):
         submit_job(
             services.sessions,
             services.store,
