@@ -10,7 +10,8 @@ places where the values traces handed over flow back into vLLM's code:
   forward in which traces ran raises, or returns hidden states of another shape, dtype or device than the model
   makes (``[tokens, hidden size]``), each trace of the step is ended (its worker unwound, its request given
   an error, and nnsight's runner forces its end of sequence as for any erred trace) and the forward runs again
-  with no trace in it. Recomputing the step writes the same KV-cache slots with the same values; a harvest's
+  with no trace in it, after the guards put back what the traces changed (a broken attribute would fail the clean
+  run too). Recomputing the step writes the same KV-cache slots with the same values; a harvest's
   captures and a steering job's edits are made again (each write overwrites its first). When the forward fails
   again without traces, the error is the engine's and goes on as before (:mod:`nnqueue.enginecore.crash_report`).
 * the logits (`StepRecoveryMixin.sample_tokens`, below nnsight's, which has swapped in the logits traces set):
@@ -32,6 +33,7 @@ mediator's ``alive``, ``worker``, ``exception`` and ``pending``, and the interle
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,6 +53,8 @@ class StepRecoveryMixin:
 
     model: Any  # vLLM's runner's
     execute_model_state: Any
+    # Set by the worker's guards (nnqueue.enginecore.weights_guard): verify and put back the engine's state.
+    nnqueue_restore_state: Callable[[], Any] | None = None
 
     _nnqueue_logits: tuple[Any, ...] | None = None  # shape, dtype, device of the logits vLLM computed this step
     _nnqueue_sampled: Any = None  # the tokens vLLM's sampler drew this step (before nnsight's swap)
@@ -65,6 +69,8 @@ class StepRecoveryMixin:
             return output
         except Exception as error:  # noqa: BLE001 - ended below; the clean run's own failure is the engine's
             end_traces(self, traced, error)
+        if self.nnqueue_restore_state is not None:
+            self.nnqueue_restore_state()  # what the traces changed before failing, put back before the clean run
         return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:

@@ -400,6 +400,8 @@ class WeightsGuardWorker(_Worker):
             # (the KV cache's size) after the warm-up, and the sandbox locks the process down at this step.
             self._nnqueue_state = state_guard.StateGuard(self.model_runner.get_model(), roots=(self, self.model_runner))
             log.info("state guard: %d containers", len(self._nnqueue_state.containers))
+            # A step run again without its failed traces (nnqueue.enginecore.step_recovery) runs on this state.
+            self.model_runner.nnqueue_restore_state = lambda: self._nnqueue_verify(True)
         output = super().execute_model(scheduler_output, *args, **kwargs)
         if self._nnqueue_guard is not None:
             requests = self.model_runner.nnsight_requests.requests
