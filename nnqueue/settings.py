@@ -149,13 +149,13 @@ class Settings(BaseSettings):
     auth_cache_s: float = Field(5.0, ge=0)
     # Jobs one API key may have queued or running at once (more submissions get 429).
     max_jobs_in_flight_per_key: int = Field(64, ge=1)
-    # The crash cool-down: an API key whose traces crashed an engine this many times within the window gets 429
-    # for its new traces until the cool-down has passed since the last crash (each crash costs every user of
-    # the model a worker restart).
+    # The crash cool-down: an owner whose traces crashed an engine, or changed an engine's weights or state (put
+    # back, the job failed), this many times within the window gets 429 for new traces on every one of its keys
+    # until the cool-down has passed since the last of them (each costs other users a restart or a rerun).
     engine_crash_limit: int = Field(3, ge=1)
-    # The window in which NNQUEUE_ENGINE_CRASH_LIMIT crashes by one key start its cool-down.
+    # The window in which NNQUEUE_ENGINE_CRASH_LIMIT charged jobs of one owner start its cool-down.
     engine_crash_window_s: float = Field(3600.0, gt=0)
-    # How long, after its last crash, a key in cool-down gets 429 for its new traces.
+    # How long, after its last charged job, an owner in cool-down gets 429 for its new traces.
     engine_crash_cooldown_s: float = Field(1800.0, ge=0)
     # nnsight's /ndif/subscribe websockets one API key may hold open at once, per API process (more: 429).
     ndif_subscriptions_per_key: int = Field(64, ge=1)

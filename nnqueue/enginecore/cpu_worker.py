@@ -29,13 +29,21 @@ from nnqueue.enginecore.pipeline_stages import PipelineStageMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
 from nnqueue.enginecore.steering import SteerRunnerMixin
+from nnqueue.enginecore.step_recovery import SampleCheckMixin, StepRecoveryMixin
 from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
-class NNsightCPUModelRunner(
-    SteerRunnerMixin, HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner, CPUModelRunner
+class NNsightCPUModelRunner(  # type: ignore[misc]
+    SteerRunnerMixin,
+    HarvestRunnerMixin,
+    PipelineStageMixin,
+    SampleCheckMixin,
+    NNsightGPUModelRunner,
+    StepRecoveryMixin,
+    CPUModelRunner,
 ):
-    """nnqueue's harvest capture and nnsight's hooks (``load_model``, ``execute_model``, ...) over vLLM's CPU runner.
+    """nnqueue's harvest capture and nnsight's hooks (``load_model``, ``execute_model``, ...) over vLLM's CPU runner,
+    with a malformed intervention's step run again without it (:mod:`nnqueue.enginecore.step_recovery`).
 
     Adds no constructor state (nnsight's runner builds its own in ``load_model``), so an
     already-built ``CPUModelRunner`` can be re-classed to it.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.crash_report import CrashReportingWorker
@@ -14,11 +15,24 @@ from nnqueue.enginecore.pipeline_stages import PipelineStageMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
 from nnqueue.enginecore.sandbox import EngineConfig, SandboxedWorker
 from nnqueue.enginecore.steering import SteerRunnerMixin
+from nnqueue.enginecore.step_recovery import SampleCheckMixin, StepRecoveryMixin
 from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
-class NNqueueGPUModelRunner(SteerRunnerMixin, HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner):
-    """nnqueue's harvest capture over nnsight's runner; adds no constructor state (re-classed in place)."""
+class _RecoveringGPUModelRunner(StepRecoveryMixin, GPUModelRunner):  # type: ignore[misc]  # vLLM types the mixin's hooks narrowly
+    """vLLM's runner under nnsight's, with the step recovery between them (:mod:`nnqueue.enginecore.step_recovery`)."""
+
+
+class NNqueueGPUModelRunner(  # type: ignore[misc]
+    SteerRunnerMixin,
+    HarvestRunnerMixin,
+    PipelineStageMixin,
+    SampleCheckMixin,
+    NNsightGPUModelRunner,
+    _RecoveringGPUModelRunner,
+):
+    """nnqueue's harvest capture over nnsight's runner, a malformed intervention's step run again without it; adds
+    no constructor state (re-classed in place)."""
 
 
 class NNqueueGPUWorker(SandboxedWorker, CrashReportingWorker, WeightsGuardWorker, NNqueueRPC, NNsightGPUWorker):

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -212,7 +212,8 @@ class StageReport:
     saves: dict[str, Any]
     error: dict[str, Any] | None
     load_failed: bool
-    changed: list[str]
+    changed: list[str]  # the parameters the weights guard put back
+    state: list[str] = field(default_factory=list)  # the other state the guards put back
 
 
 def staged() -> bool:
@@ -306,6 +307,7 @@ def merge(reports: list[StageReport]) -> StageReport:
         error=error,
         load_failed=any(report.load_failed for report in reports),
         changed=sorted({name for report in reports for name in report.changed}),
+        state=sorted({name for report in reports for name in report.state}),
     )
 
 
@@ -337,7 +339,11 @@ def gather(report: StageReport) -> StageReport | None:
             with protected.running_user_code():  # a saved object's own pickling is the trace's code
                 data = pickle.dumps(
                     StageReport(
-                        trace_results.snapshot(report.saves), report.error, report.load_failed, report.changed
+                        trace_results.snapshot(report.saves),
+                        report.error,
+                        report.load_failed,
+                        report.changed,
+                        report.state,
                     ).__dict__
                 )
         except Exception as error:  # noqa: BLE001  (rank 0 waits for this stage: it always gets an answer)

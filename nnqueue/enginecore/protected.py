@@ -63,7 +63,7 @@ import types
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 from greenlet import getcurrent
 
@@ -477,16 +477,15 @@ def is_refused_attribute(name: str) -> bool:
     return is_blocked_attribute(name) or name in FORMAT_ATTRIBUTES
 
 
-def _code_generators() -> dict[int, str]:
+def _code_generators() -> dict[str, Any]:
     """The callables of allowed modules that ``eval``/``exec`` strings with the real builtins (or format them
-    with the real ``getattr``), by ``id``: refused as module attributes, through ``getattr`` and in payloads
-    whatever they are reached as. enum's functional API and functools do not generate code (Python 3.11)."""
+    with the real ``getattr``). enum's functional API and functools do not generate code (Python 3.11)."""
     import collections
     import dataclasses
     import string
     import typing
 
-    named = {
+    return {
         "typing.ForwardRef": typing.ForwardRef,
         "typing.get_type_hints": typing.get_type_hints,
         "typing.NamedTuple": typing.NamedTuple,
@@ -498,16 +497,85 @@ def _code_generators() -> dict[int, str]:
         "str.format": str.format,
         "str.format_map": str.format_map,
     }
-    return {id(value): name for name, value in named.items()}
 
 
-_CODE_GENERATORS = _code_generators()
+def _reachers() -> dict[str, Any]:
+    """Helpers of allowed modules that import any module or follow any attribute path with the real ``getattr``
+    (nnsight's ``from_import_path``: ``from_import_path("builtins.exec")``), or read and write files natively,
+    where no audit event reports it (``torch.from_file`` and every storage class's ``from_file``, torch's zip
+    archive reader and writer); with the Python-level file readers hidden by name (:data:`HIDDEN_ATTRIBUTES`)."""
+    import operator
+
+    import numpy
+    import torch
+    from nnsight import util
+
+    found: dict[str, Any] = {
+        "nnsight.util.from_import_path": util.from_import_path,
+        "operator.attrgetter": operator.attrgetter,
+        "operator.methodcaller": operator.methodcaller,
+        "torch.from_file": torch.from_file,
+        "torch.load": torch.load,
+        "torch.save": torch.save,
+        "torch.PyTorchFileReader": torch.PyTorchFileReader,
+        "torch.PyTorchFileWriter": torch.PyTorchFileWriter,
+    }
+    for name in (
+        "load",
+        "save",
+        "savez",
+        "savez_compressed",
+        "savetxt",
+        "loadtxt",
+        "genfromtxt",
+        "fromfile",
+        "fromregex",
+        "memmap",
+    ):
+        found[f"numpy.{name}"] = getattr(numpy, name)
+    storages: list[Any] = [torch.UntypedStorage, torch.TypedStorage] + [
+        value for name, value in vars(torch).items() if name.endswith("Storage") and isinstance(value, type)
+    ]
+    for storage in storages:
+        found[f"torch.{storage.__name__}.from_file"] = storage.from_file
+    return found
 
 
-def _refuse_code_generator(value: Any) -> None:
-    name = _CODE_GENERATORS.get(id(value))
-    if name is not None:
+_unsafe: dict[Any, str] = {}  # a value refused to intervention code whatever it is reached as -> what it is
+_unsafe_kept: list[Any] = []  # the values themselves: their ids stay theirs
+
+
+def _unsafe_values() -> dict[Any, str]:
+    """:func:`_code_generators` and :func:`_reachers`, keyed by identity (``id``) and, for methods (a storage
+    class's ``from_file`` is a new bound method at each access), by what they are bound to and their name."""
+    if not _unsafe:
+        for kind, values in (("code", _code_generators()), ("reach", _reachers())):
+            for name, value in values.items():
+                _unsafe[_identity(value)] = f"{kind}:{name}"
+                _unsafe_kept.append(value)
+    return _unsafe
+
+
+def _identity(value: Any) -> Any:
+    owner = getattr(value, "__self__", None) if isinstance(value, (types.MethodType, types.BuiltinMethodType)) else None
+    if owner is None or isinstance(owner, types.ModuleType):
+        return id(value)
+    return (id(owner), getattr(value, "__name__", None))
+
+
+def refuse_unsafe(value: Any) -> None:
+    """Refuse ``value`` if it is one of the callables intervention code may never hold (see `_unsafe_values`),
+    compared by identity, not by name: it is refused however it was reached (a module's attribute, ``getattr``,
+    a payload's global, ``Envoy.get``)."""
+    if not callable(value):
+        return
+    kind = _unsafe_values().get(_identity(value))
+    if kind is None:
+        return
+    what, name = kind.split(":", 1)
+    if what == "code":
         raise refused(f"{name} (it evaluates or formats strings outside the protected environment)")
+    raise refused(f"{name} (it reaches any module, attribute or file outside the protected environment's checks)")
 
 
 def refused(what: str) -> ProtectedEnvironmentError:
@@ -543,7 +611,7 @@ class ProtectedModule(types.ModuleType):
         if name in HIDDEN_ATTRIBUTES.get(package, ()):
             raise refused(f"{module.__name__}.{name}")
         value = getattr(module, name)
-        _refuse_code_generator(value)
+        refuse_unsafe(value)
         return protect(value) if isinstance(value, types.ModuleType) else value
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -619,7 +687,7 @@ def guarded_getattr(obj: Any, name: str, *default: Any) -> Any:
         raise AttributeError(f"attribute {name!r} is not available in intervention code")
     note_road(name)
     value = getattr(obj, name, *default)
-    _refuse_code_generator(value)
+    refuse_unsafe(value)
     return protect(value) if isinstance(value, types.ModuleType) else value
 
 
@@ -632,14 +700,14 @@ def guarded_hasattr(obj: Any, name: str) -> bool:
 
 
 def guarded_setattr(obj: Any, name: str, value: Any) -> None:
-    if isinstance(name, str) and is_blocked_attribute(name):
+    if isinstance(name, str) and (is_blocked_attribute(name) or (_is_dunder(name) and name not in SETTABLE_DUNDERS)):
         raise AttributeError(f"attribute {name!r} cannot be set in intervention code")
     note_road(name)
     setattr(obj, name, value)
 
 
 def guarded_delattr(obj: Any, name: str) -> None:
-    if isinstance(name, str) and is_blocked_attribute(name):
+    if isinstance(name, str) and (is_blocked_attribute(name) or (_is_dunder(name) and name not in SETTABLE_DUNDERS)):
         raise AttributeError(f"attribute {name!r} cannot be deleted in intervention code")
     delattr(obj, name)
 
@@ -665,6 +733,15 @@ def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
 
 
 _ATTRIBUTE_OPS = frozenset({"LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR"})
+_STORE_OPS = frozenset({"STORE_ATTR", "DELETE_ATTR"})
+# Dunder attributes intervention code may set or delete. Any other (``type(x).__del__ = f``,
+# ``torch.Tensor.__repr__ = f``) would plant its code where the interpreter calls it implicitly, in any thread
+# (a result writer's pickling, the garbage collector), outside the step that set it.
+SETTABLE_DUNDERS = frozenset({"__doc__", "__name__", "__qualname__"})
+
+
+def _is_dunder(name: Any) -> bool:
+    return isinstance(name, str) and len(name) > 4 and name.startswith("__") and name.endswith("__")
 
 
 def check_code(code: types.CodeType) -> bool:
@@ -678,11 +755,17 @@ def check_code(code: types.CodeType) -> bool:
             if is_blocked_attribute(name):
                 raise refused(f"the attribute {name!r}")
             roads = roads or name in ROAD_NAMES
-        if FORMAT_ATTRIBUTES.isdisjoint(each.co_names):
+        if FORMAT_ATTRIBUTES.isdisjoint(each.co_names) and not any(map(_is_dunder, each.co_names)):
             continue
         for instruction in dis.get_instructions(each):
             if instruction.opname in _ATTRIBUTE_OPS and instruction.argval in FORMAT_ATTRIBUTES:
                 raise refused(f"the attribute {instruction.argval!r} (use an f-string)")
+            if (
+                instruction.opname in _STORE_OPS
+                and _is_dunder(instruction.argval)
+                and instruction.argval not in SETTABLE_DUNDERS
+            ):
+                raise refused(f"setting or deleting the attribute {instruction.argval!r}")
     return roads
 
 
@@ -706,7 +789,89 @@ def _guarded_load_function(*args: Any) -> types.FunctionType:
         function.__code__, {"__builtins__": SAFE_BUILTINS}, function.__name__, function.__defaults__
     )
     safe.__kwdefaults__, safe.__annotations__ = function.__kwdefaults__, function.__annotations__
+    _made_here(safe)
     return safe
+
+
+# Functions and classes a payload's own reconstructors built (by id, with a weak reference to tell a reused id):
+# the only objects nnsight's ``_fill`` and cloudpickle's ``_class_setstate`` may then change. Named globals
+# (a real module's function, torch.Tensor) and the process's own objects are not theirs to change.
+_made: dict[int, weakref.ref[Any]] = {}
+
+
+def _made_here(value: Any) -> None:
+    if len(_made) > 100_000:  # dead references; a live one is wanted only while its payload loads
+        for key in [key for key, ref in _made.items() if ref() is None]:
+            del _made[key]
+    _made[id(value)] = weakref.ref(value)
+
+
+def _require_made_here(value: Any, what: str) -> None:
+    ref = _made.get(id(value))
+    if ref is None or ref() is not value:
+        raise refused(f"{what} on an object the payload did not build ({type(value).__name__})")
+
+
+def _guarded_fill(function: Any, names: dict[str, Any]) -> None:
+    """nnsight's ``_fill`` (a sent function's globals) on a function this payload sent, never a named one (whose
+    globals are a real module's)."""
+    from nnsight.intervention.serialization import _fill
+
+    _require_made_here(function, "nnsight's _fill")
+    _fill(function, names)
+
+
+def _guarded_skeleton_class(
+    type_constructor: Any, name: str, bases: tuple[Any, ...], type_kwargs: dict[str, Any], tracker: Any, extra: Any
+) -> type:
+    """cloudpickle's ``_make_skeleton_class`` with a metaclass for a constructor (never any callable), and never
+    an earlier payload's class (cloudpickle's class tracker, whose ids a payload chooses, is not consulted)."""
+    from cloudpickle.cloudpickle import _make_skeleton_class
+
+    if not (isinstance(type_constructor, type) and issubclass(type_constructor, type)):
+        raise refused(f"a class built by {type(type_constructor).__name__} (only metaclasses build classes)")
+    made = _make_skeleton_class(type_constructor, name, bases, type_kwargs, None, extra)
+    _made_here(made)
+    return made
+
+
+def _guarded_skeleton_enum(
+    bases: tuple[Any, ...], name: str, qualname: str, members: dict[str, Any], module: str, tracker: Any, extra: Any
+) -> type:
+    import enum
+
+    from cloudpickle.cloudpickle import _make_skeleton_enum
+
+    if not bases or not isinstance(bases[-1], type) or not issubclass(type(bases[-1]), enum.EnumMeta):
+        raise refused("an enum whose last base is not an Enum")
+    made = _make_skeleton_enum(bases, name, qualname, members, module, None, extra)
+    _made_here(made)
+    return made
+
+
+def _guarded_class_setstate(obj: Any, state: Any) -> Any:
+    from cloudpickle.cloudpickle import _class_setstate
+
+    _require_made_here(obj, "cloudpickle's _class_setstate")
+    return _class_setstate(obj, state)
+
+
+def _tensor_rebuilders() -> frozenset[int]:
+    import torch._utils
+
+    return frozenset(id(getattr(torch._utils, name)) for module, name in PRIVATE_GLOBALS if module == "torch._utils")
+
+
+def _guarded_rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any, *, v2: bool = True) -> Any:
+    """torch's ``_rebuild_from_type(_v2)`` (a tensor subclass): it calls ``func`` and sets ``state`` on what it
+    returns, so ``func`` must be one of torch's tensor rebuilders and the type a tensor class."""
+    import torch
+    from torch import _tensor
+
+    if id(func) not in _tensor_rebuilders() or not (isinstance(new_type, type) and issubclass(new_type, torch.Tensor)):
+        raise refused("torch's _rebuild_from_type with anything but a tensor rebuilder and a tensor class")
+    rebuild = _tensor._rebuild_from_type_v2 if v2 else _tensor._rebuild_from_type
+    return rebuild(func, new_type, args, state)
 
 
 def _storage_from_bytes(data: bytes) -> Any:
@@ -737,6 +902,14 @@ _REPLACED: dict[tuple[str, str], Any] = {
     ("builtins", "getattr"): guarded_getattr,
     ("builtins", "setattr"): guarded_setattr,
     ("builtins", "__import__"): guarded_import,
+    ("nnsight.intervention.serialization", "_fill"): _guarded_fill,
+    ("cloudpickle.cloudpickle", "_make_skeleton_class"): _guarded_skeleton_class,
+    ("cloudpickle.cloudpickle", "_make_skeleton_enum"): _guarded_skeleton_enum,
+    ("cloudpickle.cloudpickle", "_class_setstate"): _guarded_class_setstate,
+    ("torch._tensor", "_rebuild_from_type_v2"): _guarded_rebuild_from_type,
+    ("torch._tensor", "_rebuild_from_type"): lambda func, new_type, args, state: _guarded_rebuild_from_type(
+        func, new_type, args, state, v2=False
+    ),
 }
 
 
@@ -823,7 +996,7 @@ def find_class(module: str, name: str) -> Any:
         value = getattr(value, part)
         if isinstance(value, types.ModuleType):
             raise refused(f"{module}.{name} (a module reached through attributes)")
-    _refuse_code_generator(value)
+    refuse_unsafe(value)
     if not explicit:
         defined_in = getattr(value, "__module__", None)
         if isinstance(defined_in, str) and not is_allowed_module(defined_in, deserializing=True):
@@ -856,14 +1029,175 @@ class RestrictedUnpickler(pickle.Unpickler):
             return super().load()
 
 
+# PRIVATE_GLOBALS a payload may name but never call while it loads (a trace's model call, by reference).
+NAMED_ONLY_GLOBALS = frozenset(
+    {
+        ("nnsight.modeling.vllm.vllm", "VLLM._call"),
+        ("nnsight.modeling.vllm.vllm", "VLLM._generate"),
+        ("nnsight.modeling.transformers", "TransformersModel._call"),
+    }
+)
+_reconstructors: dict[int, Any] = {}
+
+
+def _reconstructor_ids() -> dict[int, Any]:
+    """What a payload may call while it loads (by id): :data:`PRIVATE_GLOBALS` but :data:`NAMED_ONLY_GLOBALS`,
+    and the guarded replacements (:data:`_REPLACED`)."""
+    if not _reconstructors:
+        values = list(_REPLACED.values())
+        for module, name in PRIVATE_GLOBALS - NAMED_ONLY_GLOBALS:
+            try:
+                values.append(find_class(module, name))
+            except (ImportError, AttributeError, ProtectedEnvironmentError):
+                continue  # numpy's old or new module name, a helper this cloudpickle lacks
+        _reconstructors.update((id(value), value) for value in values)
+    return _reconstructors
+
+
+def _higher_order_classes() -> frozenset[type]:
+    """Classes that call what they are given (when iterated, called or read): a payload may not call them, so that
+    nothing it loads calls anything but a reconstructor."""
+    import functools
+    import itertools
+    import operator
+
+    found = {map, filter, zip, enumerate, reversed, type, super, property, functools.partial, functools.partialmethod}
+    found |= {value for value in vars(itertools).values() if isinstance(value, type)}
+    found |= {operator.attrgetter, operator.itemgetter, operator.methodcaller}
+    return frozenset(found)
+
+
+_PythonUnpickler: Any = pickle._Unpickler  # pickle's pure-Python unpickler
+
+
+class StrictUnpickler(_PythonUnpickler):
+    """The protected environment's unpickler where a payload is first loaded (a trace builder's rebuild and check
+    of every mediator, before any reaches an engine): :func:`find_class`'s globals, and by opcode what a global's
+    name cannot show, that nothing in a payload runs but rebuilding:
+
+    * REDUCE, OBJ and INST call only a reconstructor (`_reconstructor_ids`) or a class that does not call what it
+      is given (`_higher_order_classes`, metaclasses): no function of an allowed module (``from_import_path``,
+      ``functools.reduce``), no function the payload sent, no object it built (a ``partial``);
+    * NEWOBJ builds only instances of classes;
+    * BUILD, SETITEM(S), APPEND(S) and ADDITEMS change only objects the payload built: never a global it named (a
+      class, a module, a function), an object of this process (a persistent id: the model's modules) or what
+      ``getattr`` handed back.
+
+    Pure Python, about 5x the C unpickler's time (a few ms for a mediator): engines load the same bytes with the C
+    one (`load_mediator`) after a builder checked them with this one.
+    """
+
+    dispatch: ClassVar[dict[int, Any]] = dict(_PythonUnpickler.dispatch)
+
+    def __init__(self, file: Any, persistent_objects: dict[Any, Any] | None = None) -> None:
+        super().__init__(file)
+        self.persistent_objects = persistent_objects or {}
+        self._foreign: dict[int, Any] = {}  # objects the payload did not build, by id (kept alive)
+
+    def persistent_load(self, pid: Any) -> Any:
+        from nnsight.intervention.serialization import UnknownPersistentIdError
+
+        if pid not in self.persistent_objects:
+            raise UnknownPersistentIdError(pid)
+        return self._foreign_value(self.persistent_objects[pid])
+
+    def find_class(self, module: str, name: str) -> Any:
+        return self._foreign_value(find_class(module, name))
+
+    def load(self) -> Any:
+        with running_user_code():
+            return super().load()
+
+    def _foreign_value(self, value: Any) -> Any:
+        self._foreign[id(value)] = value
+        return value
+
+    def _called(self, function: Any, value: Any) -> Any:
+        """``value``, which calling ``function`` returned, noted foreign unless the payload built it."""
+        import enum
+
+        if (
+            function is guarded_getattr
+            or id(value) in self._foreign
+            or isinstance(value, (types.ModuleType, types.BuiltinFunctionType, types.MethodType, enum.Enum))
+            or (isinstance(value, (type, types.FunctionType)) and id(function) not in _MAKERS)
+        ):
+            self._foreign[id(value)] = value
+        return value
+
+    def _check_callable(self, function: Any) -> None:
+        if id(function) in _reconstructor_ids():
+            return
+        if isinstance(function, type) and not issubclass(function, type) and function not in _higher_order_classes():
+            return
+        raise refused(f"calling {getattr(function, '__qualname__', type(function).__name__)} while a payload loads")
+
+    def _check_changed(self, target: Any) -> None:
+        if id(target) in self._foreign:
+            raise refused(f"changing {type(target).__name__} {_short(target)} while a payload loads (not built by it)")
+
+    def _load_reduce(self) -> None:
+        args = self.stack.pop()
+        function = self.stack[-1]
+        self._check_callable(function)
+        self.stack[-1] = self._called(function, function(*args))
+
+    def _instantiate(self, klass: Any, args: list[Any]) -> None:
+        self._check_callable(klass)
+        super()._instantiate(klass, args)
+        self.stack[-1] = self._called(klass, self.stack[-1])
+
+    def _load_newobj(self, kwargs: dict[str, Any] | None = None) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not isinstance(cls, type) or issubclass(cls, type):
+            raise refused(f"NEWOBJ of {type(cls).__name__} (only instances of classes are built)")
+        self.append(self._called(cls, cls.__new__(cls, *args, **(kwargs or {}))))
+
+    def _load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        self._load_newobj(kwargs)
+
+    def _changing(opcode: bytes, depth: int) -> Any:
+        original = _PythonUnpickler.dispatch[opcode[0]]
+
+        def load(self: StrictUnpickler) -> None:
+            # The target: below the value (and key) on the stack, or below the mark of a batch.
+            target = self.stack[-depth] if depth else self.metastack[-1][-1] if self.metastack else None
+            self._check_changed(target)
+            original(self)
+
+        return load
+
+    dispatch[pickle.REDUCE[0]] = _load_reduce
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.BUILD[0]] = _changing(pickle.BUILD, 2)
+    dispatch[pickle.SETITEM[0]] = _changing(pickle.SETITEM, 3)
+    dispatch[pickle.APPEND[0]] = _changing(pickle.APPEND, 2)
+    dispatch[pickle.SETITEMS[0]] = _changing(pickle.SETITEMS, 0)
+    dispatch[pickle.APPENDS[0]] = _changing(pickle.APPENDS, 0)
+    dispatch[pickle.ADDITEMS[0]] = _changing(pickle.ADDITEMS, 0)
+    del _changing
+
+
+def _short(value: Any) -> str:
+    return repr(getattr(value, "__qualname__", getattr(value, "__name__", "")))[:80]
+
+
+# Reconstructors whose result is the payload's own (a function it sent, a class it defined).
+_MAKERS = frozenset(id(value) for value in (_guarded_load_function, _guarded_skeleton_class, _guarded_skeleton_enum))
+
+
 class InvalidMediator(NNqueueError, TypeError):
     """A request's mediator bytes loaded, but not as an nnsight ``Mediator``."""
 
 
-def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None) -> Any:
+def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None, strict: bool = False) -> Any:
     """A request's mediator bytes (``extra_args["nnsight_mediator"]``) loaded as nnsight's runner loads them
     (``Requests.add``: nnsight's ``loads``), checked: an nnsight ``Mediator``, whose code passes `check_code`
-    when the protected environment is installed.
+    when the protected environment is installed. ``strict``: with :class:`StrictUnpickler` (a trace builder's
+    check of every mediator before it reaches an engine), else nnsight's C unpickler with `find_class`.
 
     Anything else (``pickle.dumps(1)``) would be taken for a mediator by the runner and fail inside
     ``execute_model``, which kills the engine every job shares."""
@@ -871,7 +1205,10 @@ def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None)
     from nnsight.intervention.serialization import loads
 
     _region.roads = False
-    mediator = loads(data, persistent_objects=persistent_objects)
+    if strict:
+        mediator = loads(data, persistent_objects=persistent_objects, unpickler=StrictUnpickler)
+    else:
+        mediator = loads(data, persistent_objects=persistent_objects)
     if type(mediator) is not Mediator:
         raise InvalidMediator(
             f"the request's nnsight_mediator holds a {type(mediator).__name__}, not an nnsight Mediator"
@@ -985,6 +1322,9 @@ def install(extra_modules: Iterable[str] = ()) -> None:
             run(self)
 
         Mediator._run = checked_run
+        _guard_envoy_get()
+        _unsafe_values()  # built now, so that the engine's state guard takes them for its reference
+        _reconstructor_ids()
         _code_roots.extend(_installation_folders())
         _nnsight_roots.append(os.path.dirname(os.path.realpath(sys.modules["nnsight"].__file__ or "")))
         # ast.parse and symtable.symtable compile to a tree or a symbol table, never to code.
@@ -1018,6 +1358,21 @@ def _installation_folders() -> list[str]:
     folders = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(nnqueue.__file__)}
     folders.update(sysconfig.get_paths().get(key, sys.prefix) for key in ("stdlib", "platstdlib", "purelib", "platlib"))
     return sorted({os.path.realpath(folder) for folder in folders})
+
+
+def _guard_envoy_get() -> None:
+    """nnsight's ``Envoy.get(path)`` walks a dotted path with the real ``getattr``
+    (``model.get("__class__.__init__.__globals__")``): each step goes through :func:`guarded_getattr` instead."""
+    from nnsight.intervention.envoy import Envoy
+
+    def get(self: Envoy, path: str) -> Any:
+        value: Any = self
+        for part in str(path).split("."):
+            value = guarded_getattr(value, part)
+        return value
+
+    get.__doc__ = Envoy.get.__doc__
+    Envoy.get = get
 
 
 def _guard_threads() -> None:

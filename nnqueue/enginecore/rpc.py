@@ -10,10 +10,14 @@ rank (`stage_reporting`): a harvest chunk is captured and written by the stage t
   this process (:mod:`nnqueue.enginecore.trace_collect`), starts their copies to host memory (without
   waiting on the GPU: `trace_results.HostCopies`), and hands them to the result writer threads; returns at
   once. The outcome arrives through the outbox.
-  A trace's code runs here too (``tracer.result``, a block's unwinding): the weights guard then checks the
-  weights (:mod:`nnqueue.enginecore.weights_guard`), and a trace that changed them fails with ``WeightsModified``.
+  A trace's code runs here too (``tracer.result``, a block's unwinding): the guards then check the weights
+  (:mod:`nnqueue.enginecore.weights_guard`) and, when the trace's code ran, the rest of the engine's state
+  (:mod:`nnqueue.enginecore.state_guard`); a trace that changed them fails with ``WeightsModified`` or
+  ``StateModified``.
 * ``nnqueue_discard_trace``: frees the state of requests that were aborted, cancelled or timed out (and checks
-  the weights after their blocks' unwinding).
+  as above after their blocks' unwinding).
+* ``nnqueue_verify_state`` (the guards' mixin): verify and put back every tensor, read in full, and the rest of
+  the state, with nothing in flight (a trust-domain switch).
 * ``nnqueue_outbox``: the queued completions (:mod:`nnqueue.enginecore.outbox`).
 * ``nnqueue_harvest_begin`` / ``nnqueue_harvest_abort``: start or drop a harvest chunk
   (:mod:`nnqueue.enginecore.harvest_capture`); ``nnqueue_harvest_stats``: what the capture path holds;
@@ -62,10 +66,12 @@ class NNqueueRPC:
     """RPC methods for a vLLM worker whose ``model_runner`` is nnsight's runner with `HarvestRunnerMixin`."""
 
     model_runner: Any
-    nnqueue_check_weights: Callable[[bool], list[str]]  # weights_guard.WeightsGuardWorker's
-    nnqueue_weights_read_due: Callable[[list[str]], bool]
-    nnqueue_weights_loaded: Callable[[], None]  # weights_guard.WeightsGuardWorker's
-    nnqueue_restore_weights: Callable[[], bool]  # weights_guard.WeightsGuardWorker's
+    # weights_guard.WeightsGuardWorker's:
+    nnqueue_check_due: Callable[[list[str]], weights_guard.Due]
+    nnqueue_check_after: Callable[[weights_guard.Due], weights_guard.Verified]
+    nnqueue_weights_loaded: Callable[[], None]
+    nnqueue_restore_weights: Callable[[], bool]
+    nnqueue_accept_hooks: Callable[[], None]
     _nnqueue_trainer: weights_update.TrainerChannel | None = None
 
     def nnqueue_finish_trace(
@@ -81,23 +87,27 @@ class NNqueueRPC:
         copies = trace_results.HostCopies()
         try:
             finished = pickle.loads(outputs) if outputs else None
-            read_weights = self.nnqueue_weights_read_due(list(request_ids))
+            due = self.nnqueue_check_due(list(request_ids))
             collected = trace_collect.collect_trace(self.model_runner, list(request_ids), finished)
-            changed = self.nnqueue_check_weights(read_weights)
+            changed = self.nnqueue_check_after(due)
             if across:
                 report = pipeline_stages.StageReport(
-                    pipeline_stages.strip(collected.saves), collected.error, collected.load_failed, changed
+                    pipeline_stages.strip(collected.saves),
+                    collected.error,
+                    collected.load_failed,
+                    changed.weights,
+                    changed.state,
                 )
                 across = False  # sent or received: never twice for one trace
                 merged = pipeline_stages.gather(report)
                 if merged is None:
                     return None
                 collected = trace_collect.CollectedTrace(merged.saves, merged.error, merged.load_failed)
-                changed = merged.changed
+                changed = weights_guard.Verified(merged.changed, merged.state)
             if not reporting:
                 return None
-            if changed and (collected.error is None or collected.error.get("is_control_flow")):
-                collected.error = weights_guard.error(changed, 1)
+            if changed.blames and (collected.error is None or collected.error.get("is_control_flow")):
+                collected.error = weights_guard.error(changed.weights, changed.state)
             collected.saves = trace_results.snapshot(collected.saves, copies)
             copies.seal()
             _result_writer().submit(trace_id, collected, sinks, copies)
@@ -121,9 +131,9 @@ class NNqueueRPC:
         return True if reporting else None
 
     def nnqueue_discard_trace(self, request_ids: list[str]) -> None:
-        read_weights = self.nnqueue_weights_read_due(list(request_ids))
+        due = self.nnqueue_check_due(list(request_ids))
         trace_collect.release(self.model_runner, list(request_ids))
-        self.nnqueue_check_weights(read_weights)
+        self.nnqueue_check_after(due)
 
     def nnqueue_outbox(self) -> list[dict[str, Any]] | None:
         return outbox.drain() if stage_reporting() else None
@@ -137,6 +147,8 @@ class NNqueueRPC:
             return self.model_runner.nnqueue_harvest().begin(spec)
         except (ValueError, KeyError, TypeError) as error:
             return {"error": str(error)}
+        finally:
+            self.nnqueue_accept_hooks()  # the capture hooks it installed are nnqueue's own
 
     def nnqueue_harvest_abort(self, chunk: str) -> bool | None:
         """Drop a chunk's requests, buffers and pending write; whether there was anything to drop."""
@@ -162,6 +174,8 @@ class NNqueueRPC:
             return self.model_runner.nnqueue_steer().begin(spec)
         except (ValueError, KeyError, TypeError) as error:
             return {"error": str(error)}
+        finally:
+            self.nnqueue_accept_hooks()  # the steering hooks it installed are nnqueue's own
 
     def nnqueue_steer_end(self, job: str) -> dict[str, Any]:
         """Drop a steering job's requests and vectors on this rank (`Steering.end`)."""

@@ -10,7 +10,9 @@ during which it could not schedule the step after. `ResultWriter` then does the 
 threads, so the engine goes on stepping: it waits for the copies, then ``torch.save`` of the
 ``{name: value}`` dict (``saves.pt``), a safetensors copy when the worker gave a sink for it (the job asked) and
 every value is a tensor, each written to its
-sink (:mod:`nnqueue.enginecore.sink`), and an outbox entry for the frontend:
+sink (:mod:`nnqueue.enginecore.sink`), and an outbox entry for the frontend. A saved value of a class the trace
+defined is refused in `snapshot` (its pickling would run the trace's code in a writer thread, outside the steps
+the engine's guards check):
 
 ``{"id": trace id, "kind": "trace_result", "error": nnsight DeferredError | None, "load_failed": bool,
 "objects": {"torch": {"size", "sha256"}, "safetensors": {...}}, "write_error": str | None}``; a failed trace
@@ -23,6 +25,7 @@ import copy
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
@@ -133,6 +136,7 @@ def snapshot(value: Any, copies: HostCopies | None = None, memo: dict[int, Any] 
     key = id(value)
     if key in memo:
         return memo[key]
+    _refuse_unimportable(type(value))
     copied: Any
     if isinstance(value, torch.Tensor):
         copied = value.detach().to("cpu", copy=True) if copies is None else copies.copy(value)
@@ -162,6 +166,26 @@ def snapshot(value: Any, copies: HostCopies | None = None, memo: dict[int, Any] 
         return value
     memo[key] = copied
     return copied
+
+
+_importable: dict[int, type] = {}  # classes found importable by module and name (kept: their ids stay theirs)
+
+
+def _refuse_unimportable(cls: type) -> None:
+    """Refuse a saved value whose class the trace defined: pickling it in a writer thread would run the trace's code
+    (``__getnewargs__``, a dict subclass's ``items``) there, outside the engine steps the guards check; and a class
+    that cannot be imported by its module and name cannot be unpickled by the client anyway."""
+    if id(cls) in _importable:
+        return
+    found: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        found = getattr(found, part, None) if "<" not in part else None
+    if found is not cls:
+        raise TypeError(
+            f"a saved value is a {cls.__qualname__!r}, a class the trace defined: save tensors, numbers, strings and "
+            "containers of them instead (a class defined in the trace cannot be unpickled by the client either)"
+        )
+    _importable[id(cls)] = cls
 
 
 @dataclass

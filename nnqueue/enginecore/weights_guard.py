@@ -81,12 +81,12 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nnqueue.enginecore import protected
+from nnqueue.enginecore import protected, state_guard
 
 if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
     from vllm.v1.worker.worker_base import WorkerBase as _Worker
@@ -95,7 +95,9 @@ else:
 
 log = logging.getLogger(__name__)
 GUARD_ENV = "NNQUEUE_WEIGHTS_GUARD"
-ERROR_TYPE = "WeightsModified"
+ERROR_TYPE = "WeightsModified"  # a trace changed parameters (alone in its step, or in its finish)
+STATE_ERROR_TYPE = "StateModified"  # a trace changed other tensors, attributes, hooks or the engine's code
+SHARED_STEP_ERROR = "StateModifiedInSharedStep"  # a change in a step of several traces: each runs again alone
 _INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # How often (seconds, counted at traced steps) the weights are read in full whatever the traces named.
 FULL_CHECK_INTERVAL_S = 30.0
@@ -108,8 +110,9 @@ def enabled() -> bool:
 @dataclass
 class _Held:
     module: torch.nn.Module  # the module that owns the parameter
+    table: str  # where the module holds it: "_parameters", "_buffers" or "__dict__" (a tensor attribute)
     attribute: str  # its name there
-    parameter: torch.nn.Parameter  # the object the module held
+    parameter: torch.Tensor  # the object the module held (a Parameter, for a parameter)
     storage: torch.Tensor  # an alias of its original storage (put back if ``.data`` was swapped); shares its counter
     host: torch.Tensor  # its content, in host memory
     requires_grad: bool
@@ -117,11 +120,41 @@ class _Held:
     version: int | None  # the storage's version counter when last seen; None: an inference tensor (none kept)
 
 
-class WeightsGuard:
-    """The parameters of ``module`` as they are now; `check` puts them back as they were (see the module doc)."""
+# Where a module holds the tensors the guard keeps, and what the name says of each kind but parameters.
+TABLES = (("_parameters", ""), ("_buffers", " (buffer)"), ("__dict__", " (attribute)"))
 
-    def __init__(self, module: torch.nn.Module) -> None:
+
+def _tensors(owner: torch.nn.Module, skipped: set[int]) -> list[tuple[str, str, str, torch.Tensor]]:
+    """``(table, attribute, suffix, tensor)`` for the tensors ``owner`` holds: its parameters, its buffers, and
+    tensors held as plain attributes (an attention layer's scales) but those whose memory is in ``skipped`` (the
+    KV cache, which every step writes)."""
+    found = []
+    for table, suffix in TABLES:
+        for attribute, tensor in getattr(owner, table).items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if table == "__dict__" and _storage_pointer(tensor) in skipped:
+                continue
+            found.append((table, attribute, suffix, tensor))
+    return found
+
+
+def _storage_pointer(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except RuntimeError:  # a tensor without storage (meta, a wrapper subclass)
+        return 0
+
+
+class WeightsGuard:
+    """The tensors of ``module`` as they are now; `check` puts them back as they were (see the module doc).
+
+    Its parameters, buffers (``rotary_emb.cos_sin_cache``) and tensors held as plain attributes; ``skipped``: the
+    storage addresses of tensors never kept (the KV cache)."""
+
+    def __init__(self, module: torch.nn.Module, skipped: Iterable[int] = ()) -> None:
         self.module = module
+        self.skipped = set(skipped) - {0}
         self.names: list[str] = []
         self.held: list[_Held] = []
         self.bytes = 0
@@ -135,17 +168,19 @@ class WeightsGuard:
         previous = {name: held.host for name, held in zip(self.names, self.held, strict=True)}
         self.names, self.held = [], []
         copies: dict[int, torch.Tensor] = {}  # a tied parameter (held by two modules) has one host copy
+        self.parameters: set[str] = set()
         for owner_name, owner in self.module.named_modules(remove_duplicate=False):
-            for attribute, parameter in owner._parameters.items():
-                if parameter is None:
-                    continue
-                name = f"{owner_name}.{attribute}" if owner_name else attribute
+            for table, attribute, suffix, parameter in _tensors(owner, self.skipped):
+                name = (f"{owner_name}.{attribute}" if owner_name else attribute) + suffix
                 self.names.append(name)
+                if table == "_parameters":
+                    self.parameters.add(name)
                 storage = parameter.detach()
                 if id(parameter) not in copies:
                     copies[id(parameter)] = _host_copy(storage, reuse=previous.get(name))
                 held = _Held(
                     owner,
+                    table,
                     attribute,
                     parameter,
                     storage,
@@ -175,7 +210,7 @@ class WeightsGuard:
                 parameter.grad = None
             if parameter.requires_grad != held.requires_grad:
                 parameter.requires_grad_(held.requires_grad)
-            current = held.module._parameters.get(held.attribute)
+            current = getattr(held.module, held.table).get(held.attribute)
             # The pointer alone without ``content``: a same-pointer change of shape, strides or dtype is an
             # in-place op (which bumps the counter) or a ``.data`` swap (a road, which asks for ``content``).
             if current is not parameter or current.data_ptr() != held.pointer or (content and not self._same(held)):
@@ -220,9 +255,10 @@ class WeightsGuard:
         )
 
     def _restore_object(self, held: _Held) -> None:
-        with torch.no_grad():
-            held.parameter.data = held.storage
-        held.module._parameters[held.attribute] = held.parameter
+        if held.parameter.data_ptr() != held.pointer or not self._same(held):
+            with torch.no_grad():
+                held.parameter.data = held.storage
+        getattr(held.module, held.table)[held.attribute] = held.parameter
 
     def _fingerprint(self, indices: Sequence[int]) -> torch.Tensor:
         """The bits of the parameters at ``indices`` summed as integers (int64, on the CPU: a synchronization)."""
@@ -266,22 +302,63 @@ def _host_copy(tensor: torch.Tensor, reuse: torch.Tensor | None = None) -> torch
     return host
 
 
-def error(names: list[str], traces: int) -> dict[str, Any]:
-    """The deferred error (nnsight's ``DeferredError`` dict) a job whose step changed the weights fails with."""
-    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    if traces <= 1:
+@dataclass
+class Verified:
+    """What a verification found and put back: parameters (``weights``), other tensors and strict state
+    (``state``), and lazy state (``lazy``: possibly the engine's own work a trace triggered)."""
+
+    weights: list[str] = field(default_factory=list)
+    state: list[str] = field(default_factory=list)
+    lazy: list[str] = field(default_factory=list)
+
+    @property
+    def blames(self) -> bool:
+        """Whether a trace alone in the step (or a finish) that changed this fails for it."""
+        return bool(self.weights or self.state)
+
+    def __bool__(self) -> bool:
+        return bool(self.weights or self.state or self.lazy)
+
+
+def error(weights: list[str], state: list[str]) -> dict[str, Any]:
+    """The deferred error (nnsight's ``DeferredError`` dict) a trace fails with when it changed the engine's
+    parameters (``WeightsModified``) or other state (``StateModified``), alone in its step or in its finish."""
+    if weights:
         message = (
-            f"this trace changed the model's parameters ({shown}); they were put back before any other job's "
-            "step and the job failed: a shared engine's weights are read-only to traces (edit module outputs "
-            "instead, or run weight edits on a transformers engine, where an edit lasts for its job)"
+            f"this trace changed the model's parameters ({state_guard.describe(weights + state)}); they were put "
+            "back before any other job's step and the job failed: a shared engine's weights are read-only to "
+            "traces (edit module outputs instead, or run weight edits on a transformers engine, where an edit "
+            "lasts for its job)"
         )
     else:
         message = (
-            f"a trace in a step this job shared with {traces - 1} other trace(s) changed the model's parameters "
-            f"({shown}); they were put back before any later step. Which trace wrote cannot be told, so each "
-            "of them failed: if this job does not write to parameters, submit it again"
+            f"this trace changed the engine's state ({state_guard.describe(state)}); it was put back before any "
+            "other job's step and the job failed: a shared engine's modules, their attributes and hooks, and the "
+            "engine's code are read-only to traces (edit module outputs, or use .skip() and .source, instead)"
         )
-    return {"type_name": ERROR_TYPE, "message": message, "traceback": "", "is_control_flow": False}
+    return {
+        "type_name": ERROR_TYPE if weights else STATE_ERROR_TYPE,
+        "message": message,
+        "traceback": "",
+        "is_control_flow": False,
+    }
+
+
+def shared_error(verified: Verified, traces: int) -> dict[str, Any]:
+    """The deferred error of each trace in a step shared by ``traces`` traces that changed what ``verified`` names:
+    the worker runs each of them again alone (``SHARED_STEP_ERROR``), so that only the one that changes it again
+    is failed for it."""
+    names = state_guard.describe(verified.weights + verified.state + verified.lazy)
+    return {
+        "type_name": SHARED_STEP_ERROR,
+        "message": (
+            f"a trace in a step this job shared with {traces - 1} other trace(s) changed the engine's state "
+            f"({names}); it was put back before any later step. Which trace did it cannot be told, so each of them "
+            "runs again alone"
+        ),
+        "traceback": "",
+        "is_control_flow": False,
+    }
 
 
 def trace_of(request: Any) -> str:
@@ -290,11 +367,22 @@ def trace_of(request: Any) -> str:
     return str(request.engine_id).rsplit("-", 1)[0]
 
 
+@dataclass(frozen=True)
+class Due:
+    """What the check after finishing (or discarding) a trace reads: the weights in full (``content``), and the
+    rest of the state when the trace's code ran there (``ran``: a mediator still alive had its block resumed)."""
+
+    content: bool
+    ran: bool
+
+
 class WeightsGuardWorker(_Worker):
-    """Mixin for vLLM worker classes whose runner is nnsight's; see the module doc."""
+    """Mixin for vLLM worker classes whose runner is nnsight's; see the module doc (and
+    :mod:`nnqueue.enginecore.state_guard` for the state beyond the tensors)."""
 
     model_runner: Any
     _nnqueue_guard: WeightsGuard | None = None
+    _nnqueue_state: state_guard.StateGuard | None = None
     _nnqueue_guard_off = False
     _nnqueue_traced: tuple[Any, ...] = ()  # this step's requests that carry a trace (nnsight's Request)
     _nnqueue_full_check_at = 0.0  # time.monotonic() of the next periodic full check
@@ -307,6 +395,13 @@ class WeightsGuardWorker(_Worker):
     def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         if self._nnqueue_guard is None and not self._nnqueue_guard_off:  # an engine that skipped the warm-up
             self._nnqueue_build_guard()
+        if self._nnqueue_state is None and self._nnqueue_guard is not None:
+            # The state is taken at the first step, before any payload loads: vLLM finishes its configuration
+            # (the KV cache's size) after the warm-up, and the sandbox locks the process down at this step.
+            self._nnqueue_state = state_guard.StateGuard(self.model_runner.get_model(), roots=(self, self.model_runner))
+            log.info("state guard: %d containers", len(self._nnqueue_state.containers))
+            # A step run again without its failed traces (nnqueue.enginecore.step_recovery) runs on this state.
+            self.model_runner.nnqueue_restore_state = lambda: self._nnqueue_verify(True)
         output = super().execute_model(scheduler_output, *args, **kwargs)
         if self._nnqueue_guard is not None:
             requests = self.model_runner.nnsight_requests.requests
@@ -325,31 +420,53 @@ class WeightsGuardWorker(_Worker):
         self._nnqueue_step_ended()
         return output
 
-    def nnqueue_weights_read_due(self, request_ids: Iterable[str]) -> bool:
-        """Whether the check after finishing (or discarding) the trace whose invokes are ``request_ids`` must read
-        the weights (see `_nnqueue_content_due`); ask before the requests are released."""
+    def nnqueue_check_due(self, request_ids: Iterable[str]) -> Due:
+        """What the check after finishing (or discarding) the trace whose invokes are ``request_ids`` reads (see
+        `Due`); ask before the requests are released."""
         if self._nnqueue_guard is None:
-            return False
+            return Due(False, False)
         wanted = set(request_ids)
-        requests = self.model_runner.nnsight_requests.requests.values()
-        return self._nnqueue_content_due([request.mediator for request in requests if request.named(wanted)])
+        requests = [
+            request for request in self.model_runner.nnsight_requests.requests.values() if request.named(wanted)
+        ]
+        mediators = [request.mediator for request in requests if request.mediator is not None]
+        return Due(self._nnqueue_content_due(mediators), any(mediator.alive for mediator in mediators))
 
-    def nnqueue_check_weights(self, content: bool) -> list[str]:
-        """Put back any parameter a trace changed outside a step (the finish and discard RPCs); the names.
-        ``content``: `nnqueue_weights_read_due`'s answer for that trace."""
+    def nnqueue_check_after(self, due: Due) -> Verified:
+        """Put back what a trace changed outside a step (the finish and discard RPCs, where only its code runs);
+        lazy changes are put back and not blamed (the trace is alone)."""
         if self._nnqueue_guard is None:
-            return []
-        changed = self._nnqueue_guard.check(content=content)
-        if changed:
-            log.error("a trace changed parameters %s while it was finished; they were put back", changed[:20])
-        return changed
+            return Verified()
+        verified = self._nnqueue_verify(due.content, state=due.ran)
+        if verified.blames:
+            log.error("a trace changed %s while it was finished; put back", (verified.weights + verified.state)[:20])
+        return Verified(verified.weights, verified.state)
+
+    def nnqueue_verify_state(self) -> dict[str, list[str]]:
+        """Verify and restore everything the guards hold, reading every tensor in full (what a trust-domain switch
+        calls, with nothing in flight): ``{"weights": [...], "state": [...], "lazy": [...]}``, the names put back.
+        An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``) answers with ``"off": ["guards"]``."""
+        if self._nnqueue_guard is None:
+            return {"weights": [], "state": [], "lazy": [], "off": ["guards"]}
+        verified = self._nnqueue_verify(True, state=True)
+        if verified:
+            log.error("verification put back %s", (verified.weights + verified.state + verified.lazy)[:20])
+        return {"weights": verified.weights, "state": verified.state, "lazy": verified.lazy}
 
     def nnqueue_weights_loaded(self) -> None:
-        """After a legitimate weights update (nnqueue's RPC, never a trace): the guard takes the weights as they are
-        now for its reference (`WeightsGuard.accept_current`)."""
+        """After a legitimate weights update (nnqueue's RPC, never a trace): the guards take the weights and state as
+        they are now for their reference (`WeightsGuard.accept_current`)."""
         if self._nnqueue_guard is not None:
             self._nnqueue_guard.accept_current()
             self._nnqueue_full_check_at = time.monotonic() + FULL_CHECK_INTERVAL_S
+        if self._nnqueue_state is not None:
+            self._nnqueue_state.accept_current()
+
+    def nnqueue_accept_hooks(self) -> None:
+        """nnqueue installed hooks of its own (a harvest's captures, a steering job's edits, in their begin RPCs):
+        the state guard takes the modules' hook tables as they are now."""
+        if self._nnqueue_state is not None:
+            self._nnqueue_state.accept_hooks()
 
     def nnqueue_restore_weights(self) -> bool:
         """Put back the weights the guard holds (a weights update that failed midway); False without a guard."""
@@ -365,23 +482,40 @@ class WeightsGuardWorker(_Worker):
         if not enabled():
             self._nnqueue_guard_off = True
             return
-        self._nnqueue_guard = WeightsGuard(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        kv_caches = getattr(self.model_runner, "kv_caches", None) or []
+        self._nnqueue_guard = WeightsGuard(model, skipped=map(_storage_pointer, kv_caches))
         self._nnqueue_full_check_at = time.monotonic() + FULL_CHECK_INTERVAL_S
         log.info(
-            "weights guard: %d parameters (%d without a version counter, read at every check), %.1f MiB host copy",
+            "weights guard: %d tensors (%d without a version counter, read at every check), %.1f MiB host copy",
             len(self._nnqueue_guard.held),
             len(self._nnqueue_guard.uncounted),
             self._nnqueue_guard.bytes / 2**20,
         )
+
+    def _nnqueue_verify(self, content: bool, state: bool = True) -> Verified:
+        """Check (and put back) the rest of the state when ``state``, then the tensors (see the module doc). The
+        state first: it holds the guards' own code (a trace that replaced ``WeightsGuard.check`` and zeroed a
+        weight gets both put back), and both checks are called as they were when this module was loaded."""
+        assert self._nnqueue_guard is not None
+        verified = Verified()
+        if state and self._nnqueue_state is not None:
+            changes = _CHECK_STATE(self._nnqueue_state)
+            verified.state += changes.strict
+            verified.lazy += changes.lazy
+        tensors = _CHECK_TENSORS(self._nnqueue_guard, content)
+        verified.weights = [name for name in tensors if name in self._nnqueue_guard.parameters]
+        verified.state = [name for name in tensors if name not in self._nnqueue_guard.parameters] + verified.state
+        return verified
 
     def _nnqueue_step_ended(self) -> None:
         traced, self._nnqueue_traced = self._nnqueue_traced, ()
         if not traced or self._nnqueue_guard is None:
             return
         content = self._nnqueue_content_due([request.mediator for request in traced])
-        changed = self._nnqueue_guard.check(content=content)
-        if changed:
-            fail_traces(traced, changed)
+        verified = self._nnqueue_verify(content)
+        if verified:
+            fail_step(traced, verified)
 
     def _nnqueue_content_due(self, mediators: Iterable[Any]) -> bool:
         """Whether this check reads the weights: a trace that opens a road past the version counter ran
@@ -395,12 +529,22 @@ class WeightsGuardWorker(_Worker):
         return False
 
 
-def fail_traces(requests: Iterable[Any], changed: list[str]) -> None:
-    """Give each request (nnsight's ``Request``) that carried a trace in a step that changed ``changed`` its error."""
+# The guards' checks as this module found them: the worker calls these, not what the classes hold at the time.
+_CHECK_STATE = state_guard.StateGuard.check
+_CHECK_TENSORS = WeightsGuard.check
+
+
+def fail_step(requests: Iterable[Any], verified: Verified) -> None:
+    """Give the requests (nnsight's ``Request``) that carried a trace in a step whose check found ``verified``
+    their error: a trace alone in the step fails for a change it is blamed for (`error`) and not for a lazy one;
+    traces that shared the step each run again alone (`shared_error`)."""
     requests = list(requests)
     traces = {trace_of(request) for request in requests}
-    log.error("a step with %d trace(s) %s changed parameters %s; put back", len(traces), sorted(traces), changed[:20])
-    deferred = error(changed, len(traces))
+    names = (verified.weights + verified.state + verified.lazy)[:20]
+    log.error("a step with %d trace(s) %s changed %s; put back", len(traces), sorted(traces), names)
+    if len(traces) == 1 and not verified.blames:
+        return
+    deferred = error(verified.weights, verified.state) if len(traces) == 1 else shared_error(verified, len(traces))
     for request in requests:
         if request.error is None:
             request.error = dict(deferred)

@@ -17,7 +17,9 @@ caches and the ``linecache`` entry are cleared around every build.
 
 A builder also checks prebuilt payloads (`check_prebuilt`): it loads each mediator as the engine will, so a
 malformed one fails its job at claim instead of reaching the engine. Loading user pickles is as unsafe as
-rebuilding, so it happens here too, never in the worker.
+rebuilding, so it happens here too, never in the worker. Both load with the protected environment's strict
+unpickler (``protected.StrictUnpickler``: nothing runs while a payload loads but its reconstructors, and nothing
+it did not build is changed), so the bytes an engine loads were checked by opcode first.
 
 Run as ``python -m nnqueue.engines.trace_builder --model M --engine-kwargs JSON``: it loads the meta model,
 then answers one request frame at a time (:mod:`nnqueue.enginecore.child_process`, which also starts and
@@ -67,7 +69,7 @@ def check_prebuilt(model: Any, payload: bytes) -> None:
     try:
         for index, invoke in enumerate(trace.invokes):
             try:
-                protected.load_mediator(invoke.mediator, persistent)
+                protected.load_mediator(invoke.mediator, persistent, strict=True)
             except Exception as error:  # noqa: BLE001 - whatever loading raised is the job's error
                 raise MediatorRejected(index, error) from None
     finally:
@@ -80,7 +82,10 @@ def _build(model: Any, payload: bytes) -> bytes:
 
     with payload_scope(model) as registered, protected.running_user_code():
         tracer = RequestModel.deserialize(
-            payload, model._remoteable_persistent_objects(), compress=payload.startswith(trace_payload.ZSTD_MAGIC)
+            payload,
+            model._remoteable_persistent_objects(),
+            compress=payload.startswith(trace_payload.ZSTD_MAGIC),
+            unpickler=protected.StrictUnpickler,
         )
         filename = tracer.info.frame.f_code.co_filename
         registered(filename)

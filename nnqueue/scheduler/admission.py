@@ -6,8 +6,8 @@ crashed worker being restarted: its jobs queue meanwhile; else :class:`ModelNotS
 and the submitting API key has fewer than its limit of jobs queued or running (else
 :class:`TooManyJobsInFlight`). The count is read as the job is added (by the same statement on Postgres, see
 :mod:`nnqueue.scheduler.intake`), so submissions racing each other may pass it together: it bounds a key's load,
-it is not an exact quota. A trace is also refused while its key cools down after crashing engines
-(:mod:`nnqueue.scheduler.crash_cooldown`).
+it is not an exact quota. A trace is also refused while its owner cools down after crashing engines or changing
+their state (:mod:`nnqueue.scheduler.crash_cooldown`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class AdmissionPolicy:
     live_models: LiveModels | None = None
     # A model still counts as served this long after its last live worker (one being restarted).
     restart_grace_s: float = 0.0
-    # Keys whose traces crashed engines too often submit no traces for a while; None: no cool-down.
+    # Owners whose traces crashed engines (or changed their state) too often submit no traces for a while; None: off.
     crash_cooldowns: CrashCooldowns | None = None
     # Models served by a vLLM engine whether or not a worker runs (an autoscaler starts them on demand).
     scale_to_zero_models: tuple[str, ...] = ()

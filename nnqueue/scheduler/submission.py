@@ -98,7 +98,7 @@ def accept_job(
         and key_id is not None
         and fields.get("kind", JobKind.TRACE) is JobKind.TRACE
     ):
-        admission.crash_cooldowns.check(session, key_id)
+        admission.crash_cooldowns.check(session, fields["owner"])
     payload = fields["payload"]
     fields["weights_pin"] = resolve_pin(
         session, fields["model_key"], fields.get("weights_pin"), admission.stale_after_s

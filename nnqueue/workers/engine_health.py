@@ -17,6 +17,11 @@ first job to see that calls :meth:`EngineHealth.engine_died`, which, once for th
    were not in the fatal step are requeued as they were;
 4. deregisters the worker and stops the process (a warm Celery shutdown), which then exits with
    :data:`EXIT_ENGINE_DIED`: the supervisor (:mod:`nnqueue.workers.supervisor`) starts a fresh one.
+
+The same replay names the culprit when the engine survived: a step of several traces in which one changed the
+engine's state, or failed on a malformed intervention, fails each of them with ``StateModifiedInSharedStep``
+(:mod:`nnqueue.enginecore.weights_guard`), and :meth:`EngineHealth.run_again_alone` requeues each marked
+``run_alone``: the trace that does it again is then alone in its step, and fails for it.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ T = TypeVar("T")
 
 EXIT_ENGINE_DIED = 75  # EX_TEMPFAIL: try again (the supervisor restarts the worker)
 MAX_ENGINE_CRASHES = 2
+# How often a job that shared a step in which the engine's state changed runs again alone before it fails.
+MAX_SHARED_STEP_RETRIES = 2
 REPORT_WAIT_S = 5.0
 
 
@@ -226,6 +233,20 @@ class EngineHealth:
                 meta={**meta, "engine_crashes": crashes},
             )
         log.error("job %s failed: %s", job_id, why)
+
+    def run_again_alone(self, job_id: uuid.UUID, meta: dict[str, Any], reason: str) -> bool:
+        """Requeue a job that shared a step in which a trace changed the engine's state (the engine put it back;
+        ``StateModifiedInSharedStep``), marked ``run_alone``: run alone, only the trace that changes the state
+        again is failed for it. False (the job then fails with that error) once it has run again alone
+        :data:`MAX_SHARED_STEP_RETRIES` times."""
+        retries = int(meta.get("shared_step_retries", 0)) + 1
+        if retries > MAX_SHARED_STEP_RETRIES:
+            return False
+        try:
+            self._requeue(job_id, {**meta, "run_alone": True, "shared_step_retries": retries}, reason)
+        except (InvalidTransition, JobNotFound):
+            return True  # cancelled or taken over meanwhile: its status is the other writer's
+        return True
 
     def _requeue(self, job_id: uuid.UUID, meta: dict[str, Any], reason: str) -> None:
         with transaction(self.sessions) as session:

@@ -36,6 +36,7 @@ from nnqueue import metrics
 from nnqueue.db.lifecycle import Ending, InvalidTransition, finish_held, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
+from nnqueue.enginecore.weights_guard import SHARED_STEP_ERROR
 from nnqueue.errors import NNqueueError
 from nnqueue.logs import job_context
 from nnqueue.scheduler.claim import claim_jobs
@@ -151,6 +152,8 @@ class JobRunner:
                 )
                 metrics.STORE_BYTES_WRITTEN.labels("result").inc(result.size)
             if execution.failure is not None:
+                if await self._run_again_alone(job, execution.failure):
+                    return Outcome.SKIPPED
                 return await self._fail(job_id, execution.failure, **fields)
             detail = {"result_bytes": result.size if result else 0}
             return await self._finish(job_id, S.COMPLETED, detail, **fields)
@@ -191,6 +194,17 @@ class JobRunner:
                 return await execution
         finally:
             execution.close()  # never started when the gate refused it: no "never awaited" warning
+
+    async def _run_again_alone(self, job: Job, failure: JobFailure) -> bool:
+        """A job that shared a step in which another trace may have changed the engine's state is requeued to run
+        alone (:meth:`EngineHealth.run_again_alone`); whether it was."""
+        if self.health is None or failure.type_name != SHARED_STEP_ERROR:
+            return False
+        meta = dict(job.meta or {})
+        ran_again = await asyncio.to_thread(self.health.run_again_alone, job.id, meta, failure.message[:500])
+        if ran_again:
+            log.info("job %s runs again alone: %s", job.id, failure.message)
+        return ran_again
 
     def _hand_back(self, job_id: uuid.UUID, reason: str) -> None:
         """A pinned job that reached this engine after it moved to another version: back to the queue."""

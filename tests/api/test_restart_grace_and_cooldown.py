@@ -1,8 +1,8 @@
 """Admission while a worker restarts, and the crash cool-down (nnqueue.scheduler.admission, crash_cooldown).
 
 A model whose last worker stopped less than NNQUEUE_WORKER_RESTART_GRACE_S ago still takes jobs (they queue for
-the restarted worker), where it used to answer 400; an API key whose traces crashed engines
-NNQUEUE_ENGINE_CRASH_LIMIT times within the window gets 429 with Retry-After for its new traces. The workers
+the restarted worker), where it used to answer 400; an owner whose traces crashed engines
+NNQUEUE_ENGINE_CRASH_LIMIT times within the window gets 429 with Retry-After for its new traces, on every key. The workers
 here are real registry rows; the crashed jobs are rows ended as a worker ends them (nnqueue.workers.engine_health),
 and tests/workers/test_engine_crash.py does both with a real engine crash.
 """
@@ -87,22 +87,22 @@ def test_harvests_are_taken_while_a_worker_restarts_and_for_a_model_scaled_to_ze
 CLEAR_FOR_S = 1.1
 
 
-def crash(services: Services, job_id: str, ago_s: float = 0.0) -> None:
-    """End the job as a worker ends the one whose trace crashed its engine."""
+def crash(services: Services, job_id: str, ago_s: float = 0.0, error_type: str = "EngineCrash") -> None:
+    """End the job as a worker ends the one whose trace crashed its engine (or changed its state alone)."""
     with transaction(services.sessions) as session:
         session.execute(
             update(Job)
             .where(Job.id == uuid.UUID(job_id))
             .values(
                 status=JobStatus.FAILED,
-                error_type="EngineCrash",
+                error_type=error_type,
                 error_message="this job's trace crashed the engine, alone in the step that failed: ...",
                 finished_at=utcnow() - timedelta(seconds=ago_s),
             )
         )
 
 
-def test_a_key_whose_traces_crash_engines_cools_down_with_429(services: Services) -> None:
+def test_an_owner_whose_traces_crash_engines_cools_down_with_429_on_every_key(services: Services) -> None:
     register_worker(services.sessions, "crashy")
     limits = {"engine_crash_limit": 2, "engine_crash_window_s": 600, "engine_crash_cooldown_s": 300}
     with api_client(services, worker_stale_after_s=3600, **limits) as api:
@@ -110,24 +110,28 @@ def test_a_key_whose_traces_crash_engines_cools_down_with_429(services: Services
         first = api.submit_ok(mallory, model_key="crashy")["id"]
         crash(services, first)
         second = api.submit_ok(mallory, model_key="crashy")["id"]  # one crash is not enough
-        crash(services, second)
+        crash(services, second, error_type="StateModified")  # a state change alone in its step counts too
         time.sleep(CLEAR_FOR_S)
 
         refused = api.submit(mallory, model_key="crashy")
         assert refused.status_code == 429, refused.text
-        assert "crashed the engine 2 times within 600 s" in refused.json()["detail"]
+        assert "changed its state 2 times within 600 s" in refused.json()["detail"]
         assert 290 <= int(refused.headers["Retry-After"]) <= 300
         assert api.submit(mallory, model_key="crashy").status_code == 429  # remembered, still refused
-        assert api.submit(alice, model_key="crashy").status_code == 201  # other keys are not concerned
+        assert api.submit(api.new_key("mallory"), model_key="crashy").status_code == 429  # per owner: a new key too
+        assert api.submit(alice, model_key="crashy").status_code == 201  # other owners are not concerned
 
-        # Crashes further apart than the window do not count; nor does a cool-down that has passed.
-        spread = api.new_key("mallory")
+        # Only charged errors count (a job that only shared a step ran again alone); crashes further apart than
+        # the window do not count; nor does a cool-down that has passed.
+        shared = api.new_key("trent")
+        for ago in (0, 1):
+            crash(services, api.submit_ok(shared, model_key="crashy")["id"], ago, "StateModifiedInSharedStep")
+        spread = api.new_key("oscar")
         for ago in (0, 700):
             crash(services, api.submit_ok(spread, model_key="crashy")["id"], ago_s=ago)
-        time.sleep(CLEAR_FOR_S)
-        assert api.submit(spread, model_key="crashy").status_code == 201
-        cooled = api.new_key("mallory")
+        cooled = api.new_key("peggy")
         for ago in (400, 350):
             crash(services, api.submit_ok(cooled, model_key="crashy")["id"], ago_s=ago)
         time.sleep(CLEAR_FOR_S)
-        assert api.submit(cooled, model_key="crashy").status_code == 201
+        for key in (shared, spread, cooled):
+            assert api.submit(key, model_key="crashy").status_code == 201

@@ -212,3 +212,78 @@ def test_payload_globals_outside_the_rules_are_refused(module: str, name: str) -
 def test_a_mediator_blob_must_be_an_nnsight_mediator() -> None:
     with pytest.raises(protected.InvalidMediator, match="holds a int, not an nnsight Mediator"):
         protected.load_mediator(pickle.dumps(1))
+
+
+# --- issue 33: nnsight's own import and attribute helpers, native readers by identity, payloads that run code ---
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        ("from nnsight.util import from_import_path", "nnsight.util.from_import_path"),
+        ("import nnsight.util\nf = getattr(nnsight.util, 'from_import' + '_path')", "nnsight.util.from_import_path"),
+        ("import torch\nreader = torch.PyTorchFileReader", "torch.PyTorchFileReader"),  # by identity: no name rule
+        ("import torch\nwriter = getattr(torch, 'PyTorch' + 'FileWriter')", "torch.PyTorchFileWriter"),
+        ("import numpy\nf = getattr(numpy, 'from' + 'file')", "numpy.fromfile"),
+        ("class A:\n    pass\nA.__del__ = print", "'__del__'"),  # an implicit hook planted on a class
+        ("import torch\nsetattr(torch.Tensor, '__re' + 'pr__', print)", "'__repr__'"),
+    ],
+)
+def test_helpers_that_reach_anything_and_planted_dunders_are_refused(source: str, named: str) -> None:
+    with pytest.raises((ProtectedEnvironmentError, AttributeError), match=named.replace(".", r"\.")):
+        run(source)
+
+
+def test_a_payload_cannot_name_them_either() -> None:
+    for module, name in (("nnsight.util", "from_import_path"), ("torch", "PyTorchFileReader")):
+        with pytest.raises(ProtectedEnvironmentError, match=f"{module}.{name}".replace(".", r"\.")):
+            protected.find_class(module, name)
+
+
+def strict(data: bytes, persistent: dict[Any, Any] | None = None) -> Any:
+    return protected.StrictUnpickler(io.BytesIO(data), persistent).load()
+
+
+GADGETS = {
+    # nnsight's _fill on a real module's function: its globals are that module's (``F.relu``'s: torch's functional)
+    "fill_a_named_function": b"cnnsight.intervention.serialization\n_fill\n(ctorch.nn.functional\nrelu\n"
+    b"(dS'torch'\nI1\nstR.",
+    # torch's _rebuild_from_type_v2 calls its first argument and sets the state on what it returns
+    "rebuild_with_getattr": b"ctorch._tensor\n_rebuild_from_type_v2\n(cbuiltins\ngetattr\nctorch\nTensor\n"
+    b"(ctorch\nTensor\nS'add'\nt(S'x'\nI1\ndtR.",
+}
+STRICT_GADGETS = {
+    # BUILD on a class the payload named: setattr(torch.Tensor, ...) for every later job
+    "build_a_named_class": b"ctorch\nTensor\n(N(S'nnqueue_planted'\nI1\ndtb.",
+    # a higher-order class calls what it is given when iterated: list(map(print, ['x']))
+    "call_through_map": b"cbuiltins\nlist\n(cbuiltins\nmap\n(cbuiltins\nprint\n(S'x'\nltRtR.",
+    # a function of an allowed module called while loading
+    "call_a_function": b"ctorch\nzeros\n(I2\ntR.",
+    # SETITEM on an object of the process (a persistent id: here a dict standing for a module's hook table)
+    "change_a_process_object": b"Phooks\nS'k'\nI1\ns.",
+}
+
+
+@pytest.mark.parametrize("gadget", sorted(GADGETS))
+def test_payload_gadgets_of_allowed_globals_are_refused_by_both_unpicklers(gadget: str) -> None:
+    for loader in (load, strict):
+        with pytest.raises(ProtectedEnvironmentError):
+            loader(GADGETS[gadget])
+    assert "x" not in vars(torch.Tensor) and torch.nn.functional.relu.__globals__["torch"] is torch
+
+
+@pytest.mark.parametrize("gadget", sorted(STRICT_GADGETS))
+def test_the_strict_unpickler_refuses_calls_and_changes_by_opcode(gadget: str) -> None:
+    hooks: dict[str, Any] = {}
+    with pytest.raises(ProtectedEnvironmentError):
+        strict(STRICT_GADGETS[gadget], {"hooks": hooks})
+    assert hooks == {} and "nnqueue_planted" not in vars(torch.Tensor)
+
+
+def test_the_strict_unpickler_loads_real_mediators(client_model: Any) -> None:
+    from nnqueue import trace_payload
+    from tests.utils.payloads import two_invoke_payload
+
+    persistent = client_model._remoteable_persistent_objects()
+    for invoke in trace_payload.decode(two_invoke_payload(client_model)).invokes:
+        assert type(protected.load_mediator(invoke.mediator, persistent, strict=True)).__name__ == "Mediator"

@@ -96,3 +96,16 @@ def test_each_result_is_reported_and_a_failed_write_fails_only_its_own(tmp_path:
     good, broken = wait_for_entry("good", seen), wait_for_entry("broken", seen)
     assert good is not None and good["write_error"] is None and good["objects"]["torch"]["size"] > 0
     assert broken is not None and "FileNotFoundError" in broken["write_error"] and broken["objects"] == {}
+
+
+def test_a_saved_value_of_a_class_the_trace_defined_is_refused() -> None:
+    """Its pickling would run the trace's code in a writer thread (a dict subclass's ``items``), outside the steps
+    the engine's guards check."""
+
+    class Saved(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def,override]
+            raise AssertionError("the trace's code ran while its result was written")
+
+    with pytest.raises(TypeError, match="a class the trace defined"):
+        snapshot({"value": Saved(a=torch.ones(1))})
+    assert snapshot({"value": {"a": torch.ones(1)}})["value"]["a"].item() == 1.0

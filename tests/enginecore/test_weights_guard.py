@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nnqueue.enginecore import protected
-from nnqueue.enginecore.weights_guard import WeightsGuard, WeightsGuardWorker, error
+from nnqueue.enginecore.weights_guard import Verified, WeightsGuard, WeightsGuardWorker, error, shared_error
 
 
 class Tiny(torch.nn.Module):
@@ -164,11 +164,14 @@ def test_gradients_and_requires_grad_left_by_a_job_are_dropped() -> None:
 
 
 def test_the_error_says_whether_the_job_is_known_to_have_written() -> None:
-    alone = error(["model.norm.weight"], 1)
-    shared = error(["model.norm.weight"], 3)
-    assert alone["type_name"] == shared["type_name"] == "WeightsModified"
+    alone = error(["model.norm.weight"], [])
+    state = error([], ["model.norm"])
+    shared = shared_error(Verified(["model.norm.weight"]), 3)
+    assert (alone["type_name"], state["type_name"]) == ("WeightsModified", "StateModified")
+    assert shared["type_name"] == "StateModifiedInSharedStep"
     assert "this trace changed the model's parameters (model.norm.weight)" in alone["message"]
-    assert "2 other trace(s)" in shared["message"] and "cannot be told" in shared["message"]
+    assert "this trace changed the engine's state (model.norm)" in state["message"]
+    assert "2 other trace(s)" in shared["message"] and "runs again alone" in shared["message"]
 
 
 def test_cost_of_a_check_on_the_cpu() -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from nnsight.modeling.vllm import VLLM
@@ -124,3 +126,93 @@ def test_a_format_string_cannot_reach_the_engines_globals(
     status, error, _ = run(services, backend.payload)
     assert status is JobStatus.FAILED
     assert "the attribute 'format' (use an f-string) is not allowed" in error
+
+
+# --- issue 33, "Why" 1: one-line escapes through allowed modules, and a payload that ran code while it loaded ---
+
+
+def _escape(client: VLLM, which: str) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        from nnsight.util import from_import_path
+
+        if which == "audit":
+            events = from_import_path("nnqueue.enginecore.protected")
+            events._WATCHED_EVENTS = frozenset()
+        elif which == "exec":
+            ran = from_import_path("builtins.exec")("0")
+        elif which == "from_file":
+            read = from_import_path("torch.from_file")("/etc/hostname", False, 8)
+        logits = client.logits.save()
+    return backend.payload
+
+
+def _envoy_get(client: VLLM) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        real = client.get("__class__.__init__.__globals__")["__builtins__"]
+        logits = client.logits.save()
+    return backend.payload
+
+
+@pytest.mark.parametrize("which", ["audit", "exec", "from_file", "envoy_get"])
+def test_nnsights_import_and_attribute_helpers_lead_nowhere(
+    services: Services, worker: WorkerProcess, client_model: VLLM, which: str
+) -> None:
+    payload = _envoy_get(client_model) if which == "envoy_get" else _escape(client_model, which)
+    status, error, _ = run(services, payload)
+    assert status is JobStatus.FAILED, error
+    expected = "'__class__' is not available" if which == "envoy_get" else "nnsight.util.from_import_path"
+    assert expected in error, error
+
+
+def test_a_mediator_pickle_of_allowed_globals_that_changes_a_class_fails_at_claim(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    # BUILD on torch.Tensor, a class the pickle may name: nnsight's C unpickler would set the attribute on it, for
+    # every later job, in the builder and again in the engine; the builder's strict check refuses it by opcode.
+    status, error, _ = run(services, _prebuilt(b"ctorch\nTensor\n(N(S'__add__'\ncbuiltins\nprint\ndtb."))
+    assert status is JobStatus.FAILED
+    assert "changing type 'Tensor' while a payload loads" in error, error
+    allowed = PrebuiltBackend()
+    with client_model.trace("Hello", temperature=0.0, max_tokens=1, backend=allowed):
+        import torch
+
+        total = (torch.ones(2) + torch.ones(2)).sum().save()  # Tensor.__add__ is still torch's
+    status, error, saves = run(services, allowed.payload)
+    assert status is JobStatus.COMPLETED and float(saves["total"]) == 4.0, error
+
+
+# --- issue 33, item 3: a step shared by an innocent and a hostile trace: the replay names the hostile one ---
+
+
+def test_in_a_shared_step_only_the_trace_that_changes_the_state_again_alone_fails(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    from tests.utils.payloads import slow_payload
+
+    innocent_payload = slow_payload(client_model, steps=40)
+    _, _, reference = run(services, innocent_payload)
+    hostile = PrebuiltBackend()
+    with client_model.trace("Hello", temperature=0.0, max_tokens=1, backend=hostile):
+        client_model.model.norm._module.variance_epsilon = 1e4
+        logits = client_model.logits.save()
+
+    innocent = services.submit(innocent_payload, owner="alice")
+    services.wait_for(innocent.id, {JobStatus.RUNNING})
+    time.sleep(1.5)  # its requests are in the engine, decoding a step every 0.1 s
+    culprit = services.submit(hostile.payload, owner="mallory")  # decodes along with alice's: a shared step
+    failed = services.wait_for(culprit.id, {JobStatus.COMPLETED, JobStatus.FAILED}, timeout=300)
+    done = services.wait_for(innocent.id, {JobStatus.COMPLETED, JobStatus.FAILED}, timeout=300)
+    assert failed.status is JobStatus.FAILED and failed.error_type == "StateModified", failed.error_message
+    assert failed.meta.get("shared_step_retries") == 1  # it ran again alone, and changed the state again
+    assert done.status is JobStatus.COMPLETED, (done.error_type, done.error_message)
+    assert done.meta.get("shared_step_retries") == 1  # alice's ran again alone too, and is not blamed
+    saves = load_result(services.store.get_bytes(done.result_key))
+    assert torch_equal(saves["last"], reference["last"])
+
+
+def torch_equal(first: Any, second: Any) -> bool:
+    import torch
+
+    return bool(torch.equal(first, second))

@@ -1,0 +1,540 @@
+"""A shared engine's state beyond its weights is read-only to traces too: what a trace changed is put back before
+the next step, and who changed it answers for it.
+
+The weights guard (:mod:`nnqueue.enginecore.weights_guard`) keeps the engine's tensors: parameters, buffers
+(``rotary_emb.cos_sin_cache``) and tensors held as plain attributes (an attention layer's scales), but not the
+KV cache, which every step writes. Everything else that makes a later job's result is plain Python objects, and
+a trace holds them (nnsight hands it the real modules; ``type()`` hands it their classes):
+
+* every module's attributes (``model.norm._module.variance_epsilon = 1e4``: a float rebound), its hooks
+  (``register_forward_hook``: an entry added to ``_forward_hooks``; PyTorch's global hooks too), its
+  ``_parameters``/``_buffers``/``_modules`` tables, and the objects a module holds (an attention layer's
+  ``impl``, a layer's ``quant_method``, nnsight's per-module ``State`` and controller ``forward``);
+* the classes those objects are instances of, with their bases (``RMSNorm.forward_native = f``), and
+  ``torch.Tensor``;
+* the engine's own code that results pass through: the module globals and classes of nnqueue's engine package
+  (the result writer ``trace_results.write_saves``, the sinks, ``WeightsGuard.check``, the RPCs), nnsight's, the
+  model's layers' modules, torch's, ``builtins`` and the serializers', and the protected environment's
+  configuration (``protected._WATCHED_EVENTS``, ``SAFE_BUILTINS``, the allow-lists, the audit hook's per-thread
+  switches).
+
+`StateGuard` takes all of that once, when the engine is up (`accept_current`): each container (a ``__dict__``,
+a hook table, a class's dict, an object's slots, a list or set) with a shallow copy of its entries. A check
+(`StateGuard.check`) compares every entry by identity, never by ``==`` (a value's own ``__eq__`` is code a
+trace could have written), in a few C-level passes over all containers at once (``map(operator.is_, ...)``
+over ``itertools.chain``): a few hundred microseconds for a Llama-3-8B-shaped engine (``benchmarks/state_guard.py``),
+paid only after a step or finish in which a trace's code ran. A container that differs is put back entry by
+entry (a rebound or deleted entry restored, an added one removed), and its name is reported.
+
+Some changes may be the engine's own work that a trace triggered, not the trace's doing: nnsight's
+``.source`` instruments a module's forward on first use (its ``State``, the ``FORWARD_CACHE`` memo), a lazily
+imported submodule or name appears in a package's globals. These are *lazy* changes: put back too (nnsight
+instruments again when next asked), but a trace alone in its step is not failed for them; every other change is
+*strict*. Who is failed is the worker mixin's (:mod:`nnqueue.enginecore.weights_guard`): a trace alone in the
+step that changed something strict fails with ``StateModified``; traces that shared such a step (or a lazy
+change) are each run again alone (``StateModifiedInSharedStep``), so that only the one that changes the state
+again is failed.
+
+What it cannot see: a change to an object it does not hold (a class that is none of the above, a library's
+module-level cache), a write through a tensor alias into memory that no guarded tensor owns, and anything done
+with an escape from the protected environment that also rewrites the guard itself. Trust domains are the
+boundary (docs/operator/security.md); this bounds what a trace can do to the other jobs of its own domain.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import operator
+import sys
+import types
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import torch
+
+from nnqueue.enginecore import protected
+
+log = logging.getLogger(__name__)
+_MISSING = object()
+_proxy_values = types.MappingProxyType.values
+# Attributes the interpreter itself adds to a class or a module as caches (copyreg's ``__slotnames__`` when an
+# instance is first copied or pickled, a class's empty ``__annotations__`` when first read, the warnings module's
+# ``__warningregistry__``): kept when they appear, not reported.
+INTERPRETER_CACHES = frozenset({"__slotnames__", "__annotations__", "__warningregistry__"})
+
+
+def _tuple_layout_holds() -> bool:
+    """Whether a tuple's items are an array of object pointers at ``tuple.__basicsize__`` (CPython's layout), so
+    that two tuples hold the same objects exactly when those bytes are equal (`_pointers`)."""
+    items = (object(), object(), 1.5)
+    same, other = tuple(list(items)), (items[0], object(), items[2])
+    return (
+        sys.implementation.name == "cpython"
+        and tuple.__itemsize__ == ctypes.sizeof(ctypes.c_void_p)
+        and _pointers(items) == _pointers(same)
+        and _pointers(items) != _pointers(other)
+        and len(_pointers(items)) == 3 * tuple.__itemsize__
+    )
+
+
+def _pointers(items: tuple[Any, ...]) -> bytes:
+    """The addresses of ``items``' objects, as bytes: read from the tuple's own item array (one copy, no per-item
+    work), so comparing two of them compares identities, with no object's ``__eq__`` involved."""
+    size = len(items) * tuple.__itemsize__
+    return (ctypes.c_char * size).from_address(id(items) + tuple.__basicsize__).raw
+
+
+class _Identities:
+    """A sequence of objects compared with another by identity, item by item: as the bytes of their addresses where
+    CPython's tuple layout allows it (a few nanoseconds an item), else with ``operator.is_`` (about ten times
+    that). Keeps the objects, so their addresses stay theirs."""
+
+    fast = False
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self.items = tuple(items)
+        self.raw = _pointers(self.items) if _Identities.fast else b""
+
+    def same(self, items: Iterable[Any]) -> bool:
+        if _Identities.fast:
+            now = tuple(items)
+            return len(now) == len(self.items) and _pointers(now) == self.raw
+        return _all_identical(items, self.items)
+
+
+def _all_identical(items: Iterable[Any], saved: tuple[Any, ...]) -> bool:
+    now = tuple(items)
+    return len(now) == len(saved) and all(map(operator.is_, now, saved))
+
+
+_Identities.fast = _tuple_layout_holds()
+
+
+class Kind(enum.Enum):
+    DICT = "dict"  # a real dict: a __dict__, a hook table, module globals
+    CLASS = "class"  # a class's dict (a mappingproxy): restored with setattr
+    SLOTS = "slots"  # an object's __slots__
+    SEQUENCE = "sequence"  # a list, set or deque
+
+
+@dataclass
+class Changes:
+    """What a check found and put back: ``strict`` (a trace's doing) and ``lazy`` (possibly the engine's own work
+    a trace triggered) container names."""
+
+    strict: list[str] = field(default_factory=list)
+    lazy: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.strict or self.lazy)
+
+
+@dataclass
+class _Container:
+    name: str
+    kind: Kind
+    target: Any  # the dict, the class, the object with slots, the list or set
+    lazy: bool  # a change here may be the engine's own (see the module doc)
+    slots: tuple[str, ...] = ()
+    saved: Any = None  # dict: a shallow copy; slots: their values; sequence: a list of its items
+    module: str | None = None  # a module's globals: its name (a submodule appearing is the import system's)
+    owner: Any = None  # the object whose __dict__ this is (its class is checked too: ``obj.__class__ = X``)
+    owner_class: type | None = None
+
+
+class StateGuard:
+    """The state of ``model`` and of the engine's code as they are now; `check` puts them back (see the module doc).
+
+    ``exclude``: objects never to walk into (the weights guard's tensors are compared there, the KV cache is
+    written by every step)."""
+
+    def __init__(self, model: torch.nn.Module, roots: Iterable[Any] = (), modules: Iterable[str] = ()) -> None:
+        self.model = model
+        self.roots = list(roots)  # objects of the engine whose classes (and their modules) are watched too
+        self.extra_modules = list(modules)
+        self.containers: list[_Container] = []
+        self.accept_current()
+
+    # --------------------------------------------------------------------------------------- reference
+
+    def accept_current(self) -> None:
+        """Take the state as it is now for the reference (at start, and after nnqueue's own legitimate changes:
+        a harvest's or steering job's hooks installed, weights loaded)."""
+        self.containers = list(_Walk(self.model, self.roots, self.extra_modules).containers())
+        for container in self.containers:
+            container.saved = _read(container)
+        self._freeze()
+
+    def accept_hooks(self) -> None:
+        """Take the modules' hook tables as they are now (nnqueue installed a harvest's or a steering job's hooks)."""
+        for container in self.containers:
+            if container.name.endswith(_HOOK_SUFFIXES):
+                container.saved = _read(container)
+        self._freeze()
+
+    def _freeze(self) -> None:
+        """The flat views the fast check compares."""
+        groups: dict[Kind, list[_Container]] = {kind: [] for kind in Kind}
+        for container in self.containers:
+            groups[container.kind].append(container)
+        dicts, classes = groups[Kind.DICT], groups[Kind.CLASS]
+        slots, sequences = groups[Kind.SLOTS], groups[Kind.SEQUENCE]
+        self._dicts = [container.target for container in dicts]
+        self._classes = [container.target.__dict__ for container in classes]
+        self._slot_getters = [operator.attrgetter(*container.slots, "__class__") for container in slots]
+        self._slot_objects = [container.target for container in slots]
+        self._sequences = [container.target for container in sequences]
+        self._typed = [container.owner for container in self.containers if container.owner is not None]
+        self._lengths = [len(container.saved) for container in (*dicts, *classes, *sequences)]
+        self._saved = _Identities(
+            chain(
+                chain.from_iterable(container.saved for container in dicts),
+                chain.from_iterable(container.saved.values() for container in dicts),
+                chain.from_iterable(container.saved for container in classes),
+                chain.from_iterable(container.saved.values() for container in classes),
+                chain.from_iterable(container.saved for container in slots),
+                chain.from_iterable(container.saved for container in sequences),
+                map(type, self._typed),
+            )
+        )
+
+    def _now(self) -> Iterator[Any]:
+        """What `_freeze` saved, read again now, in the same order."""
+        return chain(
+            chain.from_iterable(self._dicts),
+            chain.from_iterable(map(dict.values, self._dicts)),
+            chain.from_iterable(self._classes),
+            chain.from_iterable(map(_proxy_values, self._classes)),
+            chain.from_iterable(map(operator.call, self._slot_getters, self._slot_objects)),
+            chain.from_iterable(self._sequences),
+            map(type, self._typed),
+        )
+
+    # --------------------------------------------------------------------------------------- checks
+
+    def check(self) -> Changes:
+        """What changed since the reference, each container put back as it was (see the module doc)."""
+        found = Changes()
+        if self._unchanged():
+            return found
+        if not _switches_off():
+            _switch_off()
+            found.strict.append(_SWITCHES)
+        for container in self.containers:
+            obj, cls = container.owner, container.owner_class
+            if obj is not None and cls is not None and type(obj) is not cls:
+                _restore_class(obj, cls)
+                found.strict.append(f"the class of {type(obj).__qualname__} object")
+        for container in self.containers:
+            if _read_matches(container):
+                continue
+            restored = self._restore(container)
+            if restored is _Restored.NOTHING:
+                continue  # only what the import system adds (a submodule imported meanwhile): taken as it is
+            lazy = container.lazy or restored is _Restored.ADDED_GLOBALS
+            (found.lazy if lazy else found.strict).append(container.name)
+        self._freeze()  # a restore keeps each container's object, but a submodule taken changes the views
+        return found
+
+    def _unchanged(self) -> bool:
+        """Every container's entries, read in a few C-level passes, are the saved objects (see `_Identities`)."""
+        try:
+            lengths = list(map(len, chain(self._dicts, self._classes, self._sequences)))
+            return lengths == self._lengths and self._saved.same(self._now()) and _switches_off()
+        except Exception:  # noqa: BLE001 - an unset slot, a container of the wrong type: the slow path says which
+            return False
+
+    def _restore(self, container: _Container) -> _Restored:
+        """Put ``container`` back; what was different (see `_Restored`)."""
+        saved, target = container.saved, container.target
+        if container.kind is Kind.DICT:
+            return _restore_dict(target, saved, container.module)
+        if container.kind is Kind.CLASS:
+            changed = False
+            for name in [name for name in target.__dict__ if name not in saved]:
+                if name in INTERPRETER_CACHES:
+                    saved[name] = target.__dict__[name]
+                    continue
+                delattr(target, name)
+                changed = True
+            for name, value in saved.items():
+                if target.__dict__.get(name, _MISSING) is not value:
+                    setattr(target, name, value)
+                    changed = True
+            return _Restored.CHANGED if changed else _Restored.NOTHING
+        if container.kind is Kind.SLOTS:
+            for name, value in zip((*container.slots, "__class__"), saved, strict=True):
+                if getattr(target, name, _MISSING) is not value:
+                    object.__setattr__(target, name, value)
+            return _Restored.CHANGED
+        if container.kind is Kind.SEQUENCE:
+            if isinstance(target, list):
+                target[:] = saved
+            else:
+                target.clear()
+                (target.update if isinstance(target, set) else target.extend)(saved)
+        return _Restored.CHANGED
+
+
+_HOOK_SUFFIXES = ("hooks", "hooks_with_kwargs", "hooks_always_called")
+_SWITCHES = "nnqueue.enginecore.protected's audit switches on the engine's thread"
+
+
+def _read(container: _Container) -> Any:
+    target = container.target
+    if container.kind is Kind.DICT:
+        return dict(target)
+    if container.kind is Kind.CLASS:
+        return dict(target.__dict__)
+    if container.kind is Kind.SLOTS:
+        return operator.attrgetter(*container.slots, "__class__")(target)
+    return list(target)
+
+
+def _read_matches(container: _Container) -> bool:
+    """Whether ``container``'s entries are its saved ones, by identity (the slow path's per-container test)."""
+    try:
+        now = _read(container)
+    except AttributeError:
+        return False
+    saved = container.saved
+    if len(now) != len(saved):
+        return False
+    if isinstance(saved, dict):
+        return all(map(operator.is_, now, saved)) and all(map(operator.is_, now.values(), saved.values()))
+    return all(map(operator.is_, now, saved))
+
+
+class _Restored(enum.Enum):
+    NOTHING = "nothing"  # only submodules the import system added (an import meanwhile): taken as they are
+    ADDED_GLOBALS = "added globals"  # only names added to a module's globals (a lazily imported name): lazy
+    CHANGED = "changed"
+
+
+def _restore_dict(target: dict[Any, Any], saved: dict[Any, Any], module: str | None) -> _Restored:
+    added = changed = False
+    for name in [name for name in target if name not in saved]:
+        value = target[name]
+        submodule = isinstance(value, types.ModuleType) and sys.modules.get(f"{module}.{name}") is value
+        if module is not None and (submodule or name in INTERPRETER_CACHES):
+            saved[name] = value  # a submodule imported meanwhile, a warnings registry: the interpreter's, kept
+            continue
+        del target[name]
+        added = True
+    for name, value in saved.items():
+        if target.get(name, _MISSING) is not value:
+            target[name] = value
+            changed = True
+    if changed or (added and module is None):
+        return _Restored.CHANGED
+    return _Restored.ADDED_GLOBALS if added else _Restored.NOTHING
+
+
+def _restore_class(obj: Any, cls: type) -> None:
+    try:
+        object.__setattr__(obj, "__class__", cls)
+    except TypeError:  # a layout the original class cannot take back: the check still reports it
+        log.exception("could not put back the class of an object")
+
+
+def _switches_off() -> bool:
+    """The protected environment's per-thread switches are off on this (the engine's) thread, between steps: a
+    trace that set ``_auditing.active`` would have the audit hook pass its events."""
+    return not getattr(protected._auditing, "active", False) and not getattr(protected._region, "depth", 0)
+
+
+def _switch_off() -> None:
+    protected._auditing.active = False
+    protected._region.depth = 0
+
+
+# --------------------------------------------------------------------------------------------- what is walked
+
+# Modules whose globals and classes the engine's results pass through, besides the model's own (their names, and
+# with every loaded submodule for the packages).
+ENGINE_PACKAGES = ("nnqueue.enginecore", "nnsight")
+ENGINE_MODULES = (
+    "builtins",
+    "torch",
+    "torch.serialization",
+    "torch.storage",
+    "torch._tensor",
+    "torch._utils",
+    "torch.nn.modules.module",
+    "torch.nn.parameter",
+    "torch.nn.functional",
+    "pickle",
+    "copyreg",
+    "hashlib",
+    "safetensors.torch",
+    "_thread",
+)
+# Containers in those modules' globals that hold configuration (compared entry by entry, not only bound).
+WATCHED_CONTAINERS = (
+    *(
+        ("torch.nn.modules.module", name)
+        for name in (
+            "_global_buffer_registration_hooks",
+            "_global_module_registration_hooks",
+            "_global_parameter_registration_hooks",
+            "_global_backward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_forward_hooks_always_called",
+            "_global_forward_hooks_with_kwargs",
+        )
+    ),
+    *(
+        ("nnqueue.enginecore.protected", name)
+        for name in (
+            "SAFE_BUILTINS",
+            "HIDDEN_ATTRIBUTES",
+            "_REPLACED",
+            "_extra_modules",
+            "_code_roots",
+            "_trusted_code",
+            "_nnsight_roots",
+            "_locked",
+            "_done",
+            "_unsafe",
+            "_reconstructors",
+        )
+    ),
+)
+# Memos a trace's legitimate use fills (nnsight's instrumented forwards, built on a module's first ``.source``).
+LAZY_CONTAINERS = (("nnsight.intervention.source", "FORWARD_CACHE"),)
+# Objects held by a module that are never walked into: other modules (walked on their own), tensors (the weights
+# guard's), and what only names code or data (functions, classes: a class is walked as a class).
+_LEAVES = (
+    torch.nn.Module,
+    torch.Tensor,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    torch.dtype,
+    torch.device,
+    enum.Enum,
+)
+# How deep the objects a module holds are walked (the module's own dict is depth 0): an attention layer's
+# ``impl`` and its scales (1), a config's sub-configs (2).
+OBJECT_DEPTH = 2
+
+
+class _Walk:
+    def __init__(self, model: torch.nn.Module, roots: list[Any], modules: list[str]) -> None:
+        self.model = model
+        self.roots = roots
+        self.module_names = modules
+        self.seen: set[int] = set()
+        self.classes: dict[int, type] = {}
+
+    def containers(self) -> Iterator[_Container]:
+        for path, module in self.model.named_modules():  # each module once (a shared rotary embedding too)
+            name = path or "model"
+            yield from self._object(name, module, 0)
+        for root in self.roots:
+            self._note_class(type(root))
+        yield from self._engine_code()
+
+    def _object(self, name: str, value: Any, depth: int) -> Iterator[_Container]:
+        if id(value) in self.seen:
+            return
+        self.seen.add(id(value))
+        self._note_class(type(value))
+        if isinstance(value, (dict, list, set)):
+            kind = Kind.DICT if isinstance(value, dict) else Kind.SEQUENCE
+            yield _Container(name, kind, value, lazy=False)
+            items = (
+                value.items() if isinstance(value, dict) else ((str(index), item) for index, item in enumerate(value))
+            )
+            if isinstance(value, (dict, list)):
+                for key, item in items:
+                    if not isinstance(item, _LEAVES) and depth < OBJECT_DEPTH:
+                        yield from self._object(f"{name}[{key!r}]", item, depth + 1)
+            return
+        slots = _slots(type(value))
+        if slots:
+            # nnsight's per-module State: `.source` instruments the body (lazy).
+            lazy = type(value).__name__ == "State" and type(value).__module__.startswith("nnsight.")
+            yield _Container(f"{name} (slots)", Kind.SLOTS, value, lazy=lazy, slots=slots)
+            for slot in slots:
+                item = getattr(value, slot, None)
+                if not isinstance(item, _LEAVES) and depth < OBJECT_DEPTH:
+                    yield from self._object(f"{name}.{slot}", item, depth + 1)
+        attributes = getattr(value, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return
+        yield _Container(name, Kind.DICT, attributes, lazy=False, owner=value, owner_class=type(value))
+        for key, item in attributes.items():
+            if isinstance(item, _LEAVES) and not isinstance(item, type):
+                continue
+            if isinstance(item, type):
+                self._note_class(item)
+            elif depth < OBJECT_DEPTH or isinstance(item, (dict, list, set)):
+                yield from self._object(f"{name}.{key}", item, depth + (0 if isinstance(item, (dict, set)) else 1))
+
+    def _note_class(self, cls: type) -> None:
+        for each in cls.__mro__:
+            if each is not object and id(each) not in self.classes:
+                self.classes[id(each)] = each
+
+    def _engine_code(self) -> Iterator[_Container]:
+        names = set(ENGINE_MODULES) | set(self.module_names)
+        loaded = list(sys.modules.items())
+        names |= {name for name, _ in loaded if any(name == p or name.startswith(p + ".") for p in ENGINE_PACKAGES)}
+        names |= {cls.__module__ for cls in self.classes.values()}
+        for name, module in loaded:
+            if name not in names or not isinstance(module, types.ModuleType):
+                continue
+            attributes = vars(module)
+            yield _Container(f"{name} (globals)", Kind.DICT, attributes, lazy=False, module=name)
+            for value in list(attributes.values()):
+                if isinstance(value, type) and value.__module__ == name:
+                    self._note_class(value)
+        for module_name, attribute in (*WATCHED_CONTAINERS, *LAZY_CONTAINERS):
+            value = getattr(sys.modules.get(module_name), attribute, None)
+            if isinstance(value, (dict, list, set)):
+                kind = Kind.DICT if isinstance(value, dict) else Kind.SEQUENCE
+                lazy = (module_name, attribute) in LAZY_CONTAINERS
+                yield _Container(f"{module_name}.{attribute}", kind, value, lazy=lazy)
+        self._note_class(torch.nn.Parameter)  # and so torch.Tensor
+        for cls in self.classes.values():
+            if _mutable_class(cls):
+                yield _Container(f"class {cls.__module__}.{cls.__qualname__}", Kind.CLASS, cls, lazy=False)
+
+
+def _slots(cls: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for each in cls.__mro__:
+        declared = each.__dict__.get("__slots__", ())
+        for slot in (declared,) if isinstance(declared, str) else declared:
+            if slot not in ("__dict__", "__weakref__") and slot not in names:
+                names.append(slot)
+    return tuple(names)
+
+
+def _mutable_class(cls: type) -> bool:
+    """Whether ``cls``'s dict can be changed from Python (a heap type: classes defined in C cannot be)."""
+    return bool(cls.__flags__ & _HEAPTYPE)
+
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE
+
+
+def describe(names: list[str]) -> str:
+    """``names`` for a message: the first five, and how many more."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

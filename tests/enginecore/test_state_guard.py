@@ -1,0 +1,152 @@
+"""The state guard (nnqueue.enginecore.state_guard) on a module in this process, with the engine's own code: each
+change a trace made in issue 33 (a plain attribute, a hook left behind, the result writer wrapped, the weights
+guard's check replaced, the audit hook's events emptied) is found, named and put back; the engine's own lazy
+work is not blamed; the worker mixin fails a trace alone in its step and has traces that shared it run again."""
+
+from __future__ import annotations
+
+import sys
+import time
+import types
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from nnqueue.enginecore import protected, state_guard, trace_results, weights_guard
+from nnqueue.enginecore.state_guard import StateGuard
+from nnqueue.enginecore.weights_guard import Verified, WeightsGuard, fail_step
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 4)
+        self.register_buffer("cache", torch.arange(8.0), persistent=False)
+        self.scale = 0.5
+        self.sizes = [8, 4]
+
+
+@pytest.fixture
+def model() -> Tiny:
+    return Tiny()
+
+
+@pytest.fixture
+def guard(model: Tiny) -> Iterator[StateGuard]:
+    guard = StateGuard(model)
+    yield guard
+    guard.check()  # whatever a failed test left is put back for the next
+
+
+def test_an_unchanged_state_passes_and_a_check_is_cheap(guard: StateGuard) -> None:
+    assert not guard.check()
+    start = time.perf_counter()
+    for _ in range(10):
+        assert not guard.check()
+    entries = len(guard._saved.items)
+    print(f"state check: {(time.perf_counter() - start) / 10 * 1e3:.2f} ms for {entries} entries")
+    assert entries > 10_000  # the engine's code is held, not only the module
+
+
+def test_a_rebound_attribute_is_put_back(model: Tiny, guard: StateGuard) -> None:
+    epsilon, scale = model.norm.eps, model.scale
+    model.norm.eps = 1e4  # issue 33: model.model.norm._module.variance_epsilon = 1e4
+    model.scale = 2.0
+    model.sizes[0] = 9
+    found = guard.check()
+    assert {"norm", "model", "model.sizes"} <= set(found.strict) and not found.lazy, found
+    assert (model.norm.eps, model.scale, model.sizes) == (epsilon, scale, [8, 4])
+
+
+def test_hooks_left_behind_are_removed(model: Tiny, guard: StateGuard) -> None:
+    calls: list[int] = []
+    model.norm.register_forward_hook(lambda *_: calls.append(1))
+    torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: calls.append(2))
+    found = guard.check()
+    assert "norm._forward_hooks" in found.strict, found
+    assert "torch.nn.modules.module._global_forward_pre_hooks" in found.strict, found
+    model.head(model.norm(torch.zeros(1, 8)))
+    assert calls == []
+
+
+def test_a_replaced_class_method_and_a_swapped_class_are_put_back(model: Tiny, guard: StateGuard) -> None:
+    forward = torch.nn.LayerNorm.forward
+    torch.nn.LayerNorm.forward = lambda self, x: x * 0  # type: ignore[method-assign]
+    model.norm.__class__ = type("Evil", (torch.nn.LayerNorm,), {})
+    found = guard.check()
+    assert "class torch.nn.modules.normalization.LayerNorm" in found.strict, found
+    assert torch.nn.LayerNorm.forward is forward and type(model.norm) is torch.nn.LayerNorm
+
+
+def test_the_engines_own_code_is_put_back(guard: StateGuard) -> None:
+    """What issue 33's trace did once it had escaped: the result writer wrapped, the weights guard's check replaced,
+    the audit hook told to watch nothing, the protected builtins given ``open``, its switch set on this thread."""
+    write_saves, check, events = trace_results.write_saves, WeightsGuard.check, protected._WATCHED_EVENTS
+    try:
+        trace_results.write_saves = lambda saves, sinks: write_saves({"x": torch.tensor(42.0)}, sinks)
+        WeightsGuard.check = lambda self, content=True: []  # type: ignore[method-assign]
+        protected._WATCHED_EVENTS = frozenset()
+        protected.SAFE_BUILTINS["open"] = open
+        protected._auditing.active = True
+        found = guard.check()
+    finally:
+        protected._auditing.active = False
+    assert {
+        "nnqueue.enginecore.trace_results (globals)",
+        "class nnqueue.enginecore.weights_guard.WeightsGuard",
+        "nnqueue.enginecore.protected (globals)",
+        "nnqueue.enginecore.protected.SAFE_BUILTINS",
+        state_guard._SWITCHES,
+    } <= set(found.strict), found
+    assert trace_results.write_saves is write_saves and WeightsGuard.check is check
+    assert protected._WATCHED_EVENTS is events and "open" not in protected.SAFE_BUILTINS
+    assert not getattr(protected._auditing, "active", False)
+
+
+def test_the_interpreters_and_nnsights_own_lazy_work_is_not_blamed(guard: StateGuard) -> None:
+    from nnsight.intervention import source
+
+    package = sys.modules["nnqueue.enginecore"]
+    module = types.ModuleType("nnqueue.enginecore._imported_meanwhile")
+    sys.modules[module.__name__] = module
+    try:
+        package._imported_meanwhile = module  # type: ignore[attr-defined]  # as the import system does
+        torch.nn.Linear.__slotnames__ = []  # type: ignore[attr-defined]  # as copyreg does
+        source.FORWARD_CACHE[compile("0", "<x>", "eval")] = None  # type: ignore[index]  # a module's .source
+        found = guard.check()
+    finally:
+        del sys.modules[module.__name__]
+    assert found.strict == [] and found.lazy == ["nnsight.intervention.source.FORWARD_CACHE"], found
+    assert package._imported_meanwhile is module  # type: ignore[attr-defined]  # kept: the import system's
+    del package._imported_meanwhile  # type: ignore[attr-defined]
+    guard.accept_current()
+
+
+def test_buffers_and_tensor_attributes_are_kept_as_parameters_are(model: Tiny) -> None:
+    model.lookup = torch.ones(3)  # a tensor held as a plain attribute (an attention layer's scales)
+    tensors = WeightsGuard(model)
+    before = model.cache.clone()
+    model.cache.mul_(0.0)  # issue 33: rotary_emb.cos_sin_cache.mul_(0.0)
+    model.lookup.add_(1.0)
+    assert tensors.check() == ["cache (buffer)", "lookup (attribute)"]
+    assert torch.equal(model.cache, before) and torch.equal(model.lookup, torch.ones(3))
+
+
+def request(trace: str) -> Any:
+    return SimpleNamespace(engine_id=f"{trace}-0", error=None, mediator=SimpleNamespace())
+
+
+def test_a_trace_alone_fails_for_a_change_and_traces_sharing_a_step_run_again() -> None:
+    alone = [request("job-a"), request("job-a")]  # two invokes of one trace
+    fail_step(alone, Verified(state=["model.norm"]))
+    assert [each.error["type_name"] for each in alone] == ["StateModified", "StateModified"]
+    lazy = [request("job-b")]
+    fail_step(lazy, Verified(lazy=["model.layers.0.mlp.__nnsight__ (slots)"]))  # its .source: not its fault
+    assert lazy[0].error is None
+    shared = [request("job-c"), request("job-d")]
+    fail_step(shared, Verified(lazy=["nnsight.intervention.source.FORWARD_CACHE"]))
+    assert {each.error["type_name"] for each in shared} == {weights_guard.SHARED_STEP_ERROR}

@@ -1,0 +1,132 @@
+"""Issue 33's silent changes of other users' results, on the CPU engine with nnqueue's worker class: each trace that
+made them fails (``StateModified``/``WeightsModified``), what it changed is put back before any other step, and
+the next job, of anyone, gets the results of an untouched engine (nnqueue.enginecore.state_guard,
+weights_guard).
+
+Without an escape, on the shared engine (the protected environment on): a plain attribute, a buffer, a hook left
+behind. After an escape, on an engine without the protected environment (what a trace that escaped has, as in
+the issue): the result writer wrapped, and the weights guard's check replaced with a weight zeroed."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from nnsight.modeling.vllm import VLLM
+
+from tests.utils.engines import InProcessEngine, run_prebuilt, running_engine
+from tests.utils.payloads import PROMPTS, PrebuiltBackend
+from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+
+
+@pytest.fixture(scope="module")
+def unprotected_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
+    """An engine whose traces run without the protected environment: what a trace that escaped it can do."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(os.environ, "NNQUEUE_PROTECTED_ENVIRONMENT", "false")
+        with running_engine(tiny_model_path, **TINY_ENGINE_KWARGS) as engine:
+            yield engine
+
+
+def innocent(engine: InProcessEngine, client: VLLM, tmp_path: Path, name: str) -> torch.Tensor:
+    """The innocent user's job: the logits of three decoded tokens (a hook or an attribute changes them)."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[1], temperature=0.0, max_tokens=3, ignore_eos=True, backend=backend) as tracer:
+        logits = list().save()
+        for _ in tracer.iter[:]:
+            logits.append(client.logits)
+    report, saves = run_prebuilt(engine, backend.payload, tmp_path, name)
+    assert report.error is None, report.error
+    return torch.stack(saves["logits"])
+
+
+def plain_attribute(client: VLLM) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        client.model.norm._module.variance_epsilon = 1e4
+        logits = client.logits.save()
+    return backend.payload
+
+
+def buffer(client: VLLM) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        client.model.layers[0].self_attn.rotary_emb.cos_sin_cache.mul_(0.0)
+        logits = client.logits.save()
+    return backend.payload
+
+
+def hook(client: VLLM) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+
+        def halve(module: Any, args: Any, output: Any) -> None:  # in place, for every later forward
+            output[0].mul_(0.5)  # vLLM's final norm returns (hidden states, residual)
+
+        client.model.norm.register_forward_hook(halve)
+        logits = client.logits.save()
+    return backend.payload
+
+
+@pytest.mark.parametrize(
+    ("hostile", "named"),
+    [
+        (plain_attribute, "model.norm"),
+        (buffer, "model.layers.0.self_attn.rotary_emb.cos_sin_cache (buffer)"),
+        (hook, "model.norm._forward_hooks"),
+    ],
+)
+def test_a_change_without_escape_fails_its_trace_and_the_next_job_is_untouched(
+    inprocess_engine: InProcessEngine, client_model: VLLM, tmp_path: Path, hostile: Any, named: str
+) -> None:
+    before = innocent(inprocess_engine, client_model, tmp_path, "before")
+    report, _ = run_prebuilt(inprocess_engine, hostile(client_model), tmp_path, "hostile")
+    assert report.error is not None and report.error["type_name"] == "StateModified", report.error
+    assert named in report.error["message"]
+    for attempt in range(2):  # the next jobs: as on an untouched engine
+        assert torch.equal(innocent(inprocess_engine, client_model, tmp_path, f"after-{attempt}"), before)
+
+
+def test_after_an_escape_the_result_writer_wrapped_is_put_back(
+    unprotected_engine: InProcessEngine, client_model: VLLM, tmp_path: Path
+) -> None:
+    before = innocent(unprotected_engine, client_model, tmp_path, "before")
+
+    backend = PrebuiltBackend()
+    with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        from nnsight.util import from_import_path
+
+        results = from_import_path("nnqueue.enginecore.trace_results")
+        original = results.write_saves
+        results.write_saves = lambda saves, sinks: original({name: 42.0 for name in saves}, sinks)
+        logits = client_model.logits.save()
+    report, _ = run_prebuilt(unprotected_engine, backend.payload, tmp_path, "hostile")
+    assert report.error is not None and report.error["type_name"] == "StateModified", report.error
+    assert "nnqueue.enginecore.trace_results (globals)" in report.error["message"]
+    after = innocent(unprotected_engine, client_model, tmp_path, "after")  # its saves were not rewritten to 42.0
+    assert torch.equal(after, before)
+
+
+def test_after_an_escape_a_replaced_weights_check_and_a_zeroed_weight_are_both_put_back(
+    unprotected_engine: InProcessEngine, client_model: VLLM, tmp_path: Path
+) -> None:
+    before = innocent(unprotected_engine, client_model, tmp_path, "before")
+
+    backend = PrebuiltBackend()
+    with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        from nnsight.util import from_import_path
+
+        guard = from_import_path("nnqueue.enginecore.weights_guard.WeightsGuard")
+        guard.check = lambda self, content=True: []
+        client_model.model.norm.weight.zero_()
+        logits = client_model.logits.save()
+    report, _ = run_prebuilt(unprotected_engine, backend.payload, tmp_path, "hostile")
+    assert report.error is not None and report.error["type_name"] == "WeightsModified", report.error
+    message = report.error["message"]
+    assert "model.norm.weight" in message and "class nnqueue.enginecore.weights_guard.WeightsGuard" in message
+    for attempt in range(2):
+        assert torch.equal(innocent(unprotected_engine, client_model, tmp_path, f"after-{attempt}"), before)
