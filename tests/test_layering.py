@@ -25,6 +25,7 @@ LAYERS = {
     "metrics": 0,
     "isolation": 1,
     "netns": 1,
+    "mountns": 1,
     "seccomp_filter": 1,
     "trace_payload": 1,
     "db": 1,
