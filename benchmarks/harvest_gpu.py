@@ -695,18 +695,23 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: 
     started = time.perf_counter()
 
     isolated: Any = contextlib.nullcontext()
-    if contained:
-        from nnqueue import netns
+    engine_kwargs = kwargs
+    if contained:  # as `nnqueue worker` contains its engine (nnqueue.workers.containment), but its filesystem view:
+        # the bench's handoff folder is made after the engine starts, so the view could not hold it (no cost per step
+        # either way: the view is bind mounts made once, at the spawn)
+        from nnqueue.enginecore.spawning import engine_core_contained
         from nnqueue.settings import Settings
-        from nnqueue.workers.main import isolate
+        from nnqueue.workers.containment import engine_core_kwargs, isolate
 
-        containment = isolate(Settings(), ray=kwargs.get("distributed_executor_backend") == "ray")
+        ray = kwargs.get("distributed_executor_backend") == "ray"
+        containment = isolate(Settings(engine_filesystem="host"), str(model_dir), kwargs, ray=ray)
         print(f"containment: {json.dumps(containment.report())}", flush=True)
-        isolated = netns.engine_core_isolated(containment.network == netns.ISOLATED)
+        isolated = engine_core_contained(network=containment.network_isolated, view=None)
+        engine_kwargs = engine_core_kwargs(kwargs)
 
     async def load() -> Any:
         with isolated:
-            return load_engine(str(model_dir), **kwargs)
+            return load_engine(str(model_dir), **engine_kwargs)
 
     engine = host.call(load())
     print(f"engine up in {time.perf_counter() - started:.1f} s: {kwargs}", flush=True)
