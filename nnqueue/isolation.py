@@ -442,11 +442,12 @@ def foreign_processes(account: EngineUser) -> list[str]:
     """Processes that run as ``account`` (any of their real, effective, saved or filesystem uids) and are not
     an nnqueue worker's engine or builder processes, each as ``"pid (command)"``.
 
-    A process of ours is one whose nearest ancestor not running as ``account`` is an ``nnqueue worker``
-    (by its command line): engine cores and builders are the worker's children, vLLM's model-runner
-    processes the engine core's. This tells a shared account (a database server, another service's
-    daemon) from engines; it is not a defence against the account's own processes, which control their
-    command lines."""
+    A process of ours is one whose nearest ancestor not running as ``account`` is an ``nnqueue worker``: by
+    its command line, or (a serving worker's title is Celery's) by being the worker that the process's
+    environment names (``NNQUEUE_ENGINE_SANDBOX``, which engine and builder processes inherit). Engine cores
+    and builders are the worker's children, vLLM's model-runner processes the engine core's. This tells a
+    shared account (a database server, another service's daemon) from engines; it is not a defence against
+    the account's own processes, which control their command lines and environments."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -485,12 +486,18 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def _ours(pid: int, uid: int) -> bool:
-    seen: set[int] = set()
+    process, seen = pid, set()
     while pid > 1 and pid not in seen and uid in _uids(pid):
         seen.add(pid)
         pid = _ppid(pid)
     argv = _cmdline(pid)  # python -m nnqueue worker ..., or the console script: python .../bin/nnqueue worker ...
-    return "worker" in argv and any(Path(part).name == "nnqueue" for part in argv[:3])
+    if "worker" in argv and any(Path(part).name == "nnqueue" for part in argv[:3]):
+        return True
+    try:
+        environ = Path(f"/proc/{process}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{SANDBOX_ENV}={pid}".encode() in environ
 
 
 # The probe: a fresh interpreter, run as the engine user, imports what the engine processes import after the

@@ -167,6 +167,32 @@ def test_an_engine_user_that_another_process_runs_as_is_refused(engine_account: 
     assert not any(entry.startswith(f"{squatter.pid} ") for entry in foreign_processes(engine_account))
 
 
+@needs_root
+def test_a_serving_workers_engine_processes_are_not_taken_for_other_users_of_the_account(
+    engine_account: EngineUser,
+) -> None:
+    """Once a worker serves, its title is Celery's, not ``nnqueue worker``: its engine and builder processes are
+    told apart by the worker their environment names (a second worker on the host must not refuse to start)."""
+    named = {"ours": str(os.getpid()), "theirs": "1"}  # this process stands in for the worker
+    started = {
+        who: subprocess.Popen(
+            ["sleep", "60"],
+            user=engine_account.uid,
+            group=engine_account.gid,
+            extra_groups=[],
+            env={**os.environ, "NNQUEUE_ENGINE_SANDBOX": worker},
+        )
+        for who, worker in named.items()
+    }
+    try:
+        foreign = {entry.split(" ", 1)[0] for entry in foreign_processes(engine_account)}
+    finally:
+        for process in started.values():
+            process.kill()
+            process.wait()
+    assert str(started["ours"].pid) not in foreign and str(started["theirs"].pid) in foreign
+
+
 def test_the_test_servers_never_run_as_the_engine_user() -> None:
     from tests.utils.servers import POSTGRES_USER_WHEN_ROOT
 
