@@ -696,17 +696,21 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: 
 
     isolated: Any = contextlib.nullcontext()
     engine_kwargs = kwargs
-    if contained:  # as `nnqueue worker` contains its engine (nnqueue.workers.containment), but its filesystem view:
-        # the bench's handoff folder is made after the engine starts, so the view could not hold it (no cost per step
-        # either way: the view is bind mounts made once, at the spawn)
+    if contained:  # as `nnqueue worker` contains its engine (nnqueue.workers.containment)
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
         from nnqueue.enginecore.spawning import engine_core_contained
+        from nnqueue.isolation import engine_writable_dir
         from nnqueue.settings import Settings
-        from nnqueue.workers.containment import engine_core_kwargs, isolate
+        from nnqueue.workers.containment import engine_core_kwargs, engine_view, isolate
 
         ray = kwargs.get("distributed_executor_backend") == "ray"
-        containment = isolate(Settings(engine_filesystem="host"), str(model_dir), kwargs, ray=ray)
+        containment = isolate(Settings(), str(model_dir), kwargs, ray=ray)
         print(f"containment: {json.dumps(containment.report())}", flush=True)
-        isolated = engine_core_contained(network=containment.network_isolated, view=None)
+        cache_dir()  # root's kernel cache stays in /tmp; the handoff folders the bench makes later land below:
+        tempfile.tempdir = str(engine_writable_dir("nnqueue-bench-handoff-"))
+        view = engine_view(str(model_dir), kwargs, [Path(tempfile.tempdir)]) if containment.filesystem_private else None
+        isolated = engine_core_contained(network=containment.network_isolated, view=view)
         engine_kwargs = engine_core_kwargs(kwargs)
 
     async def load() -> Any:

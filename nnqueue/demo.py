@@ -194,8 +194,9 @@ class EmbeddedStack:
         with ``key_file``, the key kept there is used again while it is valid (a new one is written there if not)."""
         from nnqueue.db import migrate
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        self.data_dir.chmod(0o700)  # the database, the results and the broker's password: its owner's alone
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.data_dir.stat().st_uid == os.geteuid():  # the database, the results, the broker's password
+            self.data_dir.chmod(0o700)
         migrate.upgrade(self.database_url)
         self.redis = EmbeddedRedis(self.data_dir / "redis")
         self.api = ApiServer(self.settings(), host=host, port=port)
