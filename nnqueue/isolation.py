@@ -34,7 +34,6 @@ What this does NOT do: a worker run as a non-root user shares that user's files 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import fnmatch
 import json
 import logging
@@ -51,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nnqueue.errors import NNqueueError
+from nnqueue.libc import libc
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,7 @@ def blank_initial_environment(extra: Iterable[str] = ()) -> int:
 
 def prctl(option: int, arg: int) -> int:
     """``prctl(option, arg)`` through libc; raises OSError on failure (Linux only)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    result = libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0)
+    result = libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0)
     if result < 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
@@ -285,10 +284,9 @@ def drop_capabilities() -> None:
     last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     for capability in range(last + 1):
         prctl(_PR_CAPBSET_DROP, capability)
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     header = _CapHeader(_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
-    if libc.capset(ctypes.byref(header), data) != 0:
+    if libc().capset(ctypes.byref(header), data) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
 

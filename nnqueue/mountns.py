@@ -38,9 +38,7 @@ runs on the host's filesystem and the worker says so (``NNQUEUE_ENGINE_FILESYSTE
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import dataclasses
-import functools
 import json
 import os
 import platform
@@ -51,6 +49,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from nnqueue.errors import NNqueueError
+from nnqueue.libc import check, libc
 
 # The view the worker's engine processes run in, as JSON (:meth:`View.to_json`), for the children that enter it.
 VIEW_ENV = "NNQUEUE_ENGINE_VIEW"
@@ -195,28 +194,20 @@ def enter_if_asked() -> bool:
 # -- making the view ------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _libc() -> Any:
-    """libc, loaded once: while the view is built nothing can be loaded from the host's files (no lazy import)."""
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise ViewError(f"{what} failed: {os.strerror(errno)}")
+    check(result, what, ViewError)
 
 
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     encode = lambda text: text.encode() if text is not None else None  # noqa: E731
-    result = _libc().mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data))
+    result = libc().mount(encode(source), encode(target), encode(fstype), ctypes.c_ulong(flags), encode(data))
     _check(result, f"mount {source or ''} on {target}")
 
 
 def _pivot_root(new_root: str, put_old: str) -> None:
     if _SYS_PIVOT_ROOT is None:
         raise ViewError("pivot_root: no system call number known for this architecture")
-    _check(_libc().syscall(_SYS_PIVOT_ROOT, new_root.encode(), put_old.encode()), "pivot_root")
+    _check(libc().syscall(_SYS_PIVOT_ROOT, new_root.encode(), put_old.encode()), "pivot_root")
 
 
 def _make_point(path: str, like: str) -> None:
@@ -286,7 +277,7 @@ def enter(view: View) -> None:
     """Move the calling thread into a fresh mount namespace whose root is ``view`` (see the module doc); a
     process it starts afterwards is born there. Needs CAP_SYS_ADMIN; raises :class:`ViewError` or OSError."""
     sockets = _host_sockets()
-    _check(_libc().unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    _check(libc().unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     _mount(None, "/", None, _MS_REC | _MS_PRIVATE)
     _mount("tmpfs", "/tmp", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
     os.chdir("/tmp")
@@ -297,7 +288,9 @@ def enter(view: View) -> None:
     _mount("tmpfs", "/newroot", "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755")
     for path, link in view.symlinks:
         os.symlink(link, "/newroot" + path)
-    private = [(path, "mode=1777") for path in view.tmpfs]
+    # /dev/shm without the sticky bit: the shared memory root made before the switch is unlinked by the engine user
+    # at shutdown (it is all the engine's own, and goes with the namespace anyway).
+    private = [(path, "mode=0777" if path == "/dev/shm" else "mode=1777") for path in view.tmpfs]
     if view.home:
         private.append((view.home, "mode=0755"))  # root's before the switch; passable, to what is bound in it
     steps: list[Bind | tuple[str, str]] = [*view.binds, *private]
@@ -310,8 +303,8 @@ def enter(view: View) -> None:
     _cover_sockets(view, sockets, "/newroot")
     os.makedirs("/newroot" + view.workdir, exist_ok=True)
     _mount(None, "/newroot", None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
-    _check(_libc().umount2(b"/oldroot", _MNT_DETACH), "umount /oldroot")
+    _check(libc().umount2(b"/oldroot", _MNT_DETACH), "umount /oldroot")
     os.chdir("/newroot")
     _pivot_root(".", ".")  # the view's root over the staging tmpfs, which is then detached
-    _check(_libc().umount2(b".", _MNT_DETACH), "umount the staging root")
+    _check(libc().umount2(b".", _MNT_DETACH), "umount the staging root")
     os.chdir(view.workdir)

@@ -38,17 +38,16 @@ can; ``isolated`` refuses to start without it; ``host`` never isolates).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import fcntl
 import logging
 import os
 import socket
 import struct
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal
+from typing import Literal
 
 from nnqueue.errors import NNqueueError
+from nnqueue.libc import check, libc
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +89,13 @@ def resolve(mode: Mode, *, ray: bool = False) -> tuple[str, str | None]:
     return ISOLATED, None
 
 
-def _libc() -> Any:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise NetworkIsolationError(f"{what} failed: {os.strerror(errno)}")
+    check(result, what, NetworkIsolationError)
 
 
 def new_namespace() -> None:
     """Move the calling thread into a fresh network namespace and bring its loopback up."""
-    _check(_libc().unshare(_CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+    _check(libc().unshare(_CLONE_NEWNET), "unshare(CLONE_NEWNET)")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a socket of the new namespace
         answer = fcntl.ioctl(probe, _SIOCGIFFLAGS, struct.pack(_IFREQ, b"lo", 0))
         flags = struct.unpack(_IFREQ, answer)[1]

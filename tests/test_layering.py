@@ -23,6 +23,7 @@ LAYERS = {
     "errors": 0,
     "logs": 0,
     "metrics": 0,
+    "libc": 0,
     "isolation": 1,
     "netns": 1,
     "mountns": 1,

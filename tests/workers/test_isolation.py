@@ -511,7 +511,8 @@ def test_an_unprivileged_workers_engine_sees_no_secret(
         if parent.stat().st_mode & stat.S_IXOTH == 0:
             parent.chmod(parent.stat().st_mode | stat.S_IXOTH)
     worker = start_worker(
-        env={**UNPROTECTED, "HOME": str(home)},
+        # Its engine keeps the worker's user: isolation degraded, so it runs its operator's traces alone.
+        env={**UNPROTECTED, "HOME": str(home), "NNQUEUE_OPERATOR_OWNERS": "mallory"},
         cwd=home,
         user="nobody",
         model_key="tiny-nobody",
@@ -567,7 +568,8 @@ def test_a_worker_that_requires_the_engine_user_refuses_to_start_saying_what_to_
         pytest.skip(
             "this machine's Python is readable by the engine user: nothing to refuse (see tests/test_isolation.py)"
         )
-    env = {"NNQUEUE_ENGINE_USER_REQUIRED": "true"}
+    # On the host's filesystem: in the engine's own view this Python is readable and the switch happens.
+    env = {"NNQUEUE_ENGINE_USER_REQUIRED": "true", "NNQUEUE_ENGINE_FILESYSTEM": "host"}
     worker = WorkerProcess(services, tiny_model_path, tmp_path / "worker.log", env=env, model_key="tiny-required")
     code = wait_exit(worker)
     log = worker.log()
