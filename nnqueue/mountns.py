@@ -74,11 +74,15 @@ class ViewError(NNqueueError):
 @dataclasses.dataclass(frozen=True)
 class Bind:
     """The host's ``source`` (its real path) at ``target`` in the view; ``kind``: ``ro``, ``rw`` or ``dev`` (the
-    device tree: read-write, devices allowed) or ``proc``."""
+    device tree: read-write, devices allowed) or ``proc``. ``opened``: a read-only folder that others may not
+    pass (a checkout in a ``mktemp -d`` folder, mode 0700): the view holds a passable folder there with each of
+    its entries bound in, so what is readable in it is readable, and what is private in it (a mode-0700 data
+    folder, a mode-0600 ``.env``) stays private."""
 
     source: str
     target: str
     kind: str = "ro"
+    opened: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +130,9 @@ def plan(
     for kind, paths in (("ro", read_only), ("rw", writable)):
         named = {str(Path(path).absolute()) for path in paths if os.path.exists(path)}
         for path in _outermost(named | {os.path.realpath(path) for path in named}):
-            binds.append(Bind(os.path.realpath(path), path, kind))
+            source = os.path.realpath(path)
+            opened = kind == "ro" and os.path.isdir(source) and not os.stat(source).st_mode & stat.S_IXOTH
+            binds.append(Bind(source, path, kind, opened))
     return View(
         binds=tuple(sorted(binds, key=lambda bind: _depth(bind.target))),
         symlinks=tuple(symlinks),
@@ -232,6 +238,11 @@ def _mounts_under(target: str) -> list[str]:
 
 def _bind(bind: Bind, root: str) -> None:
     target = root + bind.target
+    if bind.opened:
+        os.makedirs(target, mode=0o755, exist_ok=True)
+        for name in sorted(os.listdir("/oldroot" + bind.source)):
+            _bind(Bind(f"{bind.source}/{name}", f"{bind.target}/{name}", bind.kind), root)
+        return
     _make_point(target, "/oldroot" + bind.source)
     _mount("/oldroot" + bind.source, target, None, _MS_BIND | _MS_REC)
     if bind.kind == "proc":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -118,3 +119,28 @@ def test_a_view_that_cannot_be_made_leaves_the_engine_on_the_hosts_filesystem_sa
 def test_a_view_round_trips_through_the_environment_its_children_read() -> None:
     view = mountns.plan([Path(os.__file__).parent], [], home=Path.home(), sockets_kept=None, workdir=Path("/"))
     assert mountns.View.from_json(view.to_json()) == view
+
+
+def test_a_folder_only_root_may_pass_is_passable_in_the_view_and_what_is_private_in_it_stays_private(
+    tmp_path: Path,
+) -> None:
+    """A checkout in a ``mktemp -d`` folder (mode 0700): its code must be readable by the engine user in the view;
+    its .env and its data folder must not."""
+    checkout = tmp_path / "checkout"
+    (checkout / "data").mkdir(parents=True)
+    files = {"module.py": 0o644, ".env": 0o600, "data/results.pt": 0o644}
+    for name, mode in files.items():
+        (checkout / name).write_text(name)
+        (checkout / name).chmod(mode)
+    (checkout / "data").chmod(0o700)
+    checkout.chmod(0o700)
+    view = mountns.plan([checkout], [], home=None, sockets_kept=None, workdir=Path("/"))
+
+    def inside() -> dict[str, str]:
+        mountns.enter(view)
+        read = {
+            name: subprocess.run(["cat", str(checkout / name)], user="nobody", capture_output=True) for name in files
+        }
+        return {name: done.stdout.decode() for name, done in read.items()}
+
+    assert mountns.in_fresh_thread(inside) == {"module.py": "module.py", ".env": "", "data/results.pt": ""}
