@@ -143,6 +143,7 @@ def run_worker(
             worker_id,
             crash_dir,
             broken=lambda: _restart_for_weights(health),
+            staged=view is not None,
         )
         host.call(updater.catch_up())  # the model's checkpoint swaps so far: serve the newest version
         chunks = ChunkRunner(
