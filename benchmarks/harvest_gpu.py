@@ -695,18 +695,27 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: 
     started = time.perf_counter()
 
     isolated: Any = contextlib.nullcontext()
-    if contained:
-        from nnqueue import netns
-        from nnqueue.settings import Settings
-        from nnqueue.workers.main import isolate
+    engine_kwargs = kwargs
+    if contained:  # as `nnqueue worker` contains its engine (nnqueue.workers.containment)
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        containment = isolate(Settings(), ray=kwargs.get("distributed_executor_backend") == "ray")
+        from nnqueue.enginecore.spawning import engine_core_contained
+        from nnqueue.isolation import engine_writable_dir
+        from nnqueue.settings import Settings
+        from nnqueue.workers.containment import engine_core_kwargs, engine_view, isolate
+
+        ray = kwargs.get("distributed_executor_backend") == "ray"
+        containment = isolate(Settings(), str(model_dir), kwargs, ray=ray)
         print(f"containment: {json.dumps(containment.report())}", flush=True)
-        isolated = netns.engine_core_isolated(containment.network == netns.ISOLATED)
+        cache_dir()  # root's kernel cache stays in /tmp; the handoff folders the bench makes later land below:
+        tempfile.tempdir = str(engine_writable_dir("nnqueue-bench-handoff-"))
+        view = engine_view(str(model_dir), kwargs, [Path(tempfile.tempdir)]) if containment.filesystem_private else None
+        isolated = engine_core_contained(network=containment.network_isolated, view=view)
+        engine_kwargs = engine_core_kwargs(kwargs)
 
     async def load() -> Any:
         with isolated:
-            return load_engine(str(model_dir), **kwargs)
+            return load_engine(str(model_dir), **engine_kwargs)
 
     engine = host.call(load())
     print(f"engine up in {time.perf_counter() - started:.1f} s: {kwargs}", flush=True)

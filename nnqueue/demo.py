@@ -46,8 +46,19 @@ ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "seed
 MARKER = ".nnqueue-model.json"
 # The settings of the engine's isolation (docs/operator/engine-isolation.md) that reach the embedded worker.
 ENGINE_ISOLATION_ENV = frozenset(
-    {"NNQUEUE_ENGINE_USER", "NNQUEUE_ENGINE_USER_REQUIRED", "NNQUEUE_ENGINE_SECCOMP", "NNQUEUE_PROTECTED_ENVIRONMENT"}
+    {
+        "NNQUEUE_ENGINE_USER",
+        "NNQUEUE_ENGINE_USER_REQUIRED",
+        "NNQUEUE_ENGINE_SECCOMP",
+        "NNQUEUE_ENGINE_NETWORK",
+        "NNQUEUE_ENGINE_FILESYSTEM",
+        "NNQUEUE_PROTECTED_ENVIRONMENT",
+        "NNQUEUE_OPERATOR_OWNERS",
+    }
 )
+# The owner of the key the embedded stack makes: its operator, whose traces its worker runs even when the
+# engine cannot be isolated (NNQUEUE_OPERATOR_OWNERS).
+OWNER = "demo"
 
 PROMPT = "The Eiffel Tower is in"
 MAX_TOKENS = 8
@@ -175,6 +186,7 @@ class EmbeddedStack:
             NNQUEUE_STORE_DIR=str(self.store_dir),
         )
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for a demo
+        env.setdefault("NNQUEUE_OPERATOR_OWNERS", OWNER)
         return env
 
     def start_services(self, *, host: str = "127.0.0.1", port: int | None = None, key_file: Path | None = None) -> None:
@@ -182,7 +194,9 @@ class EmbeddedStack:
         with ``key_file``, the key kept there is used again while it is valid (a new one is written there if not)."""
         from nnqueue.db import migrate
 
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.data_dir.stat().st_uid == os.geteuid():  # the database, the results, the broker's password
+            self.data_dir.chmod(0o700)
         migrate.upgrade(self.database_url)
         self.redis = EmbeddedRedis(self.data_dir / "redis")
         self.api = ApiServer(self.settings(), host=host, port=port)
@@ -202,7 +216,7 @@ class EmbeddedStack:
                         return kept
                     except auth.AuthenticationFailed:
                         pass  # revoked, or the database was reset: a new key
-                _, secret = auth.create_key(session, "demo", ["trace", "harvest"])
+                _, secret = auth.create_key(session, OWNER, ["trace", "harvest"])
         finally:
             engine.dispose()
         if key_file is not None:
@@ -237,6 +251,25 @@ class EmbeddedStack:
             if time.monotonic() > deadline:
                 raise DemoError(f"the worker did not start serving in {timeout:.0f} s; see {self.worker.log_path}")
             time.sleep(0.5)
+
+    def isolation_warning(self) -> str | None:
+        """Why the worker's engine is not fully isolated and what it runs because of it, as the worker registered
+        it (``/readyz`` says the same); None when it is isolated (or has not registered)."""
+        from nnqueue.db.session import make_engine, session_factory
+        from nnqueue.scheduler.registry import live_workers
+
+        engine = make_engine(self.database_url)
+        try:
+            with session_factory(engine)() as session:
+                live = live_workers(session, self.settings().worker_stale_after_s)
+                workers = [worker for worker in live if worker.model_key == self.model_key]
+        finally:
+            engine.dispose()
+        for worker in workers:
+            containment = worker.containment or {}
+            if containment.get("isolation", "full") != "full":
+                return f"engine isolation {containment['isolation']}; the worker runs {containment.get('traces')}"
+        return None
 
     def stop(self) -> None:
         """Stop the worker (it finishes cleanly on SIGTERM), then the API, then Redis. Idempotent."""
@@ -396,6 +429,12 @@ def _phase(console: Console, timings: dict[str, float], name: str) -> Iterator[N
     console.print(f"[green]✓[/green] {name} [dim]({timings[name]:.1f} s)[/dim]")
 
 
+def say_isolation(console: Console, stack: EmbeddedStack) -> None:
+    """A warning on the console when the worker's engine is not fully isolated (docs/operator/engine-isolation.md)."""
+    if (warning := stack.isolation_warning()) is not None:
+        console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False, soft_wrap=True)
+
+
 def run_demo(data_dir: Path, console: Console | None = None, harvest: bool = False) -> dict[str, Any]:
     """Run the demo end to end; returns the job's saves (and, with ``harvest``, under ``"harvest"`` the
     harvest's figures). Raises on failure; everything is stopped either way."""
@@ -432,6 +471,7 @@ def run_demo(data_dir: Path, console: Console | None = None, harvest: bool = Fal
                 stack.wait_worker(client)
             timings["worker ready"] = time.monotonic() - worker_started
             console.print(f"[green]✓[/green] worker serving {MODEL_KEY!r} [dim]({timings['worker ready']:.1f} s)[/dim]")
+            say_isolation(console, stack)
 
             backend = client.backend(model_key=MODEL_KEY, timeout_s=300, metadata={"demo": "logit lens + steering"})
             with _phase(console, timings, "trace job ran through the API, queue and worker"):

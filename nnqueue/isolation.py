@@ -34,7 +34,6 @@ What this does NOT do: a worker run as a non-root user shares that user's files 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import fnmatch
 import json
 import logging
@@ -46,11 +45,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from nnqueue.errors import NNqueueError
+from nnqueue.libc import libc
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,7 @@ def blank_initial_environment(extra: Iterable[str] = ()) -> int:
 
 def prctl(option: int, arg: int) -> int:
     """``prctl(option, arg)`` through libc; raises OSError on failure (Linux only)."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    result = libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0)
+    result = libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0)
     if result < 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
@@ -224,12 +223,40 @@ def engine_writable_dir(prefix: str, user: str | None = None, parent: Path | Non
 def enter_sandbox(extra_secret_patterns: Iterable[str] | None = None, hand_over: Iterable[Path] = ()) -> None:
     """What a spawned child that will run users' code calls first: scrub its environment and, when root and
     started by a worker (:func:`started_by_worker`), drop to the engine user the worker chose (see
-    :func:`drop_privileges` for ``hand_over``). ``extra_secret_patterns`` default to ``$NNQUEUE_SECRET_ENV_PATTERNS``."""
+    :func:`drop_privileges` for ``hand_over``), then check that no thread kept uid 0 or a capability
+    (:func:`privileged_threads`; RuntimeError otherwise). ``extra_secret_patterns`` default to
+    ``$NNQUEUE_SECRET_ENV_PATTERNS``."""
     if extra_secret_patterns is None:
         extra_secret_patterns = os.environ.get(EXTRA_SECRETS_ENV, "").split(",")
     scrub_environment(extra_secret_patterns)
-    if started_by_worker() and not drop_privileges(hand_over=hand_over) and os.geteuid() == 0:
+    if not started_by_worker():
+        return
+    if drop_privileges(hand_over=hand_over):
+        if held := privileged_threads():
+            raise RuntimeError(f"dropping privileges left threads privileged: {', '.join(held[:5])}")
+    elif os.geteuid() == 0:
         drop_capabilities()
+
+
+def privileged_threads() -> list[str]:
+    """The threads of this process that run as uid 0 (real, effective, saved or filesystem) or hold a capability
+    (effective, permitted or ambient), each as ``"<tid>: <why>"``; empty: none.
+
+    glibc's ``setuid`` applies to every thread (it signals each to make the call) and the kernel then clears
+    their capabilities, so after :func:`drop_privileges` this is empty; it is checked rather than assumed."""
+    held = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            fields = dict(
+                line.split(":", 1) for line in Path(f"/proc/self/task/{task}/status").read_text().splitlines()
+            )
+        except OSError:  # the thread ended meanwhile
+            continue
+        why = ["uid 0"] if "0" in fields["Uid"].split() else []
+        why += [name for name in ("CapEff", "CapPrm", "CapAmb") if int(fields.get(name, "0"), 16)]
+        if why:
+            held.append(f"{task}: {' '.join(why)}")
+    return held
 
 
 _PR_CAPBSET_DROP = 24
@@ -257,10 +284,9 @@ def drop_capabilities() -> None:
     last = int(Path("/proc/sys/kernel/cap_last_cap").read_text())
     for capability in range(last + 1):
         prctl(_PR_CAPBSET_DROP, capability)
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     header = _CapHeader(_CAPABILITY_VERSION_3, 0)
     data = (_CapData * 2)()
-    if libc.capset(ctypes.byref(header), data) != 0:
+    if libc().capset(ctypes.byref(header), data) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno))
 
@@ -305,23 +331,63 @@ class EngineUserError(NNqueueError, RuntimeError):
 
 @dataclass(frozen=True)
 class Containment:
-    """What a worker's engine processes run under, for its log, its registration and ``/readyz``.
+    """What a worker's engine processes run under, for its log, its registration, ``/readyz`` and the traces it
+    takes.
 
     ``engine_user``: the account they switch to, or None when they keep the worker's user; ``note``: why;
-    ``seccomp``: None when the seccomp filter applies, else why not; ``network``: their network (nnqueue.netns)."""
+    ``seccomp``: None when the seccomp filter applies, else why not; ``network_note`` and ``filesystem_note``:
+    their network (:mod:`nnqueue.netns`) and filesystem (:mod:`nnqueue.mountns`), isolated and private or not;
+    ``operators``: the owners whose traces the worker still runs when its containment is degraded
+    (``NNQUEUE_OPERATOR_OWNERS``; ``*``: every owner's)."""
 
     engine_user: str | None
     note: str
     seccomp: str | None
-    network: str = ""  # nnqueue.netns.ISOLATED or HOST, set by the worker
+    network_isolated: bool = False
     network_note: str = ""
+    filesystem_private: bool = False
+    filesystem_note: str = ""
+    operators: tuple[str, ...] = ()
+
+    def degradations(self) -> list[str]:
+        """Why users' code in the engine could reach more than the engine's own (empty: it cannot)."""
+        found = [] if self.engine_user is not None else [self.note]
+        if not self.network_isolated:
+            found.append(f"the engine's processes use {self.network_note}")
+        if not self.filesystem_private:
+            found.append(f"the engine's processes see {self.filesystem_note}")
+        return found
+
+    def traces(self) -> str:
+        """Whose traces this worker runs, in words."""
+        if not self.degradations() or "*" in self.operators:
+            return "every owner's"
+        if self.operators:
+            return f"only its operator's (NNQUEUE_OPERATOR_OWNERS: {', '.join(self.operators)}), harvests and steering"
+        return "none (NNQUEUE_OPERATOR_OWNERS is empty): harvests and steering only"
+
+    def refusal(self, owner: str) -> str | None:
+        """Why this worker does not run a trace of ``owner``'s (None: it does). A worker whose engine is not
+        fully contained runs no user code but its operator's: harvests and steering run no user code."""
+        degradations = self.degradations()
+        if not degradations or "*" in self.operators or owner in self.operators:
+            return None
+        return (
+            f"this worker's engine is not isolated ({'; '.join(degradations)}), so it runs no other owner's trace:"
+            f" it runs {self.traces()}. Run the trace on a worker whose /readyz isolation is 'full', or ask the"
+            " operator (docs/operator/engine-isolation.md)"
+        )
 
     def report(self) -> dict[str, str]:
+        degradations = self.degradations()
         return {
             "engine_user": self.engine_user or f"kept {pwd.getpwuid(os.geteuid()).pw_name}",
             "note": self.note,
             "seccomp": self.seccomp or "applied",
-            **({"network": self.network_note} if self.network_note else {}),
+            "network": self.network_note,
+            "filesystem": self.filesystem_note,
+            "isolation": f"degraded: {'; '.join(degradations)}" if degradations else "full",
+            "traces": self.traces(),
         }
 
 
@@ -374,11 +440,12 @@ def foreign_processes(account: EngineUser) -> list[str]:
     """Processes that run as ``account`` (any of their real, effective, saved or filesystem uids) and are not
     an nnqueue worker's engine or builder processes, each as ``"pid (command)"``.
 
-    A process of ours is one whose nearest ancestor not running as ``account`` is an ``nnqueue worker``
-    (by its command line): engine cores and builders are the worker's children, vLLM's model-runner
-    processes the engine core's. This tells a shared account (a database server, another service's
-    daemon) from engines; it is not a defence against the account's own processes, which control their
-    command lines."""
+    A process of ours is one whose nearest ancestor not running as ``account`` is an ``nnqueue worker``: by
+    its command line, or (a serving worker's title is Celery's) by being the worker that the process's
+    environment names (``NNQUEUE_ENGINE_SANDBOX``, which engine and builder processes inherit). Engine cores
+    and builders are the worker's children, vLLM's model-runner processes the engine core's. This tells a
+    shared account (a database server, another service's daemon) from engines; it is not a defence against
+    the account's own processes, which control their command lines and environments."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -417,12 +484,18 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def _ours(pid: int, uid: int) -> bool:
-    seen: set[int] = set()
+    process, seen = pid, set()
     while pid > 1 and pid not in seen and uid in _uids(pid):
         seen.add(pid)
         pid = _ppid(pid)
     argv = _cmdline(pid)  # python -m nnqueue worker ..., or the console script: python .../bin/nnqueue worker ...
-    return "worker" in argv and any(Path(part).name == "nnqueue" for part in argv[:3])
+    if "worker" in argv and any(Path(part).name == "nnqueue" for part in argv[:3]):
+        return True
+    try:
+        environ = Path(f"/proc/{process}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{SANDBOX_ENV}={pid}".encode() in environ
 
 
 # The probe: a fresh interpreter, run as the engine user, imports what the engine processes import after the
@@ -447,15 +520,21 @@ print(json.dumps(problems))
 """
 
 
+# How the probe runs where the engine will (its filesystem view and network: nnqueue.enginecore.spawning), given
+# the probe's own call.
+Contained = Callable[[Callable[[], "subprocess.CompletedProcess[str]"]], "subprocess.CompletedProcess[str]"]
+
+
 def probe(
     account: EngineUser,
     modules: Iterable[str],
     files: Iterable[Path],
     timeout_s: float = 300.0,
     python: str = sys.executable,
+    contained: Contained | None = None,
 ) -> list[str]:
     """What ``account`` cannot import or read with ``python`` (this interpreter), run as that account (empty:
-    nothing).
+    nothing), where ``contained`` runs it (None: here).
 
     Modules of the standard library that the engine imports lazily (``symtable``), the libraries' modules
     that jobs load after the switch (nnsight's errors, inductor's ``codecache``) and the headers inductor
@@ -467,8 +546,9 @@ def probe(
     env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), USER=account.name, LOGNAME=account.name)
     env.pop(SANDBOX_ENV, None)
     request = json.dumps([list(modules), [str(path) for path in files]])
-    try:
-        done = subprocess.run(
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [python, "-c", _PROBE, request],
             user=account.uid,
             group=account.gid,
@@ -479,6 +559,9 @@ def probe(
             text=True,
             timeout=timeout_s,
         )
+
+    try:
+        done = run() if contained is None else contained(run)
     except OSError as error:
         return [f"run {python}: {error.strerror or error}"]
     except subprocess.TimeoutExpired:
@@ -544,15 +627,25 @@ def what_to_change(account: EngineUser, problems: list[str], paths: Iterable[Pat
 
 
 def plan_containment(
-    user: str, required: bool, seccomp: str | None, modules: Iterable[str], python: str = sys.executable
+    user: str,
+    required: bool,
+    seccomp: str | None,
+    modules: Iterable[str],
+    python: str = sys.executable,
+    *,
+    files: Iterable[Path] = (),
+    contained: Contained | None = None,
 ) -> Containment:
     """Decide, at a worker's start, which user its engine processes run as (see docs/operator/engine-isolation.md).
 
     As root, with ``user`` set: the account (created if it is the default and missing) must be used by no
-    other process (else :class:`EngineUserError`), and a probe run as it must import ``modules`` and read the
-    headers; then the engine switches to it. When the probe fails the engine keeps root, behind every layer
-    that does not need the switch, unless ``required`` (``NNQUEUE_ENGINE_USER_REQUIRED``): then
-    :class:`EngineUserError` says what to change. ``seccomp``: why the seccomp filter is unavailable, or None.
+    other process (else :class:`EngineUserError`), and a probe run as it where the engine will run
+    (``contained``: in its private filesystem view, where the interpreter, the virtualenv and the model are
+    readable whatever the host's modes) must import ``modules`` and read the headers and ``files`` (the
+    model's); then the engine switches to it. When the probe fails the engine keeps root, behind every layer
+    that does not need the switch, and its worker runs only its operator's traces (:meth:`Containment.refusal`),
+    unless ``required`` (``NNQUEUE_ENGINE_USER_REQUIRED``): then :class:`EngineUserError` says what to change.
+    ``seccomp``: why the seccomp filter is unavailable, or None.
     """
     uid = os.geteuid()
     if uid != 0 or not user:
@@ -575,7 +668,7 @@ def plan_containment(
             f" engine an account of its own: leave NNQUEUE_ENGINE_USER unset (the dedicated {DEFAULT_ENGINE_USER!r})"
             " or name an account nothing else uses"
         )
-    problems = probe(account, modules, [], python=python)
+    problems = probe(account, modules, files, python=python, contained=contained)
     if not problems:
         return Containment(account.name, f"engine processes switch to {account.name!r} once they are up", seccomp)
     paths = None if python == sys.executable else [Path(os.path.realpath(python))]

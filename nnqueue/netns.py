@@ -24,41 +24,30 @@ What the engine needs still works inside:
 * Ray (``distributed_executor_backend="ray"``, multi-node) needs the real network between its
   nodes: a worker that uses it runs its engine on the host's network and says so at start.
 
-How the processes get there. ``unshare`` moves only the calling *thread* into the new namespace, and
-every thread or process that thread then creates is born in it. A worker is multi-threaded (ZMQ's I/O
-threads, Celery, the I/O pool), so it never isolates itself: :func:`spawning_isolated` moves the calling
-thread into a fresh namespace just for the synchronous fork/exec of a child, then back (``setns`` to a
-descriptor of the namespace it came from), so no other thread of the worker and nothing after the spawn
-is affected. vLLM spawns the engine core in ``CoreEngineProcManager.__init__`` (``vllm.v1.engine.utils``)
-with ``proc.start()`` of a spawn-context process; :func:`engine_core_isolated` wraps that start (the
-spawn context's ``SpawnProcess._Popen``, for the calling thread only) while the engine is built. A
-process that starts single-threaded and will run users' code (a trace builder, the transformers engine)
-isolates itself instead, first thing (:func:`isolate_this_process`).
+How the processes get there: :mod:`nnqueue.enginecore.spawning` (a fresh thread enters the namespace with
+:func:`new_namespace` and starts the engine core; a process that starts single-threaded isolates itself first
+thing, :func:`isolate_this_process`).
 
 Entering a network namespace needs ``CAP_SYS_ADMIN``: a root worker has it (and its engine drops to the
 engine user afterwards, so users' code cannot ``setns`` back). An unprivileged worker could only do it
 inside a new user namespace, which must be created by a single-threaded process and remaps every file's
-owner; it runs its engine on the host's network instead and says so (``NNQUEUE_ENGINE_NETWORK``:
-``auto``, the default, isolates when root; ``isolated`` refuses to start without it; ``host`` never
-isolates).
+owner; it runs its engine on the host's network instead and says so, as does a root worker in a container
+that was not granted ``CAP_SYS_ADMIN`` (``NNQUEUE_ENGINE_NETWORK``: ``auto``, the default, isolates where it
+can; ``isolated`` refuses to start without it; ``host`` never isolates).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import fcntl
 import logging
 import os
 import socket
 import struct
-import threading
-from collections.abc import Callable, Iterator
-from multiprocessing.context import SpawnProcess
-from typing import Any, Literal
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 from nnqueue.errors import NNqueueError
+from nnqueue.libc import check, libc
 
 log = logging.getLogger(__name__)
 
@@ -89,43 +78,28 @@ def resolve(mode: Mode, *, ray: bool = False) -> tuple[str, str | None]:
                 "NNQUEUE_ENGINE_NETWORK=isolated needs a root worker (CAP_SYS_ADMIN, to make a network namespace)"
             )
         return HOST, "the worker is not root (a network namespace needs CAP_SYS_ADMIN)"
+    try:  # on a thread of its own, which ends with its namespace
+        with ThreadPoolExecutor(1, thread_name_prefix="nnqueue-netns-check") as pool:
+            pool.submit(new_namespace).result()
+    except (OSError, NetworkIsolationError) as error:
+        why = f"a network namespace could not be made here ({error}): a container must grant CAP_SYS_ADMIN"
+        if mode == ISOLATED:
+            raise NetworkIsolationError(f"NNQUEUE_ENGINE_NETWORK=isolated, but {why}") from None
+        return HOST, why
     return ISOLATED, None
 
 
-def _libc() -> Any:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
 def _check(result: int, what: str) -> None:
-    if result != 0:
-        errno = ctypes.get_errno()
-        raise NetworkIsolationError(f"{what} failed: {os.strerror(errno)}")
+    check(result, what, NetworkIsolationError)
 
 
-def _new_namespace() -> None:
+def new_namespace() -> None:
     """Move the calling thread into a fresh network namespace and bring its loopback up."""
-    _check(_libc().unshare(_CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+    _check(libc().unshare(_CLONE_NEWNET), "unshare(CLONE_NEWNET)")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # a socket of the new namespace
         answer = fcntl.ioctl(probe, _SIOCGIFFLAGS, struct.pack(_IFREQ, b"lo", 0))
         flags = struct.unpack(_IFREQ, answer)[1]
         fcntl.ioctl(probe, _SIOCSIFFLAGS, struct.pack(_IFREQ, b"lo", flags | _IFF_UP))
-
-
-@contextlib.contextmanager
-def spawning_isolated() -> Iterator[None]:
-    """Run the body (a synchronous spawn: no await, no thread started) with the calling thread in a fresh,
-    loopback-only network namespace; the thread returns to its own namespace afterwards."""
-    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        _new_namespace()
-        try:
-            yield
-        finally:
-            # Back where it came from; failing that, this thread must not go on in the wrong namespace.
-            if _libc().setns(original, _CLONE_NEWNET) != 0:
-                os.abort()
-    finally:
-        os.close(original)
 
 
 def isolate_this_process() -> None:
@@ -134,7 +108,7 @@ def isolate_this_process() -> None:
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         raise NetworkIsolationError(f"cannot isolate a process that already runs {threads} threads")
-    _new_namespace()
+    new_namespace()
 
 
 def isolate_if_asked() -> bool:
@@ -144,29 +118,6 @@ def isolate_if_asked() -> bool:
         return False
     isolate_this_process()
     return True
-
-
-@contextlib.contextmanager
-def engine_core_isolated(enabled: bool = True) -> Iterator[None]:
-    """While the body builds a vLLM engine on this thread, the spawn-context processes this thread starts (the
-    engine core) are born in a fresh network namespace; other threads' spawns are left alone."""
-    if not enabled:
-        yield
-        return
-    owner = threading.get_ident()
-    original: Callable[[Any], Any] = SpawnProcess._Popen
-
-    def popen(process_obj: Any) -> Any:
-        if threading.get_ident() != owner:
-            return original(process_obj)
-        with spawning_isolated():
-            return original(process_obj)
-
-    SpawnProcess._Popen = staticmethod(popen)  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        SpawnProcess._Popen = staticmethod(original)  # type: ignore[method-assign,assignment]
 
 
 def engine_environment(network: str) -> dict[str, str]:

@@ -132,6 +132,14 @@ class Settings(BaseSettings):
     # The engine's network (nnqueue.netns): "isolated" (a namespace of its own, loopback only; needs a root
     # worker), "host", or "auto" (isolated when the worker is root and the executor is not Ray).
     engine_network: Literal["auto", "isolated", "host"] = "auto"
+    # The engine's filesystem (nnqueue.mountns): "private" (a read-only view of only what it needs, with a private
+    # /tmp and no host socket; needs a root worker with CAP_SYS_ADMIN), "host", or "auto" (private where it can).
+    engine_filesystem: Literal["auto", "private", "host"] = "auto"
+    # Owners (comma-separated) whose traces a worker still runs when its engine cannot be isolated (it keeps
+    # root or the worker's user, the host's network or filesystem: /readyz says "degraded"): its operator's.
+    # Such a worker runs harvests and steering for everyone, and no other owner's trace. "*": every owner's
+    # (only where every owner may do what the worker's user can).
+    operator_owners: Annotated[list[str], NoDecode] = []
 
     # The HTTP API (``nnqueue serve-api``).
     api_host: str = "127.0.0.1"
@@ -195,7 +203,7 @@ class Settings(BaseSettings):
 
     _store_dir_defaulted: bool = PrivateAttr(default=False)
 
-    @field_validator("secret_env_patterns", "allowed_modules", "engine_taps", mode="before")
+    @field_validator("secret_env_patterns", "allowed_modules", "engine_taps", "operator_owners", mode="before")
     @classmethod
     def _comma_separated(cls, value: object) -> object:
         if isinstance(value, str):

@@ -23,7 +23,7 @@ from typing import Any
 
 from rich.console import Console
 
-from nnqueue.demo import DemoError, EmbeddedStack
+from nnqueue.demo import DemoError, EmbeddedStack, say_isolation
 
 DEFAULT_PORT = 8000
 KEY_FILE = "api-key"
@@ -60,6 +60,7 @@ def run_up(
         with Client(stack.api.url, stack.api_key) as client, waiting:
             stack.wait_worker(client)
         _print_access(console, stack.api.url, stack.api_key, model_key)
+        say_isolation(console, stack)
         while worker.running():
             time.sleep(0.5)
         raise DemoError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
+from nnqueue.db.session import make_engine, session_factory
 from nnqueue.demo import HARVEST_LAYER, MARKER, MODEL_KEY, TEXTS, ensure_model, gguf_path, run_demo
 
 pytestmark = pytest.mark.slow  # the demo: converts SmolLM2-135M and runs the whole embedded stack
@@ -77,3 +79,33 @@ def test_the_embedded_worker_keeps_the_engine_isolation_settings_and_no_other_nn
     assert env["NNQUEUE_ENGINE_USER"] == "someone" and env["NNQUEUE_ENGINE_USER_REQUIRED"] == "true"
     assert env["NNQUEUE_ENGINE_SECCOMP"] == "false" and "NNQUEUE_S3__BUCKET" not in env
     assert env["NNQUEUE_BROKER_URL"] == stack.redis.url
+
+
+def test_the_embedded_stack_keeps_its_data_private_and_says_when_its_engine_is_not_isolated(tmp_path: Path) -> None:
+    from nnqueue.demo import OWNER, EmbeddedStack, say_isolation
+    from nnqueue.isolation import Containment
+    from nnqueue.scheduler import registry
+
+    stack = EmbeddedStack(tmp_path / "data", tmp_path / "model", "m")
+    stack.start_services()
+    try:
+        quiet = Console(record=True, width=400)
+        say_isolation(quiet, stack)  # no worker yet: nothing to say
+        kept = Containment(None, "engine processes keep root, because ...", None, operators=(OWNER,))
+        sessions = session_factory(make_engine(stack.database_url))
+        registry.register(sessions, registry.new_worker_id(), "m", "queue-m", 1, containment=kept.report())
+        console = Console(record=True, width=400)
+        say_isolation(console, stack)
+        env = stack.worker_env()
+    finally:
+        stack.stop()
+
+    assert quiet.export_text() == ""
+    said = console.export_text()
+    assert said.startswith("warning: engine isolation degraded: engine processes keep root, because ...;"), said
+    assert f"the worker runs only its operator's (NNQUEUE_OPERATOR_OWNERS: {OWNER})" in said
+    assert env["NNQUEUE_OPERATOR_OWNERS"] == OWNER  # the key the stack made is its operator's
+    # The data folder (the database, results, the broker's password) is its owner's alone; so is the database.
+    assert stat.S_IMODE((tmp_path / "data").stat().st_mode) == 0o700
+    for database in (tmp_path / "data").glob("nnqueue.db*"):  # with SQLite's -wal and -shm files
+        assert stat.S_IMODE(database.stat().st_mode) == 0o600, database

@@ -145,7 +145,8 @@ def test_an_engine_user_that_cannot_reach_python_keeps_the_engine_root_or_refuse
 def test_an_engine_user_that_can_use_python_is_switched_to(engine_account: EngineUser) -> None:
     switched = plan_containment(DEFAULT_ENGINE_USER, True, "seccomp filter unavailable: test", ["json"], SYSTEM_PYTHON)
     assert switched.engine_user == DEFAULT_ENGINE_USER
-    assert switched.report() == {
+    report = switched.report()
+    assert {name: report[name] for name in ("engine_user", "note", "seccomp")} == {
         "engine_user": DEFAULT_ENGINE_USER,
         "note": f"engine processes switch to {DEFAULT_ENGINE_USER!r} once they are up",
         "seccomp": "seccomp filter unavailable: test",
@@ -164,6 +165,32 @@ def test_an_engine_user_that_another_process_runs_as_is_refused(engine_account: 
         squatter.kill()
         squatter.wait()
     assert not any(entry.startswith(f"{squatter.pid} ") for entry in foreign_processes(engine_account))
+
+
+@needs_root
+def test_a_serving_workers_engine_processes_are_not_taken_for_other_users_of_the_account(
+    engine_account: EngineUser,
+) -> None:
+    """Once a worker serves, its title is Celery's, not ``nnqueue worker``: its engine and builder processes are
+    told apart by the worker their environment names (a second worker on the host must not refuse to start)."""
+    named = {"ours": str(os.getpid()), "theirs": "1"}  # this process stands in for the worker
+    started = {
+        who: subprocess.Popen(
+            ["sleep", "60"],
+            user=engine_account.uid,
+            group=engine_account.gid,
+            extra_groups=[],
+            env={**os.environ, "NNQUEUE_ENGINE_SANDBOX": worker},
+        )
+        for who, worker in named.items()
+    }
+    try:
+        foreign = {entry.split(" ", 1)[0] for entry in foreign_processes(engine_account)}
+    finally:
+        for process in started.values():
+            process.kill()
+            process.wait()
+    assert str(started["ours"].pid) not in foreign and str(started["theirs"].pid) in foreign
 
 
 def test_the_test_servers_never_run_as_the_engine_user() -> None:
@@ -305,3 +332,38 @@ def test_a_handoff_folder_where_the_engine_account_does_not_exist_is_the_roots_o
     assert directory.parent == tmp_path
     assert directory.stat().st_uid == 0
     assert directory.stat().st_mode & 0o777 == 0o700
+
+
+# -- every thread: the switch reaches the threads started before it; giving up capabilities does not ----------
+
+THREADS = textwrap.dedent(
+    """
+    import json, sys, threading
+    from nnqueue.isolation import drop_capabilities, drop_privileges, engine_user, privileged_threads
+    stop = threading.Event()
+    started = [threading.Thread(target=stop.wait) for _ in range(3)]  # as vLLM's and ZMQ's threads are
+    for thread in started:
+        thread.start()
+    before = privileged_threads()
+    if sys.argv[1] == "switch":
+        assert drop_privileges(engine_user("nobody"))
+    else:
+        drop_capabilities()  # the calling thread's alone
+    after = privileged_threads()
+    stop.set()
+    print(json.dumps({"before": len(before), "after": [entry.split(": ", 1)[1] for entry in after]}))
+    """
+)
+
+
+@needs_root
+@pytest.mark.parametrize("drop", ["switch", "capabilities"])
+def test_the_switch_leaves_no_thread_with_root_or_a_capability_and_that_is_checked(drop: str) -> None:
+    done = subprocess.run([sys.executable, "-c", THREADS, drop], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["before"] == 4
+    if drop == "switch":
+        assert found["after"] == []
+    else:  # the other three threads keep their capabilities (all keep uid 0): why a kept root runs no one else's code
+        assert sorted(found["after"]) == ["uid 0", *["uid 0 CapEff CapPrm"] * 3]

@@ -228,6 +228,9 @@ class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
 
 
+IsolationSummary = Literal["full", "degraded", "no live worker"]
+
+
 class ReadyResponse(BaseModel):
     status: Literal["ready", "unavailable"]
     checks: dict[str, str] = Field(description="'ok', or the error, for database, broker and object_store.")
@@ -235,7 +238,13 @@ class ReadyResponse(BaseModel):
     engines: dict[str, dict[str, str]] = Field(
         default_factory=dict,
         description="Per live worker id: what its engine processes run under (engine_user: the account, or"
-        " 'kept <user>'; note: why; seccomp: 'applied' or why not). See docs/operator/engine-isolation.md.",
+        " 'kept <user>'; note: why; seccomp: 'applied' or why not; network; filesystem; isolation: 'full' or"
+        " 'degraded: <why>'; traces: whose traces it runs). See docs/operator/engine-isolation.md.",
+    )
+    isolation: IsolationSummary = Field(
+        "no live worker",
+        description="'full' when every live worker's engine is fully isolated, 'degraded' when any is not (that"
+        " worker runs only its operator's traces; still ready), 'no live worker'.",
     )
 
 

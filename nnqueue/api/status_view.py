@@ -42,6 +42,12 @@ class WorkerRow:
     running: int
     heartbeat_age_s: float
 
+    @property
+    def isolation(self) -> str | None:
+        """``full``, or why the worker's engine is not fully isolated (it then runs only its operator's traces), as
+        it registered it (``/readyz`` says the same); None when it reported none."""
+        return (self.worker.containment or {}).get("isolation")
+
 
 @dataclass(frozen=True)
 class JobRow:

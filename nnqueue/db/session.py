@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +20,9 @@ POOL_SIZE = 15
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for ``url``. For SQLite, creates the file's folder and turns on WAL and foreign keys."""
+    """An engine for ``url``. For SQLite, creates the file's folder (mode 0700) and the file (mode 0600: it holds
+    every job and the keys' hashes; SQLite gives its -wal and -shm files the same mode) and turns on WAL and
+    foreign keys."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         # Up to POOL_SIZE connections, kept once opened, and no overflow: SQLAlchemy's default (5, plus 10 opened
@@ -27,11 +30,19 @@ def make_engine(url: str) -> Engine:
         # process, for every few requests under load. A thread finding all of them busy waits for one.
         return create_engine(url, pool_pre_ping=True, pool_size=POOL_SIZE, max_overflow=0)
     if parsed.database and parsed.database != ":memory:":
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        private_file(Path(parsed.database))
     # The API, the worker and the CLI share the embedded SQLite file: wait for locks, don't fail.
     engine = create_engine(url, connect_args={"timeout": 30})
     event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def private_file(path: Path) -> None:
+    """``path`` made (empty) if missing, in folders made with mode 0700, and mode 0600 when this process owns it."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+    if path.stat().st_uid == os.geteuid() and path.stat().st_mode & 0o077:
+        path.chmod(0o600)
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

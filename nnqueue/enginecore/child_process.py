@@ -4,8 +4,8 @@ Two kinds of child run users' code outside the worker process, which holds the s
 trace builders (:mod:`nnqueue.engines.trace_builder`: raw nnsight payloads rebuilt against a meta model) and
 the transformers engine (:mod:`nnqueue.enginecore.transformers_engine`). Both are ``python -m <module>``,
 spawned fresh (never forked: no copy of the worker's heap comes along) with the worker's environment less its
-secrets (`scrubbed_environment`). A child first isolates itself (`open_protocol`: no network but its own
-loopback, :mod:`nnqueue.netns`), loads its model, then enters the sandbox
+secrets (`scrubbed_environment`). A child first isolates itself (`open_protocol`: the engine's filesystem view and
+no network but its own loopback, :mod:`nnqueue.enginecore.spawning`), loads its model, then enters the sandbox
 (:func:`nnqueue.enginecore.sandbox.enter_child_sandbox`: no secret left, the engine user when the worker is
 root, the seccomp filter, the protected environment) and only then says it is ready (`serve`).
 
@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
-from nnqueue import isolation, netns
+from nnqueue import isolation
+from nnqueue.enginecore import spawning
 from nnqueue.enginecore.lifetime import exit_with_worker
 from nnqueue.errors import NNqueueError
 
@@ -72,9 +73,10 @@ def read_frame(source: BinaryIO) -> tuple[int, bytes] | None:
 
 
 def open_protocol() -> BinaryIO:
-    """What a child does first, while it has one thread: no network but its own loopback (:mod:`nnqueue.netns`),
-    the original stdout kept for the protocol (returned) and stdout pointed at stderr, exit with the worker."""
-    netns.isolate_if_asked()
+    """What a child does first, while it has one thread: the engine's filesystem view and no network but its own
+    loopback (:mod:`nnqueue.enginecore.spawning`), the original stdout kept for the protocol (returned) and stdout
+    pointed at stderr, exit with the worker."""
+    spawning.enter_if_asked()
     protocol = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     exit_with_worker()

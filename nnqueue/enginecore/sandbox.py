@@ -149,26 +149,34 @@ class SandboxedWorker(_Worker):
         return super().execute_model(*args, **kwargs)
 
     def _nnqueue_enter_sandbox(self) -> None:
-        if not isolation.started_by_worker():
-            self._nnqueue_sandboxed = True
-            return  # an engine a library user (or a test) built: it keeps its caller's user
-        init_method = str(getattr(self, "distributed_init_method", "") or "")
-        rendezvous = Path(init_method.removeprefix("file://"))
-        hand_over = [rendezvous] if init_method.startswith("file://") and rendezvous.exists() else []
-        seccomp = EngineConfig.from_environment().seccomp
-        if seccomp:  # as root still: the compiled kernel lands in root's inductor cache, reused next start
-            warm_up_jit(self.model_config.get_vocab_size(), self.device)
-        isolation.enter_sandbox(hand_over=hand_over)
-        cuda = getattr(getattr(self, "device", None), "type", None) == "cuda"  # Triton compiles at run time
-        filtered = seccomp and seccomp_filter.install(
-            isolation.worker_pids(), isolation.engine_needs_network(), exec_allowed=cuda
-        )
-        if EngineConfig.from_environment().protected_environment:
-            protected.lock_down()
+        if isolation.started_by_worker():  # else an engine a library user (or a test) built: it keeps its user
+            init_method = str(getattr(self, "distributed_init_method", "") or "")
+            rendezvous = Path(init_method.removeprefix("file://"))
+            hand_over = [rendezvous] if init_method.startswith("file://") and rendezvous.exists() else []
+            if EngineConfig.from_environment().seccomp:  # as root still: the kernel lands in root's inductor cache
+                warm_up_jit(self.model_config.get_vocab_size(), self.device)
+            cuda = getattr(getattr(self, "device", None), "type", None) == "cuda"  # Triton compiles at run time
+            enter_engine_sandbox(hand_over, jit_compiler=cuda, protected_environment=True)
         self._nnqueue_sandboxed = True
-        log.info(
-            "engine process %d runs users' code as uid %d, seccomp filter %s",
-            os.getpid(),
-            os.getuid(),
-            ("applied (exec allowed: Triton's compiler)" if cuda else "applied") if filtered else "NOT applied",
-        )
+
+
+def enter_engine_sandbox(hand_over: list[Path], *, jit_compiler: bool, protected_environment: bool) -> None:
+    """What an engine process that a worker started does before its first step: the engine user
+    (:func:`nnqueue.isolation.enter_sandbox`, ``hand_over`` given to it, every thread checked), the seccomp filter
+    (``jit_compiler``: exec stays allowed, for Triton's compiler on CUDA) and, in a process that runs users' code
+    (``protected_environment``), the protected environment's lock-down. Nothing in another process."""
+    if not isolation.started_by_worker():
+        return
+    config = EngineConfig.from_environment()
+    isolation.enter_sandbox(hand_over=hand_over)
+    filtered = config.seccomp and seccomp_filter.install(
+        isolation.worker_pids(), isolation.engine_needs_network(), exec_allowed=jit_compiler
+    )
+    if protected_environment and config.protected_environment:
+        protected.lock_down()
+    log.info(
+        "engine process %d runs as uid %d, seccomp filter %s",
+        os.getpid(),
+        os.getuid(),
+        ("applied (exec allowed: Triton's compiler)" if jit_compiler else "applied") if filtered else "NOT applied",
+    )

@@ -2,7 +2,8 @@
 
 A delivered token names no job: the runner claims the best QUEUED job of its model (:func:`claim_jobs`:
 highest priority, then oldest), and a token that finds none is dropped. Claims are compare-and-set, so a job
-runs under one worker at a time. Every outcome is a status change with its cause: COMPLETED with the result's key,
+runs under one worker at a time. A worker whose engine is not isolated fails another owner's trace at once, saying
+why (:meth:`nnqueue.isolation.Containment.refusal`). Every outcome is a status change with its cause: COMPLETED with the result's key,
 or FAILED with the error's type, message and the user's traceback (and the result, when the trace saved
 values before it failed). A cancel is seen by :meth:`JobRunner.reap_lost`, which the heartbeat calls; it
 cancels the job's task, which aborts its engine requests, as it does for a job requeued while this worker
@@ -34,10 +35,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
 from nnqueue.db.lifecycle import Ending, InvalidTransition, finish_held, transition
-from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.enginecore.weights_guard import SHARED_STEP_ERROR
 from nnqueue.errors import NNqueueError
+from nnqueue.isolation import Containment
 from nnqueue.logs import job_context
 from nnqueue.scheduler.claim import claim_jobs
 from nnqueue.storage.results import StoredResult
@@ -99,6 +101,8 @@ class JobRunner:
     health: EngineHealth | None = None
     # The engine's weights version and update gate (nnqueue.workers.weights); None: versions are not tracked.
     weights: WeightsGate | None = None
+    # What the engine runs under (nnqueue.isolation): a degraded one runs no other owner's trace. None: any trace.
+    containment: Containment | None = None
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
     _versions: dict[uuid.UUID, str] = field(default_factory=dict)  # the weights each running job runs on
     # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
@@ -129,6 +133,9 @@ class JobRunner:
         waited = _seconds(job.queued_at, job.started_at)
         metrics.QUEUE_WAIT.labels(job.model_key, job.kind.value).observe(waited)
         log.info("job %s started (attempt %d) after %.3f s in the queue", job_id, job.attempts, waited)
+        refusal = self.containment.refusal(job.owner) if self.containment and job.kind is JobKind.TRACE else None
+        if refusal is not None:
+            return await self._fail(job_id, JobFailure("EngineNotIsolated", refusal))
         task = asyncio.current_task()
         assert task is not None
         self._running[job_id] = task

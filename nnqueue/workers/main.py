@@ -15,32 +15,31 @@ for running work is bounded by ``NNQUEUE_WORKER_DRAIN_S``; what is still held th
 The worker reports the weights version its engine serves and applies the model's checkpoint swaps between
 requests (:mod:`nnqueue.workers.weights`): a worker that starts after some replays them before it registers.
 
-The worker reads its settings, then isolates itself before it starts the engine (:func:`isolate`):
-the engine's processes run users' code (traces) and capture harvests, and must find no secret in their
-environment or their parent, and no network but their own loopback (:mod:`nnqueue.netns`); they hand results
-and shards to this process through files it reads and uploads itself (:mod:`nnqueue.workers.sinks`).
+The worker reads its settings, then isolates itself before it starts the engine
+(:mod:`nnqueue.workers.containment`): the engine's processes run users' code (traces) and capture harvests, and
+must find no secret in their environment or their parent, no network but their own loopback and no file but
+theirs; they hand results and shards to this process through files it reads and uploads itself
+(:mod:`nnqueue.workers.sinks`). A worker whose engine cannot be isolated runs only its operator's traces.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import logging
 import os
 import shutil
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue import isolation, netns, seccomp_filter
+from nnqueue import isolation, mountns
 from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
-from nnqueue.enginecore import sandbox
+from nnqueue.enginecore import spawning
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
 from nnqueue.enginecore.lifetime import WORKER_PID_ENV
 from nnqueue.enginecore.taps import UnservableTaps, mark_taps, served_taps
@@ -57,6 +56,7 @@ from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers import trl_server
 from nnqueue.workers.bulk import BulkConsumer
 from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
+from nnqueue.workers.containment import engine_core_kwargs, engine_view, isolate, warn_if_degraded
 from nnqueue.workers.drain import Drain
 from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
@@ -90,6 +90,8 @@ def run_worker(
     bulk_slots = bulk_slots or settings.worker_bulk_slots
     containment = isolate(
         settings,
+        model,
+        engine_kwargs,
         ray=engine_kwargs.get("distributed_executor_backend") == "ray",
         nccl=settings.trainer_port is not None and settings.trainer_nccl_port is not None,
     )
@@ -107,14 +109,16 @@ def run_worker(
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
     os.environ[CRASH_DIR_ENV] = str(crash_dir)
+    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff")
+    view = (
+        engine_view(model, engine_kwargs, [crash_dir, sinks.handoff_dir()]) if containment.filesystem_private else None
+    )
     host = EngineHost(blocking_threads=min(2 * ((max_concurrent_jobs or 32) + bulk_slots) + 2, 64))
     with sessions() as session:  # fail before loading a model that would then not register
         registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
     executor = host.call(
-        _start_executor(
-            engine_kind, model, engine_kwargs, settings, sessions, store, containment.network == netns.ISOLATED
-        )
+        _start_executor(engine_kind, model, engine_kwargs, settings, sessions, store, sinks, containment, view)
     )
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
     freeze_startup_heap()
@@ -126,7 +130,7 @@ def run_worker(
     worker_id = registry.new_worker_id()
     health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
     gate = WeightsGate(*base_version(model, engine_kwargs.get("revision")))
-    runner = JobRunner(sessions, executor, model_key, worker_id, health, gate)
+    runner = JobRunner(sessions, executor, model_key, worker_id, health, gate, containment)
     register_run_job(app, host, runner)
     chunks, points, updater, taps = None, None, None, ()
     if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
@@ -139,6 +143,7 @@ def run_worker(
             worker_id,
             crash_dir,
             broken=lambda: _restart_for_weights(health),
+            staged=view is not None,
         )
         host.call(updater.catch_up())  # the model's checkpoint swaps so far: serve the newest version
         chunks = ChunkRunner(
@@ -176,6 +181,7 @@ def run_worker(
         host.call(executor.close())
         host.stop()
         raise
+    warn_if_degraded(containment)  # again, below the engine's start-up lines
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
     trainer = None
     if settings.trainer_port is not None and isinstance(executor, VLLMTraceExecutor):
@@ -264,6 +270,8 @@ def run_worker(
         host.call(executor.close())
         host.stop()
         shutil.rmtree(crash_dir, ignore_errors=True)
+        if view is not None and view.sockets_kept:
+            shutil.rmtree(view.sockets_kept, ignore_errors=True)
     if health.dead.is_set():
         sys.exit(EXIT_ENGINE_DIED)  # the supervisor starts a fresh worker
 
@@ -299,56 +307,6 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def isolate(settings: Settings, ray: bool = False, nccl: bool = False) -> isolation.Containment:
-    """Remove the secrets from the environment the engine will inherit, keep the engine out of ours, and
-    choose the engine processes' user (:func:`nnqueue.isolation.plan_containment`: raises
-    :class:`nnqueue.isolation.EngineUserError` when the worker must not start) and network
-    (:func:`nnqueue.netns.resolve`: ``NNQUEUE_ENGINE_NETWORK``).
-
-    Also: the engine reads its settings from the environment (never ``.env``), and its processes are
-    spawned, not forked, so that none starts with a copy of this process's memory (settings, clients).
-    The engine's processes also find the network (``netns.ISOLATED`` or ``netns.HOST``) in their environment.
-    ``nccl``: a trainer pushes weights over NCCL (:mod:`nnqueue.workers.trl_server`): the engine's rank 0 listens
-    for the trainer's group, so its processes keep the host's network and may open TCP sockets, as with Ray.
-    """
-    if nccl and settings.engine_network == netns.ISOLATED:
-        raise netns.NetworkIsolationError(
-            "NNQUEUE_TRAINER_NCCL_PORT needs the engine on the host's network (the trainer joins its NCCL group);"
-            " unset NNQUEUE_ENGINE_NETWORK=isolated or the NCCL port"
-        )
-    network, why = netns.resolve(settings.engine_network, ray=ray)
-    if nccl and network == netns.ISOLATED:
-        network, why = netns.HOST, "a trainer's NCCL group (NNQUEUE_TRAINER_NCCL_PORT) needs the host's network"
-    ray = ray or nccl  # sockets: the seccomp filter's and the protected environment's allowances
-    seccomp = seccomp_filter.unavailable_reason() if settings.engine_seccomp else "off (NNQUEUE_ENGINE_SECCOMP=false)"
-    # The engine hands results to this process through files; only Ray's executor opens sockets after start-up.
-    if seccomp is None and ray:
-        seccomp = "seccomp filter applied, with TCP/UDP sockets allowed: the engine's Ray executor needs them"
-    containment = isolation.plan_containment(
-        settings.engine_user, settings.engine_user_required, seccomp, sandbox.PROBE_MODULES
-    )
-    isolated = network == netns.ISOLATED
-    network_note = "a network namespace of its own (loopback only)" if isolated else f"the host's network: {why}"
-    containment = dataclasses.replace(containment, network=network, network_note=network_note)
-    (log.info if containment.engine_user else log.warning)("engine isolation: %s", containment.note)
-    (log.info if isolated else log.warning)("engine isolation: the engine's processes use %s", network_note)
-    if containment.seccomp:
-        log.warning("engine isolation: %s", containment.seccomp)
-    env_file = Path(str(Settings.model_config.get("env_file")))
-    for warning in isolation.env_file_warnings(env_file, containment.engine_user or ""):
-        log.warning("%s", warning)
-    removed = isolation.scrub_environment(settings.secret_env_patterns)
-    isolation.make_non_dumpable()
-    os.environ.update(settings.engine_environment())
-    os.environ[isolation.ENGINE_USER_ENV] = containment.engine_user or ""
-    os.environ[isolation.SECCOMP_NETWORK_ENV] = "true" if ray else "false"
-    isolation.mark_engine_sandbox()
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    os.environ.update(netns.engine_environment(network))
-    log.info("removed %d secret variables from the engine's environment", len(removed))
-    return containment
-
-
 def _engine_errored(executor: Executor) -> bool:
     """Whether the executor's vLLM engine has died (its AsyncLLM's ``errored``)."""
     model = getattr(executor, "model", None)
@@ -362,14 +320,16 @@ async def _start_executor(
     settings: Settings,
     sessions: sessionmaker[Session],
     store: ObjectStore,
-    isolated: bool,
+    sinks: ResultSinks,
+    containment: isolation.Containment,
+    view: mountns.View | None,
 ) -> Executor:
     """The engine, loaded, and its executor. Built on the engine loop: vLLM's AsyncLLM binds to the loop it
-    first runs on, and the transformers engine's process pipes to the loop that started it. ``isolated``: the
-    vLLM engine core is spawned in a network namespace of its own (the other engine processes isolate
-    themselves, told by ``$NNQUEUE_ENGINE_NETWORK``). The trace builders start before the engine and load beside
-    it: the worker registers with them ready, so its first trace job runs as fast as the next ones."""
-    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff")
+    first runs on, and the transformers engine's process pipes to the loop that started it. The vLLM engine
+    core is spawned in the engine's network namespace and filesystem ``view`` (:mod:`nnqueue.enginecore.spawning`;
+    the other engine processes enter them themselves, told by their environment). The trace builders start before
+    the engine and load beside it: the worker registers with them ready, so its first trace job runs as fast as
+    the next ones."""
     if engine_kind is EngineKind.TRANSFORMERS:
         from nnqueue.engines.transformers import TransformersEngine
         from nnqueue.workers.transformers_execution import TransformersExecutor
@@ -382,8 +342,8 @@ async def _start_executor(
     builders = BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes)
     builders_ready = await builders.launch()
     try:
-        with netns.engine_core_isolated(isolated):
-            vllm = load_engine(model, **engine_kwargs)  # blocks this loop; the builders load in their own processes
+        with spawning.engine_core_contained(network=containment.network_isolated, view=view):
+            vllm = load_engine(model, **engine_core_kwargs(engine_kwargs))  # blocks this loop; builders load aside
         await builders_ready
     except BaseException:
         await builders.close()

@@ -84,7 +84,7 @@ class ResultSinks:
     def open(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool) -> JobSinks:
         """Files for the engine to leave the result of ``job_id``'s ``attempt`` in: ``saves.pt``, and with
         ``safetensors`` a sink the engine fills when every saved value is a tensor."""
-        directory = self._handoff()
+        directory = self.handoff_dir()
         objects = {name: file for name, file in OBJECTS.items() if safetensors or name != "safetensors"}
         specs = {
             name: {"kind": "handoff", "path": str(directory / f"{job_id}-{attempt}-{file}")}
@@ -139,7 +139,7 @@ class ResultSinks:
     def open_shard(self, key: str, name: str, max_bytes: int) -> ShardSink:
         """A handoff file named ``name`` (unique to the attempt) for a shard of at most ``max_bytes`` bytes, to end
         up at ``key`` (`commit_shard`)."""
-        return ShardSink({"kind": "handoff", "path": str(self._handoff() / name)}, key, max_bytes)
+        return ShardSink({"kind": "handoff", "path": str(self.handoff_dir() / name)}, key, max_bytes)
 
     @contextlib.asynccontextmanager
     async def staged_shard(self, key: str, name: str, max_bytes: int) -> AsyncIterator[ShardSink]:
@@ -197,7 +197,9 @@ class ResultSinks:
                 owners.add(account.uid)
         return owners
 
-    def _handoff(self) -> Path:
+    def handoff_dir(self) -> Path:
+        """The folder the engine leaves files in, made on first use (the worker makes it before the engine
+        starts: it is one of the few the engine's filesystem view lets it write, :mod:`nnqueue.mountns`)."""
         if self._handoff_dir is None:
             # The engine writes here. A root worker's engine runs as the engine user (nnqueue.isolation),
             # which may not reach the store's folder: its handoff directory is then in the temp folder (1777).

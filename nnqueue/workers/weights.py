@@ -20,7 +20,8 @@ pin claims it.
 **Checkpoint swaps** (:class:`CheckpointUpdater`). The database is the signal, as for a cancel: the heartbeat
 thread looks for the model's updates newer than the last one applied (:func:`nnqueue.scheduler.weights.updates_after`)
 and starts their application on the engine loop. An ``s3://`` checkpoint is downloaded by this process into a
-folder the engine user can read (the engine holds no store credentials); a path is read by the engine itself.
+folder the engine user can read (the engine holds no store credentials); a path is read by the engine itself, from
+that folder too (hard-linked or copied) when the engine sees only its own filesystem view.
 The load is nnqueue's RPC ``nnqueue_load_weights`` (:mod:`nnqueue.enginecore.rpc`), which feeds the tensors to
 vLLM's own loader, each rank its shard, and then refreshes the weights guard's reference copy. A load that fails
 is put back from the guard's copy (the worker stays on its version and records the error in its row); without a
@@ -177,6 +178,9 @@ class CheckpointUpdater:
     model_key: str
     worker_id: str
     folder: Path  # where downloaded checkpoints wait for the engine (readable by the engine user)
+    # The engine sees its own filesystem view (nnqueue.mountns), which holds ``folder`` but not the host's other
+    # paths: a local checkpoint is hard-linked (or copied) into ``folder`` first.
+    staged: bool = False
     # Called when a failed load left the weights changed and not restorable (default: none; the worker stops).
     broken: Callable[[], None] = field(default=lambda: None)
     applied: int = 0  # the id of the last update applied
@@ -250,12 +254,27 @@ class CheckpointUpdater:
             files = sorted(str(file) for file in path.glob("*.safetensors")) if path.is_dir() else [str(path)]
             if not files or not all(Path(file).is_file() for file in files):
                 raise UpdateFailed(f"no safetensors checkpoint at {update.source!r} on this worker's host", True)
-            return files, None
+            if not self.staged:
+                return files, None
         folder = self.folder / f"update-{update.id}"
         folder.mkdir(mode=0o755, exist_ok=True)
+        if key is None:
+            return [str(_staged(Path(file), folder)) for file in files], folder
         target = folder / "checkpoint.safetensors"
         with self.store.open_stream(key) as source, open(target, "wb") as out:
             while piece := source.read(_PIECE):
                 out.write(piece)
         os.chmod(target, 0o644)
         return [str(target)], folder
+
+
+def _staged(file: Path, folder: Path) -> Path:
+    """``file`` in ``folder``: a hard link (same file system: no copy, the file's own mode), else a copy readable by
+    the engine user."""
+    target = folder / file.name
+    try:
+        os.link(file, target)
+    except OSError:
+        shutil.copyfile(file, target)
+        os.chmod(target, 0o644)
+    return target

@@ -58,18 +58,28 @@ def test_readyz_is_200_when_everything_is_reachable(services: Services) -> None:
         "checks": {"database": "ok", "broker": "ok", "object_store": "ok"},
         "store": f"s3://{s3.bucket} at {s3.endpoint_url}",
         "engines": {},
+        "isolation": "no live worker",
     }
 
 
-def test_readyz_says_what_each_live_workers_engine_runs_as(services: Services) -> None:
+def test_readyz_says_what_each_live_workers_engine_runs_as_and_whether_any_is_degraded(services: Services) -> None:
+    full = {"engine_user": "nnqueue-engine", "isolation": "full", "traces": "every owner's"}
     kept = {"engine_user": "kept root", "note": "engine processes keep root, because ...", "seccomp": "applied"}
-    worker_id = registry.new_worker_id()
-    registry.register(services.sessions, worker_id, "model-c", "queue-model-c", 2, containment=kept)
+    kept["isolation"] = "degraded: engine processes keep root, because ..."
+    worker_ids = [registry.new_worker_id() for _ in range(2)]
+    for worker_id, containment in zip(worker_ids, (full, kept), strict=True):
+        registry.register(services.sessions, worker_id, "model-c", "queue-model-c", 2, containment=containment)
     with api_client(services) as api:
-        engines = api.http.get("/readyz").json()["engines"]
-        registry.mark_stopped(services.sessions, worker_id)  # a stopped worker's engine is not reported
-        after = api.http.get("/readyz").json()["engines"]
-    assert engines == {worker_id: kept} and after == {}
+        both = api.http.get("/readyz")
+        registry.mark_stopped(services.sessions, worker_ids[1])  # a stopped worker's engine is not reported
+        one = api.http.get("/readyz").json()
+        registry.mark_stopped(services.sessions, worker_ids[0])
+        none = api.http.get("/readyz").json()
+    assert both.status_code == 200  # degraded isolation is visible, not unready
+    assert both.json()["engines"] == {worker_ids[0]: full, worker_ids[1]: kept}
+    assert both.json()["isolation"] == "degraded"
+    assert (one["engines"], one["isolation"]) == ({worker_ids[0]: full}, "full")
+    assert (none["engines"], none["isolation"]) == ({}, "no live worker")
 
 
 def test_readyz_is_503_when_a_shared_database_meets_the_default_local_folder(

@@ -22,6 +22,7 @@ from nnqueue.api import auth
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import JobStatus
 from nnqueue.db.session import transaction
+from nnqueue.scheduler import registry
 from nnqueue.scheduler.chunks import ChunkOutput, finish_chunk
 from nnqueue.scheduler.claim import claim_next_chunk
 from nnqueue.settings import Settings
@@ -265,3 +266,18 @@ def test_a_wrong_key_is_refused_with_a_reason(browser: Any, server: str) -> None
     page.wait_for_load_state()
     assert page.inner_text("#sign-in-error") == "unknown API key"
     assert page.context.cookies() == []
+
+
+def test_a_worker_whose_engine_isolation_is_degraded_is_marked_with_the_reason(
+    browser: Any, server: str, services: Services, jobs: dict[str, Any]
+) -> None:
+    degraded = "degraded: the engine's processes see the host's filesystem: NNQUEUE_ENGINE_FILESYSTEM=host"
+    worker_id = registry.new_worker_id()
+    registry.register(
+        services.sessions, worker_id, LIVE_MODEL, f"queue-{LIVE_MODEL}", 1, containment={"isolation": degraded}
+    )
+    page = sign_in(browser, server, jobs["alice"])
+    badges = page.query_selector_all("#workers .badge.isolation")
+    assert [badge.inner_text() for badge in badges] == ["isolation degraded"]  # the other worker reported none
+    assert badges[0].get_attribute("title") == degraded
+    assert worker_id in badges[0].evaluate("badge => badge.parentElement.innerText")

@@ -2,9 +2,10 @@
 under ``/root`` is), as root: a trace reading ``logprobs`` and ``prompt_logprobs`` from ``tracer.result`` and a
 trace through nnsight's own ``remote=True`` client both run, with the values of the in-process engine.
 
-The engine user cannot read such a checkout (nor, here, this Python in root's home): the worker's start-up
-probe finds it and keeps the engine root behind the other layers, instead of switching it to a user that
-would then fail to import nnsight's modules, ``symtable`` or inductor's headers mid-job (issue 22).
+On the host the engine user cannot read such a checkout (nor, here, this Python in root's home); in the engine's
+filesystem view (nnqueue.mountns) both are bound in, readable, so the worker's start-up probe, run there, passes
+and the engine switches to the engine user with every module it imports mid-job (nnsight's, ``symtable``,
+inductor's headers: issue 22) readable: its isolation is full, not root kept (issue 33).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ try:
         "prompt_logprobs": [None if step is None else {str(k): v.logprob for k, v in step.items()} for step in result.prompt_logprobs],
         "remote_logits": logits.tolist(),
         "engines": readyz["engines"],
+        "isolation": readyz["isolation"],
     }), flush=True)
 finally:
     stack.stop()
@@ -133,8 +135,8 @@ def test_the_embedded_stack_serves_logprobs_and_remote_traces_from_a_private_che
     assert got["prompt_logprobs"][0] is None and all(len(step) >= 2 for step in got["prompt_logprobs"][1:])
     assert_same_steps(got["prompt_logprobs"], logprobs_of(result.prompt_logprobs))
     torch.testing.assert_close(torch.tensor(got["remote_logits"]), logits, atol=1e-5, rtol=1e-5)
-    # The worker said what its engine runs as, in its log and on /readyz: root kept, and why.
+    # The worker said what its engine runs as, in its log and on /readyz: the engine user, fully isolated.
     [containment] = got["engines"].values()
-    assert containment["engine_user"] == "kept root" and f"{private_checkout}" in containment["note"]
-    assert containment["seccomp"] == "applied"
-    assert "engine processes keep root" in log
+    assert containment["engine_user"] == "nnqueue-engine" and containment["isolation"] == "full", containment
+    assert containment["seccomp"] == "applied" and got["isolation"] == "full"
+    assert "engine processes switch to 'nnqueue-engine'" in log and "DEGRADED" not in log

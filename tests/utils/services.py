@@ -110,12 +110,15 @@ class WorkerProcess:
         engine: str = "vllm",
         cwd: Path | None = None,
         user: str | None = None,
+        wrapper: Sequence[str] = (),
     ) -> None:
         """``engine``: ``vllm`` (the tiny model's engine arguments) or ``transformers`` (one job at a time);
         ``env`` adds to the module's service settings; ``user`` runs the worker as that account;
-        ``max_concurrent_jobs`` None: the worker's default; ``engine_args`` go after the tiny model's."""
+        ``max_concurrent_jobs`` None: the worker's default; ``engine_args`` go after the tiny model's;
+        ``wrapper``: a command that runs the worker's command line (its arguments) in another layout."""
         self.services, self.log_path, self.env = services, log_path, env or {}
-        command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path), "--model-key", model_key]
+        command = [*wrapper, sys.executable, "-m", "nnqueue", "worker", "--model", str(model_path)]
+        command += ["--model-key", model_key]
         if engine == "vllm":
             if max_concurrent_jobs is not None:
                 command += ["--max-concurrent-jobs", str(max_concurrent_jobs)]

@@ -4,11 +4,12 @@
 
 The protected environment is turned off here (``NNQUEUE_PROTECTED_ENVIRONMENT=false``; the worker tests show it
 on) so that the traces run arbitrary code, as a sandbox escape would: what they cannot reach is what the process
-isolation alone keeps from them. A root worker's engine switches to the dedicated engine user when that user can
-use this Python (its start-up probe), else keeps root behind the other layers (on a machine whose Python lives in
-root's mode-700 home, such as this project's): the assertions follow what the worker registered. A worker run
-as an unprivileged user shares that user with its engine and relies on the scrubbed environment, on being
-non-dumpable and on seccomp.
+isolation alone keeps from them. A root worker's engine runs in a private filesystem view (nnqueue.mountns) where
+the engine user can read Python even when it lives in root's mode-700 home (this project's machine: the
+workstation layout), so it switches to that user; the assertions follow what the worker registered. The
+"reach nothing" test runs in that layout and in one where the engine user can read Python on the host too (a
+worker whose /root is passable). A worker run as an unprivileged user shares that user with its engine and relies
+on the scrubbed environment, on being non-dumpable and on seccomp.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ import glob
 import hashlib
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import nnsight
+import psutil
 import pytest
 from nnsight.modeling.vllm import VLLM
 
@@ -149,8 +153,8 @@ def test_a_root_workers_engine_sees_no_secret_and_cannot_reach_the_worker_or_the
     containment = worker.wait_registered().containment
     assert containment is not None and containment["seccomp"] == "applied", containment
     assert containment["network"] == "a network namespace of its own (loopback only)", containment
-    if found["uid"] != 0:  # a root-owned chmod 600 file is out of the engine user's reach; root keeps its files
-        assert "PermissionError" in found["env_file"]
+    if found["uid"] != 0:  # a root-owned chmod 600 file is out of the engine user's reach (here, out of its view)
+        assert found["env_file"].startswith(("PermissionError", "FileNotFoundError")), found["env_file"]
     else:
         assert ".env holds settings and the engine processes run as this same user" in worker.log()
     assert "secret variables from the engine's environment" in worker.log()
@@ -204,6 +208,192 @@ def test_a_builder_that_dies_fails_only_its_job_and_is_replaced(
     assert crashed.error_type == "TraceBuilderCrashed" and "died while rebuilding this trace" in crashed.error_message
     after = services.submit(two_invoke_payload(client_model, raw=True), model_key="tiny-root")
     assert services.wait_for(after.id, {JobStatus.FAILED, JobStatus.COMPLETED}).status is JobStatus.COMPLETED
+
+
+# What a trace tries from the engine (exec'd there: the same code at trace level in the builder and inside an
+# invoke in the engine core): read files and processes' memory, connect to unix sockets, write files; and which
+# of its threads still run as root or hold a capability.
+REACH = """
+import os, socket
+
+def outcome(action):
+    try:
+        action()
+    except OSError as error:
+        return type(error).__name__
+    return "done"
+
+def read(path):
+    with open(path, "rb") as file:
+        file.read(1)
+
+def connect(path):
+    with socket.socket(socket.AF_UNIX) as client:
+        client.settimeout(3)
+        client.connect(path)
+
+def write(path):
+    with open(path, "wb") as file:
+        file.write(b"escaped")
+
+def privileged():
+    held = []
+    for task in os.listdir("/proc/self/task"):
+        lines = open(f"/proc/self/task/{task}/status").read().splitlines()
+        status = dict(line.split(":", 1) for line in lines)
+        caps = [name for name in ("CapEff", "CapPrm", "CapAmb") if int(status[name], 16)]
+        if "0" in status["Uid"].split() or caps:
+            held.append(task)
+    return held
+
+def parent():
+    lines = open(f"/proc/{os.getppid()}/status").read().splitlines()
+    status = dict(line.split(":", 1) for line in lines)
+    return {"uids": status["Uid"].split(), "caps": [status[name].strip() for name in ("CapEff", "CapPrm")]}
+
+found = {
+    "uid": os.getuid(),
+    "privileged_threads": privileged(),
+    "parent": parent(),
+    "reads": {path: outcome(lambda path=path: read(path)) for path in targets["reads"]},
+    "sockets": {path: outcome(lambda path=path: connect(path)) for path in targets["sockets"]},
+    "writes": {path: outcome(lambda path=path: write(path)) for path in targets["writes"]},
+}
+"""
+
+
+def postgres_paths(services: Services) -> list[Path]:
+    """The suite's Postgres server's data file and unix socket, found from its process (none for an outside one)."""
+    port = str(urlsplit(services.env["NNQUEUE_DATABASE_URL"]).port)
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        if "-D" in argv and "-p" in argv and argv[argv.index("-p") + 1] == port:
+            data = Path(argv[argv.index("-D") + 1])
+            return [data / "PG_VERSION", data.parent / f".s.PGSQL.{port}"]
+    return []
+
+
+@pytest.fixture(scope="module")
+def readable_python_worker(
+    services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """A root worker in a mount namespace where /root is passable (mode 0755, only its Python and caches in it): the
+    layout where the engine user can read this Python on the host too (a Python under /opt or /usr). Its engine
+    has two pipeline stages (vLLM's mp executor, as with tensor parallelism): users' code runs in the model-runner
+    workers, children of an engine core process that must hold no more than they do."""
+    layout = (
+        'set -e; stage=$(mktemp -d); mount --bind /root "$stage"; mount -t tmpfs -o mode=0755 tmpfs /root;'
+        ' for name in .pyenv .cache; do if [ -e "$stage/$name" ]; then mkdir -p "/root/$name";'
+        ' mount --rbind "$stage/$name" "/root/$name"; fi; done; umount -l "$stage"; rmdir "$stage"; exec "$@"'
+    )
+    wrapper = ["unshare", "--mount", "--propagation", "private", "sh", "-c", layout, "sh"]
+    workdir = tmp_path_factory.mktemp("readable-python-worker")
+    # vLLM's CPU workers pin their OpenMP threads: one core per stage.
+    env = {**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    worker = WorkerProcess(
+        services,
+        tiny_model_path,
+        workdir / "worker.log",
+        env=env,
+        cwd=workdir,
+        model_key="tiny-readable",
+        wrapper=wrapper,
+        engine_args=["--pipeline-parallel-size", "2"],
+    )
+    try:
+        worker.wait_registered(timeout=600)
+        yield worker
+    finally:
+        worker.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the engine user and the filesystem view need a root worker")
+@pytest.mark.parametrize("layout", ["workstation", "readable-python"])
+def test_a_trace_without_the_protected_environment_reaches_nothing_outside_the_engine(
+    services: Services,
+    client_model: VLLM,
+    tiny_model_path: Path,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    layout: str,
+) -> None:
+    if layout == "workstation":
+        worker, _ = request.getfixturevalue("root_worker")
+        model_key = "tiny-root"
+    else:
+        worker, model_key = request.getfixturevalue("readable_python_worker"), "tiny-readable"
+    registered = worker.wait_registered()
+    assert registered.containment is not None and registered.containment["isolation"] == "full", registered.containment
+
+    token = uuid.uuid4().hex
+    outside, beside_model = tmp_path / "root-only.txt", tiny_model_path / f"root-only-{token}.txt"
+    for secret_file in (outside, beside_model):  # beside the model: inside the engine's view
+        secret_file.write_text(token)
+        secret_file.chmod(0o600)
+    listener = socket.socket(socket.AF_UNIX)  # a local service's socket that anyone may connect to
+    listening = Path(f"/tmp/nnqueue-test-{token}.sock")
+    listener.bind(str(listening))
+    listening.chmod(0o777)
+    listener.listen()
+    root_process = subprocess.Popen(["sleep", "600"])  # a root process that is not non-dumpable
+    postgres = postgres_paths(services)
+    written = [
+        Path(sys.prefix, f"escaped-{token}"),  # the virtualenv
+        Path(isolation.__file__).parent / f"escaped-{token}.py",  # the project's source
+        Path(f"/etc/cron.d/escaped-{token}"),
+        Path(f"/tmp/escaped-{token}"),  # the host's /tmp
+        Path.home() / f"escaped-{token}",
+        tiny_model_path / f"escaped-{token}",
+        worker.log_path.parent / f"escaped-{token}",  # the worker's working folder
+    ]
+    targets = {
+        "reads": [
+            str(outside),
+            str(beside_model),
+            *(str(path) for path in postgres[:1]),
+            *(f"/proc/{pid}/{part}" for pid in (registered.pid, root_process.pid) for part in ("mem", "environ")),
+        ],
+        "sockets": [str(listening), *(str(path) for path in postgres[1:]), *glob.glob("/tmp/seaweedfs-*.sock")],
+        "writes": [str(path) for path in written],
+    }
+    backend = PayloadBackend()
+    try:
+        with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+            scope = {"targets": targets}
+            exec(REACH, scope)  # trace-level code: in the builder process
+            from_builder = nnsight.save(scope["found"])
+            with tracer.invoke(PROMPTS[0]):
+                seen_by_builder = from_builder
+                scope = {"targets": targets}
+                exec(REACH, scope)  # in the engine core
+                from_engine = nnsight.save(scope["found"])
+                client_model.logits
+        job = services.submit(backend.payload, owner="mallory", model_key=model_key)
+        done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED}, timeout=400)
+        assert done.status is JobStatus.COMPLETED, (done.error_type, done.error_message)
+        saves = load_result(services.store.get_bytes(done.result_key))
+        with socket.socket(socket.AF_UNIX) as control:  # the socket itself is reachable, from here
+            control.connect(str(listening))
+        escaped = [str(path) for path in written if path.exists()]
+    finally:
+        root_process.kill()
+        root_process.wait()
+        listener.close()
+        listening.unlink()
+        for path in [outside, beside_model, *written]:
+            path.unlink(missing_ok=True)
+
+    assert escaped == []  # nothing it wrote reached the host (a write into its private /tmp may "succeed")
+    engine_uid = str(pwd_uid(isolation.DEFAULT_ENGINE_USER))
+    if layout == "readable-python":  # a pipeline stage's parent: the engine core, switched too
+        assert saves["from_engine"]["parent"] == {"uids": [engine_uid] * 4, "caps": ["0" * 16] * 2}, saves
+    for where in ("from_builder", "from_engine"):
+        found = saves[where]
+        assert found["uid"] == int(engine_uid) and found["privileged_threads"] == [], found
+        assert len(found["reads"]) == 6 + len(postgres[:1])
+        assert all(outcome != "done" for outcome in found["reads"].values()), (where, found["reads"])
+        assert all(outcome != "done" for outcome in found["sockets"].values()), (where, found["sockets"])
+        assert set(found["writes"]) == set(targets["writes"]), found["writes"]
 
 
 def service_addresses(services: Services) -> dict[str, tuple[str, int]]:
@@ -321,7 +511,8 @@ def test_an_unprivileged_workers_engine_sees_no_secret(
         if parent.stat().st_mode & stat.S_IXOTH == 0:
             parent.chmod(parent.stat().st_mode | stat.S_IXOTH)
     worker = start_worker(
-        env={**UNPROTECTED, "HOME": str(home)},
+        # Its engine keeps the worker's user: isolation degraded, so it runs its operator's traces alone.
+        env={**UNPROTECTED, "HOME": str(home), "NNQUEUE_OPERATOR_OWNERS": "mallory"},
         cwd=home,
         user="nobody",
         model_key="tiny-nobody",
@@ -377,7 +568,8 @@ def test_a_worker_that_requires_the_engine_user_refuses_to_start_saying_what_to_
         pytest.skip(
             "this machine's Python is readable by the engine user: nothing to refuse (see tests/test_isolation.py)"
         )
-    env = {"NNQUEUE_ENGINE_USER_REQUIRED": "true"}
+    # On the host's filesystem: in the engine's own view this Python is readable and the switch happens.
+    env = {"NNQUEUE_ENGINE_USER_REQUIRED": "true", "NNQUEUE_ENGINE_FILESYSTEM": "host"}
     worker = WorkerProcess(services, tiny_model_path, tmp_path / "worker.log", env=env, model_key="tiny-required")
     code = wait_exit(worker)
     log = worker.log()

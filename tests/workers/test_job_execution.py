@@ -20,6 +20,7 @@ from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
+from nnqueue.isolation import Containment
 from nnqueue.storage.keys import payload_key
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.workers.job_execution import JobRunner, Outcome
@@ -107,14 +108,42 @@ def test_one_jobs_bad_end_does_not_fail_the_others_that_ended_with_it(database_f
         assert session.get(Job, bad).status is S.RUNNING  # type: ignore[union-attr]
 
 
-def _queue(sessions: sessionmaker[Session], store: LocalObjectStore, payloads: list[bytes]) -> list[uuid.UUID]:
+def test_a_worker_whose_engine_is_not_isolated_runs_only_its_operators_traces(
+    inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    sessions = session_factory(make_engine(database_factory()))
+    store = LocalObjectStore(tmp_path)
+    payload = two_invoke_payload(client_model)
+    mallorys, alices = _queue(sessions, store, [payload, payload], owners=["mallory", "alice"])
+    runner = _runner(sessions, store, inprocess_engine, tmp_path, "w-degraded")
+    kept_root = "engine processes keep root, because ..."
+    runner.containment = Containment(
+        None, kept_root, None, network_isolated=True, filesystem_private=True, operators=("alice",)
+    )
+
+    async def two_tokens() -> list[Outcome]:
+        return [await runner.run_next(), await runner.run_next()]
+
+    outcomes = asyncio.run_coroutine_threadsafe(two_tokens(), inprocess_engine.host.loop).result(timeout=120)
+    assert outcomes == [Outcome.FAILED, Outcome.COMPLETED]  # mallory's was queued first
+    with sessions() as session:
+        refused, ran = session.get(Job, mallorys), session.get(Job, alices)
+    assert refused is not None and ran is not None and ran.status is S.COMPLETED and ran.result_key
+    assert (refused.status, refused.error_type, refused.result_key) == (S.FAILED, "EngineNotIsolated", None)
+    assert refused.error_message is not None and "engine processes keep root" in refused.error_message
+    assert "its operator's (NNQUEUE_OPERATOR_OWNERS: alice)" in refused.error_message
+
+
+def _queue(
+    sessions: sessionmaker[Session], store: LocalObjectStore, payloads: list[bytes], owners: list[str] | None = None
+) -> list[uuid.UUID]:
     job_ids = []
-    for payload in payloads:
+    for payload, owner in zip(payloads, owners or ["alice"] * len(payloads), strict=True):
         job_id = uuid.uuid4()
         size = store.put_bytes(payload_key(job_id), payload)
         job = Job(
             id=job_id,
-            owner="alice",
+            owner=owner,
             model_key="tiny",
             kind=JobKind.TRACE,
             timeout_s=120,

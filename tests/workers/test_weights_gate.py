@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from nnqueue.workers.weights import WeightsGate, WrongWeights, base_version
+from nnqueue.db.models import WeightsUpdate
+from nnqueue.workers.weights import CheckpointUpdater, WeightsGate, WrongWeights, base_version
 
 
 def test_an_update_waits_for_running_requests_and_holds_new_ones_back() -> None:
@@ -68,3 +70,27 @@ def test_the_base_version_names_the_checkpoint(tmp_path: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"x" * 11)
     assert base_version(str(folder), None)[0] != first
     assert base_version("org/model", "abc")[0] != base_version("org/model", "def")[0]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_a_local_checkpoint_reaches_an_engine_that_sees_only_its_own_view_through_its_folder(
+    tmp_path: Path, staged: bool
+) -> None:
+    """In its filesystem view (nnqueue.mountns) the engine sees the updater's folder but not the host's paths."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    for name in ("a.safetensors", "b.safetensors"):
+        (checkpoint / name).write_bytes(name.encode())
+    none: Any = None
+    updater = CheckpointUpdater(none, none, none, none, "m", "w", tmp_path / "downloads", staged=staged)
+    (tmp_path / "downloads").mkdir()
+    files, folder = updater._fetch(WeightsUpdate(id=7, source=str(checkpoint)))
+
+    if not staged:  # the engine reads them where they are
+        assert files == [str(checkpoint / "a.safetensors"), str(checkpoint / "b.safetensors")] and folder is None
+        return
+    assert folder == tmp_path / "downloads" / "update-7"  # deleted once loaded
+    assert files == [str(folder / "a.safetensors"), str(folder / "b.safetensors")]
+    for file in files:
+        assert Path(file).read_bytes() == Path(file).name.encode()
+        assert Path(file).stat().st_ino == (checkpoint / Path(file).name).stat().st_ino  # linked, not copied

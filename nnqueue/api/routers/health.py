@@ -6,7 +6,9 @@ object store (a lookup of a key that need not exist), and names the ones that fa
 store in use; a default local folder while the database is a shared server is not ready (see
 :func:`nnqueue.storage.unshared_store_problem`): the workers would keep results the API cannot serve. And it
 says, per live worker, what its engine processes run under (the engine user, or root kept, and why; the
-seccomp filter), as the worker registered it (:mod:`nnqueue.isolation`).
+seccomp filter, network and filesystem), as the worker registered it (:mod:`nnqueue.isolation`), and sums it
+up in ``isolation``: ``degraded`` when any live worker's engine is not fully isolated (such a worker runs only
+its operator's traces). Degraded isolation is visible, not unready: the service still answers 200.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from fastapi import APIRouter, Depends, Response, status
 from sqlalchemy import text
 
 from nnqueue.api.deps import Resources, get_resources
-from nnqueue.api.schemas import HealthResponse, ReadyResponse
+from nnqueue.api.schemas import HealthResponse, IsolationSummary, ReadyResponse
 from nnqueue.scheduler import registry
 from nnqueue.storage import StoreNotShared, describe_store, unshared_store_problem
 
@@ -37,10 +39,11 @@ def readyz(resources: Annotated[Resources, Depends(get_resources)], response: Re
     checks = {name: _outcome(check, resources) for name, check in CHECKS.items()}
     store = describe_store(resources.settings)
     engines = _engines(resources) if checks["database"] == "ok" else {}
+    isolation = _isolation(engines)
     if all(result == "ok" for result in checks.values()):
-        return ReadyResponse(status="ready", checks=checks, store=store, engines=engines)
+        return ReadyResponse(status="ready", checks=checks, store=store, engines=engines, isolation=isolation)
     response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-    return ReadyResponse(status="unavailable", checks=checks, store=store, engines=engines)
+    return ReadyResponse(status="unavailable", checks=checks, store=store, engines=engines, isolation=isolation)
 
 
 def _engines(resources: Resources) -> dict[str, dict[str, str]]:
@@ -48,6 +51,14 @@ def _engines(resources: Resources) -> dict[str, dict[str, str]]:
     with resources.sessions() as session:
         workers = registry.live_workers(session, resources.settings.worker_stale_after_s)
     return {worker.id: worker.containment for worker in workers if worker.containment}
+
+
+def _isolation(engines: dict[str, dict[str, str]]) -> IsolationSummary:
+    """``full`` when every live worker registered a fully isolated engine; ``degraded`` when any did not (or
+    registered before the isolation was summed up)."""
+    if not engines:
+        return "no live worker"
+    return "full" if all(engine.get("isolation") == "full" for engine in engines.values()) else "degraded"
 
 
 def _database(resources: Resources) -> None:
