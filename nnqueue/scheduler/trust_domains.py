@@ -32,7 +32,8 @@ from nnqueue.errors import NNqueueError
 Mode = Literal["owner", "deployment"]
 OWN_PREFIX = "owner:"
 DEPLOYMENT = "deployment"
-# A group's name: letters, digits, '.', '_' and '-', at most 64; never an owner's own domain, never "deployment".
+OTHER = "other"  # what listings call a domain the viewer is not in (:func:`shown`)
+# A group's name: letters, digits, '.', '_' and '-', at most 64; never an owner's own domain, "deployment" or "other".
 GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -46,6 +47,12 @@ class InvalidDomain(NNqueueError, ValueError):
 
 class UnknownOwner(NNqueueError, LookupError):
     """No API key has this owner: a typo would otherwise group nobody."""
+
+
+def shown(domain: str, viewer_domain: str, is_admin: bool) -> str:
+    """``domain`` as a listing shows it to a viewer in ``viewer_domain``: "other" for another owner's own domain or
+    another group (who runs what is theirs to know), unless the viewer is an admin."""
+    return domain if is_admin or domain in (viewer_domain, DEPLOYMENT) else OTHER
 
 
 def own_domain(owner: str) -> str:
@@ -62,6 +69,8 @@ def check_group_name(name: str) -> str:
     """``name`` if it may name a group, else :class:`InvalidDomain` saying why."""
     if name == DEPLOYMENT:
         raise InvalidDomain(f"{DEPLOYMENT!r} is the whole deployment's domain (NNQUEUE_TRUST_DOMAINS=deployment)")
+    if name == OTHER:
+        raise InvalidDomain(f"{OTHER!r} is what listings call the domains a viewer is not in")
     if not GROUP_NAME.fullmatch(name):
         raise InvalidDomain(
             f"{name!r} cannot name a trust domain: use 1 to 64 letters, digits, '.', '_' or '-', starting with a "

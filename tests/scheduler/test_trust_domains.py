@@ -98,7 +98,7 @@ def test_moving_an_owner_moves_their_queued_jobs_not_their_running_ones(
 
 def test_group_names_and_owners_are_checked(sessions: sessionmaker[Session]) -> None:
     with transaction(sessions) as session:
-        for name in ("deployment", "owner:bob", "", "-lab", "a b", "x" * 65):
+        for name in ("deployment", "other", "owner:bob", "", "-lab", "a b", "x" * 65):
             with pytest.raises(InvalidDomain):
                 join_group(session, "alice", name, "owner")
         with pytest.raises(UnknownOwner, match="no API key has owner 'alicee'"):
