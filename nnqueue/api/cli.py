@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -191,35 +191,36 @@ def join_domain(
 ) -> None:
     """Put an owner in a group: their traces share engines with its other owners' (trust them with each other's
     results). Their queued jobs move with them."""
-    from nnqueue.db.session import transaction
     from nnqueue.scheduler import trust_domains
 
-    with transaction(_sessions()) as session:
-        try:
-            moved = trust_domains.join_group(session, owner, domain, Settings().trust_domains)
-        except trust_domains.InvalidDomain as error:
-            raise typer.BadParameter(str(error), param_hint="DOMAIN") from None
-        except trust_domains.UnknownOwner as error:
-            console.print(f"[red]{error}[/red]")
-            raise typer.Exit(1) from None
+    moved = _move_owner(lambda session, mode: trust_domains.join_group(session, owner, domain, mode))
     console.print(f"{owner} is in trust domain {domain} ({moved} queued jobs moved)")
 
 
 @domains_app.command("leave")
 def leave_domain(owner: str = typer.Argument(..., help="The owner to put back in a domain of their own.")) -> None:
     """Put an owner back in a trust domain of their own (the default). Their queued jobs move with them."""
+    from nnqueue.scheduler import trust_domains
+
+    moved = _move_owner(lambda session, mode: trust_domains.leave_group(session, owner, mode))
+    domain = trust_domains.default_domain(owner, Settings().trust_domains)
+    console.print(f"{owner} left their group: trust domain {domain} ({moved} queued jobs moved)")
+
+
+def _move_owner(change: Callable[[Session, Any], int]) -> int:
+    """``change(session, NNQUEUE_TRUST_DOMAINS)`` in a transaction: the jobs it moved. A name that cannot be a
+    group's is a usage error; an owner no key has, exit 1."""
     from nnqueue.db.session import transaction
     from nnqueue.scheduler import trust_domains
 
-    mode = Settings().trust_domains
     with transaction(_sessions()) as session:
         try:
-            moved = trust_domains.leave_group(session, owner, mode)
+            return change(session, Settings().trust_domains)
+        except trust_domains.InvalidDomain as error:
+            raise typer.BadParameter(str(error), param_hint="DOMAIN") from None
         except trust_domains.UnknownOwner as error:
             console.print(f"[red]{error}[/red]")
             raise typer.Exit(1) from None
-    domain = trust_domains.default_domain(owner, mode)
-    console.print(f"{owner} left their group: trust domain {domain} ({moved} queued jobs moved)")
 
 
 def _sessions() -> sessionmaker[Session]:

@@ -257,7 +257,10 @@ class JobRunner:
             metrics.DOMAIN_SWITCHES.labels(self.model_key).inc()
             metrics.DOMAIN_SWITCH_TIME.labels(self.model_key).observe(time.monotonic() - started)
         self.turns.verified(switch)
-        log.info("the engine serves trust domain %r (was %r)", switch.domain, switch.previous)
+        verified_s = time.monotonic() - started
+        log.info(
+            "the engine serves trust domain %r (was %r; verified in %.3f s)", switch.domain, switch.previous, verified_s
+        )
         try:
             await asyncio.to_thread(registry.set_domain, self.sessions, self.worker_id, switch.domain)
         except Exception:  # what the listings show: the next switch writes it again
