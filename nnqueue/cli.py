@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 
 from nnqueue import logs
-from nnqueue.api.cli import keys_app, serve_api
+from nnqueue.api.cli import domains_app, keys_app, serve_api
 from nnqueue.client.cli import register as register_client_commands
 from nnqueue.settings import Settings
 
@@ -34,6 +34,7 @@ app = typer.Typer(help="nnqueue: run NNsight interventions on persistent vLLM en
 db_app = typer.Typer(help="Manage the job-state database.")
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+app.add_typer(domains_app, name="domains")
 app.command("serve-api")(serve_api)
 register_client_commands(app)
 console = Console()

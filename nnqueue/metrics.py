@@ -63,6 +63,17 @@ HARVEST_CHUNK_TIME = Histogram(
 HARVEST_TOKENS = Counter(
     "nnqueue_harvest_tokens", "Prompt tokens run through the model by completed chunks.", ["model"]
 )
+DOMAIN_SWITCHES = Counter(
+    "nnqueue_worker_domain_switches",
+    "Times a worker's engine moved from one trust domain's traces to another's (each verified the engine's state).",
+    ["model"],
+)
+DOMAIN_SWITCH_TIME = Histogram(
+    "nnqueue_worker_domain_switch_seconds",
+    "How long verifying the engine's state took at a trust domain switch (the drain before it not counted).",
+    ["model"],
+    buckets=DURATION_BUCKETS,
+)
 
 
 def process_registry() -> CollectorRegistry:

@@ -129,6 +129,14 @@ class Settings(BaseSettings):
     # The weights guard: a trace's write to a parameter is put back and fails the job (nnqueue.enginecore.weights_guard).
     # Off only for a private engine whose traces may change the weights for every later job.
     weights_guard: bool = True
+    # Whose traces may share an engine (nnqueue.scheduler.trust_domains, docs/operator/trust-domains.md): "owner"
+    # (each owner alone, and the groups an admin makes with `nnqueue domains join`) or "deployment" (everyone
+    # trusts everyone: a single researcher's box). Applies to jobs accepted after it changes.
+    trust_domains: Literal["owner", "deployment"] = "owner"
+    # How long an engine keeps serving one trust domain's traces once another domain's traces wait; then it takes
+    # none of them, and switches when they have ended (nnqueue.scheduler.domain_turns). Longer: fewer switches
+    # (each costs a drain and a check of the weights), longer waits for the other domain.
+    domain_hold_s: float = Field(1.0, gt=0)
     # The engine's network (nnqueue.netns): "isolated" (a namespace of its own, loopback only; needs a root
     # worker), "host", or "auto" (isolated when the worker is root and the executor is not Ray).
     engine_network: Literal["auto", "isolated", "host"] = "auto"

@@ -19,12 +19,13 @@ from tests.utils.light_client import run_light, run_light_cli
 runner = CliRunner()
 
 
-SERVER_COMMANDS = {"version", "db", "gc", "keys", "serve-api", "worker", "beat", "demo", "up"}
+SERVER_COMMANDS = {"version", "db", "gc", "keys", "domains", "serve-api", "worker", "beat", "demo", "up"}
 CLIENT_COMMANDS = {"submit", "status", "jobs", "cancel", "download", "models", "harvest", "schedules", "steer"}
 COMMANDS = {
     (): SERVER_COMMANDS | CLIENT_COMMANDS,
     ("db",): {"upgrade", "downgrade"},
     ("keys",): {"create", "list", "revoke", "scopes"},
+    ("domains",): {"list", "join", "leave"},
     ("harvest",): {"submit", "status", "list", "cancel", "manifest", "inspect", "download", "export"},
     ("schedules",): {"create", "list", "pause", "resume", "delete"},
     ("steer",): {"submit", "status", "list", "cancel", "result"},

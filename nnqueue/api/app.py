@@ -20,7 +20,18 @@ from nnqueue.api import errors
 from nnqueue.api.deps import RecentCallers, Resources
 from nnqueue.api.job_watch import JobWatcher
 from nnqueue.api.limits import BodySizeLimit
-from nnqueue.api.routers import harvests, health, jobs, metrics, models, ndif, ndif_serve, schedules, steering
+from nnqueue.api.routers import (
+    domains,
+    harvests,
+    health,
+    jobs,
+    metrics,
+    models,
+    ndif,
+    ndif_serve,
+    schedules,
+    steering,
+)
 from nnqueue.api.routers import status as status_page
 from nnqueue.api.subscriptions import Subscriptions
 from nnqueue.broker import create_celery_app
@@ -59,8 +70,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(OperationalError, _broker_unreachable)
     app.add_exception_handler(PoolTimeout, _database_busy)
     errors.install(app)
-    routers = (jobs.router, harvests.router, steering.router, schedules.router, models.router, health.router)
-    for router in (*routers, metrics.router, status_page.router, ndif.router, ndif_serve.router):
+    routers = (jobs.router, harvests.router, steering.router, schedules.router, models.router, domains.router)
+    for router in (*routers, health.router, metrics.router, status_page.router, ndif.router, ndif_serve.router):
         app.include_router(router)
     return app
 

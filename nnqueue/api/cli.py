@@ -1,6 +1,7 @@
-"""``nnqueue serve-api`` and ``nnqueue keys create|list|revoke``, registered on the main CLI.
+"""``nnqueue serve-api``, ``nnqueue keys create|list|revoke|scopes`` and ``nnqueue domains list|join|leave``,
+registered on the main CLI.
 
-Keys are managed directly in the database (whoever can run this has the database's credentials),
+Keys and trust domains are managed directly in the database (whoever can run this has the database's credentials),
 so there is no HTTP route that creates keys. The server's libraries (sqlalchemy, uvicorn, ...) are imported
 inside the commands: a client install, which has none of them, still lists these in ``nnqueue --help``.
 """
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session, sessionmaker
 
 keys_app = typer.Typer(help="Create, list and revoke API keys.")
+domains_app = typer.Typer(
+    help="Trust domains: owners whose traces may share an engine (each owner alone unless grouped here)."
+)
 console = Console()
 
 
@@ -87,19 +91,30 @@ SCOPE_HELP = (
 def create_key(
     owner: str = typer.Option(..., help="Who the key belongs to: the owner of the jobs it submits."),
     scope: list[str] = typer.Option(["harvest"], help=SCOPE_HELP),  # auth.DEFAULT_SCOPES
+    domain: str | None = typer.Option(
+        None, help="Put the owner in this trust domain (a group), as `nnqueue domains join` does. Default: as is."
+    ),
 ) -> None:
     """Create a key and print its secret, which is shown only this once."""
     from nnqueue.api import auth
     from nnqueue.db.session import transaction
+    from nnqueue.scheduler import trust_domains
 
     with transaction(_sessions()) as session:
         try:
             key, secret = auth.create_key(session, owner, scope)
         except ValueError as error:
-            raise typer.BadParameter(str(error)) from None
+            raise typer.BadParameter(str(error), param_hint="--scope") from None
+        if domain is not None:
+            try:
+                trust_domains.join_group(session, owner, domain, Settings().trust_domains)
+            except trust_domains.InvalidDomain as error:
+                raise typer.BadParameter(str(error), param_hint="--domain") from None
     scopes = ", ".join(key.scopes)
+    in_domain = f", trust domain {domain}" if domain is not None else ""
     console.print(
-        f"created key {key.id} ({key.key_prefix}...) for {owner}, scopes {scopes}; its secret, shown only once:"
+        f"created key {key.id} ({key.key_prefix}...) for {owner}, scopes {scopes}{in_domain}; its secret, shown "
+        "only once:"
     )
     typer.echo(secret)
 
@@ -151,6 +166,61 @@ def set_scopes(
         except ValueError as error:
             raise typer.BadParameter(str(error), param_hint="--scope") from None
     console.print(f"key {key.id} ({key.key_prefix}...) of {key.owner} now has scopes {', '.join(key.scopes)}")
+
+
+@domains_app.command("list")
+def list_domains() -> None:
+    """List the groups and their owners (every other owner is alone in a domain of their own)."""
+    from nnqueue.scheduler import trust_domains
+
+    settings = Settings()
+    with _sessions()() as session:
+        grouped = trust_domains.groups(session)
+    if settings.trust_domains == trust_domains.DEPLOYMENT:
+        console.print("NNQUEUE_TRUST_DOMAINS=deployment: every owner's traces share the engines (groups kept below)")
+    table = Table("domain", "owners")
+    for domain, owners in grouped.items():
+        table.add_row(domain, ", ".join(owners))
+    console.print(table if grouped else "no groups: each owner is alone in a trust domain of their own")
+
+
+@domains_app.command("join")
+def join_domain(
+    owner: str = typer.Argument(..., help="The owner (of API keys) to move."),
+    domain: str = typer.Argument(..., help="The group: 1 to 64 letters, digits, '.', '_' or '-'."),
+) -> None:
+    """Put an owner in a group: their traces share engines with its other owners' (trust them with each other's
+    results). Their queued jobs move with them."""
+    from nnqueue.scheduler import trust_domains
+
+    moved = _move_owner(lambda session, mode: trust_domains.join_group(session, owner, domain, mode))
+    console.print(f"{owner} is in trust domain {domain} ({moved} queued jobs moved)")
+
+
+@domains_app.command("leave")
+def leave_domain(owner: str = typer.Argument(..., help="The owner to put back in a domain of their own.")) -> None:
+    """Put an owner back in a trust domain of their own (the default). Their queued jobs move with them."""
+    from nnqueue.scheduler import trust_domains
+
+    moved = _move_owner(lambda session, mode: trust_domains.leave_group(session, owner, mode))
+    domain = trust_domains.default_domain(owner, Settings().trust_domains)
+    console.print(f"{owner} left their group: trust domain {domain} ({moved} queued jobs moved)")
+
+
+def _move_owner(change: Callable[[Session, Any], int]) -> int:
+    """``change(session, NNQUEUE_TRUST_DOMAINS)`` in a transaction: the jobs it moved. A name that cannot be a
+    group's is a usage error; an owner no key has, exit 1."""
+    from nnqueue.db.session import transaction
+    from nnqueue.scheduler import trust_domains
+
+    with transaction(_sessions()) as session:
+        try:
+            return change(session, Settings().trust_domains)
+        except trust_domains.InvalidDomain as error:
+            raise typer.BadParameter(str(error), param_hint="DOMAIN") from None
+        except trust_domains.UnknownOwner as error:
+            console.print(f"[red]{error}[/red]")
+            raise typer.Exit(1) from None
 
 
 def _sessions() -> sessionmaker[Session]:

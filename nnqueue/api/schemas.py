@@ -125,13 +125,19 @@ class JobResponse(BaseModel):
     purged_at: datetime | None = Field(
         description="When the payload and result were deleted (NNQUEUE_RETENTION_DAYS after the job ended); null while kept."
     )
-    queue_position: int | None = Field(description="1-based place among the model's queued jobs; null unless queued.")
+    queue_position: int | None = Field(
+        description="1-based place among the model's queued jobs in the order workers take them (owners in turns);"
+        " null unless queued."
+    )
     progress: Progress
     error: JobError | None
     result: JobResult | None
     weights_pin: str | None = Field(None, description="The weights version the job must run on; null: any.")
     weights_version: str | None = Field(None, description="The weights version the job ran on (once it ended).")
     waiting_reason: str | None = Field(None, description="Why a queued job cannot run now (its pinned version).")
+    domain: str | None = Field(
+        None, description="The trust domain the job is in (its owner's): a trace runs only on an engine serving it."
+    )
 
     @classmethod
     def of(cls, job: Job, queue_position: int | None, waiting_reason: str | None = None) -> JobResponse:
@@ -157,6 +163,7 @@ class JobResponse(BaseModel):
             weights_pin=job.weights_pin,
             weights_version=job.weights_version,
             waiting_reason=waiting_reason,
+            domain=job.domain,
         )
 
 
@@ -180,10 +187,39 @@ class ModelInfo(BaseModel):
         description="The locations the workers serve with CUDA graphs on (nnqueue worker --taps), the ones every"
         " tapped worker serves; a trace touching any other fails. Null: the workers run eagerly, every location.",
     )
+    domains: list[str] = Field(
+        default_factory=list,
+        description="The trust domains whose traces the live workers' engines run now (those that ran any); a domain"
+        " the caller is not in is named 'other' unless the key has the admin scope.",
+    )
 
 
 class ModelsResponse(BaseModel):
     models: list[ModelInfo]
+
+
+class DomainsResponse(BaseModel):
+    mode: str = Field(description="NNQUEUE_TRUST_DOMAINS: 'owner' (each owner alone, or in a group) or 'deployment'.")
+    domain: str = Field(description="The caller's trust domain: their traces share engines with its owners' only.")
+    members: list[str] = Field(
+        description="The owners in the caller's domain (the caller alone unless grouped); empty when the domain is"
+        " the whole deployment's."
+    )
+    groups: dict[str, list[str]] | None = Field(
+        None, description="Every named group and its owners; for keys with the admin scope only."
+    )
+
+
+class DomainChange(BaseModel):
+    domain: str = Field(description="The group to put the owner in: 1 to 64 letters, digits, '.', '_' or '-'.")
+
+
+class OwnerDomain(BaseModel):
+    owner: str
+    domain: str = Field(description="The owner's trust domain now.")
+    moved_jobs: int = Field(
+        description="The owner's queued jobs that moved with them (running ones finish where they are)."
+    )
 
 
 class WeightsUpdateRequest(BaseModel):

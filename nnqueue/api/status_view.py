@@ -1,4 +1,5 @@
-"""What the status page shows, read from the database in a few queries: models, workers, jobs and harvests.
+"""What the status page shows, read from the database in a few queries: models, workers (and the trust domain each
+engine serves: named when it is the viewer's, else "other", unless the viewer is an admin), jobs and harvests.
 
 A viewer sees their own jobs and harvests; an ``admin`` key sees everyone's (with an owner column). Each section
 is a list of plain rows that the template renders on its own: a new kind of work is one more query here and one
@@ -19,6 +20,7 @@ from nnqueue.scheduler.harvests import HarvestProgress, progress, recent_harvest
 from nnqueue.scheduler.overview import ModelLoad, model_loads
 from nnqueue.scheduler.positions import queue_positions
 from nnqueue.scheduler.registry import live_workers
+from nnqueue.scheduler.trust_domains import Mode, domain_of, shown
 
 ADMIN_SCOPE = "admin"
 JOBS_SHOWN = 50
@@ -41,6 +43,7 @@ class WorkerRow:
     worker: Worker
     running: int
     heartbeat_age_s: float
+    domain: str | None  # the trust domain its engine serves, as the viewer may see it; None: no trace ran yet
 
     @property
     def isolation(self) -> str | None:
@@ -88,14 +91,18 @@ class StatusView:
 
 
 def status_view(
-    session: Session, viewer: Viewer, stale_after_s: float, status_filter: JobStatus | None = None
+    session: Session,
+    viewer: Viewer,
+    stale_after_s: float,
+    status_filter: JobStatus | None = None,
+    trust_domains: Mode = "owner",
 ) -> StatusView:
     now = utcnow()
     return StatusView(
         viewer=viewer,
         now=now,
         models=model_loads(session, stale_after_s),
-        workers=_workers(session, stale_after_s, now),
+        workers=_workers(session, stale_after_s, now, viewer, domain_of(session, viewer.owner, trust_domains)),
         jobs=_jobs(session, viewer, status_filter),
         status_filter=status_filter,
         job_counts=_job_counts(session, viewer),
@@ -103,14 +110,19 @@ def status_view(
     )
 
 
-def _workers(session: Session, stale_after_s: float, now: datetime) -> list[WorkerRow]:
+def _workers(session: Session, stale_after_s: float, now: datetime, viewer: Viewer, yours: str) -> list[WorkerRow]:
     running = dict(
         session.execute(
             select(Job.worker_id, func.count()).where(Job.status == JobStatus.RUNNING).group_by(Job.worker_id)
         ).all()
     )
     return [
-        WorkerRow(worker, running.get(worker.id, 0), (now - (worker.heartbeat_at or now)).total_seconds())
+        WorkerRow(
+            worker,
+            running.get(worker.id, 0),
+            (now - (worker.heartbeat_at or now)).total_seconds(),
+            None if worker.domain is None else shown(worker.domain, yours, viewer.is_admin),
+        )
         for worker in live_workers(session, stale_after_s)
     ]
 

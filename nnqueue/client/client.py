@@ -114,7 +114,7 @@ class Client:
         or an nnsight serialized one (``RequestModel.serialize(tracer)`` bytes).
 
         ``timeout_s``: the job's run-time limit on the worker (server default when None). Higher
-        ``priority`` runs earlier. ``metadata``: free-form JSON kept with the job. ``weights_version``: run only on
+        ``priority`` runs earlier among its owner's jobs (owners take turns). ``metadata``: free-form JSON kept with the job. ``weights_version``: run only on
         an engine serving this weights version, or ``"latest"`` (the newest served now); None: any.
         ``safetensors``: also write the result as safetensors (``job.download(format="safetensors")``), when
         every saved value is a tensor.

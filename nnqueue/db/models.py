@@ -31,6 +31,9 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+# A trust domain's name: "owner:" and an owner (200 characters), a group's name, or "deployment".
+DOMAIN_LENGTH = 220
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -153,6 +156,9 @@ class Job(Base):
 
     id: Mapped[uuid.UUID] = mapped_column(primary_key=True, default=uuid.uuid4)
     owner: Mapped[str] = mapped_column(String(200))
+    # The owner's trust domain when the job was accepted (nnqueue.scheduler.trust_domains): a trace runs only on an
+    # engine serving it. Regrouping an owner moves their queued jobs too; null only for rows older than domains.
+    domain: Mapped[str | None] = mapped_column(String(DOMAIN_LENGTH))
     # The API key that submitted the job (the API limits jobs in flight per key); null for jobs
     # submitted without the API. No foreign key: keys are revoked, never deleted.
     api_key_id: Mapped[int | None] = mapped_column(Integer)
@@ -207,6 +213,17 @@ class Job(Base):
         return self.result_safetensors_size is not None or "safetensors" in (self.result_format or "").split("+")
 
 
+class DomainMember(Base):
+    """An owner an admin put in a named trust domain with others (nnqueue.scheduler.trust_domains); an owner
+    without a row is alone in a domain of their own."""
+
+    __tablename__ = "domain_members"
+
+    owner: Mapped[str] = mapped_column(String(200), primary_key=True)
+    domain: Mapped[str] = mapped_column(String(DOMAIN_LENGTH), index=True)
+    updated_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
+
+
 class JobPayload(Base):
     """A small payload kept beside its job rather than in the object store (``Job.payload_key`` is then null)."""
 
@@ -254,6 +271,10 @@ class Worker(Base):
     weights_version: Mapped[str | None] = mapped_column(String(200))
     weights_since: Mapped[datetime | None] = mapped_column(Timestamp)
     weights_source: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The trust domain whose traces its engine runs now, and since when (nnqueue.scheduler.domain_turns); null
+    # until its first trace.
+    domain: Mapped[str | None] = mapped_column(String(DOMAIN_LENGTH))
+    domain_since: Mapped[datetime | None] = mapped_column(Timestamp)
     started_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     heartbeat_at: Mapped[datetime] = mapped_column(Timestamp, default=utcnow)
     stopped_at: Mapped[datetime | None] = mapped_column(Timestamp)

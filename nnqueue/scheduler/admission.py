@@ -21,6 +21,7 @@ from nnqueue.db.models import EngineKind, Job, JobStatus
 from nnqueue.errors import NNqueueError
 from nnqueue.scheduler.crash_cooldown import CrashCooldowns
 from nnqueue.scheduler.registry import LiveModels
+from nnqueue.scheduler.trust_domains import Mode
 from nnqueue.settings import Settings
 
 IN_FLIGHT = (JobStatus.QUEUED, JobStatus.RUNNING)
@@ -68,6 +69,8 @@ class AdmissionPolicy:
     crash_cooldowns: CrashCooldowns | None = None
     # Models served by a vLLM engine whether or not a worker runs (an autoscaler starts them on demand).
     scale_to_zero_models: tuple[str, ...] = ()
+    # Whose traces may share an engine: each owner alone (and the groups admins made), or the whole deployment.
+    trust_domains: Mode = "owner"
 
     @classmethod
     def from_settings(cls, settings: Settings, *, remember_live_models: bool = False) -> AdmissionPolicy:
@@ -76,7 +79,15 @@ class AdmissionPolicy:
         cooldowns = CrashCooldowns(
             settings.engine_crash_limit, settings.engine_crash_window_s, settings.engine_crash_cooldown_s
         )
-        return cls(settings.worker_stale_after_s, settings.max_jobs_in_flight_per_key, live, grace, cooldowns, always)
+        return cls(
+            settings.worker_stale_after_s,
+            settings.max_jobs_in_flight_per_key,
+            live,
+            grace,
+            cooldowns,
+            always,
+            settings.trust_domains,
+        )
 
 
 def require_served(session: Session, policy: AdmissionPolicy, model_key: str, engine: EngineKind | None = None) -> None:

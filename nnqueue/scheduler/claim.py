@@ -2,34 +2,41 @@
 
 Messages name no job (see :mod:`nnqueue.broker`), so the database decides what runs next:
 
-* interactive jobs: the highest ``priority`` first, then the oldest (``queued_at``, then id);
+* interactive jobs (traces, steering): fairly across owners, round robin counting what each already runs
+  (:mod:`nnqueue.scheduler.fair_share`), and traces of one trust domain at a time per engine: the worker's
+  :class:`~nnqueue.scheduler.domain_turns.DomainTurns` says which domain's traces this claim may take, from the
+  domains whose traces wait (:func:`waiting_domains`); steering jobs run no user code and are taken whatever
+  their domain;
 * harvest chunks: fairly across owners: the owner with the fewest RUNNING chunks on the model first,
   then the highest priority, then the oldest. Two owners' harvests on one model thus alternate rather
   than the first one's thousands of chunks running before any of the second's.
 
-On Postgres the candidate row is locked with ``FOR UPDATE SKIP LOCKED``, so concurrent claims take
+On Postgres the claimed rows are locked with ``FOR UPDATE SKIP LOCKED``, so concurrent claims take
 different rows without waiting on each other. SQLite has no row locks (and SQLAlchemy renders no
 ``FOR UPDATE`` there); its claim is the compare-and-set of the status change, and a claim that loses
-the race tries the next candidate. A token that finds nothing to claim is simply dropped. A worker claims
+the race tries the next candidate. A token that finds nothing to claim is simply dropped (or, on a worker whose
+domain's turn keeps other domains' traces waiting, waits for the turn to end: ``JobRunner``). A worker claims
 jobs for all its tokens that arrived together in one transaction (:func:`claim_jobs`).
 """
 
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
 
 from sqlalchemy import ColumnElement, func, or_, select, update
 from sqlalchemy.orm import InstrumentedAttribute, Session, sessionmaker
 
 from nnqueue.db.lifecycle import start_queued
-from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus, utcnow
+from nnqueue.db.models import Harvest, HarvestChunk, Job, JobKind, JobStatus, utcnow
 from nnqueue.db.session import transaction, updated
+from nnqueue.scheduler.domain_turns import DomainTurns
+from nnqueue.scheduler.fair_share import fair_order, ranked
+from nnqueue.scheduler.trust_domains import job_domain
 
 S = JobStatus
 # Claims that lose a race (SQLite) try again this many times before giving the token up.
 MAX_TRIES = 8
-# The order in which a model's QUEUED jobs run, and in which queue positions are counted.
-JOB_ORDER = (Job.priority.desc(), Job.queued_at, Job.id)
 
 
 def runnable_on(pin: InstrumentedAttribute[str | None], weights_version: str | None) -> ColumnElement[bool]:
@@ -39,29 +46,64 @@ def runnable_on(pin: InstrumentedAttribute[str | None], weights_version: str | N
 
 
 def claim_jobs(
-    sessions: sessionmaker[Session], model_key: str, worker_id: str, limit: int, weights_version: str | None = None
+    sessions: sessionmaker[Session],
+    model_key: str,
+    worker_id: str,
+    limit: int,
+    weights_version: str | None = None,
+    turns: DomainTurns | None = None,
 ) -> list[Job]:
     """Move up to ``limit`` of the best QUEUED jobs of ``model_key`` that may run on ``weights_version`` to RUNNING
-    under ``worker_id``, in one transaction, and return them best first (fewer, or none, when fewer are queued)."""
-    candidates = (
-        select(Job.id)
-        .where(Job.model_key == model_key, Job.status == S.QUEUED, runnable_on(Job.weights_pin, weights_version))
-        .order_by(*JOB_ORDER)
-        .with_for_update(skip_locked=True)
-    )
+    under ``worker_id``, in one transaction, and return them best first (fewer, or none, when fewer are queued).
+
+    Their traces are all of one trust domain, the one ``turns`` (the worker's; None: a worker that ran no trace
+    yet) chooses; ``turns`` learns what was claimed."""
+    turns = turns if turns is not None else DomainTurns()
     with transaction(sessions) as session:
+        domain = turns.choose(waiting_domains(session, model_key, weights_version, turns.allowed))
+        traces = Job.kind != JobKind.TRACE if domain is None else or_(Job.kind != JobKind.TRACE, job_domain == domain)
+        jobs = ranked((Job.model_key == model_key) & runnable_on(Job.weights_pin, weights_version) & traces)
         claimed: list[uuid.UUID] = []
+        passed: list[uuid.UUID] = []  # held by another claim (Postgres' SKIP LOCKED): not tried again
         for _ in range(MAX_TRIES):
-            job_ids = session.scalars(candidates.limit(limit - len(claimed))).all()
+            best = select(jobs.c.id).where(jobs.c.id.not_in(passed)).order_by(*fair_order(jobs))
+            job_ids = session.scalars(best.limit(limit - len(claimed))).all()
             if not job_ids:
                 break
+            free = session.scalars(
+                select(Job.id).where(Job.id.in_(job_ids), Job.status == S.QUEUED).with_for_update(skip_locked=True)
+            ).all()
+            passed += [job_id for job_id in job_ids if job_id not in free]
             # Those another worker (or a cancel) took between our read and our write are left out: try the next.
-            claimed += start_queued(session, job_ids, worker_id)
+            won = set(start_queued(session, free, worker_id))
+            claimed += [job_id for job_id in job_ids if job_id in won]
             if len(claimed) == limit:
                 break
         if not claimed:
             return []
-        return list(session.scalars(select(Job).where(Job.id.in_(claimed)).order_by(*JOB_ORDER)))
+        rows = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(claimed)))}
+    turns.claimed(domain, sum(rows[job_id].kind is JobKind.TRACE for job_id in claimed))
+    return [rows[job_id] for job_id in claimed]
+
+
+def waiting_domains(
+    session: Session, model_key: str, weights_version: str | None, allowed: frozenset[str] | None = None
+) -> dict[str, datetime]:
+    """The trust domains with traces of ``model_key`` QUEUED that an engine serving ``weights_version`` may run
+    (of ``allowed`` only, unless None), each with its oldest one's queueing time."""
+    query = (
+        select(job_domain, func.min(Job.queued_at))
+        .where(
+            Job.model_key == model_key,
+            Job.status == S.QUEUED,
+            Job.kind == JobKind.TRACE,
+            runnable_on(Job.weights_pin, weights_version),
+        )
+        .group_by(job_domain)
+    )
+    if allowed is not None:
+        query = query.where(job_domain.in_(allowed))
+    return {domain: oldest for domain, oldest in session.execute(query) if oldest is not None}
 
 
 def claim_next_chunk(

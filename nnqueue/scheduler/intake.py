@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, BindParameter, LargeBinary, Select, bindparam, insert, null, select
+from sqlalchemy import BigInteger, BindParameter, LargeBinary, Select, String, bindparam, insert, literal, null, select
 from sqlalchemy.orm import Session
 
 from nnqueue.db.lifecycle import create_job
@@ -21,6 +21,7 @@ from nnqueue.db.models import Job, JobEvent, JobPayload
 from nnqueue.scheduler.admission import IN_FLIGHT_COUNT, refuse_if_full
 from nnqueue.scheduler.payloads import keep_inline
 from nnqueue.scheduler.positions import jobs_ahead, queue_positions
+from nnqueue.scheduler.trust_domains import grouped_domain, own_domain
 
 _JOBS = Job.__table__
 # The job's attribute behind each column of its table (``meta`` is stored as ``metadata``).
@@ -31,11 +32,15 @@ def add_job(session: Session, job: Job, inline_payload: bytes | None, max_in_fli
     """Add ``job`` (new, QUEUED, every column set) with its first event and ``inline_payload`` (None: its payload
     is in the object store) to the session's transaction, and return its 1-based queue position; raises
     :class:`~nnqueue.scheduler.admission.TooManyJobsInFlight`, adding nothing, when its API key already has
-    ``max_in_flight`` jobs queued or running. The caller commits."""
+    ``max_in_flight`` jobs queued or running. ``job.domain``: its owner's own domain (then the group an admin put
+    the owner in, if any, replaces it: :mod:`nnqueue.scheduler.trust_domains`) or the deployment's. The caller
+    commits."""
     detail = {"payload_bytes": job.payload_size}
     if session.get_bind().dialect.name == "postgresql":
         return _add_in_one_statement(session, job, inline_payload, max_in_flight, detail)
     refuse_if_full(session.scalar(IN_FLIGHT_COUNT, {"key": job.api_key_id, "limit": max_in_flight}) or 0, max_in_flight)
+    owner = literal(_grouped_owner(job), String)
+    job.domain = session.scalar(select(grouped_domain(owner, literal(job.domain, String))))
     create_job(session, job, detail)
     if inline_payload is not None:
         keep_inline(session, job.id, inline_payload)
@@ -46,21 +51,30 @@ def _add_in_one_statement(
     session: Session, job: Job, inline_payload: bytes | None, max_in_flight: int, detail: dict[str, Any]
 ) -> int:
     values = {column: getattr(job, attribute) for column, attribute in _ATTRIBUTES.items()}
-    params = {**values, "key": job.api_key_id, "limit": max_in_flight, "detail": detail}
+    params = {**values, "key": job.api_key_id, "limit": max_in_flight, "detail": detail, "grouped": _grouped_owner(job)}
     statement = _ADD_WITH_PAYLOAD if inline_payload is not None else _ADD
-    in_flight, added, ahead = session.connection().execute(statement, {**params, "payload": inline_payload}).one()
+    row = session.connection().execute(statement, {**params, "payload": inline_payload}).one()
+    in_flight, added, ahead, job.domain = row
     if not added:
         refuse_if_full(in_flight, max_in_flight)
     return int(ahead) + 1
 
 
+def _grouped_owner(job: Job) -> str | None:
+    """The owner whose group replaces the job's domain: none where the job is in the deployment's domain."""
+    return job.owner if job.domain == own_domain(job.owner) else None
+
+
 def _add_statement(with_payload: bool) -> Select[Any]:
     """The one statement that adds a job (and its inline payload when ``with_payload``), see the module doc.
-    Its row: the key's jobs in flight (counted up to the limit), whether the job was added, the jobs ahead of it."""
+    Its row: the key's jobs in flight (counted up to the limit), whether the job was added, the jobs ahead of it,
+    the job's domain (parameter ``grouped``: the owner whose group, if any, replaces ``domain``)."""
     job: dict[str, BindParameter[Any]] = {column.name: bindparam(column.name, type_=column.type) for column in _JOBS.c}
     in_flight = IN_FLIGHT_COUNT.cte("in_flight")
-    room = select(*job.values()).where(in_flight.c[0] < bindparam("limit", type_=BigInteger))
-    added = insert(Job).from_select(list(job), room).returning(_JOBS.c.id).cte("added")
+    domain = grouped_domain(bindparam("grouped", type_=String), job["domain"])
+    values = [domain if name == "domain" else value for name, value in job.items()]
+    room = select(*values).where(in_flight.c[0] < bindparam("limit", type_=BigInteger))
+    added = insert(Job).from_select(list(job), room).returning(_JOBS.c.id, _JOBS.c.domain).cte("added")
     event = insert(JobEvent).from_select(
         ["job_id", "from_status", "to_status", "at", "detail"],
         select(added.c.id, null(), job["status"], job["queued_at"], bindparam("detail", type_=JobEvent.detail.type)),
@@ -69,8 +83,9 @@ def _add_statement(with_payload: bool) -> Select[Any]:
     if with_payload:
         kept = select(added.c.id, bindparam("payload", type_=LargeBinary))
         writes.append(insert(JobPayload).from_select(["job_id", "data"], kept).cte("payload"))
-    ahead = jobs_ahead(job["model_key"], job["priority"], job["queued_at"], job["id"])
-    return select(in_flight.c[0], select(added.c.id).exists(), ahead).add_cte(*writes)
+    ahead = jobs_ahead(job["model_key"], job["owner"], job["priority"])
+    recorded = select(added.c.domain).scalar_subquery()
+    return select(in_flight.c[0], select(added.c.id).exists(), ahead, recorded).add_cte(*writes)
 
 
 _ADD, _ADD_WITH_PAYLOAD = _add_statement(with_payload=False), _add_statement(with_payload=True)

@@ -101,6 +101,12 @@ def set_weights(sessions: sessionmaker[Session], worker_id: str, version: str, s
         session.execute(update(Worker).where(Worker.id == worker_id).values(**values))
 
 
+def set_domain(sessions: sessionmaker[Session], worker_id: str, domain: str) -> None:
+    """Record the trust domain whose traces the worker's engine runs from now on (nnqueue.scheduler.domain_turns)."""
+    with transaction(sessions) as session:
+        session.execute(update(Worker).where(Worker.id == worker_id).values(domain=domain, domain_since=utcnow()))
+
+
 def heartbeat(sessions: sessionmaker[Session], worker_id: str) -> None:
     with transaction(sessions) as session:
         session.execute(update(Worker).where(Worker.id == worker_id).values(heartbeat_at=utcnow()))

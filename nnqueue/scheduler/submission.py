@@ -29,6 +29,7 @@ from nnqueue.scheduler.admission import AdmissionPolicy, require_served
 from nnqueue.scheduler.enqueue import send_job_tokens
 from nnqueue.scheduler.intake import add_job
 from nnqueue.scheduler.payloads import object_key, store_payload
+from nnqueue.scheduler.trust_domains import default_domain
 from nnqueue.scheduler.weights import resolve_pin
 from nnqueue.storage.object_store import ObjectStore
 
@@ -103,19 +104,21 @@ def accept_job(
     fields["weights_pin"] = resolve_pin(
         session, fields["model_key"], fields.get("weights_pin"), admission.stale_after_s
     )
-    job = _new_job(fields, inline_payload_max_bytes)
+    job = _new_job(fields, inline_payload_max_bytes, default_domain(fields["owner"], admission.trust_domains))
     position = add_job(session, job, payload if job.payload_key is None else None, admission.max_jobs_in_flight_per_key)
     if job.payload_key is not None:
         store_payload(store, job.payload_key, payload)
     return Accepted(job, position)
 
 
-def _new_job(fields: JobFields, inline_payload_max_bytes: int) -> Job:
-    """The QUEUED job that ``fields`` describe, every column set (it is inserted without the ORM's defaults)."""
+def _new_job(fields: JobFields, inline_payload_max_bytes: int, domain: str) -> Job:
+    """The QUEUED job that ``fields`` describe, every column set (it is inserted without the ORM's defaults); in
+    ``domain`` unless its owner's group replaces it (:func:`nnqueue.scheduler.intake.add_job`)."""
     job_id, now = fields.get("job_id") or uuid.uuid4(), utcnow()
     return Job(
         id=job_id,
         owner=fields["owner"],
+        domain=domain,
         api_key_id=fields.get("api_key_id"),
         model_key=fields["model_key"],
         kind=fields.get("kind", JobKind.TRACE),

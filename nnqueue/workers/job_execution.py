@@ -9,6 +9,12 @@ values before it failed). A cancel is seen by :meth:`JobRunner.reap_lost`, which
 cancels the job's task, which aborts its engine requests, as it does for a job requeued while this worker
 looked dead. A worker finishes only a job it still holds (the finishing update is guarded by the holder).
 
+Traces run on an engine one trust domain at a time (:mod:`nnqueue.scheduler.domain_turns`): the claim takes traces
+of the runner's current domain only, and a switch to another domain waits until none of the old one's are in
+flight, then puts back and verifies the engine's state (:meth:`JobRunner._switch_domain`) before the new domain's
+first trace starts. A token that finds no job while other domains' traces wait for this worker's turn to end waits
+for it, rather than being dropped.
+
 Running is the executor's (:class:`Executor`): one per engine kind, the vLLM trace executor
 (:mod:`nnqueue.workers.trace_execution`) and the transformers one (:mod:`nnqueue.workers.transformers_execution`). Database calls run in threads (``asyncio.to_thread``) so that
 the engine loop keeps serving the other jobs, and go together: the claims of the tokens that arrive while a
@@ -20,9 +26,11 @@ background, every running job's in one statement (:class:`ProgressBook`), so it 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import functools
 import logging
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Coroutine
@@ -41,7 +49,9 @@ from nnqueue.enginecore.weights_guard import SHARED_STEP_ERROR
 from nnqueue.errors import NNqueueError
 from nnqueue.isolation import Containment
 from nnqueue.logs import job_context
+from nnqueue.scheduler import registry
 from nnqueue.scheduler.claim import claim_jobs
+from nnqueue.scheduler.domain_turns import DomainTurns, Switch
 from nnqueue.storage.results import StoredResult
 from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.grouped_calls import GroupedCalls
@@ -70,6 +80,11 @@ class JobFailure(NNqueueError):
     traceback: str = ""
 
 
+class EngineStateUnverified(NNqueueError):
+    """The engine's state could not be put back and verified at a domain switch: it must not run another domain's
+    traces (the worker restarts; the traces go back to the queue)."""
+
+
 @dataclass
 class Execution:
     """How an executor's run of a job ended: its size in units of progress, its stored result (if any),
@@ -90,6 +105,11 @@ class Executor(Protocol):
         """Release the engine (the worker is stopping)."""
         ...
 
+    async def verify_engine_state(self) -> list[str]:
+        """Put back what traces changed of the engine's state and verify it, before the engine serves another trust
+        domain; the names of what was put back. Raises if it cannot be (the engine must not be used)."""
+        ...
+
 
 @dataclass
 class JobRunner:
@@ -103,6 +123,8 @@ class JobRunner:
     weights: WeightsGate | None = None
     # What the engine runs under (nnqueue.isolation): a degraded one runs no other owner's trace. None: any trace.
     containment: Containment | None = None
+    # Which trust domain's traces the engine runs now, and when that may change.
+    turns: DomainTurns = field(default_factory=DomainTurns)
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
     _versions: dict[uuid.UUID, str] = field(default_factory=dict)  # the weights each running job runs on
     # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
@@ -110,6 +132,8 @@ class JobRunner:
     _progress: ProgressBook = field(init=False)
     _claims: GroupedCalls[None, Job | None] = field(init=False)
     _endings: GroupedCalls[Ending, Job] = field(init=False)
+    _turn_over: asyncio.Event = field(default_factory=asyncio.Event)  # set when the turn's last trace ended
+    _switching: tuple[Switch, asyncio.Future[None]] | None = None  # the switch being verified
 
     def __post_init__(self) -> None:
         self._progress = ProgressBook(self.sessions, self.worker_id)
@@ -118,10 +142,17 @@ class JobRunner:
 
     async def run_next(self) -> Outcome:
         """Claim the model's best QUEUED job and run it (what a token asks for)."""
-        if self.health is not None and self.health.dead.is_set():
-            await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
-            return Outcome.SKIPPED
-        job = await self._claims(None)
+        while True:
+            if self.health is not None and self.health.dead.is_set():
+                await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
+                return Outcome.SKIPPED
+            job = await self._claims(None)
+            if job is not None or not self.turns.others_wait():
+                break
+            # Traces that this engine runs only after its domain's turn wait: keep the token until the turn ends
+            # (a dropped one would leave them waiting for the reconciler). Checked again at least every hold.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._turn_over.wait(), timeout=max(self.turns.hold_s, 1.0))
         if job is None:
             log.info("a token for %s found no queued job; dropped", self.model_key)
             return Outcome.NO_WORK
@@ -140,6 +171,7 @@ class JobRunner:
         assert task is not None
         self._running[job_id] = task
         try:
+            await self._enter_domain(job)
             running = self._on_weights(
                 job, self.executor.execute(job, functools.partial(self._progress.report, job_id))
             )
@@ -174,6 +206,13 @@ class JobRunner:
         except WrongWeights as wrong:
             await asyncio.to_thread(self._hand_back, job_id, str(wrong))
             return Outcome.SKIPPED
+        except EngineStateUnverified as unverified:
+            log.error("%s; the worker restarts", unverified)
+            await asyncio.to_thread(self._hand_back, job_id, str(unverified))
+            if self.health is not None and not self.health.dead.is_set():  # as if the engine died: a fresh one
+                self.health.dead.set()
+                self.health.stop()
+            return Outcome.SKIPPED
         except TimeoutError:
             failure = JobFailure("JobTimeout", f"job exceeded its timeout of {job.timeout_s:g} s and was aborted")
             return await self._fail(job_id, failure)
@@ -190,6 +229,52 @@ class JobRunner:
             self._versions.pop(job_id, None)
             self._running.pop(job_id, None)
             self._aborted.pop(job_id, None)
+            if job.kind is JobKind.TRACE and self.turns.ended():  # the turn's last trace: waiting tokens go on
+                self._turn_over.set()
+                self._turn_over = asyncio.Event()
+
+    async def _enter_domain(self, job: Job) -> None:
+        """Let a trace start only once the switch to its domain, if one is under way, has verified the engine."""
+        switch = self.turns.unverified() if job.kind is JobKind.TRACE else None
+        if switch is None:
+            return
+        if self._switching is None or self._switching[0] is not switch:
+            self._switching = (switch, asyncio.ensure_future(self._switch_domain(switch)))
+        await asyncio.shield(self._switching[1])
+
+    async def _switch_domain(self, switch: Switch) -> None:
+        """The engine moves to ``switch.domain``: nothing of the previous domain is in flight; its state is put back
+        and verified (`Executor.verify_engine_state`) before any trace of the new domain starts."""
+        started = time.monotonic()
+        if switch.previous is not None:
+            try:
+                restored = await self.executor.verify_engine_state()
+            except Exception as error:
+                raise EngineStateUnverified(
+                    f"the engine's state could not be verified when switching from trust domain {switch.previous!r} "
+                    f"to {switch.domain!r}: {type(error).__name__}: {error}"
+                ) from error
+            if restored:
+                log.error(
+                    "switching from trust domain %r to %r: %d changes to the engine's state were found and put back"
+                    " (%s); traces of %r made them",
+                    switch.previous,
+                    switch.domain,
+                    len(restored),
+                    ", ".join(restored[:10]),
+                    switch.previous,
+                )
+            metrics.DOMAIN_SWITCHES.labels(self.model_key).inc()
+            metrics.DOMAIN_SWITCH_TIME.labels(self.model_key).observe(time.monotonic() - started)
+        self.turns.verified(switch)
+        verified_s = time.monotonic() - started
+        log.info(
+            "the engine serves trust domain %r (was %r; verified in %.3f s)", switch.domain, switch.previous, verified_s
+        )
+        try:
+            await asyncio.to_thread(registry.set_domain, self.sessions, self.worker_id, switch.domain)
+        except Exception:  # what the listings show: the next switch writes it again
+            log.warning("recording the worker's trust domain failed", exc_info=True)
 
     async def _on_weights(self, job: Job, execution: Coroutine[Any, Any, Execution]) -> Execution:
         """Run ``execution`` holding the weights still (no update in between), noting the version it runs on."""
@@ -250,7 +335,8 @@ class JobRunner:
     def _claim(self, tokens: list[None]) -> list[Job | None]:
         """A job for each of the tokens that arrived together, in one transaction (None: no more queued)."""
         version = self.weights.version if self.weights is not None else None
-        jobs: list[Job | None] = list(claim_jobs(self.sessions, self.model_key, self.worker_id, len(tokens), version))
+        claimed = claim_jobs(self.sessions, self.model_key, self.worker_id, len(tokens), version, self.turns)
+        jobs: list[Job | None] = list(claimed)
         return jobs + [None] * (len(tokens) - len(jobs))
 
     def _end(self, endings: list[Ending]) -> list[Job | Exception]:

@@ -48,6 +48,7 @@ from nnqueue.engines.harvest_runner import capture_points
 from nnqueue.engines.outbox import poller
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.chunks import requeue_orphan_chunks, retry_or_fail_chunk
+from nnqueue.scheduler.domain_turns import DomainTurns
 from nnqueue.scheduler.reconciler import reconcile
 from nnqueue.scheduler.recovery import requeue_held, requeue_orphans
 from nnqueue.settings import Settings
@@ -130,7 +131,8 @@ def run_worker(
     worker_id = registry.new_worker_id()
     health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
     gate = WeightsGate(*base_version(model, engine_kwargs.get("revision")))
-    runner = JobRunner(sessions, executor, model_key, worker_id, health, gate, containment)
+    turns = DomainTurns(settings.domain_hold_s)
+    runner = JobRunner(sessions, executor, model_key, worker_id, health, gate, containment, turns)
     register_run_job(app, host, runner)
     chunks, points, updater, taps = None, None, None, ()
     if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)

@@ -48,6 +48,11 @@ class TransformersExecutor:
     async def close(self) -> None:
         await self.engine.close()
 
+    async def verify_engine_state(self) -> list[str]:
+        """Nothing to do at a trust domain switch: the engine process puts the weights back after every job, and
+        runs one job at a time (:mod:`nnqueue.enginecore.transformers_engine`)."""
+        return []
+
 
 def _env(job: Job) -> dict[str, Any]:
     ndif = job.meta.get("ndif") if isinstance(job.meta, dict) else None

@@ -68,7 +68,8 @@ def server(services: Services) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def jobs(server: str, services: Services) -> dict[str, Any]:
     """Alice's jobs in every state, bob's one queued job, and their keys."""
-    register_worker(services.sessions, capacity=4, weights=("base-3f2a1c", {"kind": "checkpoint"}))
+    worker = register_worker(services.sessions, capacity=4, weights=("base-3f2a1c", {"kind": "checkpoint"}))
+    registry.set_domain(services.sessions, worker, "owner:alice")  # its engine runs alice's traces now
     alice, bob = (create_secret(services.sessions, owner, ("trace", "harvest")) for owner in ("alice", "bob"))
     with transaction(services.sessions) as session:
         _, admin = auth.create_key(session, "root", ["admin"])
@@ -108,6 +109,7 @@ def jobs(server: str, services: Services) -> dict[str, Any]:
         "queued": queued,
         "bobs": bobs,
         "saves": saves,
+        "worker": worker,
     }
 
 
@@ -160,6 +162,7 @@ def test_a_user_sees_their_jobs_with_progress_errors_and_downloads(
     assert page.inner_text(f"#models tr[data-model='{LIVE_MODEL}'] td.queued") == "2"  # alice's and bob's
     assert LIVE_MODEL in page.inner_text("#workers")
     assert "base-3f2a1c (since" in page.inner_text("#workers")  # the weights version it serves
+    assert "owner:alice (since" in page.inner_text("#workers")  # and the trust domain: hers
 
     links = rows[f"job-{jobs['completed']}"].query_selector_all("a.download")
     assert [link.inner_text() for link in links] == ["saves.pt", "safetensors"]
@@ -226,6 +229,12 @@ def test_an_admin_sees_everyones_jobs(browser: Any, server: str, jobs: dict[str,
     row = page.query_selector(f"#job-{jobs['bobs']}")
     assert row is not None and "bob" in row.inner_text()
     assert page.query_selector(f"#job-{jobs['completed']}") is not None
+
+
+def test_another_owners_trust_domain_is_shown_to_admins_only(browser: Any, server: str, jobs: dict[str, Any]) -> None:
+    cell = f"#workers tr[data-worker='{jobs['worker']}'] td.domain"
+    bobs_view, admins_view = (sign_in(browser, server, jobs[who]).inner_text(cell) for who in ("bob", "admin"))
+    assert bobs_view == "other" and admins_view.startswith("owner:alice (since")
 
 
 def test_the_sign_in_cookie_is_safe_and_only_for_the_status_page(

@@ -25,6 +25,7 @@ TABLES = {
     "harvest_chunks",
     "harvest_schedules",
     "weights_updates",
+    "domain_members",
     "alembic_version",
 }
 

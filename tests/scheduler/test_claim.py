@@ -1,6 +1,7 @@
-"""Tokens claim the best queued work from the database, on real Postgres and on SQLite: jobs by priority,
-then age (and queue positions say the same); harvest chunks fairly across owners; concurrent claims
-never take one unit twice."""
+"""Tokens claim the best queued work from the database, on real Postgres and on SQLite: one owner's jobs by
+priority, then age; owners' jobs in turns, counting what each runs (and queue positions say the same); the traces
+of one trust domain per claim, and none of another while the worker's domain has traces in flight; harvest chunks
+fairly across owners; concurrent claims never take one unit twice."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.models import Harvest, HarvestChunk, Job, JobStatus
+from nnqueue.db.models import Harvest, HarvestChunk, Job, JobKind, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler.claim import claim_jobs, claim_next_chunk
+from nnqueue.scheduler.domain_turns import DomainTurns
 from nnqueue.scheduler.positions import queue_positions
 from tests.utils.queued import add_harvest, claim_next_job, queue_job
 
 S = JobStatus
 MODEL = "m"
+LAB = "lab"  # a group everyone of a test is in, where only the order across owners is under test
 
 
 @pytest.fixture
@@ -94,6 +97,90 @@ def test_concurrent_claims_of_several_jobs_take_each_job_once(sessions: sessionm
     taken: list[Any] = []
     race(lambda worker: taken.extend(job.id for job in claim_jobs(sessions, MODEL, worker, 2)))
     assert sorted(taken) == sorted(queued)
+
+
+def test_owners_take_turns_so_a_flood_queued_first_does_not_go_first(sessions: sessionmaker[Session]) -> None:
+    flood = [queue_job(sessions, MODEL, owner="alice", domain=LAB) for _ in range(5)]
+    bob, carol = (queue_job(sessions, MODEL, owner=owner, domain=LAB) for owner in ("bob", "carol"))
+    urgent = queue_job(sessions, MODEL, 5, owner="alice", domain=LAB)  # orders alice's own jobs only
+
+    with sessions() as session:
+        places = queue_positions(session, [session.get(Job, job_id) for job_id in [*flood, bob, carol, urgent]])  # type: ignore[misc]
+    claimed = [claim_next_job(sessions, MODEL, "w") for _ in range(9)]
+    order = [job.id if job else None for job in claimed]
+    # Everyone's first job has turn 1 (alice's is her urgent one, which also wins the tie); then alice, with one
+    # running, waits for bob's and carol's turns; first come, first served would have run her flood first.
+    assert order == [urgent, bob, carol, *flood, None]
+    assert [places[job_id] for job_id in order[:-1]] == list(range(1, 9))
+
+
+def test_jobs_an_owner_runs_already_count_against_their_turn(sessions: sessionmaker[Session]) -> None:
+    running = [queue_job(sessions, MODEL, owner="alice", domain=LAB) for _ in range(3)]
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 3)] == running
+    older = queue_job(sessions, MODEL, owner="alice", domain=LAB)
+    newer = queue_job(sessions, MODEL, owner="bob", domain=LAB)
+    with sessions() as session:
+        assert queue_positions(session, [session.get(Job, older), session.get(Job, newer)]) == {newer: 1, older: 2}  # type: ignore[list-item]
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 2)] == [newer, older]
+
+
+def test_a_claim_for_several_tokens_interleaves_the_owners(sessions: sessionmaker[Session]) -> None:
+    alice = [queue_job(sessions, MODEL, owner="alice", domain=LAB) for _ in range(4)]
+    bob = [queue_job(sessions, MODEL, owner="bob", domain=LAB) for _ in range(2)]
+    claimed = [job.id for job in claim_jobs(sessions, MODEL, "w", 5)]
+    assert claimed == [alice[0], bob[0], alice[1], bob[1], alice[2]]
+
+
+def test_a_claim_takes_the_traces_of_one_domain_and_steering_jobs_of_any(sessions: sessionmaker[Session]) -> None:
+    alice = [queue_job(sessions, MODEL, owner="alice") for _ in range(2)]  # each owner alone: the default
+    bob = [queue_job(sessions, MODEL, owner="bob") for _ in range(2)]
+    steer = queue_job(sessions, MODEL, owner="bob", kind=JobKind.STEER)
+    turns = DomainTurns()
+
+    first = claim_jobs(sessions, MODEL, "w", 5, turns=turns)
+    # The oldest trace's domain, and the steering job (no user code); none of bob's traces beside alice's.
+    assert sorted(job.id for job in first) == sorted([*alice, steer])
+    assert (turns.current, turns.in_flight) == ("owner:alice", 2)
+    assert [(switch.previous, switch.domain) for switch in [turns.unverified()] if switch] == [(None, "owner:alice")]
+
+    # Alice's traces in flight: bob's wait (a token that finds nothing waits for the turn to end).
+    assert claim_jobs(sessions, MODEL, "w", 5, turns=turns) == []
+    assert turns.others_wait()
+    assert [turns.ended(), turns.ended()] == [False, True]
+    second = claim_jobs(sessions, MODEL, "w", 5, turns=turns)
+    assert sorted(job.id for job in second) == sorted(bob)
+    switch = turns.unverified()
+    assert switch is not None and (switch.previous, switch.domain) == ("owner:alice", "owner:bob")
+
+
+def test_a_domain_keeps_the_engine_for_the_hold_once_others_wait(sessions: sessionmaker[Session]) -> None:
+    now = [0.0]
+    turns = DomainTurns(hold_s=10, clock=lambda: now[0])
+    alice = [queue_job(sessions, MODEL, owner="alice") for _ in range(3)]
+    bob = queue_job(sessions, MODEL, owner="bob")
+
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 1, turns=turns)] == [alice[0]]  # bob waits from 0
+    now[0] = 9.0  # within the hold: alice's next trace, though bob's waited longer
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 1, turns=turns)] == [alice[1]]
+    now[0] = 10.0  # the hold is over: no more of alice's, and bob's only once hers have ended
+    assert claim_jobs(sessions, MODEL, "w", 1, turns=turns) == []
+    turns.ended()
+    assert claim_jobs(sessions, MODEL, "w", 1, turns=turns) == []
+    turns.ended()
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 2, turns=turns)] == [bob]
+    turns.ended()  # bob's turn ends with nobody else waiting but alice: hers again, without waiting for a hold
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 2, turns=turns)] == [alice[2]]
+
+
+def test_a_worker_takes_traces_of_its_allowed_domains_only(sessions: sessionmaker[Session]) -> None:
+    queue_job(sessions, MODEL, owner="alice")
+    bobs = queue_job(sessions, MODEL, owner="bob")
+    steer = queue_job(sessions, MODEL, owner="alice", kind=JobKind.STEER)
+    turns = DomainTurns(allowed=frozenset({"owner:bob"}))
+    assert sorted(job.id for job in claim_jobs(sessions, MODEL, "w", 5, turns=turns)) == sorted([bobs, steer])
+    turns.ended()
+    assert claim_jobs(sessions, MODEL, "w", 5, turns=turns) == []  # alice's trace stays queued
+    assert not turns.others_wait()
 
 
 def test_chunks_are_claimed_fairly_across_owners(sessions: sessionmaker[Session]) -> None:

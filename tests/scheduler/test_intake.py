@@ -44,6 +44,7 @@ def _accept(
     payload: bytes = b"small",
     api_key_id: int | None = 1,
     limit: int = 100,
+    owner: str = "alice",
 ) -> Accepted:
     with transaction(sessions) as session:
         return accept_job(
@@ -51,7 +52,7 @@ def _accept(
             store,
             admission=AdmissionPolicy(stale_after_s=30, max_jobs_in_flight_per_key=limit),
             inline_payload_max_bytes=INLINE_MAX,
-            owner="alice",
+            owner=owner,
             model_key=MODEL,
             payload=payload,
             priority=priority,
@@ -72,7 +73,18 @@ def test_an_accepted_job_is_stored_as_returned_with_its_event_and_payload(
     sessions: sessionmaker[Session], store: LocalObjectStore
 ) -> None:
     small, large = _accept(sessions, store, payload=b"small"), _accept(sessions, store, payload=b"L" * (INLINE_MAX + 1))
-    columns = ("owner", "api_key_id", "model_key", "kind", "status", "priority", "timeout_s", "meta", "payload_key")
+    columns = (
+        "owner",
+        "domain",
+        "api_key_id",
+        "model_key",
+        "kind",
+        "status",
+        "priority",
+        "timeout_s",
+        "meta",
+        "payload_key",
+    )
     columns += ("payload_size", "attempts", "progress_done", "worker_id", "started_at", "finished_at")
     with sessions() as session:
         for accepted, payload in ((small, b"small"), (large, b"L" * (INLINE_MAX + 1))):
@@ -110,6 +122,22 @@ def test_the_place_read_back_is_the_place_among_queued_jobs_by_priority_then_age
     late = _accept(sessions, store, priority=1)
     with sessions() as session:
         assert queue_positions(session, [late.job]) == {late.job.id: late.queue_position} and late.queue_position == 5
+
+
+def test_the_place_read_back_is_the_place_in_the_fair_order_across_owners(
+    sessions: sessionmaker[Session], store: LocalObjectStore
+) -> None:
+    flood = [_accept(sessions, store).queue_position for _ in range(3)]
+    bob = _accept(sessions, store, owner="bob")
+    urgent = _accept(sessions, store, owner="carol", priority=5)
+    # bob's first job goes after alice's first (both have turn 1; hers is older), not after all three of hers;
+    # carol's, urgent, before both.
+    assert flood == [1, 2, 3] and (bob.queue_position, urgent.queue_position) == (2, 1)
+    with sessions() as session:
+        jobs = list(session.scalars(select(Job).where(Job.status == JobStatus.QUEUED)))
+        places = queue_positions(session, jobs)
+    assert sorted(places.values()) == [1, 2, 3, 4, 5]
+    assert (places[bob.job.id], places[urgent.job.id]) == (3, 1)  # alice's first is second now
 
 
 def test_a_key_at_its_limit_is_refused_and_nothing_is_added_or_stored(

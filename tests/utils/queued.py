@@ -14,13 +14,22 @@ from nnqueue.db.session import transaction
 from nnqueue.scheduler.claim import claim_jobs
 
 
-def queue_job(sessions: sessionmaker[Session], model_key: str, priority: int = 0) -> uuid.UUID:
-    """A QUEUED trace job of alice's for ``model_key``."""
+def queue_job(
+    sessions: sessionmaker[Session],
+    model_key: str,
+    priority: int = 0,
+    *,
+    owner: str = "alice",
+    kind: JobKind = JobKind.TRACE,
+    domain: str | None = None,
+) -> uuid.UUID:
+    """A QUEUED job (a trace of alice's unless told) for ``model_key``; ``domain`` None: its owner's own."""
     with transaction(sessions) as session:
         job = Job(
-            owner="alice",
+            owner=owner,
+            domain=domain,
             model_key=model_key,
-            kind=JobKind.TRACE,
+            kind=kind,
             priority=priority,
             timeout_s=60,
             meta={},

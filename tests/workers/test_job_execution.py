@@ -1,7 +1,9 @@
 """JobRunner on the session's in-process engine, real Postgres and a local store: a job taken from this
 worker while it runs (requeued because the worker looked dead, then claimed by another) is aborted at the
 next heartbeat's reap, leaves the other worker's claim alone, and writes no result; tokens that arrive
-together claim their jobs together."""
+together claim their jobs together; two trust domains' traces never share the engine (tokens wait for the turn
+to end rather than being dropped), and the switch puts back weights one domain's traces left changed before the
+other's first trace runs."""
 
 from __future__ import annotations
 
@@ -12,21 +14,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.lifecycle import Ending, create_job, transition
-from nnqueue.db.models import Job, JobKind, JobStatus
+from nnqueue.db.models import Job, JobKind, JobStatus, Worker
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.isolation import Containment
+from nnqueue.scheduler import registry
 from nnqueue.storage.keys import payload_key
 from nnqueue.storage.local import LocalObjectStore
+from nnqueue.storage.results import load_result
 from nnqueue.workers.job_execution import JobRunner, Outcome
 from nnqueue.workers.sinks import ResultSinks
 from tests.utils.engines import InProcessEngine
-from tests.utils.payloads import slow_payload, two_invoke_payload
+from tests.utils.payloads import PROMPTS, PrebuiltBackend, slow_payload, two_invoke_payload
 from tests.utils.queued import queue_job
 
 S = JobStatus
@@ -88,6 +93,83 @@ def test_tokens_that_arrive_together_claim_their_jobs_in_one_transaction(
     assert all(status is S.COMPLETED and worker == "w" and key for status, worker, key in rows) and len(rows) == 12
 
 
+def test_two_domains_traces_never_share_the_engine_and_waiting_tokens_are_kept(
+    inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    sessions = session_factory(make_engine(database_factory()))
+    store = LocalObjectStore(tmp_path)
+    payload = slow_payload(client_model, steps=5)  # about 0.5 s each: the turns overlap unless kept apart
+    alice = _queue(sessions, store, [payload] * 2, owner="alice")
+    bob = _queue(sessions, store, [payload] * 2, owner="bob")
+    registry.register(sessions, "w", "tiny", "q", 4)
+    runner = _runner(sessions, store, inprocess_engine, tmp_path, "w")
+
+    async def tokens() -> list[Outcome]:
+        return await asyncio.gather(*(runner.run_next() for _ in range(4)))
+
+    outcomes = asyncio.run_coroutine_threadsafe(tokens(), inprocess_engine.host.loop).result(timeout=180)
+    assert outcomes == [Outcome.COMPLETED] * 4  # bob's tokens waited for alice's turn: none was dropped
+    with sessions() as session:
+        rows = {job.id: job for job in session.scalars(select(Job).where(Job.id.in_(alice + bob)))}
+        worker = session.get(Worker, "w")
+    assert all(job.status is S.COMPLETED for job in rows.values())
+    first, second = sorted([alice, bob], key=lambda ids: min(rows[job_id].started_at for job_id in ids))  # type: ignore[type-var]
+    assert max(rows[job_id].finished_at for job_id in first) <= min(rows[job_id].started_at for job_id in second)  # type: ignore[type-var]
+    assert worker is not None and worker.domain == runner.turns.current == f"owner:{rows[second[0]].owner}"
+
+
+def test_a_switch_puts_back_weights_the_previous_domain_left_changed(
+    inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    """Alice's second trace keeps an alias of a weight made with ``.data`` (which gets a content check at its own
+    step); her third writes through it, which the per-step check (version counters) does not see: it reads the
+    weights only where a trace names a road past the counters, or every 30 s. That write is hers to keep in her
+    own domain, but not bob's to run on: the switch reads all the weights before bob's trace."""
+    sessions = session_factory(make_engine(database_factory()))
+    store = LocalObjectStore(tmp_path)
+    steps = [logits_payload(client_model), stash_payload(client_model), write_through_stash_payload(client_model)]
+    alice = _queue(sessions, store, [logits_payload(client_model), *steps], owner="alice")
+    runner = _runner(sessions, store, inprocess_engine, tmp_path, "w")
+
+    def run_one() -> Outcome:
+        return asyncio.run_coroutine_threadsafe(runner.run_next(), inprocess_engine.host.loop).result(timeout=120)
+
+    for _ in alice:
+        run_one()
+    [bob] = _queue(sessions, store, [logits_payload(client_model)], owner="bob")
+    assert run_one() is Outcome.COMPLETED
+    with sessions() as session:
+        clean, after = (session.get(Job, job_id) for job_id in (alice[0], bob))
+        assert clean is not None and after is not None and clean.result_key and after.result_key
+    expected, got = (load_result(store.get_bytes(job.result_key))["logits"] for job in (clean, after))  # type: ignore[arg-type]
+    assert torch.equal(got, expected)
+
+
+def logits_payload(client: Any) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[1], temperature=0.0, max_tokens=1, backend=backend):
+        logits = client.logits.save()
+    return backend.payload
+
+
+def stash_payload(client: Any) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[1], temperature=0.0, max_tokens=1, backend=backend):
+        client.model.norm._module.nnqueue_test_alias = client.model.norm.weight.data
+        logits = client.logits.save()
+    return backend.payload
+
+
+def write_through_stash_payload(client: Any) -> bytes:
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[1], temperature=0.0, max_tokens=1, backend=backend):
+        norm = client.model.norm._module
+        norm.nnqueue_test_alias.zero_()
+        del norm.nnqueue_test_alias  # leaves the session's engine as it found it, the weights aside
+        logits = client.logits.save()
+    return backend.payload
+
+
 def test_one_jobs_bad_end_does_not_fail_the_others_that_ended_with_it(database_factory: Callable[..., str]) -> None:
     sessions = session_factory(make_engine(database_factory()))
     good, bad = (queue_job(sessions, "tiny") for _ in range(2))
@@ -135,15 +217,19 @@ def test_a_worker_whose_engine_is_not_isolated_runs_only_its_operators_traces(
 
 
 def _queue(
-    sessions: sessionmaker[Session], store: LocalObjectStore, payloads: list[bytes], owners: list[str] | None = None
+    sessions: sessionmaker[Session],
+    store: LocalObjectStore,
+    payloads: list[bytes],
+    owner: str = "alice",
+    owners: list[str] | None = None,
 ) -> list[uuid.UUID]:
     job_ids = []
-    for payload, owner in zip(payloads, owners or ["alice"] * len(payloads), strict=True):
+    for payload, job_owner in zip(payloads, owners or [owner] * len(payloads), strict=True):
         job_id = uuid.uuid4()
         size = store.put_bytes(payload_key(job_id), payload)
         job = Job(
             id=job_id,
-            owner=owner,
+            owner=job_owner,
             model_key="tiny",
             kind=JobKind.TRACE,
             timeout_s=120,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest

@@ -1,5 +1,5 @@
-"""``/v1/models``: the models that jobs can be submitted for, from live workers' heartbeats; their weights versions
-and checkpoint swaps (``/v1/models/{model_key}/weights``, :mod:`nnqueue.scheduler.weights`)."""
+"""``/v1/models``: the models that jobs can be submitted for, from live workers' heartbeats, and the trust domains
+their engines serve now; their weights versions and checkpoint swaps (``/v1/models/{model_key}/weights``, :mod:`nnqueue.scheduler.weights`)."""
 
 from __future__ import annotations
 
@@ -19,21 +19,26 @@ from nnqueue.api.schemas import (
 )
 from nnqueue.enginecore.taps import served_taps
 from nnqueue.scheduler.registry import live_workers
+from nnqueue.scheduler.trust_domains import domain_of, shown
 from nnqueue.scheduler.weights import WeightsRejected, check_source, request_update, updates_after
 
 router = APIRouter(prefix="/v1/models", tags=["models"], route_class=ReleasingRoute)
 
 
 @router.get("")
-def list_models(_caller: CallerDep, session: SessionDep, settings: SettingsDep) -> ModelsResponse:
-    """Each model with a live worker (not stopped, heartbeat within NNQUEUE_WORKER_STALE_AFTER_S), and the taps
-    its tapped workers all serve (a job may run on any of its workers)."""
+def list_models(caller: CallerDep, session: SessionDep, settings: SettingsDep) -> ModelsResponse:
+    """Each model with a live worker (not stopped, heartbeat within NNQUEUE_WORKER_STALE_AFTER_S), the taps its
+    tapped workers all serve (a job may run on any of its workers) and the trust domains their engines serve."""
     workers: dict[str, int] = defaultdict(int)
     capacity: dict[str, int] = defaultdict(int)
     engine: dict[str, str] = {}
     versions: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     taps: dict[str, set[str]] = {}
+    domains: dict[str, set[str]] = defaultdict(set)
+    yours = domain_of(session, caller.owner, settings.trust_domains)
     for worker in live_workers(session, settings.worker_stale_after_s):
+        if worker.domain is not None:
+            domains[worker.model_key].add(shown(worker.domain, yours, caller.is_admin))
         workers[worker.model_key] += 1
         capacity[worker.model_key] += worker.capacity
         engine[worker.model_key] = worker.engine  # one kind per model key (the registry refuses a second)
@@ -52,6 +57,7 @@ def list_models(_caller: CallerDep, session: SessionDep, settings: SettingsDep) 
                 engine=engine[key],
                 weights_versions=dict(versions[key]),
                 taps=sorted(taps[key]) if key in taps else None,
+                domains=sorted(domains[key]),
             )
             for key in sorted(workers)
         ]

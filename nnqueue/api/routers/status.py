@@ -129,7 +129,7 @@ def status_page(
     viewer = _viewer(request, session)
     if viewer is None:
         return _to_sign_in()
-    view = status_view(session, viewer, settings.worker_stale_after_s, status_filter)
+    view = status_view(session, viewer, settings.worker_stale_after_s, status_filter, settings.trust_domains)
     return _page(request, "status.html", view=view, refresh_s=REFRESH_S, statuses=list(JobStatus))
 
 

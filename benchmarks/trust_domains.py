@@ -1,0 +1,100 @@
+"""What a two-domain mix costs against one domain (issue 33): the same trace jobs through one worker, all of one
+owner, then half of each of two owners in domains of their own (the default), so that the engine switches.
+
+Each round submits ``--jobs`` one-prompt traces of ``--tokens`` tokens at once (the worker throughput benchmark's
+job) and times them from the first submission to the last end (the jobs' own rows). Rounds alternate between the
+one-domain and the two-domain load (then, as a check, the two owners grouped in one domain, which must cost what one
+domain costs), best of ``--rounds`` after a warm-up of each. Printed: jobs/s of each, the ratio two domains / one
+domain, the switches the worker made in the two-domain rounds (its log) and their verification's time. A switch
+costs the drain (the engine finishes the old domain's traces while its batch empties: nothing of the new domain
+starts meanwhile) and the verification (the weights guard reads all the weights); the hold
+(``NNQUEUE_DOMAIN_HOLD_S``, ``--hold-s``) bounds how often it happens under a mixed load.
+
+CPU (the tiny Llama):
+
+    .venv/bin/python benchmarks/trust_domains.py [--jobs 64 --tokens 8 --concurrency 8 --rounds 3]
+
+A GPU: a model folder and the worker's engine arguments, e.g. the Llama-3-8B-shaped dummy folder that
+``harvest_gpu.py`` builds (``build_model_dir``), ``--model DIR --engine-arg=--dtype=bfloat16
+--engine-arg=--load-format=dummy --engine-arg=--max-model-len=2048 --concurrency 256 --jobs 1024``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from queue_stack import QueueStack, generation_payload, log
+
+MODEL_KEY = "domains"
+SWITCHED = re.compile(r"the engine serves trust domain .* \(was '.*'; verified in ([0-9.]+) s\)")
+OWNERS = ("alice", "bob")
+LOADS = ("one domain", "two domains", "two owners, one group")
+
+
+def timed_round(stack: QueueStack, payload: bytes, owners: tuple[str, ...], jobs: int) -> float:
+    """Seconds from the first submission to the last job's end, ``jobs`` jobs of ``owners`` in turn."""
+    submitted = [stack.submit(payload, owners[index % len(owners)], MODEL_KEY) for index in range(jobs)]
+    done = stack.wait_all(submitted)
+    first, last = min(job.created_at for job in done), max(job.finished_at for job in done if job.finished_at)
+    return (last - first).total_seconds()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=64, help="jobs per round")
+    parser.add_argument("--tokens", type=int, default=8, help="tokens each job generates")
+    parser.add_argument("--concurrency", type=int, default=8, help="the worker's --max-concurrent-jobs")
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds of each load, after a warm-up")
+    parser.add_argument("--hold-s", type=float, help="NNQUEUE_DOMAIN_HOLD_S for the worker (default: its default)")
+    parser.add_argument("--model", type=Path, help="a local model folder (default: the tiny Llama)")
+    parser.add_argument("--engine-arg", action="append", default=[], help="a vLLM argument for the worker")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    stack = QueueStack(args.model, tuple(args.engine_arg))
+    times: dict[str, list[float]] = {load: [] for load in LOADS}
+    switches: list[float] = []
+    try:
+        for owner in OWNERS:
+            stack.owner(owner)
+        env = {"NNQUEUE_DOMAIN_HOLD_S": str(args.hold_s)} if args.hold_s else None
+        worker = stack.worker(MODEL_KEY, args.concurrency, env=env)
+        payload = generation_payload(stack.client, args.tokens)
+        for index in range(args.rounds + 1):
+            for load, owners in zip(LOADS, (OWNERS[:1], OWNERS, OWNERS), strict=True):
+                stack.group(OWNERS, together=load == LOADS[2])
+                before = len(SWITCHED.findall(worker.log()))
+                seconds = timed_round(stack, payload, owners, args.jobs)
+                verified = [float(found) for found in SWITCHED.findall(worker.log())[before:]]
+                if index:  # the first round of each is a warm-up
+                    times[load].append(seconds)
+                    if load == LOADS[1]:
+                        switches.extend(verified)
+                log(f"round {index}, {load}: {seconds:.2f} s, {len(verified)} switches")
+    finally:
+        stack.close()
+
+    best = {load: min(values) for load, values in times.items()}
+    rate = {load: args.jobs / seconds for load, seconds in best.items()}
+    print(
+        f"\n{args.jobs} jobs x {args.tokens} tokens a round, --max-concurrent-jobs {args.concurrency}, best of {args.rounds}"
+    )
+    for load in LOADS:
+        print(f"{load:<24} {best[load]:7.2f} s  {rate[load]:7.2f} jobs/s")
+    per_round = len(switches) / max(1, args.rounds)
+    mean_ms = 1000 * sum(switches) / len(switches) if switches else float("nan")
+    print(f"switches per two-domain round: {per_round:.1f}; their verification: {mean_ms:.1f} ms on average")
+    print(f"ratio two domains / one domain (throughput): {rate[LOADS[1]] / rate[LOADS[0]]:.3f}")
+    print(f"ratio two owners grouped / one domain:       {rate[LOADS[2]] / rate[LOADS[0]]:.3f}")
+    if args.json:
+        results: dict[str, Any] = {"args": vars(args), "times_s": times, "switch_verify_s": switches}
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+        log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
