@@ -165,12 +165,12 @@ class JobRunner:
         metrics.QUEUE_WAIT.labels(job.model_key, job.kind.value).observe(waited)
         log.info("job %s started (attempt %d) after %.3f s in the queue", job_id, job.attempts, waited)
         refusal = self.containment.refusal(job.owner) if self.containment and job.kind is JobKind.TRACE else None
-        if refusal is not None:
-            return await self._fail(job_id, JobFailure("EngineNotIsolated", refusal))
         task = asyncio.current_task()
         assert task is not None
         self._running[job_id] = task
         try:
+            if refusal is not None:  # in here: the finally ends the domain turn its claim began
+                return await self._fail(job_id, JobFailure("EngineNotIsolated", refusal))
             await self._enter_domain(job)
             running = self._on_weights(
                 job, self.executor.execute(job, functools.partial(self._progress.report, job_id))

@@ -76,12 +76,14 @@ class VLLMTraceExecutor:
 
     async def verify_engine_state(self) -> list[str]:
         """Before the engine serves another trust domain (:mod:`nnqueue.scheduler.domain_turns`): every rank's
-        weights guard reads all the weights, puts back what differs from its host copy and says what it put back
-        (``nnqueue_check_weights`` with a full read: :mod:`nnqueue.enginecore.weights_guard`). Runs between engine
-        steps (vLLM serves RPCs there). With ``NNQUEUE_WEIGHTS_GUARD=false`` there is no copy: nothing is checked.
-        Raises when a rank could not restore its weights."""
-        answers = await self.model.vllm_entrypoint.collective_rpc("nnqueue_check_weights", args=(True,))
-        return sorted({name for names in answers for name in names or ()})
+        guards read every weight and buffer in full and verify the rest of the engine's state (module attributes,
+        hooks, classes, the engine's own code), put back what changed and say what they put back
+        (``nnqueue_verify_state``: :mod:`nnqueue.enginecore.weights_guard`). Runs between engine steps (vLLM serves
+        RPCs there). With ``NNQUEUE_WEIGHTS_GUARD=false`` there are no guards: nothing is checked. Raises when a
+        rank could not restore its state."""
+        answers = await self.model.vllm_entrypoint.collective_rpc("nnqueue_verify_state")
+        kinds = ("weights", "state", "lazy")
+        return sorted({name for answer in answers for kind in kinds for name in (answer or {}).get(kind, ())})
 
     async def _prepare(self, job: Job, payload: bytes) -> tuple[trace_payload.PrebuiltTrace, prebuilt.TraceRequests]:
         """The payload's trace and its vLLM requests: parsed, after a builder process prebuilt a raw payload."""
