@@ -50,7 +50,8 @@ def version() -> None:
 
 
 def main() -> None:
-    """The ``nnqueue`` command: :data:`app`, saying which extra to install when a server library is missing."""
+    """The ``nnqueue`` command: :data:`app`, saying which extra to install when a server library is missing, and
+    what to fix, without a traceback, when the configuration is wrong (see `misconfiguration`)."""
     try:
         app()
     except ModuleNotFoundError as error:
@@ -62,6 +63,41 @@ def main() -> None:
             err=True,
         )
         sys.exit(1)
+    except Exception as error:
+        reason = misconfiguration(error)
+        if reason is None:
+            raise
+        typer.echo(f"nnqueue: {reason}", err=True)
+        sys.exit(1)
+
+
+def misconfiguration(error: Exception) -> str | None:
+    """What to fix, for an error that a setting or the environment caused rather than a bug: nnqueue's own refusals
+    (a missing broker URL, a database behind its schema, ...), settings that do not validate, a database that
+    cannot be used, an unknown migration; None for anything else (a bug: its traceback is shown)."""
+    from pydantic import ValidationError
+
+    from nnqueue.client.errors import NNqueueError as ClientError
+    from nnqueue.errors import NNqueueError
+
+    if isinstance(error, NNqueueError | ClientError):
+        return str(error)
+    if isinstance(error, ValidationError):
+        return f"the settings are not valid (NNQUEUE_* variables, .env): {error}"
+    if "sqlalchemy" in sys.modules:
+        from sqlalchemy.exc import DBAPIError
+
+        if isinstance(error, DBAPIError):
+            return (
+                f"cannot use the database: {error.orig}; check NNQUEUE_DATABASE_URL (unset: the embedded SQLite file"
+                " under NNQUEUE_DATA_DIR) and that `nnqueue db upgrade` ran on it"
+            )
+    if "alembic" in sys.modules:
+        from alembic.util.exc import CommandError
+
+        if isinstance(error, CommandError):
+            return f"the migration failed: {error}"
+    return None
 
 
 @db_app.command("upgrade")
@@ -162,17 +198,20 @@ def worker(
     """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments
     (vllm) or to the model's from_pretrained (transformers, e.g. --dtype float32)."""
     kind = _engine_kind(engine)
+    from nnqueue.broker import broker_url
+
+    settings = Settings()
+    if (taps or settings.engine_taps) and (kind.value == "transformers" or engine_args(ctx.args).get("enforce_eager")):
+        raise typer.BadParameter(
+            "taps replay CUDA graphs: they are for the vllm engine, without --enforce-eager", param_hint="--taps"
+        )
+    broker_url(settings)  # before the supervisor or the engine starts: it cannot run without one
     from nnqueue.enginecore.taps import UnservableTaps
     from nnqueue.isolation import EngineUserError
     from nnqueue.scheduler.registry import EngineConflict
     from nnqueue.workers.main import run_worker
 
-    settings = Settings()
     logs.configure(settings.log_format)
-    if (taps or settings.engine_taps) and (kind.value == "transformers" or engine_args(ctx.args).get("enforce_eager")):
-        raise typer.BadParameter(
-            "taps replay CUDA graphs: they are for the vllm engine, without --enforce-eager", param_hint="--taps"
-        )
     if supervise:
         from nnqueue.isolation import blank_initial_environment
         from nnqueue.workers.supervisor import Supervisor
@@ -224,9 +263,11 @@ def worker(
 @app.command()
 def beat() -> None:
     """Fire recurring harvests (nnqueue schedules ...) when they are due; run one (or two, for availability)."""
+    from nnqueue.broker import broker_url
     from nnqueue.scheduler.beat import run_beat
 
     settings = Settings()
+    broker_url(settings)
     logs.configure(settings.log_format)
     try:
         run_beat(settings)
@@ -291,7 +332,7 @@ def demo(
 
     try:
         run_demo(data_dir or Settings().data_dir, console, harvest=harvest)
-    except (DemoError, EmbeddedServerError, NNqueueError) as error:
+    except (DemoError, EmbeddedServerError, NNqueueError, OSError) as error:  # OSError: the data directory
         console.print(f"[red]{type(error).__name__}:[/red] {error}", markup=True, highlight=False)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
@@ -328,7 +369,7 @@ def up(
             max_concurrent_jobs=max_concurrent_jobs,
             console=console,
         )
-    except (DemoError, EmbeddedServerError) as error:
+    except (DemoError, EmbeddedServerError, OSError) as error:  # OSError: the data directory
         console.print(f"[red]{type(error).__name__}:[/red] {error}", markup=True, highlight=False)
         raise typer.Exit(1) from None
 

@@ -94,6 +94,7 @@ def ensure_model(models_dir: Path, console: Console) -> tuple[Path, bool]:
     marker = target / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == fingerprint:
         return target, False
+    models_dir.mkdir(parents=True, exist_ok=True)  # an unusable data directory fails here, before the conversion
 
     import torch
     import transformers

@@ -7,13 +7,16 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import typer
 from sqlalchemy import create_engine, inspect
 from typer.testing import CliRunner
 
-from nnqueue.cli import app, engine_args
+from nnqueue.cli import app, engine_args, main
 from tests.utils.light_client import run_light, run_light_cli
 
 runner = CliRunner()
@@ -112,3 +115,80 @@ def test_a_worker_refuses_taps_it_cannot_replay(extra: list[str]) -> None:
     refused = runner.invoke(app, ["worker", "--model", "m", "--taps", "model.layers.*.output", *extra])
     assert refused.exit_code == 2, refused.output
     assert "taps replay CUDA graphs" in refused.output
+
+
+# -- every command with nothing configured ----------------------------------------------------------
+
+
+def every_command(command: Any = None, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Any]]:
+    """``(path, command)`` for each command of the ``nnqueue`` app, groups walked (read from the app: a new one is in)."""
+    command = command or typer.main.get_command(app)
+    if hasattr(command, "commands"):
+        for name, sub in command.commands.items():
+            yield from every_command(sub, (*path, name))
+    else:
+        yield path, command
+
+
+# Required arguments, by parameter name: what the command gets (files are made in the working directory).
+ARGUMENTS = {"spec": "spec.yaml", "script": "script.py", "schedule_id": "1"}
+# The misconfiguration each command meets beside the missing NNQUEUE_* settings. With none set, `up` and `demo`
+# run for real (the embedded default is their configuration): they get a data directory that is a file.
+MISCONFIGURED = {("up",): ["--data-dir", "a-file"], ("demo",): ["--data-dir", "a-file"]}
+# What the error must say, for the commands (or the groups) that cannot run on the defaults; the client commands
+# find no API.
+SAYS = {
+    ("worker",): "NNQUEUE_BROKER_URL is not set",
+    ("beat",): "NNQUEUE_BROKER_URL is not set",
+    ("serve-api",): "NNQUEUE_BROKER_URL is not set",
+    ("keys",): "run `nnqueue db upgrade`",  # every command of the group
+    ("db", "downgrade"): "the migration failed",
+    ("up",): "Not a directory",
+    ("demo",): "Not a directory",
+}
+# The commands that run on the defaults alone (an empty embedded database, an empty script, nothing to purge).
+RUN_ON_DEFAULTS = {("version",), ("gc",), ("db", "upgrade"), ("submit",)}
+
+
+def command_line(path: tuple[str, ...], command: Any) -> list[str]:
+    argv = [*path, *MISCONFIGURED.get(path, [])]
+    for param in command.params:
+        if param.required:
+            value = ARGUMENTS.get(param.name or "", "abc")
+            argv += [value] if param.param_type_name == "argument" else [param.opts[0], value]
+    return argv
+
+
+@pytest.mark.parametrize(
+    ("path", "command"), [pytest.param(path, command, id=" ".join(path)) for path, command in every_command()]
+)
+def test_every_command_with_no_settings_exits_with_a_reason_and_no_traceback(
+    path: tuple[str, ...],
+    command: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """`python -m nnqueue <command>` (through `main`, in this process) in an empty folder with no NNQUEUE_* variable and
+    no .env: a command that needs a setting (a broker, a migrated database, an API) says what to do and exits 1."""
+    for name in [name for name in os.environ if name.startswith("NNQUEUE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "spec.yaml").write_text("model_key: m\ncaptures: [{module: model.layers.0}]\n")
+    (tmp_path / "script.py").write_text("")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(sys, "argv", ["nnqueue", *command_line(path, command)])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    output = capfd.readouterr()
+    shown = output.out + output.err
+    assert "Traceback" not in shown and "│ " not in output.err, shown  # neither Python's nor rich's traceback
+    if path in RUN_ON_DEFAULTS:
+        assert exited.value.code in (0, None), shown
+        return
+    assert exited.value.code == 1, shown
+    says = SAYS.get(path) or SAYS.get(path[:1])
+    if says is None:  # a client command: no API at the default URL (or, if one runs there, no key for it)
+        assert "is an API running there? `nnqueue up`" in shown or "AuthenticationError: 401" in shown, shown
+    else:
+        assert says in shown, shown
