@@ -1,9 +1,9 @@
 """The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the schedule runner (beat),
 the client commands and the demo.
 
-A client install (``pip install nnqueue``) has the client commands; the server's commands need the ``server``
-extra (with ``cpu`` or ``gpu`` for workers). Their libraries are imported only when they run, and
-:func:`main` turns a missing one into the line to install rather than a traceback.
+A client install (``pip install nnqueue``) has the client commands (``submit`` runs traces: the ``trace`` extra);
+the server's commands need the ``server`` extra (with ``cpu`` or ``gpu`` for workers). Their libraries are imported
+only when they run, and :func:`main` turns a missing one into the line to install rather than a traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from rich.console import Console
 from nnqueue import logs
 from nnqueue.api.cli import keys_app, serve_api
 from nnqueue.client.cli import register as register_client_commands
+from nnqueue.client.cli_common import TRACE_EXTRA_HINT, TRACE_MODULES
 from nnqueue.settings import Settings
 
 # Top-level modules of the server's dependencies (the server, cpu and gpu extras).
@@ -50,12 +51,16 @@ def version() -> None:
 
 
 def main() -> None:
-    """The ``nnqueue`` command: :data:`app`, saying which extra to install when a server library is missing, and
+    """The ``nnqueue`` command: :data:`app`, saying which extra to install when a library is missing, and
     what to fix, without a traceback, when the configuration is wrong (see `misconfiguration`)."""
     try:
         app()
     except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] not in SERVER_MODULES:
+        top = (error.name or "").split(".")[0]
+        if top in TRACE_MODULES:
+            typer.echo(f"this command needs nnsight ({error.name} is not installed): {TRACE_EXTRA_HINT}", err=True)
+            sys.exit(1)
+        if top not in SERVER_MODULES:
             raise
         extra = "cpu] or nnqueue[gpu" if (error.name or "").startswith("vllm") else "server"
         typer.echo(

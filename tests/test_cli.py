@@ -16,7 +16,8 @@ import typer
 from sqlalchemy import create_engine, inspect
 from typer.testing import CliRunner
 
-from nnqueue.cli import app, engine_args, main
+from nnqueue.cli import SERVER_MODULES, app, engine_args, main
+from nnqueue.client.cli_common import TRACE_MODULES
 from tests.utils.light_client import run_light, run_light_cli
 
 runner = CliRunner()
@@ -71,6 +72,28 @@ def test_a_client_install_has_the_client_commands_and_names_the_extra_for_the_se
         )
     unreachable = run_light_cli("jobs", "--url", "http://127.0.0.1:9", "--api-key", "nnq_x")
     assert unreachable.returncode == 1 and "APIConnectionError" in unreachable.stderr
+
+
+def test_a_thin_client_install_runs_the_client_commands_and_names_the_trace_extra(tmp_path: Path) -> None:
+    """``pip install nnqueue`` has no nnsight, torch or numpy (tests/test_install.py): every command is listed, the
+    client commands run, and a trace script says which extra it needs."""
+    listed = run_light_cli("--help", env={"COLUMNS": "200"}, thin=True)
+    assert listed.returncode == 0, listed.stderr
+    assert listed_commands(listed.stdout) == COMMANDS[()]
+    heavy = sorted(TRACE_MODULES | SERVER_MODULES)
+    imported = run_light(
+        f"import nnqueue.client, nnqueue.client.cli, sys; print(sorted(n for n in sys.modules if n.split('.')[0] in {heavy}))",
+        thin=True,
+    )
+    assert imported.returncode == 0 and imported.stdout.strip() == "[]", imported.stderr
+    offline = ["--url", "http://127.0.0.1:9", "--api-key", "nnq_x"]
+    for command in (["harvest", "list"], ["steer", "list"], ["status", "6286"], ["download", "6286", "out.pt"]):
+        refused = run_light_cli(*command, *offline, thin=True)
+        assert refused.returncode == 1 and "APIConnectionError" in refused.stderr, (command, refused.stderr)
+    script = tmp_path / "trace.py"
+    script.write_text("from nnsight.modeling.vllm import VLLM\n")
+    submitted = run_light_cli("submit", str(script), *offline, thin=True)
+    assert submitted.returncode == 1 and "pip install 'nnqueue[trace]'" in submitted.stderr, submitted.stderr
 
 
 def test_the_client_imports_without_the_servers_libraries() -> None:

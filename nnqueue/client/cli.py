@@ -31,6 +31,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from nnqueue.client.cli_common import (
+    TRACE_EXTRA_HINT,
+    TRACE_MODULES,
     JsonOption,
     KeyOption,
     UrlOption,
@@ -109,6 +111,8 @@ def submit(
         err_console.print(
             "[yellow]hint:[/yellow] without --wait traces only queue jobs, so their saved variables are unset"
         )
+    if isinstance(failure, ModuleNotFoundError) and (failure.name or "").split(".")[0] in TRACE_MODULES:
+        err_console.print(f"[yellow]hint:[/yellow] traces need nnsight: {escape(TRACE_EXTRA_HINT)}")
     if failure is not None or (wait and any(job.info.get("status") != "completed" for job in submitted)):
         raise typer.Exit(1)
 

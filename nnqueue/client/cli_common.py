@@ -32,6 +32,9 @@ UrlOption = typer.Option(None, "--url", envvar="NNQUEUE_URL", help="The API's UR
 KeyOption = typer.Option(
     None, "--api-key", envvar="NNQUEUE_API_KEY", help="Your API key (NNQUEUE_API_KEY).", show_default=False
 )
+# Top-level modules of the trace extra (nnsight and what it brings): `pip install nnqueue` has none of them.
+TRACE_MODULES = frozenset({"nnsight", "torch", "numpy", "safetensors", "transformers"})
+TRACE_EXTRA_HINT = "pip install 'nnqueue[trace]' (nnsight and torch; docs/getting-started.md says which torch)"
 JsonOption = typer.Option(False, "--json", help="Print what the API answered, as JSON (for scripts).")
 STATUS_STYLE = {"queued": "yellow", "running": "cyan", "completed": "green", "failed": "red", "cancelled": "magenta"}
 

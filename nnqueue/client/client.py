@@ -10,6 +10,7 @@ puts the saved values in the trace's variables (see :mod:`nnqueue.client.backend
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -45,9 +46,11 @@ SPEC_HEADER_MAX_BYTES = 4096
 
 def client_versions() -> dict[str, str]:
     """What the job spec's ``client`` field reports: the worker names them when it cannot rebuild a trace."""
-    import nnsight
-
-    return {"nnsight": nnsight.__version__, "python": platform.python_version()}
+    try:
+        nnsight = importlib.metadata.version("nnsight")
+    except importlib.metadata.PackageNotFoundError:  # a payload built elsewhere, submitted from a thin client
+        nnsight = "not installed"
+    return {"nnsight": nnsight, "python": platform.python_version()}
 
 
 class Client:

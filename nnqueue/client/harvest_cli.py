@@ -34,7 +34,6 @@ from nnqueue.client.cli_common import (
 )
 from nnqueue.client.errors import HarvestFailed
 from nnqueue.client.harvest import Harvest
-from nnqueue.client.harvest_export import ExportError, export
 
 harvest_app = typer.Typer(help="Declarative activation harvests: submit a spec, follow it, download its shards.")
 schedules_app = typer.Typer(help="Recurring harvests, fired by `nnqueue beat`.")
@@ -237,6 +236,8 @@ def export_command(
     """Write a completed harvest as a Hugging Face datasets folder (datasets.load_from_disk opens it)."""
     if fmt not in ("saelens", "hf") or hook_names not in ("module", "transformer-lens"):
         raise typer.BadParameter("--format is saelens or hf; --hook-names is module or transformer-lens")
+    from nnqueue.client.harvest_export import ExportError, export  # numpy and more: not every command's
+
     with connected(url, api_key) as client:
         try:
             report = export(client.get_harvest(harvest_id), dest, fmt, context_size, hook_names)  # type: ignore[arg-type]
