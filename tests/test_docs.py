@@ -23,13 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def settings_reference() -> ModuleType:
-    path = ROOT / "docs" / "hooks" / "settings_reference.py"
-    spec = importlib.util.spec_from_file_location("settings_reference", path)
+def docs_hook(name: str) -> ModuleType:
+    """The mkdocs hook docs/hooks/<name>.py, loaded as mkdocs loads it."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def settings_reference() -> ModuleType:
+    return docs_hook("settings_reference")
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -96,12 +100,7 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
 
 
 def benchmark_figures() -> ModuleType:
-    path = ROOT / "docs" / "hooks" / "benchmark_figures.py"
-    spec = importlib.util.spec_from_file_location("benchmark_figures", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return docs_hook("benchmark_figures")
 
 
 def test_the_figures_page_is_generated_from_the_results_files(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from nnqueue.client.cli_common import (
     local_time,
     print_json,
     print_table,
+    show,
     status_text,
 )
 from nnqueue.client.client import submit_hooks
@@ -133,10 +134,7 @@ def status(
             except (JobFailed, JobCancelled):
                 pass
     error = job.info.get("error")
-    if as_json:
-        print_json(job.info)
-    else:
-        print_table(_job_table(job))
+    show(job.info, as_json, lambda: _job_table(job))
     if not as_json and error and error.get("traceback"):
         console.print("[bold]worker traceback[/bold]")
         console.print(error["traceback"].rstrip(), markup=False, highlight=False)
@@ -161,10 +159,7 @@ def jobs(
             if len(shown) == limit:
                 break
             shown.append(job)
-    if as_json:
-        print_json([job.info for job in shown])
-    else:
-        print_table(_jobs_table(shown) if shown else "no jobs")
+    show([job.info for job in shown], as_json, lambda: _jobs_table(shown) if shown else "no jobs")
 
 
 def cancel(

@@ -11,7 +11,7 @@ The job commands (:mod:`nnqueue.client.cli`) and the harvest and schedule groups
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
@@ -66,6 +66,14 @@ def print_table(table: Table | str) -> None:
 def print_json(value: Any) -> None:
     """``value`` (what the API answered) as JSON on stdout."""
     typer.echo(json.dumps(value, indent=1))
+
+
+def show(answer: Any, as_json: bool, table: Callable[[], Table | str]) -> None:
+    """What the API answered, as JSON with ``--json``; else ``table()`` (built only then), as `print_table` prints."""
+    if as_json:
+        print_json(answer)
+    else:
+        print_table(table())
 
 
 def status_text(info: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ from nnqueue.client.cli_common import (
     local_time,
     print_json,
     print_table,
+    show,
     status_text,
 )
 from nnqueue.client.errors import HarvestFailed
@@ -93,10 +94,7 @@ def status(
                 harvest.wait(progress=not as_json)
             except HarvestFailed:
                 pass  # shown below; the exit status says it
-    if as_json:
-        print_json(harvest.info)
-    else:
-        print_table(_table([harvest]))
+    show(harvest.info, as_json, lambda: _table([harvest]))
     if wait and harvest.status != "completed":
         raise typer.Exit(1)
 
@@ -112,10 +110,7 @@ def list_harvests(
     """List your harvests, newest first."""
     with connected(url, api_key) as client:
         harvests = client.harvests(status=status_filter, limit=limit)
-    if as_json:
-        print_json([harvest.info for harvest in harvests])
-    else:
-        print_table(_table(harvests) if harvests else "no harvests")
+    show([harvest.info for harvest in harvests], as_json, lambda: _table(harvests) if harvests else "no harvests")
 
 
 @harvest_app.command("cancel")

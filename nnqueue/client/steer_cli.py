@@ -22,8 +22,7 @@ from nnqueue.client.cli_common import (
     connected,
     console,
     local_time,
-    print_json,
-    print_table,
+    show,
     status_text,
 )
 from nnqueue.client.errors import SteeringFailed
@@ -70,10 +69,7 @@ def status(
                 job.wait()
             except SteeringFailed:
                 pass  # shown below; the exit status says it
-    if as_json:
-        print_json(job.info)
-    else:
-        print_table(_table([job]))
+    show(job.info, as_json, lambda: _table([job]))
     if wait and job.status != "completed":
         raise typer.Exit(1)
 
@@ -89,10 +85,7 @@ def list_jobs(
     """Your steering jobs, newest first."""
     with connected(url, api_key) as client:
         jobs = client.steering_jobs(status_filter, limit)
-    if as_json:
-        print_json([job.info for job in jobs])
-    else:
-        print_table(_table(jobs) if jobs else "no steering jobs")
+    show([job.info for job in jobs], as_json, lambda: _table(jobs) if jobs else "no steering jobs")
 
 
 @steer_app.command("cancel")
