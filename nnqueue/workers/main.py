@@ -23,6 +23,7 @@ and shards to this process through files it reads and uploads itself (:mod:`nnqu
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import logging
@@ -54,7 +55,7 @@ from nnqueue.scheduler.recovery import requeue_held, requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
-from nnqueue.workers import trl_server
+from nnqueue.workers import engine_liveness, trl_server
 from nnqueue.workers.bulk import BulkConsumer
 from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
 from nnqueue.workers.drain import Drain
@@ -177,6 +178,10 @@ def run_worker(
         host.stop()
         raise
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
+    entrypoint = getattr(getattr(executor, "model", None), "vllm_entrypoint", None)
+    asyncio.run_coroutine_threadsafe(
+        engine_liveness.keep_probing(model_key, entrypoint), host.loop
+    )  # host.stop ends it
     trainer = None
     if settings.trainer_port is not None and isinstance(executor, VLLMTraceExecutor):
         trainer = host.call(

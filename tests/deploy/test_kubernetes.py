@@ -303,6 +303,20 @@ def test_a_worker_rollout_keeps_the_old_pod_serving_until_the_new_one_is_ready(r
         assert "readinessProbe" in worker["spec"]["template"]["spec"]["containers"][0]
 
 
+def test_a_hung_engine_fails_the_workers_liveness_probe(rendered: list[dict[str, Any]]) -> None:
+    """The probe reads the stamp the worker sets after each round trip to its engine (tests/api/test_results.py runs
+    it against a worker whose engine is stopped); it restarts a pod well after the longest step."""
+    from nnqueue.workers.engine_liveness import INTERVAL_S, RESPONDED
+
+    for worker in workers(rendered):
+        probe = worker["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
+        code = probe["exec"]["command"][2]
+        compile(code, "livenessProbe", "exec")
+        assert RESPONDED._name in code and "127.0.0.1:9100" in code
+        assert float(re.search(r"> (\d+)\)", code)[1]) >= 30 * INTERVAL_S  # type: ignore[index]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 60
+
+
 def test_the_gauges_keda_reads_are_the_ones_the_api_exports() -> None:
     source = (ROOT / "nnqueue" / "api" / "routers" / "metrics.py").read_text()
     for name in ("nnqueue_queue_depth", "nnqueue_jobs_running", "nnqueue_queue_oldest_age_seconds"):
