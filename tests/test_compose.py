@@ -68,7 +68,7 @@ def command(service: dict[str, Any]) -> list[str]:
 @needs_compose
 def test_compose_accepts_the_file_and_holds_the_deployment(config: dict[str, Any]) -> None:
     services = config["services"]
-    assert set(services) == {"postgres", "redis", "minio", "minio-bucket", *OUR_SERVICES, "flower"}
+    assert set(services) == {"preflight", "postgres", "redis", "minio", "minio-bucket", *OUR_SERVICES, "flower"}
     assert set(config["volumes"]) == {"postgres", "redis", "minio", "huggingface"}
     assert "--appendonly" in command(services["redis"]) and "yes" in command(services["redis"])
     for name in ("postgres", "redis", "minio", "api", "worker", "worker-cpu", "flower"):
@@ -88,18 +88,64 @@ def test_compose_accepts_the_file_and_holds_the_deployment(config: dict[str, Any
 
 
 @needs_compose
+def test_nothing_starts_while_a_secret_is_the_placeholder(config: dict[str, Any]) -> None:
+    services = config["services"]
+    for name in ("postgres", "redis", "minio"):
+        assert services[name]["depends_on"]["preflight"] == {"condition": "service_completed_successfully"}, name
+    preflight = services["preflight"]
+    script = command(preflight)[0].replace("$$", "$")  # `config` writes a literal $ as $$ again
+    assert preflight["entrypoint"] == ["/bin/sh", "-c"] and preflight["restart"] == "no"
+
+    def run(**secrets: str) -> subprocess.CompletedProcess[str]:
+        env = {"PATH": os.environ["PATH"], **secrets}
+        return subprocess.run(["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+
+    refused = run(**preflight["environment"])  # .env.example's values
+    assert refused.returncode == 1, refused.stderr
+    for name in ("POSTGRES_PASSWORD", "REDIS_PASSWORD", "MINIO_ROOT_PASSWORD"):
+        assert f"{name} is still the placeholder of .env.example" in refused.stderr
+    chosen = {name: f"{name.lower()}-0d1f" for name in preflight["environment"]}
+    one_left = run(**{**chosen, "REDIS_PASSWORD": "change-me-redis"})
+    assert (
+        one_left.returncode == 1 and one_left.stderr.count("placeholder") == 1 and "REDIS_PASSWORD" in one_left.stderr
+    )
+    started = run(**chosen)
+    assert started.returncode == 0 and not started.stderr, started.stderr
+
+
+@needs_compose
+def test_the_api_and_minio_listen_on_this_host_only_unless_opened(config: dict[str, Any], tmp_path: Path) -> None:
+    published = {name: config["services"][name]["ports"] for name in ("api", "minio", "worker", "flower")}
+    assert published == {
+        "api": ["127.0.0.1:8000:8000/tcp"],
+        "minio": ["127.0.0.1:9000:9000/tcp"],
+        "worker": ["127.0.0.1:9100:9100/tcp"],
+        "flower": ["127.0.0.1:5555:5555/tcp"],
+    }
+    env_file = tmp_path / ".env"
+    env_file.write_text((ROOT / ".env.example").read_text() + "NNQUEUE_API_PUBLISH=0.0.0.0:8000\n")
+    opened = compose_config(env_file)
+    assert opened.returncode == 0, opened.stderr
+    assert yaml.safe_load(opened.stdout)["services"]["api"]["ports"] == ["0.0.0.0:8000:8000/tcp"]
+
+
+@needs_compose
 def test_the_model_and_gpus_come_from_env(tmp_path: Path) -> None:
     env_file = tmp_path / ".env"
     env_file.write_text(
         (ROOT / ".env.example").read_text()
-        + "NNQUEUE_MODEL=org/big-model\nNNQUEUE_TENSOR_PARALLEL_SIZE=4\nNNQUEUE_ENGINE_ARGS=--max-model-len=4096 --enforce-eager\n"
+        + "NNQUEUE_MODEL=org/big-model\nNNQUEUE_TENSOR_PARALLEL_SIZE=4\n"
+        + "NNQUEUE_ENGINE_ARGS=--max-model-len=4096 --enforce-eager --max-concurrent-jobs=8\n"
     )
     result = compose_config(env_file)
     assert result.returncode == 0, result.stderr
     worker = yaml.safe_load(result.stdout)["services"]["worker"]
     line = command(worker)
     assert "--model=org/big-model" in line and "--tensor-parallel-size=4" in line
-    assert line[-2:] == ["--max-model-len=4096", "--enforce-eager"]
+    assert line[-3:] == ["--max-model-len=4096", "--enforce-eager", "--max-concurrent-jobs=8"]
+    context = typer.main.get_command(app).commands["worker"].make_context("nnqueue worker", line[2:])  # type: ignore[attr-defined]
+    assert context.params["max_concurrent_jobs"] == 8  # the worker's own option, from the engine arguments' line
+    assert engine_args(context.args) == {"max_model_len": 4096, "enforce_eager": True}
     assert str(worker["deploy"]["resources"]["reservations"]["devices"][0]["count"]) == "4"
 
 
@@ -169,6 +215,7 @@ def test_the_worker_commands_parse(config: dict[str, Any], name: str) -> None:
     worker = typer.main.get_command(app).commands["worker"]  # type: ignore[attr-defined]
     context = worker.make_context("nnqueue worker", line[2:])
     assert context.params["model"] == "meta-llama/Llama-3.1-8B" and context.params["tensor_parallel_size"] == 1
+    assert context.params["max_concurrent_jobs"] is None  # the engine's max_num_seqs
     engine_args(context.args)
     check = service["healthcheck"]["test"]
     assert check[:3] == ["CMD", "python3", "-c"] and "9100" in check[3]

@@ -23,13 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def settings_reference() -> ModuleType:
-    path = ROOT / "docs" / "hooks" / "settings_reference.py"
-    spec = importlib.util.spec_from_file_location("settings_reference", path)
+def docs_hook(name: str) -> ModuleType:
+    """The mkdocs hook docs/hooks/<name>.py, loaded as mkdocs loads it."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def settings_reference() -> ModuleType:
+    return docs_hook("settings_reference")
 
 
 def bash_blocks(text: str) -> list[str]:
@@ -93,3 +97,31 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     configuration = (tmp_path / "site" / "operator" / "configuration" / "index.html").read_text()
     assert "NNQUEUE_HARVEST_CHUNK_ATTEMPTS" in configuration and "settings-reference" not in configuration
     assert "The path of a trace job" in (tmp_path / "site" / "architecture" / "index.html").read_text()
+
+
+def benchmark_figures() -> ModuleType:
+    return docs_hook("benchmark_figures")
+
+
+def test_the_figures_page_is_generated_from_the_results_files(tmp_path: Path) -> None:
+    hook = benchmark_figures()
+    page = (ROOT / "docs" / "benchmarks" / "figures.md").read_text()
+    rendered = hook.on_page_markdown(page)
+    assert hook.MARKER in page and hook.MARKER not in rendered
+    row = "| `h200-bench-tp1-v7-contained-s3.json` | NVIDIA H200 | 2026-11-26 | ratios_vs_a / (h) one layer all-token | 0.718 |"
+    assert row in rendered
+    assert "b_vs_c_rel_err" not in rendered and "vs_pytorch_pass" not in rendered  # checks, not ratios
+    # A new run's file is in the table as soon as it is there: nothing to copy by hand.
+    (tmp_path / "new-run.json").write_text('{"device": "X", "date": "D", "ratios_vs_a": {"(b) jobs": 0.5}}')
+    assert hook.table(tmp_path).splitlines()[-1] == "| `new-run.json` | X | D | ratios_vs_a / (b) jobs | 0.500 |"
+
+
+def test_the_readmes_harvest_figures_are_the_s3_runs() -> None:
+    """The README quotes the harvest of the run that writes to S3 (as a deployment does), not a local folder's."""
+    rows = {what: value for name, _, _, what, value in benchmark_figures().figures() if "contained-s3" in name}
+    every_token, last_token = (
+        rows["ratios_vs_a / (h) one layer all-token"],
+        rows["ratios_vs_a / (h) one layer last-token"],
+    )
+    assert f"one layer at every token at {every_token:.2f}x" in README.replace("\n", " ")
+    assert f"its last token at {last_token:.2f}x" in README

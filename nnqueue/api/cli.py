@@ -41,9 +41,11 @@ def serve_api(
     """Serve the HTTP API with uvicorn. The database must be migrated first (nnqueue db upgrade)."""
     import uvicorn
 
+    from nnqueue.broker import broker_url
     from nnqueue.db import migrate
 
     settings = Settings()
+    broker_url(settings)  # here rather than in each process's app factory, whose error uvicorn would print
     # nnqueue's own start-up lines (which object store, and a warning when it is probably not shared).
     logs.configure(settings.log_format)
     try:
@@ -224,6 +226,11 @@ def _move_owner(change: Callable[[Session, Any], int]) -> int:
 
 
 def _sessions() -> sessionmaker[Session]:
+    """Sessions on the configured database, once it is at the schema's head (else :class:`SchemaOutOfDate`, which
+    says what to run)."""
+    from nnqueue.db import migrate
     from nnqueue.db.session import make_engine, session_factory
 
-    return session_factory(make_engine(Settings().resolved_database_url))
+    url = Settings().resolved_database_url
+    migrate.require_head(url)
+    return session_factory(make_engine(url))

@@ -1,8 +1,11 @@
-"""Cursor pagination of job listings, newest first.
+"""Cursor pagination of job listings, newest first, and the ``id_prefix`` filter of every listing.
 
 A cursor names the last job of a page by ``(created_at, id)``, and the next page holds the jobs
 strictly older in that order. Jobs submitted meanwhile are newer than every cursor, so they never
 shift later pages: no job is repeated or skipped while a client pages through.
+
+``id_prefix`` keeps the rows whose id starts with it (:mod:`nnqueue.db.ids`): the client reads a job's, harvest's
+or steering job's first characters as its id through it, when exactly one of the caller's starts with them.
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ import base64
 import json
 import uuid
 from datetime import datetime
+from typing import Annotated
 
+from fastapi import Query
+from pydantic import AfterValidator
 from sqlalchemy import ColumnElement, and_, or_
 
+from nnqueue.db.ids import id_range
 from nnqueue.db.models import Job
 from nnqueue.errors import NNqueueError
 
@@ -38,3 +45,16 @@ def older_than(cursor: str) -> ColumnElement[bool]:
 
 
 NEWEST_FIRST = (Job.created_at.desc(), Job.id.desc())
+
+
+def _checked_prefix(prefix: str | None) -> str | None:
+    if prefix is not None:
+        id_range(prefix)  # its ValueError is the 422's reason
+    return prefix
+
+
+IdPrefixQuery = Annotated[
+    str | None,
+    Query(max_length=36, description="Only the ids that start with these characters (hex digits; dashes ignored)."),
+    AfterValidator(_checked_prefix),
+]

@@ -14,6 +14,7 @@ from typing import Any
 from nnqueue.client import platform
 from nnqueue.client.client import Client
 from nnqueue.client.errors import (
+    AmbiguousIdError,
     APIConnectionError,
     APIError,
     AuthenticationError,
@@ -38,6 +39,7 @@ platform.install()
 __all__ = [
     "APIConnectionError",
     "APIError",
+    "AmbiguousIdError",
     "AuthenticationError",
     "Client",
     "ClientSettings",

@@ -31,12 +31,18 @@ from rich.markup import escape
 from rich.table import Table
 
 from nnqueue.client.cli_common import (
+    TRACE_EXTRA_HINT,
+    TRACE_MODULES,
+    JsonOption,
     KeyOption,
     UrlOption,
     connected,
     console,
     err_console,
     local_time,
+    print_json,
+    print_table,
+    show,
     status_text,
 )
 from nnqueue.client.client import submit_hooks
@@ -94,7 +100,7 @@ def submit(
                 except (JobFailed, JobCancelled):
                     pass  # shown in the table
     if submitted:
-        console.print(_jobs_table(submitted, title=f"{len(submitted)} job(s) submitted by {script.name}"))
+        print_table(_jobs_table(submitted, title=f"{len(submitted)} job(s) submitted by {script.name}"))
     else:
         err_console.print(f"[yellow]{script.name} submitted no jobs[/yellow] (did it trace with client.backend()?)")
     if not wait and submitted:
@@ -106,13 +112,16 @@ def submit(
         err_console.print(
             "[yellow]hint:[/yellow] without --wait traces only queue jobs, so their saved variables are unset"
         )
+    if isinstance(failure, ModuleNotFoundError) and (failure.name or "").split(".")[0] in TRACE_MODULES:
+        err_console.print(f"[yellow]hint:[/yellow] traces need nnsight: {escape(TRACE_EXTRA_HINT)}")
     if failure is not None or (wait and any(job.info.get("status") != "completed" for job in submitted)):
         raise typer.Exit(1)
 
 
 def status(
-    job_id: str = typer.Argument(..., help="The job's id."),
+    job_id: str = typer.Argument(..., help="The job's id, or its first characters."),
     wait: bool = typer.Option(False, "--wait", help="Follow the job until it ends, with a progress display."),
+    as_json: bool = JsonOption,
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
@@ -121,12 +130,12 @@ def status(
         job = client.job(job_id)
         if wait and not job.done:
             try:
-                job.wait()
+                job.wait(progress=not as_json)
             except (JobFailed, JobCancelled):
                 pass
-    console.print(_job_table(job))
     error = job.info.get("error")
-    if error and error.get("traceback"):
+    show(job.info, as_json, lambda: _job_table(job))
+    if not as_json and error and error.get("traceback"):
         console.print("[bold]worker traceback[/bold]")
         console.print(error["traceback"].rstrip(), markup=False, highlight=False)
     if wait and job.info.get("status") != "completed":
@@ -139,6 +148,7 @@ def jobs(
     ),
     model_key: str | None = typer.Option(None, "--model", help="Only jobs for this model key."),
     limit: int = typer.Option(20, min=1, help="Show at most this many (newest first)."),
+    as_json: bool = JsonOption,
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
@@ -149,14 +159,11 @@ def jobs(
             if len(shown) == limit:
                 break
             shown.append(job)
-    if not shown:
-        console.print("no jobs")
-        return
-    console.print(_jobs_table(shown))
+    show([job.info for job in shown], as_json, lambda: _jobs_table(shown) if shown else "no jobs")
 
 
 def cancel(
-    job_id: str = typer.Argument(..., help="The job's id."),
+    job_id: str = typer.Argument(..., help="The job's id, or its first characters."),
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
@@ -167,7 +174,7 @@ def cancel(
 
 
 def download(
-    job_id: str = typer.Argument(..., help="The job's id."),
+    job_id: str = typer.Argument(..., help="The job's id, or its first characters."),
     path: Path = typer.Argument(..., help="Where to write the result (a directory: <id>.pt in it)."),
     wait: bool = typer.Option(True, "--wait/--no-wait", help="Wait for an unfinished job first."),
     inline: bool = typer.Option(False, "--inline", help="Stream through the API instead of the presigned URL."),
@@ -192,17 +199,22 @@ models_app = typer.Typer(help="The models live workers serve; their weights.", n
 
 
 @models_app.callback(invoke_without_command=True)
-def models(ctx: typer.Context, url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
+def models(
+    ctx: typer.Context, as_json: bool = JsonOption, url: str | None = UrlOption, api_key: str | None = KeyOption
+) -> None:
     """List the models that live workers serve (and the weights versions they serve)."""
     if ctx.invoked_subcommand is not None:
         return
     with connected(url, api_key) as client:
         served = client.models()
+    if as_json:
+        print_json(served)
+        return
     table = Table("model key", "workers", "capacity", "weights versions")
     for model in served:
         versions = ", ".join(f"{version} ({count})" for version, count in model.get("weights_versions", {}).items())
         table.add_row(escape(model["model_key"]), str(model["workers"]), str(model["capacity"]), escape(versions))
-    console.print(table if served else "no live workers")
+    print_table(table if served else "no live workers")
 
 
 @models_app.command("update-weights")
@@ -218,7 +230,7 @@ def update_weights(
 ) -> None:
     """Load a safetensors checkpoint into every live engine of MODEL_KEY without restarting them (an admin key)."""
     with connected(url, api_key) as client:
-        view = client.update_weights(model_key, source, list(tensor) or None)
+        view = client.update_weights(model_key, source, list(tensor or []) or None)
         version = view["updates"][-1]["version"]
         console.print(f"update {escape(version)} asked of {len(view['workers'])} live worker(s)")
         if wait <= 0:

@@ -10,9 +10,11 @@ puts the saved values in the trace's variables (see :mod:`nnqueue.client.backend
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from rich.console import Console
 
-from nnqueue.client.errors import APIError
+from nnqueue.client.errors import AmbiguousIdError, APIError, NotFoundError
 from nnqueue.client.harvest import Harvest
 from nnqueue.client.job import Job
 from nnqueue.client.settings import ClientSettings
@@ -32,6 +34,11 @@ if TYPE_CHECKING:
 
 # Called with every Job a Client in this process submits (`nnqueue submit` lists a script's jobs this way).
 submit_hooks: list[Callable[[Job], None]] = []
+# The listing that `Client.whole_id` searches, its key in the API's answer and what it holds; the matches an
+# AmbiguousIdError names.
+COLLECTION_KEYS = {"steering": "jobs"}
+COLLECTION_NOUNS = {"jobs": "job", "harvests": "harvest", "steering": "steering job"}
+AMBIGUOUS_SHOWN = 5
 # A job's spec goes in a header (the payload is then the whole body) up to this length; a longer one (much
 # metadata) in a multipart form with the payload: proxies limit a header's size (nginx: 8 KiB by default).
 SPEC_HEADER_MAX_BYTES = 4096
@@ -39,9 +46,11 @@ SPEC_HEADER_MAX_BYTES = 4096
 
 def client_versions() -> dict[str, str]:
     """What the job spec's ``client`` field reports: the worker names them when it cannot rebuild a trace."""
-    import nnsight
-
-    return {"nnsight": nnsight.__version__, "python": platform.python_version()}
+    try:
+        nnsight = importlib.metadata.version("nnsight")
+    except importlib.metadata.PackageNotFoundError:  # a payload built elsewhere, submitted from a thin client
+        nnsight = "not installed"
+    return {"nnsight": nnsight, "python": platform.python_version()}
 
 
 class Client:
@@ -152,8 +161,9 @@ class Client:
         return self.transport.request("POST", "/v1/jobs", data={"spec": spec}, files=files)
 
     def job(self, job_id: str) -> Job:
-        """The job with this id (404 :class:`NotFoundError` if it is not one of this key's owner's)."""
-        return self._job(self.transport.get_json(f"/v1/jobs/{job_id}"))
+        """The job with this id, or the one whose id starts with these characters (`whole_id`); 404
+        :class:`NotFoundError` if it is not one of this key's owner's."""
+        return self._job(self.transport.get_json(f"/v1/jobs/{self.whole_id('jobs', job_id)}"))
 
     def jobs(
         self, status: str | None = None, model_key: str | None = None, *, page_size: int | None = None
@@ -228,7 +238,8 @@ class Client:
         return self.transport.request("POST", "/v1/harvests/estimate", data=body, files=files).json()
 
     def get_harvest(self, harvest_id: str) -> Harvest:
-        return self._harvest(self.transport.get_json(f"/v1/harvests/{harvest_id}"))
+        """The harvest with this id, or the one whose id starts with these characters (`whole_id`)."""
+        return self._harvest(self.transport.get_json(f"/v1/harvests/{self.whole_id('harvests', harvest_id)}"))
 
     def harvests(self, status: str | None = None, limit: int = 50) -> list[Harvest]:
         """Your harvests, newest first."""
@@ -308,7 +319,8 @@ class Client:
         return Steering(self.transport, response.json())
 
     def get_steering(self, job_id: str) -> Steering:
-        return Steering(self.transport, self.transport.get_json(f"/v1/steering/{job_id}"))
+        """The steering job with this id, or the one whose id starts with these characters (`whole_id`)."""
+        return Steering(self.transport, self.transport.get_json(f"/v1/steering/{self.whole_id('steering', job_id)}"))
 
     def steering_jobs(self, status: str | None = None, limit: int = 50) -> list[Steering]:
         """Your steering jobs, newest first."""
@@ -316,6 +328,26 @@ class Client:
         return [
             Steering(self.transport, info) for info in self.transport.get_json("/v1/steering", params=params)["jobs"]
         ]
+
+    def whole_id(self, collection: str, ident: str) -> str:
+        """``ident`` if it is a whole id; else the one id in ``collection`` (``jobs``, ``harvests``, ``steering``)
+        of this key's owner that starts with these characters (dashes ignored), as git reads a commit's.
+        :class:`NotFoundError` if none does, :class:`AmbiguousIdError` if several do."""
+        try:
+            return str(uuid.UUID(ident))
+        except ValueError:
+            pass
+        noun = COLLECTION_NOUNS[collection]
+        page = self.transport.get_json(f"/v1/{collection}", params={"id_prefix": ident, "limit": AMBIGUOUS_SHOWN + 1})
+        digits = ident.replace("-", "").lower()
+        # Checked here too: an API that predates id_prefix ignores it and lists the newest of all.
+        found = [item["id"] for item in page[COLLECTION_KEYS.get(collection, collection)]]
+        found = [whole for whole in found if whole.replace("-", "").startswith(digits)]
+        if not found:
+            raise NotFoundError(404, f"no {noun} of yours starts with {ident!r}", method="GET", url=f"/v1/{collection}")
+        if len(found) > 1:
+            raise AmbiguousIdError(noun, ident, found[:AMBIGUOUS_SHOWN], len(found) > AMBIGUOUS_SHOWN)
+        return str(found[0])
 
     def _job(self, info: dict[str, Any]) -> Job:
         return Job(self.transport, info, self.console)

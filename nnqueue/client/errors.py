@@ -74,6 +74,15 @@ class UnknownModelError(APIError):
     """400 on submit: no live worker serves the model key (the detail names the live ones)."""
 
 
+class AmbiguousIdError(NNqueueError, LookupError):
+    """An id's first characters that start several of the owner's jobs (or harvests): give more of them."""
+
+    def __init__(self, noun: str, prefix: str, matches: list[str], more: bool) -> None:
+        self.prefix, self.matches = prefix, matches
+        listed = ", ".join(matches) + (", ..." if more else "")
+        super().__init__(f"{prefix!r} starts several of your {noun}s ({listed}): give more of the id")
+
+
 class IntegrityError(APIError):
     """A downloaded result or shard is not what the worker stored: its sha256 (or size) differs from the one the
     worker recorded (the API's job or shard JSON, or the download's ``Digest`` header). The object was changed in

@@ -21,10 +21,20 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from nnqueue.client.cli_common import KeyOption, UrlOption, connected, console, local_time, status_text
+from nnqueue.client.cli_common import (
+    JsonOption,
+    KeyOption,
+    UrlOption,
+    connected,
+    console,
+    local_time,
+    print_json,
+    print_table,
+    show,
+    status_text,
+)
 from nnqueue.client.errors import HarvestFailed
 from nnqueue.client.harvest import Harvest
-from nnqueue.client.harvest_export import ExportError, export
 
 harvest_app = typer.Typer(help="Declarative activation harvests: submit a spec, follow it, download its shards.")
 schedules_app = typer.Typer(help="Recurring harvests, fired by `nnqueue beat`.")
@@ -65,10 +75,14 @@ def submit(
             _wait(harvest)
 
 
+HarvestId = typer.Argument(..., help="The harvest's id, or its first characters.")
+
+
 @harvest_app.command("status")
 def status(
-    harvest_id: str = typer.Argument(..., help="The harvest's id."),
+    harvest_id: str = HarvestId,
     wait: bool = typer.Option(False, "--wait", help="Follow it with a progress bar until it ends."),
+    as_json: bool = JsonOption,
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
@@ -76,25 +90,31 @@ def status(
     with connected(url, api_key) as client:
         harvest = client.get_harvest(harvest_id)
         if wait and not harvest.done:
-            _wait(harvest)
-    console.print(_table([harvest]))
+            try:
+                harvest.wait(progress=not as_json)
+            except HarvestFailed:
+                pass  # shown below; the exit status says it
+    show(harvest.info, as_json, lambda: _table([harvest]))
+    if wait and harvest.status != "completed":
+        raise typer.Exit(1)
 
 
 @harvest_app.command("list")
 def list_harvests(
     status_filter: str | None = typer.Option(None, "--status", help="Only harvests with this status."),
     limit: int = typer.Option(20, min=1, max=200),
+    as_json: bool = JsonOption,
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
     """List your harvests, newest first."""
     with connected(url, api_key) as client:
         harvests = client.harvests(status=status_filter, limit=limit)
-    console.print(_table(harvests) if harvests else "no harvests")
+    show([harvest.info for harvest in harvests], as_json, lambda: _table(harvests) if harvests else "no harvests")
 
 
 @harvest_app.command("cancel")
-def cancel(harvest_id: str, url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
+def cancel(harvest_id: str = HarvestId, url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
     """Cancel a harvest: its queued chunks never run, its running ones are aborted."""
     with connected(url, api_key) as client:
         harvest = client.get_harvest(harvest_id).cancel()
@@ -102,7 +122,7 @@ def cancel(harvest_id: str, url: str | None = UrlOption, api_key: str | None = K
 
 
 @harvest_app.command("manifest")
-def manifest(harvest_id: str, url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
+def manifest(harvest_id: str = HarvestId, url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
     """Print a completed harvest's manifest.json."""
     with connected(url, api_key) as client:
         typer.echo(json.dumps(client.get_harvest(harvest_id).manifest(), indent=1))
@@ -110,7 +130,7 @@ def manifest(harvest_id: str, url: str | None = UrlOption, api_key: str | None =
 
 @harvest_app.command("inspect")
 def inspect(
-    harvest_id: str,
+    harvest_id: str = HarvestId,
     rows: int = typer.Option(3, min=0, help="Rows of the first shard to print."),
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
@@ -177,7 +197,7 @@ def show_rows(shard: bytes, count: int) -> None:
 
 @harvest_app.command("download")
 def download(
-    harvest_id: str,
+    harvest_id: str = HarvestId,
     directory: Path = typer.Argument(..., help="Where to put the shards and manifest.json."),
     parallel: int = typer.Option(4, min=1, help="Shards downloaded at once."),
     url: str | None = UrlOption,
@@ -191,7 +211,7 @@ def download(
 
 @harvest_app.command("export")
 def export_command(
-    harvest_id: str,
+    harvest_id: str = HarvestId,
     dest: str = typer.Argument(
         ...,
         help="A new or empty local folder, or s3://bucket/prefix (credentials and endpoint from the AWS environment:"
@@ -211,6 +231,8 @@ def export_command(
     """Write a completed harvest as a Hugging Face datasets folder (datasets.load_from_disk opens it)."""
     if fmt not in ("saelens", "hf") or hook_names not in ("module", "transformer-lens"):
         raise typer.BadParameter("--format is saelens or hf; --hook-names is module or transformer-lens")
+    from nnqueue.client.harvest_export import ExportError, export  # numpy and more: not every command's
+
     with connected(url, api_key) as client:
         try:
             report = export(client.get_harvest(harvest_id), dest, fmt, context_size, hook_names)  # type: ignore[arg-type]
@@ -243,10 +265,13 @@ def create_schedule(
 
 
 @schedules_app.command("list")
-def list_schedules(url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
+def list_schedules(as_json: bool = JsonOption, url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
     """List your schedules."""
     with connected(url, api_key) as client:
         schedules = client.schedules()
+    if as_json:
+        print_json(schedules)
+        return
     table = Table("id", "name", "cron", "state", "next run", "runs", "last harvest", "last error")
     for item in schedules:
         table.add_row(
@@ -259,7 +284,7 @@ def list_schedules(url: str | None = UrlOption, api_key: str | None = KeyOption)
             str(item["last_harvest_id"] or ""),
             escape(item["last_error"] or ""),
         )
-    console.print(table if schedules else "no schedules")
+    print_table(table if schedules else "no schedules")
 
 
 @schedules_app.command("pause")

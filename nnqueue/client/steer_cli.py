@@ -15,7 +15,16 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from nnqueue.client.cli_common import KeyOption, UrlOption, connected, console, local_time, status_text
+from nnqueue.client.cli_common import (
+    JsonOption,
+    KeyOption,
+    UrlOption,
+    connected,
+    console,
+    local_time,
+    show,
+    status_text,
+)
 from nnqueue.client.errors import SteeringFailed
 from nnqueue.client.steering import Steering
 
@@ -41,10 +50,14 @@ def submit(
             _wait(job)
 
 
+JobId = typer.Argument(..., help="The steering job's id, or its first characters.")
+
+
 @steer_app.command("status")
 def status(
-    job_id: str = typer.Argument(..., help="The steering job's id."),
+    job_id: str = JobId,
     wait: bool = typer.Option(False, "--wait", help="Wait until it ends."),
+    as_json: bool = JsonOption,
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
@@ -52,24 +65,31 @@ def status(
     with connected(url, api_key) as client:
         job = client.get_steering(job_id)
         if wait and not job.done:
-            _wait(job)
-    console.print(_table([job]))
+            try:
+                job.wait()
+            except SteeringFailed:
+                pass  # shown below; the exit status says it
+    show(job.info, as_json, lambda: _table([job]))
+    if wait and job.status != "completed":
+        raise typer.Exit(1)
 
 
 @steer_app.command("list")
 def list_jobs(
     status_filter: str | None = typer.Option(None, "--status", help="Only jobs in this status."),
     limit: int = typer.Option(50, min=1, max=200),
+    as_json: bool = JsonOption,
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
     """Your steering jobs, newest first."""
     with connected(url, api_key) as client:
-        console.print(_table(client.steering_jobs(status_filter, limit)))
+        jobs = client.steering_jobs(status_filter, limit)
+    show([job.info for job in jobs], as_json, lambda: _table(jobs) if jobs else "no steering jobs")
 
 
 @steer_app.command("cancel")
-def cancel(job_id: str = typer.Argument(...), url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
+def cancel(job_id: str = JobId, url: str | None = UrlOption, api_key: str | None = KeyOption) -> None:
     """Cancel a queued or running steering job."""
     with connected(url, api_key) as client:
         job = client.get_steering(job_id).cancel()
@@ -78,7 +98,7 @@ def cancel(job_id: str = typer.Argument(...), url: str | None = UrlOption, api_k
 
 @steer_app.command("result")
 def result(
-    job_id: str = typer.Argument(...),
+    job_id: str = JobId,
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the generations (JSON) here."),
     activations: Path | None = typer.Option(
         None, "--activations", help="Also write the activations the spec's captures recorded (safetensors) here."

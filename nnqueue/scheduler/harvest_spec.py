@@ -96,7 +96,9 @@ class HarvestSpec(Strict):
     """
 
     model_key: str = Field(min_length=1, max_length=500)
-    dataset: DatasetSpec
+    dataset: DatasetSpec = Field(
+        default_factory=DatasetSpec, description="Where the prompts come from; left out: the file uploaded with it."
+    )
     max_length: int | None = Field(
         None, ge=1, le=1_000_000, description="Truncate prompts to this many tokens (default: the engine's limit)."
     )

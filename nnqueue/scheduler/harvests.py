@@ -22,6 +22,7 @@ from pydantic import Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from nnqueue.db.ids import starting_with
 from nnqueue.db.models import Harvest, HarvestChunk, JobStatus, utcnow
 from nnqueue.db.session import transaction
 from nnqueue.enginecore.capture_points import check_against
@@ -213,13 +214,18 @@ def _upload_examples(spec: HarvestSpec, submission: Submission, key: str) -> lis
     return uploaded_examples(upload.data, key, spec.dataset, submission.limits)
 
 
-def recent_harvests(session: Session, owner: str | None, status: JobStatus | None, limit: int) -> list[Harvest]:
-    """The newest ``limit`` harvests of ``owner`` (everyone's for None), only those in ``status`` when given."""
+def recent_harvests(
+    session: Session, owner: str | None, status: JobStatus | None, limit: int, id_prefix: str | None = None
+) -> list[Harvest]:
+    """The newest ``limit`` harvests of ``owner`` (everyone's for None), only those in ``status`` and whose id starts
+    with ``id_prefix`` (:mod:`nnqueue.db.ids`) when given."""
     query = select(Harvest).order_by(Harvest.created_at.desc(), Harvest.id.desc()).limit(limit)
     if owner is not None:
         query = query.where(Harvest.owner == owner)
     if status is not None:
         query = query.where(Harvest.status == status)
+    if id_prefix is not None:
+        query = query.where(starting_with(Harvest.id, id_prefix))
     return list(session.scalars(query))
 
 

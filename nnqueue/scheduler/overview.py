@@ -6,6 +6,7 @@ all died still has a queue worth seeing). Three queries, each one aggregate, wha
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -31,9 +32,10 @@ class ModelLoad:
         return 0.0 if self.oldest_queued_at is None else max(0.0, (now - self.oldest_queued_at).total_seconds())
 
 
-def model_loads(session: Session, stale_after_s: float) -> list[ModelLoad]:
-    """Every model with live workers or jobs in flight, sorted by key."""
-    loads: dict[str, ModelLoad] = {}
+def model_loads(session: Session, stale_after_s: float, always: Iterable[str] = ()) -> list[ModelLoad]:
+    """Every model with live workers or jobs in flight, and every model in ``always`` (idle ones all zero), sorted
+    by key."""
+    loads: dict[str, ModelLoad] = {key: ModelLoad(key) for key in always}
     in_flight = session.execute(
         select(Job.model_key, Job.status, func.count(), func.min(Job.queued_at))
         .where(Job.status.in_((JobStatus.QUEUED, JobStatus.RUNNING)))

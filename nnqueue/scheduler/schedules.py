@@ -46,9 +46,11 @@ def create_schedule(
     max_per_key: int | None = None,
 ) -> HarvestSchedule:
     """Add a schedule to the caller's transaction (the caller commits); raises :class:`HarvestRejected`: 422 for a
-    bad cron expression, 403 for a dataset outside the owner's prefix, 429 when the key already keeps
-    ``max_per_key`` schedules. The rest of the spec is checked against the world when it fires, not now (its
-    files may not exist yet, its model's workers may not run)."""
+    bad cron expression or a dataset without a source (a schedule uploads no file), 403 for a dataset outside the
+    owner's prefix, 429 when the key already keeps ``max_per_key`` schedules. The rest of the spec is checked
+    against the world when it fires, not now (its files may not exist yet, its model's workers may not run)."""
+    if spec.dataset.inline is None and spec.dataset.path is None and spec.dataset.prefix is None:
+        raise HarvestRejected(422, "a schedule's dataset needs a source: prompts, token_ids, path or prefix")
     check_readable(spec.dataset, owner)
     if max_per_key is not None and api_key_id is not None:
         kept = session.scalar(

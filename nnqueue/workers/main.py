@@ -24,6 +24,7 @@ theirs; they hand results and shards to this process through files it reads and 
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import os
@@ -54,7 +55,7 @@ from nnqueue.scheduler.recovery import requeue_held, requeue_orphans
 from nnqueue.settings import Settings
 from nnqueue.storage import log_store, object_store_from_settings
 from nnqueue.storage.object_store import ObjectStore
-from nnqueue.workers import trl_server
+from nnqueue.workers import engine_liveness, trl_server
 from nnqueue.workers.bulk import BulkConsumer
 from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
 from nnqueue.workers.containment import engine_core_kwargs, engine_view, isolate, warn_if_degraded
@@ -185,6 +186,10 @@ def run_worker(
         raise
     warn_if_degraded(containment)  # again, below the engine's start-up lines
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
+    entrypoint = getattr(getattr(executor, "model", None), "vllm_entrypoint", None)
+    asyncio.run_coroutine_threadsafe(
+        engine_liveness.keep_probing(model_key, entrypoint), host.loop
+    )  # host.stop ends it
     trainer = None
     if settings.trainer_port is not None and isinstance(executor, VLLMTraceExecutor):
         trainer = host.call(

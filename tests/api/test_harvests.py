@@ -115,6 +115,22 @@ def test_files_from_the_store_jsonl_parquet_text_and_uploads(api: Api, services:
     assert services.store.get_bytes(kept) == b"u1\nu2\nu3\n"  # kept, so that later specs can name it
 
 
+def test_a_spec_without_dataset_harvests_the_uploaded_file_and_needs_one(api: Api) -> None:
+    """`nnqueue harvest submit spec.yaml --dataset corpus.txt` with no `dataset:` in the spec (it was 422, Field
+    required, unless the spec said `dataset: {}`); without a file there is nothing to harvest, and a schedule, which
+    uploads none, needs a source when it is created rather than failing at every run."""
+    erin = api.new_key("erin", HARVEST)
+    without = {key: value for key, value in spec().items() if key != "dataset"}
+    uploaded = submit_harvest(api.http, erin, without, upload=("corpus.txt", b"first\nsecond\n"))
+    assert uploaded.status_code == 201, uploaded.text
+    assert uploaded.json()["progress"]["prompts_total"] == 2
+    assert uploaded.json()["spec"]["dataset"]["path"].startswith("users/erin/uploads/")
+    nothing = submit_harvest(api.http, erin, without)
+    assert nothing.status_code == 422 and "the dataset has no source" in nothing.text, nothing.text
+    scheduled = api.http.post("/v1/schedules", headers=erin, json={"name": "n", "cron": "0 3 * * *", "spec": without})
+    assert scheduled.status_code == 422 and "a schedule's dataset needs a source" in scheduled.text, scheduled.text
+
+
 def test_an_upload_that_does_not_parse_is_refused_and_not_kept(api: Api, services: Services) -> None:
     dave = api.new_key("dave", HARVEST)
     for name, data, reason in (

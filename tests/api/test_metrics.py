@@ -71,6 +71,16 @@ def test_metrics_follow_submissions_cancels_and_the_queue(api: Api, services: Se
     assert value(after, "nnqueue_worker_capacity", model=LIVE_MODEL) >= 4
 
 
+def test_a_scale_to_zero_model_has_its_gauges_while_idle(services: Services) -> None:
+    """KEDA reads these for a model with no worker and no work: zeros, not an empty answer (which the ScaledObjects
+    in deploy/kubernetes treat as "not scraped", an error), so an idle model is told from an unscraped one."""
+    with api_client(services, scale_to_zero_models=["idle-model"]) as api:
+        samples = scrape(api.http.get("/metrics").text)
+    for name in ("nnqueue_queue_depth", "nnqueue_jobs_running", "nnqueue_queue_oldest_age_seconds"):
+        assert (name, frozenset({("model", "idle-model")})) in samples and value(samples, name, model="idle-model") == 0
+    assert ("nnqueue_harvest_chunks_queued", frozenset({("model", "idle-model")})) in samples
+
+
 @pytest.fixture
 def two_process_api(services: Services) -> Iterator[str]:
     [port] = free_ports(1)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import platform
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,11 @@ import httpx
 import nnsight
 import pytest
 import torch
+import yaml
 from safetensors.torch import load as safetensors_load
 
 from nnqueue.storage.results import load_result
+from nnqueue.workers.engine_liveness import INTERVAL_S
 from tests.api.test_metrics import scrape
 from tests.api.test_metrics import value as sample
 from tests.utils.api import Api, api_client
@@ -30,6 +34,7 @@ from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # end to end: a real worker process (the shared one)
 
 PROMPT = "The Eiffel Tower is in"
+ROOT = Path(__file__).resolve().parents[2]
 CLIENT = {"nnsight": nnsight.__version__, "python": platform.python_version()}
 
 
@@ -221,3 +226,36 @@ def test_the_dashboard_and_readme_queries_name_exported_series(
     queries += [line.split("#")[0] for line in promql.splitlines() + alerts.splitlines()]
     used = {name for query in queries for name in re.findall(r"\b(?:nnqueue_|vllm:)[A-Za-z0-9_:]+", query)}
     assert len(used) >= 10 and used <= exported, used - exported
+
+
+def liveness_probe(port: int, older_than_s: float) -> int:
+    """The exit status of the workers' Kubernetes liveness probe (deploy/kubernetes/base/worker.yaml), run against this
+    worker's metrics with the given age limit."""
+    manifests = yaml.safe_load_all((ROOT / "deploy" / "kubernetes" / "base" / "worker.yaml").read_text())
+    [deployment] = [obj for obj in manifests if obj["kind"] == "Deployment"]
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["exec"]["command"]
+    assert command[:2] == ["python3", "-c"] and "127.0.0.1:9100" in command[2] and "> 600)" in command[2]
+    code = command[2].replace("127.0.0.1:9100", f"127.0.0.1:{port}").replace("> 600)", f"> {older_than_s})")
+    return subprocess.run([sys.executable, "-c", code], timeout=60).returncode
+
+
+def test_a_hung_engine_fails_the_liveness_probe_and_a_live_one_passes(
+    worker: WorkerProcess, worker_metrics_port: int
+) -> None:
+    """The probe passes while the engine answers; with its core process stopped (SIGSTOP, as a step that never ends
+    would leave it) the stamp ages and the probe fails; resumed, it passes again. Last in the module: it pauses the
+    module's worker's engine."""
+    assert liveness_probe(worker_metrics_port, 600) == 0
+    [core] = [p for p in worker.children() if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline())]
+    core.suspend()
+    try:
+        deadline = time.monotonic() + 180
+        while liveness_probe(worker_metrics_port, 3 * INTERVAL_S) == 0:
+            assert time.monotonic() < deadline, "the engine's stamp kept moving with its core stopped"
+            time.sleep(2)
+    finally:
+        core.resume()
+    deadline = time.monotonic() + 180
+    while liveness_probe(worker_metrics_port, 3 * INTERVAL_S) != 0:
+        assert time.monotonic() < deadline, "the engine's stamp did not move again once its core resumed"
+        time.sleep(2)

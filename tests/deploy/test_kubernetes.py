@@ -8,6 +8,7 @@ are settings nnqueue reads, a worker's GPUs equal its tensor parallelism and its
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import re
 import shutil
@@ -32,7 +33,7 @@ OVERLAYS = ["cpu", "gpu"]
 # The oldest Kubernetes release still supported upstream when this was written, and the newest bundled.
 VERSIONS = ["1.32.0", kubernetes_validate.latest_version()]
 # Variables only the worker's command line reads (through Kubernetes' $(VAR) expansion), not nnqueue's settings.
-WORKER_ARGUMENTS = {"NNQUEUE_MODEL", "NNQUEUE_MODEL_KEY", "NNQUEUE_TENSOR_PARALLEL_SIZE", "NNQUEUE_MAX_CONCURRENT_JOBS"}
+WORKER_ARGUMENTS = {"NNQUEUE_MODEL", "NNQUEUE_MODEL_KEY", "NNQUEUE_TENSOR_PARALLEL_SIZE", "NNQUEUE_MAX_NUM_SEQS"}
 # The fields of KEDA's ScaledObject (keda.sh/v1alpha1, its CRD's openAPIV3Schema) that the manifests use; anything
 # else is refused, so that a typo cannot pass as an unknown field KEDA would drop.
 SCALED_OBJECT = {
@@ -63,6 +64,15 @@ SCALED_OBJECT = {
                 "idleReplicaCount": {"type": "integer", "minimum": 0},
                 "pollingInterval": {"type": "integer", "minimum": 1},
                 "cooldownPeriod": {"type": "integer", "minimum": 0},
+                "fallback": {
+                    "type": "object",
+                    "required": ["failureThreshold", "replicas"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "failureThreshold": {"type": "integer", "minimum": 1},
+                        "replicas": {"type": "integer", "minimum": 1},
+                    },
+                },
                 "advanced": {
                     "type": "object",
                     "additionalProperties": False,
@@ -93,7 +103,13 @@ SCALED_OBJECT = {
                                 "additionalProperties": False,
                                 "properties": {
                                     key: {"type": "string"}
-                                    for key in ("serverAddress", "query", "threshold", "activationThreshold")
+                                    for key in (
+                                        "serverAddress",
+                                        "query",
+                                        "threshold",
+                                        "activationThreshold",
+                                        "ignoreNullValues",
+                                    )
                                 },
                             },
                         },
@@ -103,6 +119,44 @@ SCALED_OBJECT = {
         },
     },
 }
+
+
+# The fields of the Prometheus Operator's ServiceMonitor and PodMonitor (monitoring.coreos.com/v1) that the manifests
+# use, as for the ScaledObject.
+ENDPOINT = {
+    "type": "object",
+    "required": ["port"],
+    "additionalProperties": False,
+    "properties": {"port": {"type": "string"}, "path": {"type": "string"}, "interval": {"type": "string"}},
+}
+MONITORS = {
+    kind: {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "additionalProperties": False,
+        "properties": {
+            "apiVersion": {"const": "monitoring.coreos.com/v1"},
+            "kind": {"const": kind},
+            "metadata": {"type": "object", "required": ["name", "namespace"]},
+            "spec": {
+                "type": "object",
+                "required": ["selector", endpoints],
+                "additionalProperties": False,
+                "properties": {
+                    "selector": {
+                        "type": "object",
+                        "required": ["matchLabels"],
+                        "additionalProperties": False,
+                        "properties": {"matchLabels": {"type": "object"}},
+                    },
+                    endpoints: {"type": "array", "minItems": 1, "items": ENDPOINT},
+                },
+            },
+        },
+    }
+    for kind, endpoints in (("ServiceMonitor", "endpoints"), ("PodMonitor", "podMetricsEndpoints"))
+}
+CUSTOM_KINDS = {"ScaledObject", *MONITORS}
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -154,7 +208,7 @@ def test_the_renderer_renders_what_kubectl_kustomize_does(overlay: str) -> None:
 def test_every_object_validates_against_the_kubernetes_schemas(rendered: list[dict[str, Any]], version: str) -> None:
     kinds = set()
     for obj in rendered:
-        if obj["kind"] == "ScaledObject":
+        if obj["kind"] in CUSTOM_KINDS:
             continue  # a CRD's: checked below
         kubernetes_validate.validate(obj, version, strict=True)
         kinds.add(obj["kind"])
@@ -208,6 +262,59 @@ def test_each_worker_is_scaled_by_keda_on_its_own_models_queue(rendered: list[di
         if obj["spec"]["minReplicaCount"] == 0:  # the API must queue the model's jobs while no worker runs
             api = one(rendered, "Deployment", "nnqueue-api")
             assert key in json.loads(worker_settings(rendered, api)["NNQUEUE_SCALE_TO_ZERO_MODELS"])
+
+
+def test_keda_fails_loudly_without_the_gauges_and_falls_back_to_a_worker(rendered: list[dict[str, Any]]) -> None:
+    """No `or vector(0)`: an unscraped API is an error (a scale-to-zero model's gauges exist while it is idle), and
+    the fallback gives the load triggers one worker, so queued work is never left at zero workers silently."""
+    for obj in find(rendered, "ScaledObject"):
+        assert obj["spec"]["fallback"]["replicas"] >= 1
+        for trigger in obj["spec"]["triggers"]:
+            assert "vector(" not in trigger["metadata"]["query"] and " or " not in trigger["metadata"]["query"]
+            assert trigger["metadata"]["ignoreNullValues"] == "false"
+        assert any(trigger.get("metricType", "AverageValue") == "AverageValue" for trigger in obj["spec"]["triggers"])
+        worker = one(rendered, "Deployment", obj["spec"]["scaleTargetRef"]["name"])
+        [load] = [trigger for trigger in obj["spec"]["triggers"] if trigger["name"] == "load"]
+        assert load["metadata"]["threshold"] == worker_settings(rendered, worker)["NNQUEUE_MAX_NUM_SEQS"]
+
+
+def test_prometheus_operator_scrapes_the_api_and_the_workers(rendered: list[dict[str, Any]]) -> None:
+    services = {o["metadata"]["name"]: o for o in find(rendered, "Service")}
+    [service_monitor] = find(rendered, "ServiceMonitor")
+    jsonschema.validate(service_monitor, MONITORS["ServiceMonitor"])
+    [scraped] = [o for o in services.values() if _selects(service_monitor["spec"]["selector"], o["metadata"]["labels"])]
+    assert scraped["metadata"]["name"] == "nnqueue-api"  # the gauges KEDA reads
+    assert {e["port"] for e in service_monitor["spec"]["endpoints"]} <= {p["name"] for p in scraped["spec"]["ports"]}
+    [pod_monitor] = find(rendered, "PodMonitor")
+    jsonschema.validate(pod_monitor, MONITORS["PodMonitor"])
+    for worker in workers(rendered):
+        template = worker["spec"]["template"]
+        assert _selects(pod_monitor["spec"]["selector"], template["metadata"]["labels"])
+        ports = {port["name"] for port in template["spec"]["containers"][0]["ports"]}
+        assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= ports
+    api = one(rendered, "Deployment", "nnqueue-api")
+    assert not _selects(pod_monitor["spec"]["selector"], api["spec"]["template"]["metadata"]["labels"])
+
+
+def test_a_worker_rollout_keeps_the_old_pod_serving_until_the_new_one_is_ready(rendered: list[dict[str, Any]]) -> None:
+    for worker in workers(rendered):
+        rolling = worker["spec"]["strategy"]["rollingUpdate"]
+        assert rolling["maxUnavailable"] == 0 and rolling["maxSurge"] >= 1
+        assert "readinessProbe" in worker["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_a_hung_engine_fails_the_workers_liveness_probe(rendered: list[dict[str, Any]]) -> None:
+    """The probe reads the stamp the worker sets after each round trip to its engine (tests/api/test_results.py runs
+    it against a worker whose engine is stopped); it restarts a pod well after the longest step."""
+    from nnqueue.workers.engine_liveness import INTERVAL_S, RESPONDED
+
+    for worker in workers(rendered):
+        probe = worker["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]
+        code = probe["exec"]["command"][2]
+        compile(code, "livenessProbe", "exec")
+        assert RESPONDED._name in code and "127.0.0.1:9100" in code
+        assert float(re.search(r"> (\d+)\)", code)[1]) >= 30 * INTERVAL_S  # type: ignore[index]
+        assert probe["periodSeconds"] * probe["failureThreshold"] >= 60
 
 
 def test_the_gauges_keda_reads_are_the_ones_the_api_exports() -> None:
@@ -284,6 +391,9 @@ def compose_builds() -> dict[str, tuple[str, str | None]]:
 
 
 def test_commands_options_and_environment_are_nnqueues(rendered: list[dict[str, Any]]) -> None:
+    from vllm.engine.arg_utils import EngineArgs  # here: importing vLLM takes seconds
+
+    engine_options = {field.name for field in dataclasses.fields(EngineArgs)}
     cli = typer.main.get_command(app)
     for obj in rendered:
         for container in containers(obj):
@@ -295,8 +405,10 @@ def test_commands_options_and_environment_are_nnqueues(rendered: list[dict[str, 
                 command, rest = command.commands[rest[0]], rest[1:]
             options = {opt for param in command.params for opt in param.opts}
             for word in rest:
-                if word.startswith("--"):
-                    assert word.split("=")[0] in options, f"{obj['metadata']['name']}: nnqueue has no {word}"
+                if word.startswith("--") and word.split("=")[0] not in options:
+                    # The worker passes the options it does not have to vLLM's engine: they must be vLLM's.
+                    assert words[:2] == ["nnqueue", "worker"], f"{obj['metadata']['name']}: nnqueue has no {word}"
+                    assert word.split("=")[0][2:].replace("-", "_") in engine_options, f"vLLM has no {word}"
             env = environment(rendered, container)
             for variable in re.findall(r"\$\((\w+)\)", " ".join(words)):
                 assert variable in env, f"{obj['metadata']['name']}: $({variable}) is not in its environment"
@@ -355,3 +467,33 @@ def test_the_secrets_hold_only_placeholders(rendered: list[dict[str, Any]]) -> N
     for secret in find(rendered, "Secret"):
         for key, value in secret["stringData"].items():
             assert value == "" or "CHANGE-ME" in value, f"{key} holds what looks like a real credential"
+
+
+def image_tags(root: Path) -> set[str]:
+    """The tags of nnqueue's images in both overlays and docker-compose.yml's defaults under ``root``."""
+    tags = {
+        container["image"].rsplit(":", 1)[1]
+        for overlay in OVERLAYS
+        for obj in render(root / "deploy" / "kubernetes" / "overlays" / overlay)
+        for container in containers(obj)
+    }
+    return tags | set(re.findall(r"\$\{NNQUEUE_IMAGE_TAG:-([^}]+)\}", (root / "docker-compose.yml").read_text()))
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_images_are_pinned_to_nnqueues_version_and_make_pin_images_moves_them(tmp_path: Path) -> None:
+    version = re.search(r'(?m)^version = "(.+)"$', (ROOT / "pyproject.toml").read_text())
+    assert version and image_tags(ROOT) == {version[1]}  # never :latest
+    for path in ("Makefile", "pyproject.toml", "docker-compose.yml"):
+        shutil.copy(ROOT / path, tmp_path / path)
+    shutil.copytree(KUBERNETES, tmp_path / "deploy" / "kubernetes")
+    subprocess.run(["make", "-C", str(tmp_path), "pin-images", "IMAGE_TAG=9.9.9"], check=True, capture_output=True)
+    assert image_tags(tmp_path) == {"9.9.9"}
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert all(not service["image"].endswith(":latest") for service in compose["services"].values())
+
+
+def test_the_gpu_image_and_the_gpu_extra_pin_the_same_vllm() -> None:
+    pinned = re.search(r"(?m)^ARG VLLM_VERSION=(\S+)$", (ROOT / "docker" / "Dockerfile").read_text())
+    extra = re.search(r'(?m)^gpu = \[.*"vllm==([^"]+)"\]$', (ROOT / "pyproject.toml").read_text())
+    assert pinned and extra and pinned[1] == extra[1]

@@ -1,7 +1,8 @@
-"""deploy/slurm/nnqueue-worker.sbatch run as Slurm runs a batch script (bash, SLURM_* set, SIGTERM to the script
-alone as ``--signal=B:TERM`` sends it) against the test servers: the worker it starts takes a trace and a harvest
-chunk; on SIGTERM it hands both back to the queue after its drain, the script exits 0 and asks Slurm to requeue
-the batch job (``scontrol``, a recording stand-in: there is no Slurm here), and another worker completes both."""
+"""deploy/slurm/nnqueue-worker.sbatch run as Slurm runs a batch script (bash, SLURM_* set, the signal to the script
+alone as ``--signal=B:USR1`` sends it) against the test servers: the worker it starts takes a trace and a harvest
+chunk; on the time limit's SIGUSR1 it hands both back to the queue after its drain, the script exits 0 and asks Slurm
+to requeue the batch job (``scontrol``, a recording stand-in: there is no Slurm here), and another worker completes
+both. ``scancel``'s SIGTERM stops the worker without a requeue."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from nnsight.modeling.vllm import VLLM
 from sqlalchemy import select
@@ -51,8 +53,7 @@ def start_batch_job(services: Services, model_path: Path, tmp_path: Path) -> tup
         "NNQUEUE_COMMAND": f"{sys.executable} -m nnqueue",
         "NNQUEUE_MODEL": str(model_path),
         "NNQUEUE_MODEL_KEY": MODEL_KEY,
-        "NNQUEUE_MAX_CONCURRENT_JOBS": "2",
-        "NNQUEUE_ENGINE_ARGS": " ".join(ENGINE_ARGS),
+        "NNQUEUE_ENGINE_ARGS": " ".join(["--max-concurrent-jobs=2", *ENGINE_ARGS]),
         "NNQUEUE_WORKER_DRAIN_S": "2",
     }
     with open(tmp_path / "batch.log", "ab") as log:
@@ -73,7 +74,7 @@ def wait_registered(services: Services, batch: subprocess.Popen[bytes], log: Pat
     raise AssertionError(f"the batch job's worker did not register in {timeout} s:\n{log.read_text()[-5000:]}")
 
 
-def test_slurms_sigterm_hands_the_jobs_and_chunks_back_and_requeues_the_batch_job(
+def test_the_time_limits_signal_hands_the_jobs_and_chunks_back_and_requeues_the_batch_job(
     services: Services,
     client_model: VLLM,
     tiny_model_path: Path,
@@ -82,7 +83,7 @@ def test_slurms_sigterm_hands_the_jobs_and_chunks_back_and_requeues_the_batch_jo
     batch, calls = start_batch_job(services, tiny_model_path, tmp_path)
     try:
         wait_registered(services, batch, tmp_path / "batch.log")
-        job = services.submit(slow_payload(client_model, steps=150))  # 15 s of decoding: still running at SIGTERM
+        job = services.submit(slow_payload(client_model, steps=150))  # 15 s of decoding: still running at SIGUSR1
         running = services.wait_for(job.id, {S.RUNNING}, timeout=240)
         token_ids = prompts(800, 200, seed=3)
         harvest_id = harvest(services, token_ids, prompts_per_chunk=400)
@@ -90,9 +91,9 @@ def test_slurms_sigterm_hands_the_jobs_and_chunks_back_and_requeues_the_batch_jo
         assert held.worker_id == running.worker_id
 
         signalled = time.monotonic()
-        batch.send_signal(signal.SIGTERM)  # the batch shell only, as --signal=B:TERM@180 does
+        batch.send_signal(signal.SIGUSR1)  # the batch shell only, as --signal=B:USR1@180 does
         assert batch.wait(timeout=120) == 0, (tmp_path / "batch.log").read_text()[-5000:]
-        print(f"the batch script exited 0, {time.monotonic() - signalled:.1f} s after SIGTERM")
+        print(f"the batch script exited 0, {time.monotonic() - signalled:.1f} s after SIGUSR1")
     finally:
         if batch.poll() is None:
             os.killpg(batch.pid, signal.SIGKILL)
@@ -126,3 +127,24 @@ def test_slurms_sigterm_hands_the_jobs_and_chunks_back_and_requeues_the_batch_jo
     check_every_prompt_once(services, finished, token_ids)
     rerun = next(c for c in chunks_of(services, harvest_id) if c.index == held.index)
     assert rerun.worker_id == second_id and rerun.attempts == 2
+
+
+def test_scancel_stops_the_worker_for_good(services: Services, tiny_model_path: Path, tmp_path: Path) -> None:
+    """``scancel``'s SIGTERM (also preemption's, which Slurm requeues itself where the partition says so) stops the
+    worker and the script, and nothing asks Slurm to requeue the job. Sent while the worker starts: the script's
+    decision does not wait for an engine."""
+    batch, calls = start_batch_job(services, tiny_model_path, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not psutil.Process(batch.pid).children(recursive=True):  # the worker runs: the traps are set
+            assert batch.poll() is None and time.monotonic() < deadline, (tmp_path / "batch.log").read_text()
+            time.sleep(0.2)
+        batch.send_signal(signal.SIGTERM)
+        batch.wait(timeout=120)
+    finally:
+        if batch.poll() is None:
+            os.killpg(batch.pid, signal.SIGKILL)
+            batch.wait()
+    log = (tmp_path / "batch.log").read_text()
+    assert "after SIGTERM: scancel or preemption" in log, log[-3000:]
+    assert not calls.exists(), calls.read_text()  # no `scontrol requeue`

@@ -33,6 +33,7 @@ from nnqueue.api.deps import (
 )
 from nnqueue.api.downloads import object_response
 from nnqueue.api.ownership import owned_or_404
+from nnqueue.api.pagination import IdPrefixQuery
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import HarvestListResponse, HarvestResponse, ShardFile, ShardList, parse_spec_field
 from nnqueue.db.models import Harvest, HarvestChunk, JobStatus
@@ -137,9 +138,10 @@ def list_harvests(
         str | None, Query(description="Only this owner's harvests (admins; others may name only themselves).")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    id_prefix: IdPrefixQuery = None,
 ) -> HarvestListResponse:
     """The caller's harvests (an admin's: every owner's), newest first."""
-    harvests = recent_harvests(session, caller.listed_owner(owner), status_filter, limit)
+    harvests = recent_harvests(session, caller.listed_owner(owner), status_filter, limit, id_prefix)
     done = progress(session, harvests)
     waiting = waiting_reasons(session, harvests, settings.worker_stale_after_s)
     return HarvestListResponse(

@@ -33,10 +33,11 @@ from nnqueue.api.deps import (
 from nnqueue.api.downloads import object_response
 from nnqueue.api.job_body import OPENAPI_BODY, Submission, read_submission
 from nnqueue.api.ownership import owned_or_404
-from nnqueue.api.pagination import NEWEST_FIRST, InvalidCursor, encode_cursor, older_than
+from nnqueue.api.pagination import NEWEST_FIRST, IdPrefixQuery, InvalidCursor, encode_cursor, older_than
 from nnqueue.api.refusals import refusals_as_http
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import JobListResponse, JobResponse, JobSpec, parse_spec_field
+from nnqueue.db.ids import starting_with
 from nnqueue.db.lifecycle import InvalidTransition
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.scheduler.cancellation import cancel_job
@@ -126,11 +127,14 @@ def list_jobs(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: str | None = None,
+    id_prefix: IdPrefixQuery = None,
 ) -> JobListResponse:
     """The caller's jobs (an admin's: every owner's), newest first, a page at a time."""
     query = select(Job)
     if (listed := caller.listed_owner(owner)) is not None:
         query = query.where(Job.owner == listed)
+    if id_prefix is not None:
+        query = query.where(starting_with(Job.id, id_prefix))
     if status_filter is not None:
         query = query.where(Job.status == status_filter)
     if model_key is not None:

@@ -10,7 +10,7 @@ network, and do not route it to the outside.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
@@ -30,16 +30,18 @@ log = logging.getLogger(__name__)
 
 
 class QueueCollector(Collector):
-    """The queue's gauges, read from the database when collected."""
+    """The queue's gauges, read from the database when collected. The models in ``always`` (the scale-to-zero
+    ones) have every gauge even while idle: an autoscaler reading them tells "nothing to do" (0) from "these
+    metrics are not scraped" (no series), which must not leave a model at zero workers."""
 
-    def __init__(self, sessions: sessionmaker[Session], stale_after_s: float) -> None:
-        self.sessions, self.stale_after_s = sessions, stale_after_s
+    def __init__(self, sessions: sessionmaker[Session], stale_after_s: float, always: Iterable[str] = ()) -> None:
+        self.sessions, self.stale_after_s, self.always = sessions, stale_after_s, tuple(always)
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("nnqueue_queue_stats_up", "1 if the queue's gauges could be read from the database.")
         try:
             with self.sessions() as session:
-                loads = model_loads(session, self.stale_after_s)
+                loads = model_loads(session, self.stale_after_s, self.always)
         except SQLAlchemyError:
             log.exception("metrics: could not read the queue from the database")
             up.add_metric([], 0)
@@ -70,5 +72,6 @@ class QueueCollector(Collector):
 @router.get("/metrics", response_class=Response, responses={200: {"content": {metrics.CONTENT_TYPE: {}}}})
 def prometheus_metrics(resources: Annotated[Resources, Depends(get_resources)]) -> Response:
     queue = CollectorRegistry(auto_describe=False)
-    queue.register(QueueCollector(resources.sessions, resources.settings.worker_stale_after_s))
+    settings = resources.settings
+    queue.register(QueueCollector(resources.sessions, settings.worker_stale_after_s, settings.scale_to_zero_models))
     return Response(metrics.exposition(metrics.process_registry(), queue), media_type=metrics.CONTENT_TYPE)

@@ -23,10 +23,12 @@ from sqlalchemy import select
 
 from nnqueue.api.deps import HarvestCallerDep, HarvestReaderDep, ResourcesDep, SessionDep, SessionsDep
 from nnqueue.api.ownership import owned_or_404
+from nnqueue.api.pagination import IdPrefixQuery
 from nnqueue.api.refusals import refusals_as_http
 from nnqueue.api.routers.jobs import cancel_response, result_response
 from nnqueue.api.routing import ReleasingRoute
 from nnqueue.api.schemas import JobListResponse, JobResponse, parse_spec_field
+from nnqueue.db.ids import starting_with
 from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.scheduler.harvest_dataset import Limits
 from nnqueue.scheduler.harvest_spec import HarvestRejected
@@ -91,11 +93,14 @@ def list_steering(
         str | None, Query(description="Only this owner's (admins; others may name only themselves).")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    id_prefix: IdPrefixQuery = None,
 ) -> JobListResponse:
     """The caller's steering jobs (an admin's: every owner's), newest first."""
     query = select(Job).where(Job.kind == JobKind.STEER)
     if (listed := caller.listed_owner(owner)) is not None:
         query = query.where(Job.owner == listed)
+    if id_prefix is not None:
+        query = query.where(starting_with(Job.id, id_prefix))
     if status_filter is not None:
         query = query.where(Job.status == status_filter)
     jobs = list(session.scalars(query.order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))

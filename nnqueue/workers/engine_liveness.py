@@ -1,0 +1,34 @@
+"""The engine's liveness, as a gauge a liveness probe reads: a hung engine restarts its pod.
+
+A worker whose vLLM engine core hangs inside a step (a wedged GPU, a collective that never returns) neither dies nor
+serves: its jobs stop, nothing raises, and the process looks alive. Every :data:`INTERVAL_S` seconds, on the worker's
+engine loop, :func:`keep_probing` makes a round trip to the engine core (``AsyncLLM.is_sleeping``, a utility call
+the core answers between two steps) and then sets ``nnqueue_worker_engine_responded_timestamp_seconds`` to now. A
+stuck core, or an engine loop that no longer runs, stops the gauge; the worker's liveness probe
+(deploy/kubernetes/base/worker.yaml) fails once it is older than its threshold, which leaves the longest step
+many times over. On the transformers engine, which has no core process, the round trip is the loop's alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import prometheus_client
+
+INTERVAL_S = 10.0
+RESPONDED = prometheus_client.Gauge(
+    "nnqueue_worker_engine_responded_timestamp_seconds",
+    "When the worker's engine last answered a round trip (Unix time); it stops moving when the engine hangs.",
+    ["model"],
+)
+
+
+async def keep_probing(model_key: str, entrypoint: Any | None, interval_s: float = INTERVAL_S) -> None:
+    """Until cancelled: ask ``entrypoint`` (a vLLM ``AsyncLLM``; None: the loop alone) and mark the answer's time."""
+    gauge = RESPONDED.labels(model_key)
+    while True:
+        if entrypoint is not None:
+            await entrypoint.is_sleeping()
+        gauge.set_to_current_time()
+        await asyncio.sleep(interval_s)
