@@ -33,8 +33,8 @@ from nnqueue.engines.harvest_runner import (
 )
 from nnqueue.engines.outbox import poller
 from nnqueue.engines.prebuilt import to_requests
-from nnqueue.outliers import Outliers
 from nnqueue.engines.trace_runner import run_trace
+from nnqueue.outliers import Outliers
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine, run, running_engine
 from tests.utils.payloads import PrebuiltBackend
