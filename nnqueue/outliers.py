@@ -85,6 +85,11 @@ class Outliers:
         return {"action": self.action, "max_norm": self.max_norm, "times_median": self.times_median}
 
     @classmethod
+    def from_report(cls, report: Mapping[str, Any]) -> Outliers:
+        """The option a report of what it did records (its fields, beside the limits and counts)."""
+        return cls.from_json({name: report[name] for name in ("action", "max_norm", "times_median")})
+
+    @classmethod
     def from_json(cls, data: Any) -> Outliers:
         if isinstance(data, Outliers):
             return data
@@ -130,10 +135,21 @@ def screen(
         if not over[key]:
             continue
         if action == "clip":
-            rows[beyond] = (rows[beyond].float() * (limit / norm[beyond])[:, None]).to(rows.dtype)
+            with torch.inference_mode(rows.is_inference()):  # an engine's captured rows are inference tensors
+                rows[beyond] = (rows[beyond].float() * (limit / norm[beyond])[:, None]).to(rows.dtype)
         else:
             dropped = beyond if dropped is None else dropped | beyond
     return Screened(None if dropped is None else ~dropped, over)
+
+
+def screened(
+    tensors: Mapping[str, torch.Tensor], limits: Mapping[str, float], action: Action
+) -> tuple[dict[str, torch.Tensor], Screened]:
+    """`screen` a shard's ``tensors`` (captures and columns alike), then keep their rows kept."""
+    found = screen(tensors, limits, action)
+    if found.keep is None:
+        return dict(tensors), found
+    return {name: value[found.keep] for name, value in tensors.items()}, found
 
 
 def harvest_limits(outliers: Outliers, statistics: Mapping[str, Any], keys: list[str]) -> dict[str, float]:

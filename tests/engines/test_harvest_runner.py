@@ -258,6 +258,32 @@ def test_outlier_rows_are_left_out_on_the_engine(inprocess_engine, tmp_path, pro
         assert result.outliers["limits"][key] == pytest.approx(2.0 * float(norms[key].median()), rel=1e-4)
 
 
+def test_outlier_rows_are_clipped_on_the_engine(inprocess_engine, tmp_path, prompts, reference) -> None:
+    """Clipping scales the engine's own (inference-mode) host rows in place: rows over the norm limit come out at
+    it, in their direction; the others as transformers computes them."""
+    llm = inprocess_engine.model.vllm_entrypoint
+    key = "model.layers.0.output"
+    values = torch.cat([r[key] for r in reference])
+    limit = float(values.norm(dim=1).median())  # half the rows are over it
+    chunk = work(
+        tmp_path,
+        prompts,
+        SELECTIONS["all"],
+        "clipped",
+        captures=[Capture("model.layers.0")],
+        outliers=Outliers("clip", max_norm=limit),
+    )
+    result = run(inprocess_engine, run_chunk(llm, chunk))
+    shard = load(Path(chunk.sink["path"]))
+    over = values.norm(dim=1) > limit
+    assert result.rows == len(values) and result.outliers is not None and result.outliers["dropped_rows"] == 0
+    assert result.outliers["over"][key] == int(over.sum()) > 0
+    torch.testing.assert_close(shard[key][~over], values[~over], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(shard[key][over].norm(dim=1), torch.full((int(over.sum()),), limit), rtol=1e-5, atol=0)
+    cosine = torch.nn.functional.cosine_similarity(shard[key][over], values[over])
+    torch.testing.assert_close(cosine, torch.ones_like(cosine), atol=1e-5, rtol=0)
+
+
 def test_rerun_writes_identical_bytes(inprocess_engine, tmp_path, prompts) -> None:
     llm = inprocess_engine.model.vllm_entrypoint
     digests = set()
