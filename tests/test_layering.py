@@ -29,6 +29,7 @@ LAYERS = {
     "mountns": 1,
     "seccomp_filter": 1,
     "trace_payload": 1,
+    "outliers": 1,
     "db": 1,
     "storage": 1,
     "broker": 2,
@@ -61,9 +62,10 @@ ENTRY_POINT_EDGES = {
     ("up", "demo"),
     ("up", "client"),
 }
-# Standard-library-only modules of the server that the client imports too: the prebuilt trace format,
-# which the client writes and the worker reads.
-SHARED_WITH_CLIENT = {"trace_payload"}
+# Modules of the server that the client imports too, importing nothing of nnqueue but the exception base: the
+# prebuilt trace format, which the client writes and the worker reads; the outlier rows option, which the engine's
+# shard writer and the client's export and reader apply.
+SHARED_WITH_CLIENT = {"trace_payload", "outliers"}
 # What the issue and PLAN.md name outright (also implied by the layers; kept as readable failures).
 FORBIDDEN = {
     "enginecore": {"db", "storage", "broker", "scheduler", "api", "workers"},

@@ -6,6 +6,7 @@ nnqueue harvest list | cancel ID | manifest ID
 nnqueue harvest inspect ID [--rows 3]       # per-capture statistics, shapes, dtype, a few rows
 nnqueue harvest download ID DIR [--parallel 4]
 nnqueue harvest export ID DEST --format saelens|hf [--context-size 128] [--hook-names module|transformer-lens]
+                       [--drop-norm-above 10x | --clip-norm-above 1500] [--batch-size-tokens 4096] [--model-name M]
                                             # DEST: a local folder or s3://bucket/prefix
 nnqueue schedules create NAME --cron '0 3 * * *' spec.yaml
 nnqueue schedules list | pause ID | resume ID | delete ID
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
@@ -35,10 +36,16 @@ from nnqueue.client.cli_common import (
 )
 from nnqueue.client.errors import HarvestFailed
 from nnqueue.client.harvest import Harvest
+from nnqueue.outliers import Outliers
+
+if TYPE_CHECKING:
+    from nnqueue.client.harvest_export import ExportReport
 
 harvest_app = typer.Typer(help="Declarative activation harvests: submit a spec, follow it, download its shards.")
 schedules_app = typer.Typer(help="Recurring harvests, fired by `nnqueue beat`.")
 SpecArgument = typer.Argument(..., exists=True, dir_okay=False, help="The harvest spec, a YAML or JSON file.")
+# `harvest inspect` flags rows whose norm is over this multiple of their capture's median norm.
+FLAG_TIMES_MEDIAN = 10
 
 
 @harvest_app.command("submit")
@@ -158,11 +165,31 @@ def show_manifest(manifest: dict[str, Any]) -> None:
         f"{manifest['bytes']:,} bytes in {len(manifest['shards'])} shards"
     )
     table = Table(
-        "capture", "shape", "dtype", "|mean|", "mean std", "norm p1", "p50", "p99", "max", "NaN", "Inf", "bad rows"
+        "capture",
+        "shape",
+        "dtype",
+        "|mean|",
+        "mean std",
+        "norm p1",
+        "p50",
+        "p99",
+        "max",
+        f"> {FLAG_TIMES_MEDIAN}x p50",
+        "NaN",
+        "Inf",
+        "bad rows",
     )
+    flags = []
     for key, stats in sorted((manifest.get("statistics") or {}).items()):
         norm, percentiles = stats["norm"], stats["norm"]["percentiles"]
         width = max(stats["width"], 1)
+        over, share = norm_outliers(stats, FLAG_TIMES_MEDIAN)
+        if over:
+            flags.append(
+                f"[yellow]{escape(key)}: at least {over:,} rows have a norm over {FLAG_TIMES_MEDIAN}x its median "
+                f"(the largest {norm['max'] / max(percentiles.get('p50', 0.0), 1e-30):,.0f}x), about {share:.0%} of "
+                "the squared norm[/yellow]"
+            )
         table.add_row(
             escape(key),
             f"[{manifest['rows']:,}, {stats['width']}]",
@@ -171,19 +198,55 @@ def show_manifest(manifest: dict[str, Any]) -> None:
             f"{sum(stats['std']) / width:.4g}",
             *(f"{percentiles.get(p, float('nan')):.4g}" for p in ("p1", "p50", "p99")),
             f"{norm['max']:.4g}",
+            f"[yellow]{over:,}[/yellow]" if over else "0",
             str(stats["nan"]),
             str(stats["inf"]),
             str(stats["nonfinite_rows"]),
         )
     console.print(table)
+    handled = manifest.get("outliers")
+    if handled:
+        option = Outliers.from_report(handled)
+        console.print(
+            f"outliers: {option.describe()}{' of each chunk' if option.times_median else ''}: "
+            f"{handled['dropped_rows']:,} rows dropped; over the "
+            f"limit: {escape(', '.join(f'{key} {count:,}' for key, count in handled['over'].items()))}"
+        )
+    for flag in flags:
+        console.print(flag)
+    if flags:
+        console.print(
+            f"  (attention sinks?) leave them out with `nnqueue harvest export ... --drop-norm-above "
+            f"{FLAG_TIMES_MEDIAN}x`, nnqueue.harvest.open(..., outliers=...), or the spec's `outliers: "
+            f"{{action: drop, times_median: {FLAG_TIMES_MEDIAN}}}`"
+        )
+
+
+def norm_outliers(stats: dict[str, Any], times_median: float) -> tuple[int, float]:
+    """Rows of a capture's manifest statistics whose norm is over ``times_median`` times the median, read off the
+    norm histogram: at least this many (the bins wholly above the limit), and about what share of the squared norm
+    they hold (each counted at its bin's middle)."""
+    norm = stats["norm"]
+    median, histogram = norm["percentiles"].get("p50"), norm["histogram"]
+    if not median or not stats["count"]:
+        return 0, 0.0
+    low, per_decade = histogram["low_decade"], histogram["bins_per_decade"]
+    limit, over, squares = times_median * median, 0, 0.0
+    for index, count in enumerate(histogram["counts"][1:], 1):  # bin i starts at 10 ** (low + (i - 1) / per_decade)
+        if count and 10 ** (low + (index - 1) / per_decade) >= limit:
+            over += count
+            squares += count * min(10 ** (low + (index - 0.5) / per_decade), norm["max"]) ** 2
+    return over, squares / (norm["mean_square"] * stats["count"]) if norm["mean_square"] else 0.0
 
 
 def show_rows(shard: bytes, count: int) -> None:
-    """The first ``count`` rows of a shard: prompt, position, token and the first values of each capture."""
+    """The first ``count`` rows of a shard: prompt, position, token, prompt length, whether generated, and the first
+    values of each capture."""
     from safetensors.torch import load
 
     tensors = load(shard)
-    columns = ("prompt_index", "token_position", "token_id")
+    known = ("prompt_index", "token_position", "token_id", "prompt_length", "generated")
+    columns = [name for name in known if name in tensors]
     table = Table(*columns, *(escape(name) for name in sorted(tensors) if name not in columns))
     for row in range(min(count, len(tensors["prompt_index"]))):
         values = [
@@ -191,7 +254,7 @@ def show_rows(shard: bytes, count: int) -> None:
             for name in sorted(tensors)
             if name not in columns
         ]
-        table.add_row(*(str(int(tensors[name][row])) for name in columns), *values)
+        table.add_row(*(str(tensors[name][row].item()) for name in columns), *values)
     console.print(table)
 
 
@@ -225,29 +288,90 @@ def export_command(
         "module",
         help="saelens/hf column names: module (model.layers.12) or transformer-lens (blocks.12.hook_resid_post).",
     ),
+    drop_norm_above: str | None = typer.Option(
+        None,
+        help="Leave out rows whose norm is over this: a norm (1500) or a multiple of the capture's median norm (10x).",
+    ),
+    clip_norm_above: str | None = typer.Option(
+        None, help="Scale rows whose norm is over this down to it: a norm (1500) or a multiple of the median (10x)."
+    ),
+    batch_size_tokens: int | None = typer.Option(
+        None,
+        min=1,
+        help="saelens: SAELens's train_batch_size_tokens (sizes the sae_lens block's buffer; default SAELens's, 4096).",
+    ),
+    model_name: str | None = typer.Option(
+        None,
+        help="saelens: the model SAELens loads (default: the manifest's repository, or the model's folder relative to"
+        " the worker's directory).",
+    ),
     url: str | None = UrlOption,
     api_key: str | None = KeyOption,
 ) -> None:
     """Write a completed harvest as a Hugging Face datasets folder (datasets.load_from_disk opens it)."""
     if fmt not in ("saelens", "hf") or hook_names not in ("module", "transformer-lens"):
         raise typer.BadParameter("--format is saelens or hf; --hook-names is module or transformer-lens")
-    from nnqueue.client.harvest_export import ExportError, export  # numpy and more: not every command's
+    if drop_norm_above is not None and clip_norm_above is not None:
+        raise typer.BadParameter("give --drop-norm-above or --clip-norm-above, not both")
+    # numpy and the rest: loaded when an export runs, not by every command (the client runs without them)
+    from nnqueue.client.harvest_export import ExportError, ExportOptions, export, require_train_extra
 
+    try:
+        require_train_extra()
+        limit = drop_norm_above or clip_norm_above
+        outliers = Outliers.parse("drop" if drop_norm_above else "clip", limit) if limit is not None else None
+    except (ExportError, ValueError) as error:
+        console.print(f"[red]{escape(str(error))}[/red]")
+        raise typer.Exit(1) from None
+    batch = {} if batch_size_tokens is None else {"batch_size_tokens": batch_size_tokens}
+    options = ExportOptions(context_size, hook_names, outliers, model_name=model_name, **batch)  # type: ignore[arg-type]
     with connected(url, api_key) as client:
         try:
-            report = export(client.get_harvest(harvest_id), dest, fmt, context_size, hook_names)  # type: ignore[arg-type]
+            report = export(client.get_harvest(harvest_id), dest, fmt, options)  # type: ignore[arg-type]
         except ExportError as error:
             console.print(f"[red]{escape(str(error))}[/red]")
             raise typer.Exit(1) from None
+    show_export(report, dest, context_size)
+
+
+def show_export(report: ExportReport, dest: str, context_size: int) -> None:
+    """An export's summary: rows, columns, sequences, the dtype, generated rows, outliers, the sae_lens block."""
     columns = ", ".join(f"{key} -> {column}" for key, column in report.columns.items())
-    console.print(f"{report.rows:,} rows in {dest} ({fmt}); columns {escape(columns)}")
-    if fmt == "saelens":
+    console.print(f"{report.rows:,} rows in {dest} ({report.format}); columns {escape(columns)}")
+    if report.format == "saelens":
         console.print(
             f"{report.sequences:,} sequences of {context_size} tokens; {report.dropped_rows} rows left over at the "
             f"end were dropped; token sequences for SAELens's dataset in {str(dest).rstrip('/')}/tokens"
         )
     if report.dtype["harvested"] != report.dtype["exported"]:
         console.print(f"{report.dtype['harvested']} stored as {report.dtype['exported']} (Arrow has no bfloat16)")
+    if report.generated_rows:
+        console.print(f"{report.generated_rows:,} of the rows are of generated tokens (the generated column)")
+    if report.outliers is not None:
+        option = Outliers.from_report(report.outliers)
+        over = ", ".join(
+            f"{key} over {report.outliers['limits'][key]:,.4g}: {count:,}"
+            for key, count in report.outliers["over"].items()
+        )
+        console.print(
+            f"outliers: {option.describe()}: {escape(over)}; {report.outliers['dropped_rows']:,} rows dropped"
+        )
+    block = report.sae_lens
+    if block is not None:
+        console.print(
+            f"SAELens (nnqueue_export.json's sae_lens): hook_name {escape(block['hook_name'])}, d_in {block['d_in']}, prepend_bos "
+            f"{block['prepend_bos']}, n_batches_in_buffer {block['n_batches_in_buffer']} for batches of "
+            f"{block['train_batch_size_tokens']:,} tokens, model_name {escape(str(block['model_name']))}"
+        )
+        if block["model_name"] is None:
+            console.print(
+                "[yellow]the harvested model's folder is outside the worker's directory: give SAELens the model"
+                " with --model-name (its folder or repository here)[/yellow]"
+            )
+        if report.rows < block["train_batch_size_tokens"]:
+            console.print(
+                f"[yellow]fewer rows ({report.rows:,}) than one training batch: lower --batch-size-tokens[/yellow]"
+            )
 
 
 @schedules_app.command("create")

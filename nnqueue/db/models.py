@@ -348,6 +348,9 @@ class HarvestChunk(Base):
     offsets: Mapped[list[int] | None] = mapped_column(JSON)
     # Per capture, the shard's mergeable statistics (nnqueue.enginecore.harvest_stats); summed into the manifest.
     stats: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    # The shard's rows of generated tokens; with the spec's outliers option, {"limits", "over", "dropped_rows"}.
+    generated_rows: Mapped[int | None] = mapped_column(BigInteger)
+    outliers: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     # Copied from the harvest (claims read one table); the version the chunk ran on.
     weights_pin: Mapped[str | None] = mapped_column(String(200))
     weights_version: Mapped[str | None] = mapped_column(String(200))

@@ -3,9 +3,9 @@
 A harvest chunk is begun on the engine (``nnqueue_harvest_begin``: its captures, token selection,
 dtype, prompt indices and sink), then its prompts arrive as ordinary prefill requests tagged
 ``extra_args["nnqueue_harvest"] = {"chunk": key, "prompt": global prompt index}``. Each request gets a
-*slot* (numpy arrays: chunk, prompt index, prompt length, positions captured so far) when vLLM first
-schedules it, and loses it when its prompt is fully captured or it finishes; that is the only
-per-request Python.
+*slot* (numpy arrays: chunk, prompt index, prompt length, the selected range, positions captured so far)
+when vLLM first schedules it, and loses it when its prompt is fully captured or it finishes; that is the
+only per-request Python.
 
 Per engine step with harvest requests in it, at the top of the runner's ``_model_forward`` (after
 vLLM prepared the step's inputs), the step's layout is read from the runner: the input batch's request
@@ -75,6 +75,7 @@ from nnqueue.enginecore.harvest_spec import (
 )
 from nnqueue.enginecore.shard_writer import Block, ShardJob, ShardWriter, failure
 from nnqueue.errors import NNqueueError
+from nnqueue.outliers import Outliers
 
 TAG = "nnqueue_harvest"  # the key of a harvest request's extra_args
 log = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class Chunk:
     sink: dict[str, Any]
     metadata: dict[str, str]
     generation: Generation | None = None
+    outliers: Outliers | None = None
     unregistered: set[int] = field(default_factory=set)  # prompts no request has claimed yet
     spans: dict[int, tuple[int, int]] = field(default_factory=dict)  # prompt -> its selection's range, once ended
     remaining: int = 0
@@ -227,6 +229,7 @@ class HarvestCapture:
         self.slot_request: list[str | None] = []
         self.slot_chunk = np.zeros(0, np.int64)  # -1: free
         self.slot_prompt = np.zeros(0, np.int64)
+        self.slot_prompt_length = np.zeros(0, np.int64)
         self.slot_start = np.zeros(0, np.int64)  # the first position of the selection's range
         self.slot_length = np.zeros(0, np.int64)  # positions to capture up to (a bound while generating)
         self.slot_done = np.zeros(0, np.int64)
@@ -252,6 +255,7 @@ class HarvestCapture:
         selection = Selection.from_json(spec["selection"])
         generation = Generation.from_json(spec["generate"]) if spec.get("generate") else None
         check_generation(selection, generation)
+        outliers = Outliers.from_json(spec["outliers"]) if spec.get("outliers") else None
         dtype = getattr(torch, check_dtype(spec["dtype"]))
         prompts = sorted({int(p) for p in spec["prompts"]})
         if not prompts:
@@ -271,6 +275,7 @@ class HarvestCapture:
                 dict(spec["sink"]),
                 {str(k): str(v) for k, v in (spec.get("metadata") or {}).items()},
                 generation,
+                outliers,
                 unregistered=set(prompts),
                 remaining=len(prompts),
             )
@@ -332,7 +337,7 @@ class HarvestCapture:
         slot = self.free.pop()
         self.slot_of[request_id] = slot
         self.slot_request[slot] = request_id
-        self.slot_chunk[slot], self.slot_prompt[slot] = chunk.number, prompt
+        self.slot_chunk[slot], self.slot_prompt[slot], self.slot_prompt_length[slot] = chunk.number, prompt, length
         generated = chunk.generation.positions if chunk.generates and chunk.generation is not None else 0
         self.slot_start[slot], self.slot_length[slot] = chunk.selection.span(length, generated)
         self.slot_done[slot] = 0
@@ -342,9 +347,9 @@ class HarvestCapture:
         new = max(64, 2 * old)
         self.slot_request.extend([None] * (new - old))
         self.slot_chunk = np.concatenate([self.slot_chunk, np.full(new - old, -1, np.int64)])
-        self.slot_prompt, self.slot_start, self.slot_length, self.slot_done = (
+        self.slot_prompt, self.slot_prompt_length, self.slot_start, self.slot_length, self.slot_done = (
             np.concatenate([array, np.zeros(new - old, np.int64)])
-            for array in (self.slot_prompt, self.slot_start, self.slot_length, self.slot_done)
+            for array in (self.slot_prompt, self.slot_prompt_length, self.slot_start, self.slot_length, self.slot_done)
         )
         self.free.extend(range(new - 1, old - 1, -1))
 
@@ -436,10 +441,12 @@ class HarvestCapture:
         if chunk.selection.kind == "mean":
             owners, segment = np.unique(owner, return_inverse=True)
             none = np.full(owners.size, -1, np.int64)
-            block = Block(self.slot_prompt[slot[owners]], none, none.copy(), counts=np.bincount(segment))
+            lengths = self.slot_prompt_length[slot[owners]]
+            block = Block(self.slot_prompt[slot[owners]], none, none.copy(), lengths, counts=np.bincount(segment))
             segments = torch.from_numpy(segment).to(self.device, non_blocking=True)
         else:
-            block = Block(self.slot_prompt[slot[owner]], position, self._token_ids(chunk, flat))
+            lengths = self.slot_prompt_length[slot[owner]]
+            block = Block(self.slot_prompt[slot[owner]], position, self._token_ids(chunk, flat), lengths)
         contiguous = int(flat[-1]) - int(flat[0]) + 1 == flat.size  # rows ascend, so this means a range
         return Take(
             chunk,
@@ -597,6 +604,8 @@ class HarvestCapture:
                 sink=chunk.sink,
                 metadata=chunk.metadata,
                 cancelled=chunk.cancelled,
+                means_generated=chunk.selection.tokens == "generated",
+                outliers=chunk.outliers,
             )
         )
 

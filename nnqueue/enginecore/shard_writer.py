@@ -1,13 +1,16 @@
 """Writes a harvest chunk's captured rows as one safetensors shard, on a thread of the engine process.
 
 The capture path (`nnqueue.enginecore.harvest_capture`) hands over a chunk's `Block` s (one per engine
-step that had rows of it: host copies of each capture plus the rows' prompt index, position and
-token id) once all its prompts are captured. The writer orders the rows by prompt index, then
+step that had rows of it: host copies of each capture plus the rows' prompt index, position, token
+id and prompt length) once all its prompts are captured. A chunk with an ``outliers`` option has its
+rows over the limit dropped or clipped first (`nnqueue.outliers`; a ``times_median`` limit is taken
+from the median norm of the chunk's rows, exactly). The writer orders the rows by prompt index, then
 position, and streams the safetensors file (header, then each tensor's bytes, read straight out of
 the blocks: no concatenated copy) to the chunk's sink, so a re-run of a chunk writes the same bytes.
-When done it posts the shard's size, sha256, per-prompt row ranges and per-capture statistics
-(`nnqueue.enginecore.shard_stats`, taken from the same host rows) to the outbox (an entry of kind
-`SHARD_ENTRY` whose id is the chunk's key on the engine); tensors never leave the process.
+When done it posts the shard's size, sha256, per-prompt row ranges, generated rows, outliers and
+per-capture statistics (`nnqueue.enginecore.shard_stats`, taken from the rows as written) to the
+outbox (an entry of kind `SHARD_ENTRY` whose id is the chunk's key on the engine); tensors never
+leave the process.
 """
 
 from __future__ import annotations
@@ -25,14 +28,23 @@ import numpy as np
 import torch
 
 from nnqueue.enginecore import outbox, sink
-from nnqueue.enginecore.harvest_spec import PROMPT_INDEX, SHARD_FORMAT, TOKEN_ID, TOKEN_POSITION
+from nnqueue.enginecore.harvest_spec import (
+    GENERATED,
+    PROMPT_INDEX,
+    PROMPT_LENGTH,
+    SHARD_FORMAT,
+    TOKEN_ID,
+    TOKEN_POSITION,
+)
 from nnqueue.enginecore.shard_stats import shard_stats
 from nnqueue.errors import NNqueueError
+from nnqueue.outliers import Outliers, row_norms, screen
 
 log = logging.getLogger(__name__)
 
 SHARD_ENTRY = "harvest_shard"  # the outbox entry kind of a shard's outcome
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_COLUMN_DTYPES = {np.dtype("<i8"): "I64", np.dtype("?"): "BOOL"}
 
 
 class Cancelled(NNqueueError):
@@ -52,6 +64,7 @@ class Block:
     prompt: np.ndarray
     position: np.ndarray
     token_id: np.ndarray
+    prompt_length: np.ndarray  # each row's prompt's length in tokens
     counts: np.ndarray | None = None
     values: dict[str, torch.Tensor] = field(default_factory=dict)
     ready: Any = None
@@ -64,9 +77,12 @@ class Block:
         """The block with only the rows ``keep`` marks (host rows: after ``ready``)."""
         if self.keep is None:
             return self
-        index = torch.from_numpy(np.flatnonzero(self.keep))
+        keep = self.keep
+        index = torch.from_numpy(np.flatnonzero(keep))
         values = {key: value.index_select(0, index) for key, value in self.values.items()}
-        return Block(self.prompt[self.keep], self.position[self.keep], self.token_id[self.keep], values=values)
+        return Block(
+            self.prompt[keep], self.position[keep], self.token_id[keep], self.prompt_length[keep], values=values
+        )
 
 
 @dataclass
@@ -83,6 +99,8 @@ class ShardJob:
     sink: dict[str, Any]
     metadata: dict[str, str]
     cancelled: threading.Event
+    means_generated: bool = False  # a mean row averages generated tokens only
+    outliers: Outliers | None = None
 
 
 class ShardWriter:
@@ -140,13 +158,20 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
         if block.ready is not None:
             block.ready.synchronize()
     blocks = [_combine_means(job)] if job.mean else [block.kept() for block in job.blocks]
+    outliers = _screened(job.outliers, job.keys, blocks) if job.outliers is not None else None
+    if outliers is not None:
+        blocks = [block.kept() for block in blocks]
     prompt = _concat([b.prompt for b in blocks])
     position = _concat([b.position for b in blocks])
     order = np.lexsort((position, prompt))
+    prompt_length = _concat([b.prompt_length for b in blocks])[order]
+    generated = np.full(len(order), job.means_generated) if job.mean else position[order] >= prompt_length
     columns = {
         PROMPT_INDEX: prompt[order],
         TOKEN_POSITION: position[order],
         TOKEN_ID: _concat([b.token_id for b in blocks])[order],
+        PROMPT_LENGTH: prompt_length,
+        GENERATED: np.ascontiguousarray(generated, dtype="?"),
     }
     runs = _runs(order, np.cumsum([0] + [len(b.prompt) for b in blocks]))
     rows = len(order)
@@ -157,10 +182,12 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
     header: dict[str, Any] = {"__metadata__": {**job.metadata, "format": SHARD_FORMAT}}
     offset = 0
     for name in names:
-        dtype = torch.int64 if name in columns else job.dtype
-        shape = [rows] if name in columns else [rows, widths[name]]
-        nbytes = rows * (shape[1] if len(shape) > 1 else 1) * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        if name in columns:
+            entry, nbytes = {"dtype": _COLUMN_DTYPES[columns[name].dtype], "shape": [rows]}, columns[name].nbytes
+        else:
+            entry = {"dtype": _SAFETENSORS_DTYPES[job.dtype], "shape": [rows, widths[name]]}
+            nbytes = rows * widths[name] * job.dtype.itemsize
+        header[name] = {**entry, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
@@ -172,7 +199,7 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
             if job.cancelled.is_set():
                 raise Cancelled
             if name in columns:
-                yield np.ascontiguousarray(columns[name], dtype="<i8").tobytes()
+                yield columns[name].tobytes()
                 continue
             views = [_bytes_view(block.values[name]) for block in blocks]
             for block, start, stop in runs:
@@ -191,6 +218,8 @@ def write_shard(job: ShardJob) -> dict[str, Any]:
         "tokens": job.tokens,
         "steps": len(job.blocks),
         "prompts": [[int(p), int(a), int(b - a)] for p, a, b in zip(job.prompts, first_rows, last_rows, strict=True)],
+        "generated_rows": int(columns[GENERATED].sum()),
+        "outliers": outliers,
         "stats": stats,
     }
 
@@ -228,12 +257,32 @@ def _runs(order: np.ndarray, starts: np.ndarray) -> list[tuple[int, int, int]]:
     ]
 
 
+def _screened(outliers: Outliers, keys: list[str], blocks: list[Block]) -> dict[str, Any]:
+    """Drop or clip the blocks' rows over ``outliers``' limits (a drop marks `Block.keep`; a clip scales the rows
+    in place); what was done: the limits, each capture's rows over its limit and the rows dropped."""
+    norms = [{key: row_norms(block.values[key]) for key in keys} for block in blocks]
+    limits = {}
+    for key in keys:
+        finite = torch.cat([norm[key] for norm in norms]) if norms else torch.zeros(0)
+        finite = finite[torch.isfinite(finite)]
+        limits[key] = outliers.limit(float(finite.median()) if len(finite) else 0.0)
+    over, dropped = dict.fromkeys(keys, 0), 0
+    for block, norm in zip(blocks, norms, strict=True):
+        screened = screen(block.values, limits, outliers.action, norm)
+        for key, count in screened.over.items():
+            over[key] += count
+        if screened.keep is not None:
+            block.keep = screened.keep.numpy()
+            dropped += int((~screened.keep).sum())
+    return {**outliers.to_json(), "limits": limits, "over": over, "dropped_rows": dropped}
+
+
 def _combine_means(job: ShardJob) -> Block:
     """One row per prompt: the float32 partial sums of every step, divided by the token count."""
     blocks = job.blocks
     prompt = _concat([b.prompt for b in blocks])
     counts = _concat([b.counts for b in blocks if b.counts is not None])
-    prompts, inverse = np.unique(prompt, return_inverse=True)
+    prompts, first, inverse = np.unique(prompt, return_index=True, return_inverse=True)
     total = np.bincount(inverse, weights=counts, minlength=len(prompts))
     index = torch.from_numpy(inverse)
     values = {}
@@ -242,4 +291,5 @@ def _combine_means(job: ShardJob) -> Block:
         combined = torch.zeros(len(prompts), sums.shape[1], dtype=torch.float32).index_add_(0, index, sums)
         values[key] = (combined / torch.from_numpy(total).to(torch.float32)[:, None]).to(job.dtype)
     none = np.full(len(prompts), -1, np.int64)
-    return Block(prompts.astype(np.int64), none, none.copy(), values=values)
+    lengths = _concat([b.prompt_length for b in blocks])[first]
+    return Block(prompts.astype(np.int64), none, none.copy(), lengths, values=values)

@@ -4,8 +4,8 @@ Runs on the worker's engine loop. The chunk's prompts arrive tokenized and trunc
 harvest planning does that); each becomes a ``TokensPrompt`` with ``max_tokens=1`` (a prefill), or with the
 chunk's `Generation` settings (`sampling_params`), tagged for the engine's capture path
 (`nnqueue.enginecore.harvest_capture`). The engine captures, writes the
-shard to the sink and posts its size, checksum and per-prompt row ranges to the outbox; nothing but
-those numbers comes back here.
+shard to the sink and posts its size, checksum, per-prompt row ranges, generated rows and outliers to the
+outbox; nothing but those numbers comes back here.
 
 Cancelling `run_chunk` (or any failure) aborts the chunk's requests and drops the chunk on the engine.
 """
@@ -36,6 +36,7 @@ from nnqueue.enginecore.harvest_spec import (
 from nnqueue.enginecore.shard_writer import SHARD_ENTRY
 from nnqueue.engines.outbox import poller
 from nnqueue.errors import NNqueueError
+from nnqueue.outliers import Outliers
 
 __all__ = [
     "Capture",
@@ -43,6 +44,7 @@ __all__ = [
     "ChunkWork",
     "Generation",
     "HarvestError",
+    "Outliers",
     "PromptRows",
     "Selection",
     "capture_chunk",
@@ -73,6 +75,7 @@ class ChunkWork:
             file path.
         metadata: extra string pairs for the shard's safetensors metadata (e.g. the harvest id).
         generation: let the model generate after each prompt (`Generation`); None: prefill only.
+        outliers: drop or clip rows over a norm limit (`nnqueue.outliers.Outliers`); None: keep every row.
     """
 
     chunk_id: str
@@ -84,6 +87,7 @@ class ChunkWork:
     sink: Mapping[str, Any]
     metadata: Mapping[str, str] = field(default_factory=dict)
     generation: Generation | None = None
+    outliers: Outliers | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_indices or len(self.prompt_indices) != len(self.token_ids):
@@ -119,6 +123,9 @@ class ChunkResult:
         steps: engine steps that captured rows of the chunk (how its prompts were batched).
         seconds: wall time of the chunk on the engine, from begin to the shard written.
         stats: per capture key, the shard's mergeable statistics (`nnqueue.enginecore.harvest_stats`).
+        generated_rows: the shard's rows of generated tokens.
+        outliers: for a chunk with `ChunkWork.outliers`, ``{"limits": {key: norm}, "over": {key: rows over its
+            limit}, "dropped_rows": rows left out}``; None without.
     """
 
     chunk_id: str
@@ -130,6 +137,8 @@ class ChunkResult:
     steps: int
     seconds: float
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    generated_rows: int = 0
+    outliers: dict[str, Any] | None = None
 
 
 async def run_chunk(llm: Any, work: ChunkWork) -> ChunkResult:
@@ -216,6 +225,7 @@ def _engine_spec(work: ChunkWork, key: str) -> dict[str, Any]:
         "sink": dict(work.sink),
         "metadata": {**work.metadata, "chunk": work.chunk_id},
         "generate": work.generation.to_json() if work.generation is not None else None,
+        "outliers": work.outliers.to_json() if work.outliers is not None else None,
     }
 
 
@@ -277,10 +287,33 @@ def _result(work: ChunkWork, entry: dict[str, Any], seconds: float) -> ChunkResu
         raise HarvestError(f"the engine's prompt rows for chunk {work.chunk_id} do not match its prompts")
     if sum(p.rows for p in prompts) != rows:
         raise HarvestError(f"the engine's prompt rows for chunk {work.chunk_id} do not add up to its rows")
+    keys = [capture.key for capture in work.captures]
     try:
-        stats = harvest_stats.check(entry.get("stats"), [capture.key for capture in work.captures])
+        stats = harvest_stats.check(entry.get("stats"), keys)
     except (ValueError, TypeError) as error:
         raise HarvestError(f"the engine reported invalid statistics for chunk {work.chunk_id}: {error}") from None
+    generated_rows = integer(entry.get("generated_rows"), "generated row count")
+    outliers = None
+    if work.outliers is not None:
+        reported_outliers = entry.get("outliers")
+        if not isinstance(reported_outliers, dict):
+            raise HarvestError(f"the engine reported no outliers for chunk {work.chunk_id}")
+        over, limits = reported_outliers.get("over"), reported_outliers.get("limits")
+        if (
+            not isinstance(over, dict)
+            or not isinstance(limits, dict)
+            or not sorted(over) == sorted(limits) == sorted(keys)
+        ):
+            raise HarvestError(f"the engine reported outliers of other captures for chunk {work.chunk_id}")
+        if any(isinstance(v, bool) or not isinstance(v, int | float) for v in limits.values()):
+            raise HarvestError(f"the engine reported invalid outlier limits for chunk {work.chunk_id}")
+        outliers = {
+            "limits": {key: float(limits[key]) for key in keys},
+            "over": {key: integer(over[key], "outlier count") for key in keys},
+            "dropped_rows": integer(reported_outliers.get("dropped_rows"), "dropped row count"),
+        }
+    if generated_rows > rows:
+        raise HarvestError(f"the engine reported more generated rows than rows for chunk {work.chunk_id}")
     return ChunkResult(
         chunk_id=work.chunk_id,
         rows=rows,
@@ -291,4 +324,6 @@ def _result(work: ChunkWork, entry: dict[str, Any], seconds: float) -> ChunkResu
         steps=integer(entry.get("steps"), "step count"),
         seconds=seconds,
         stats=stats,
+        generated_rows=generated_rows,
+        outliers=outliers,
     )

@@ -31,7 +31,8 @@ OPEN = (S.QUEUED, S.RUNNING)
 @dataclass(frozen=True)
 class ChunkOutput:
     """What a finished chunk wrote: its shard's rows, bytes and sha256, the tokens it ran, per-prompt offsets,
-    and its per-capture statistics (`nnqueue.enginecore.harvest_stats`)."""
+    its per-capture statistics (`nnqueue.enginecore.harvest_stats`), its rows of generated tokens and what its
+    outliers option did (`nnqueue.engines.harvest_runner.ChunkResult.outliers`)."""
 
     rows: int
     bytes: int
@@ -40,6 +41,8 @@ class ChunkOutput:
     offsets: list[int]
     stats: dict[str, Any] | None = None
     weights_version: str | None = None  # the weights version it ran on (nnqueue.workers.weights)
+    generated_rows: int = 0
+    outliers: dict[str, Any] | None = None
 
 
 def finish_chunk(sessions: sessionmaker[Session], chunk_id: int, worker_id: str, output: ChunkOutput) -> bool:
@@ -59,6 +62,8 @@ def finish_chunk(sessions: sessionmaker[Session], chunk_id: int, worker_id: str,
                 offsets=output.offsets,
                 stats=output.stats,
                 weights_version=output.weights_version,
+                generated_rows=output.generated_rows,
+                outliers=output.outliers,
                 error=None,
             ),
         )

@@ -8,6 +8,7 @@ JSON over HTTP (``POST /v1/harvests``), YAML or JSON in a file for ``nnqueue har
     captures: [{module: model.layers.12}]                 # output residual stream (= HF's hidden state)
     selection: {kind: all}                                # all | first | last (n) | mean | positions
     # generate: {max_tokens: 64, temperature: 0.7, seed: 1}  # then selection.tokens: generated | both
+    # outliers: {action: drop, times_median: 10}           # or clip; or max_norm: 1500
     dtype: float32
     prompts_per_chunk: 64
 
@@ -33,6 +34,7 @@ from nnqueue.enginecore.harvest_spec import (
     check_generation,
 )
 from nnqueue.errors import NNqueueError
+from nnqueue.outliers import Outliers
 
 MAX_CAPTURES = 32
 MAX_POSITIONS = 4096
@@ -113,6 +115,11 @@ class HarvestSpec(Strict):
     metadata: dict[str, Any] = Field(default_factory=dict, description="Anything; kept in the manifest.")
     generate: Generation | None = Field(
         None, description="Let the model generate after each prompt (max_tokens, temperature, seed, ignore_eos)."
+    )
+    outliers: Outliers | None = Field(
+        None,
+        description="Drop or clip rows whose norm is over a limit: {action: drop | clip, max_norm: a norm} or"
+        " {action, times_median: a multiple of the median norm of each chunk's rows}.",
     )
 
     weights_version: str | None = Field(

@@ -164,6 +164,7 @@ class ChunkRunner:
                 sink=sink.spec,
                 metadata={"harvest_id": str(chunk.harvest_id), "chunk_index": str(chunk.index)},
                 generation=spec.generate,
+                outliers=spec.outliers,
             )
             result = await run_chunk(self.model.vllm_entrypoint, work)
             if chunk.id not in await asyncio.to_thread(held_chunks, self.sessions, [chunk.id], self.worker_id):
@@ -173,7 +174,15 @@ class ChunkRunner:
             stored = await asyncio.to_thread(self.sinks.commit_shard, sink, reported)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
         output = ChunkOutput(
-            result.rows, stored.size, stored.sha256, result.tokens, offsets, result.stats, weights_version
+            result.rows,
+            stored.size,
+            stored.sha256,
+            result.tokens,
+            offsets,
+            result.stats,
+            weights_version,
+            result.generated_rows,
+            result.outliers,
         )
         if not await asyncio.to_thread(finish_chunk, self.sessions, chunk.id, self.worker_id, output):
             return Outcome.SKIPPED

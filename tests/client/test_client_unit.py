@@ -1,4 +1,5 @@
-"""The client against a scripted API (httpx.MockTransport): wire format, errors, redirects, waiting.
+"""The client against a scripted API (httpx.MockTransport): wire format, errors, redirects, waiting; CLI refusals
+that need no API.
 
 No servers: these pin the client's side of the API contract, including what the end-to-end tests cannot
 see, such as the API key never travelling to the object store with a presigned download.
@@ -12,6 +13,7 @@ import hashlib
 import io
 import json
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -388,3 +390,23 @@ def test_an_interrupted_blocking_trace_cancels_its_job(monkeypatch: pytest.Monke
     with pytest.raises(KeyboardInterrupt):
         backend(SimpleNamespace(info=None, envoy=object()))
     assert calls == ["POST /v1/jobs", f"POST /v1/jobs/{JOB_ID}/cancel"]
+
+
+def test_harvest_export_without_the_training_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before it reads anything (the API here is unreachable), with a message and no traceback."""
+    from typer.testing import CliRunner
+
+    from nnqueue.cli import app
+
+    env = {"NNQUEUE_URL": "http://127.0.0.1:9", "NNQUEUE_API_KEY": "nnq_x", "COLUMNS": "200"}
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed: `import datasets` raises ImportError
+    result = CliRunner().invoke(app, ["harvest", "export", "some-id", "out", "--format", "hf"], env=env)
+    assert result.exit_code == 1, result.output
+    assert "pip install 'nnqueue[train]'" in result.output and "Traceback" not in result.output
+    monkeypatch.delitem(sys.modules, "datasets")
+    refused = CliRunner().invoke(app, ["harvest", "export", "x", "out", "--drop-norm-above", "ten"], env=env)
+    assert refused.exit_code == 1 and "a multiple of the median norm (10x), not 'ten'" in refused.output
+    both = CliRunner().invoke(
+        app, ["harvest", "export", "x", "out", "--drop-norm-above", "9", "--clip-norm-above", "9"], env=env
+    )
+    assert both.exit_code == 2 and "not both" in both.output

@@ -1,6 +1,7 @@
 """``nnqueue.harvest``, the streaming reader, on shards in the suite's S3 (SeaweedFS, presigned GETs) and on a
 downloaded harvest: every row exactly once across DataLoader workers and ranks, with and without the shuffle
-buffer; a resumed stream goes on where it stopped; a corrupt shard is refused."""
+buffer; a resumed stream goes on where it stopped; a corrupt shard is refused; each row's prompt length and
+generated flag come along (not in a harvest from before they were recorded); outlier rows are dropped or clipped."""
 
 from __future__ import annotations
 
@@ -16,21 +17,24 @@ from torch.utils.data import DataLoader
 
 import nnqueue.harvest
 from nnqueue.harvest import HarvestDataset, ShardCorrupt, ShardRef
+from nnqueue.outliers import Outliers
 from tests.utils.services import Services
 
 KEY = "model.layers.0.output"
 ROWS = [50, 75, 64, 110, 1, 93, 70]  # per shard
 
 
-def shard(first_row: int, rows: int) -> bytes:
-    """Rows whose values name them: row r is [r, r, r, r]."""
+def shard(first_row: int, rows: int, labels: bool = True) -> bytes:
+    """Rows whose values name them: row r is [r, r, r, r] (its norm 2r); prompts of 10 rows, the last 3 generated."""
     ids = torch.arange(first_row, first_row + rows)
+    columns = {"prompt_length": torch.full((rows,), 7), "generated": ids % 10 >= 7} if labels else {}
     return save(
         {
             KEY: ids[:, None].float().repeat(1, 4),
             "prompt_index": ids // 10,
             "token_position": ids % 10,
             "token_id": ids,
+            **columns,
         }
     )
 
@@ -117,16 +121,53 @@ def test_ranged_reads_give_every_row_once_and_check_each_shard(
         list(dataset(short, range_bytes=range_bytes))
 
 
-def test_open_reads_a_downloaded_harvest_by_its_manifest(tmp_path: Path, shards: list[bytes]) -> None:
+def downloaded(folder: Path, shards: list[bytes], manifest_format: str = "nnqueue-harvest/2") -> str:
+    """``shards`` as a downloaded harvest in ``folder`` (its median norm 100); its manifest's path."""
+    folder.mkdir(exist_ok=True)
     entries = []
     for index, data in enumerate(shards):
         name = f"shard-{index:05d}.safetensors"
-        (tmp_path / name).write_bytes(data)
+        (folder / name).write_bytes(data)
         entries.append({"file": name, "rows": ROWS[index], "sha256": hashlib.sha256(data).hexdigest()})
-    manifest = {"spec": {"captures": [{"module": "model.layers.0", "io": "output", "part": None}]}, "shards": entries}
-    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
-    reader = nnqueue.harvest.open(str(tmp_path / "manifest.json"), batch_size=100)
+    manifest = {
+        "format": manifest_format,
+        "spec": {"captures": [{"module": "model.layers.0", "io": "output", "part": None}]},
+        "statistics": {KEY: {"norm": {"percentiles": {"p50": 100.0}}}},
+        "shards": entries,
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return str(folder / "manifest.json")
+
+
+def test_open_reads_a_downloaded_harvest_by_its_manifest(tmp_path: Path, shards: list[bytes]) -> None:
+    reader = nnqueue.harvest.open(downloaded(tmp_path, shards), batch_size=100)
     assert reader.rows == sum(ROWS)
-    assert rows_of(reader) == list(range(sum(ROWS)))
+    batches = list(reader)
+    assert rows_of(batches) == list(range(sum(ROWS)))
+    generated = torch.cat([batch["generated"] for batch in batches])
+    assert generated.dtype == torch.bool and generated.tolist() == [row % 10 >= 7 for row in range(sum(ROWS))]
+    assert all((batch["prompt_length"] == 7).all() for batch in batches)
     with pytest.raises(ValueError, match="no captures"):
-        nnqueue.harvest.open(str(tmp_path / "manifest.json"), captures=["model.layers.9.output"])
+        nnqueue.harvest.open(downloaded(tmp_path, shards), captures=["model.layers.9.output"])
+
+    # A harvest from before shards had the prompt_length and generated columns reads as it did.
+    starts = [sum(ROWS[:i]) for i in range(len(ROWS))]
+    old = [shard(start, rows, labels=False) for start, rows in zip(starts, ROWS, strict=True)]
+    batches = list(nnqueue.harvest.open(downloaded(tmp_path / "old", old, "nnqueue-harvest/1"), batch_size=100))
+    assert rows_of(batches) == list(range(sum(ROWS))) and "generated" not in batches[0]
+
+
+def test_outlier_rows_are_dropped_or_clipped_as_they_arrive(tmp_path: Path, shards: list[bytes]) -> None:
+    manifest = downloaded(tmp_path, shards)
+    # 4x the median norm (100): rows over 400, the rows r > 200, are left out; the others come once each.
+    dropping = nnqueue.harvest.open(manifest, batch_size=64, outliers={"action": "drop", "times_median": 4})
+    assert rows_of(dropping) == list(range(201))
+    resumed = nnqueue.harvest.open(
+        manifest, batch_size=64, outliers={"action": "drop", "times_median": 4}, resume={0: 2}
+    )
+    assert rows_of(resumed) == list(range(128, 201))  # the batches after the first two, of the rows kept
+    clipping = nnqueue.harvest.open(manifest, batch_size=512, outliers=Outliers("clip", max_norm=300.0))
+    values = torch.cat([batch[KEY] for batch in clipping])
+    norms = values.norm(dim=1)
+    assert len(values) == sum(ROWS) and norms.max().item() == pytest.approx(300.0, rel=1e-6)
+    assert norms[:150].tolist() == pytest.approx([2.0 * row for row in range(150)], rel=1e-6)

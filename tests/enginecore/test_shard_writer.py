@@ -1,5 +1,6 @@
 """The shard writer: rows ordered by prompt then position whatever the steps' order, the same bytes for
-the same rows, partial means combined, columns that address each prompt's rows, safetensors-loadable."""
+the same rows, partial means combined, columns that address each prompt's rows and say which are generated,
+outlier rows dropped or clipped and counted, safetensors-loadable."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import torch
 from safetensors.torch import load_file
 
 from nnqueue.enginecore.shard_writer import Block, Cancelled, ShardJob, write_shard
+from nnqueue.outliers import Outliers
+
+LENGTHS = {1: 3, 3: 2, 5: 1, 9: 4}  # each prompt's length: positions from it on are generated tokens
 
 
 def block(prompt: list[int], position: list[int], width: int = 3, counts: list[int] | None = None) -> Block:
@@ -24,12 +28,20 @@ def block(prompt: list[int], position: list[int], width: int = 3, counts: list[i
         np.array(prompt),
         np.array(position),
         np.array([1000 + p * 10 + q for p, q in zip(prompt, position, strict=True)]),
+        np.array([LENGTHS[p] for p in prompt]),
         counts=None if counts is None else np.array(counts),
         values={"a": values, "b": -values[:, :2].contiguous()},
     )
 
 
-def job(tmp_path: Path, blocks: list[Block], name: str, mean: bool = False, dtype=torch.float32) -> ShardJob:
+def job(
+    tmp_path: Path,
+    blocks: list[Block],
+    name: str,
+    mean: bool = False,
+    dtype=torch.float32,
+    outliers: Outliers | None = None,
+) -> ShardJob:
     return ShardJob(
         chunk=name,
         keys=["b", "a"],
@@ -41,6 +53,7 @@ def job(tmp_path: Path, blocks: list[Block], name: str, mean: bool = False, dtyp
         sink={"kind": "handoff", "path": str(tmp_path / f"{name}.safetensors")},
         metadata={"harvest": "h1"},
         cancelled=threading.Event(),
+        outliers=outliers,
     )
 
 
@@ -54,8 +67,13 @@ def test_rows_grouped_by_prompt_whatever_the_step_order(tmp_path: Path) -> None:
     assert shard["token_id"].tolist() == [1010, 1011, 1012, 1013, 1030, 1031, 1050]
     assert shard["a"][:, 0].tolist() == [100.0, 101.0, 102.0, 103.0, 300.0, 301.0, 500.0]
     torch.testing.assert_close(shard["b"], -shard["a"][:, :2])
+    # Each row's prompt length; rows at or past it are of generated tokens (prompt 1's position 3 here).
+    assert shard["prompt_length"].tolist() == [3, 3, 3, 3, 2, 2, 1]
+    assert shard["generated"].dtype == torch.bool
+    assert shard["generated"].tolist() == [False, False, False, True, False, False, False]
     assert entry["prompts"] == [[1, 0, 4], [3, 4, 2], [5, 6, 1], [9, 7, 0]]
     assert (entry["rows"], entry["tokens"], entry["steps"], entry["error"]) == (7, 42, 3, None)
+    assert entry["generated_rows"] == 1 and entry["outliers"] is None
     assert entry["bytes"] == path.stat().st_size and entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
     again = write_shard(job(tmp_path, list(reversed(steps)), "two"))
@@ -64,9 +82,9 @@ def test_rows_grouped_by_prompt_whatever_the_step_order(tmp_path: Path) -> None:
 
 def test_partial_means_are_combined(tmp_path: Path) -> None:
     # mean rows: float32 sums over `counts` tokens; prompt 1 was prefilled over two steps.
-    first = Block(np.array([1, 3]), np.array([-1, -1]), np.array([-1, -1]), np.array([2, 4]))
+    first = Block(np.array([1, 3]), np.array([-1, -1]), np.array([-1, -1]), np.array([3, 2]), np.array([2, 4]))
     first.values = {"a": torch.tensor([[2.0, 4.0], [8.0, 8.0]]), "b": torch.tensor([[1.0], [1.0]])}
-    second = Block(np.array([1]), np.array([-1]), np.array([-1]), np.array([2]))
+    second = Block(np.array([1]), np.array([-1]), np.array([-1]), np.array([3]), np.array([2]))
     second.values = {"a": torch.tensor([[6.0, 0.0]]), "b": torch.tensor([[3.0]])}
     entry = write_shard(job(tmp_path, [first, second], "mean", mean=True, dtype=torch.bfloat16))
     shard = load_file(tmp_path / "mean.safetensors")
@@ -74,7 +92,52 @@ def test_partial_means_are_combined(tmp_path: Path) -> None:
     assert shard["a"].float().tolist() == [[2.0, 1.0], [2.0, 2.0]]
     assert shard["b"].float().tolist() == [[1.0], [0.25]]
     assert shard["token_position"].tolist() == [-1, -1]
+    assert shard["prompt_length"].tolist() == [3, 2] and shard["generated"].tolist() == [False, False]
     assert entry["prompts"] == [[1, 0, 1], [3, 1, 1], [5, 2, 0], [9, 2, 0]]
+
+
+def outlying_steps() -> tuple[list[Block], torch.Tensor]:
+    """Two steps of 40 rows of norm about 1 (capture "a"; "b" is its negation), three of them (rows 5, 17 and 33)
+    scaled to norms 30 to 60; the rows in shard order."""
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(40, 4, generator=generator)
+    values /= values.norm(dim=1, keepdim=True)
+    for row, scale in ((5, 30.0), (17, 60.0), (33, 45.0)):
+        values[row] *= scale
+    steps = []
+    for rows in (range(20), range(20, 40)):
+        part = values[list(rows)]
+        step = Block(np.full(20, 1), np.array(list(rows)), np.array(list(rows)), np.full(20, 50), values={})
+        step.values = {"a": part.clone(), "b": -part[:, :2].clone()}
+        steps.append(step)
+    return steps, values
+
+
+def test_outlier_rows_are_dropped_from_every_capture_and_counted(tmp_path: Path) -> None:
+    steps, values = outlying_steps()
+    entry = write_shard(job(tmp_path, steps, "drop", outliers=Outliers("drop", times_median=10)))
+    shard = load_file(tmp_path / "drop.safetensors")
+    kept = [row for row in range(40) if row not in (5, 17, 33)]
+    assert shard["token_position"].tolist() == kept and entry["rows"] == 37
+    torch.testing.assert_close(shard["a"], values[kept])
+    torch.testing.assert_close(shard["b"], -values[kept][:, :2])
+    # The limit: 10x the median of the chunk's own norms (1, exactly, for "a"; "b" sees only two of four values).
+    assert entry["outliers"]["limits"]["a"] == pytest.approx(10.0, rel=1e-5)
+    assert entry["outliers"]["over"]["a"] == 3 and entry["outliers"]["dropped_rows"] == 3
+    assert entry["stats"]["a"]["count"] == 37 and entry["stats"]["a"]["norm_max"] < 1.01  # of the rows written
+    assert entry["prompts"][0] == [1, 0, 37]
+
+
+def test_outlier_rows_are_clipped_to_the_limit(tmp_path: Path) -> None:
+    steps, values = outlying_steps()
+    entry = write_shard(job(tmp_path, steps, "clip", outliers=Outliers("clip", max_norm=40.0)))
+    shard = load_file(tmp_path / "clip.safetensors")
+    assert entry["rows"] == 40 and entry["outliers"]["dropped_rows"] == 0 and entry["outliers"]["over"]["a"] == 2
+    norms = shard["a"].norm(dim=1)
+    assert norms[[17, 33]].tolist() == pytest.approx([40.0, 40.0], rel=1e-5)
+    assert norms[5].item() == pytest.approx(30.0, rel=1e-5)  # under the limit: as it was
+    directions = torch.nn.functional.cosine_similarity(shard["a"][[17, 33]], values[[17, 33]])
+    assert directions.tolist() == pytest.approx([1.0, 1.0], rel=1e-5)
 
 
 def test_cancelled_write_leaves_nothing(tmp_path: Path) -> None:
@@ -95,7 +158,13 @@ def test_statistics_add_up_across_shards_and_leave_out_nonfinite_rows(tmp_path: 
     entries = []
     for name, values in (("s1", first), ("s2", second)):
         rows = values.shape[0]
-        step = Block(np.zeros(rows, np.int64) + 1, np.arange(rows), np.arange(rows), values={"a": values, "b": values})
+        step = Block(
+            np.zeros(rows, np.int64) + 1,
+            np.arange(rows),
+            np.arange(rows),
+            np.full(rows, rows),
+            values={"a": values, "b": values},
+        )
         entries.append(write_shard(job(tmp_path, [step], name)))
     assert entries[1]["stats"]["a"]["nan"] == 1 and entries[1]["stats"]["a"]["inf"] == 4
     summary = summarize(merge([check(entry["stats"], ["b", "a"]) for entry in entries]))["a"]

@@ -176,6 +176,10 @@ def test_generation_matches_traces_bit_for_bit(engine, client_model, tmp_path, p
         assert rows.prompt_index == index and (shard["prompt_index"][span] == index).all()
         assert shard["token_position"][span].tolist() == positions
         assert shard["token_id"][span].tolist() == token_ids
+        # Rows of generated tokens are marked (a mean: when it averages generated tokens only).
+        assert (shard["prompt_length"][span] == len(ids)).all()
+        marked = [selection.tokens == "generated"] if selection.kind == "mean" else [p >= len(ids) for p in positions]
+        assert shard["generated"][span].tolist() == marked
         for key, value in values.items():
             # A mean is summed in float32 per step, then divided: not the trace's order. On a GPU (async scheduling:
             # the decode tokens' ids come from the device) kernels may differ with the batch's shape.
@@ -183,6 +187,7 @@ def test_generation_matches_traces_bit_for_bit(engine, client_model, tmp_path, p
                 torch.testing.assert_close(shard[key][span], value, atol=1e-5, rtol=1e-5)
             else:
                 assert torch.equal(shard[key][span], value), key
+    assert result.generated_rows == int(shard["generated"].sum())
     assert stats(engine)["requests"] == 0
 
 

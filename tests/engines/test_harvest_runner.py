@@ -32,6 +32,7 @@ from nnqueue.engines.harvest_runner import (
     run_chunk,
 )
 from nnqueue.engines.outbox import poller
+from nnqueue.outliers import Outliers
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine, run, running_engine
 from tests.utils.payloads import PrebuiltBackend
@@ -178,13 +179,16 @@ def check_shard(
     assert result.bytes == path.stat().st_size
     assert result.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     shard = load(path)
-    assert set(shard) == {c.key for c in chunk.captures} | {"prompt_index", "token_position", "token_id"}
+    columns = {"prompt_index", "token_position", "token_id", "prompt_length", "generated"}
+    assert set(shard) == {c.key for c in chunk.captures} | columns
     assert result.rows == shard["prompt_index"].shape[0]
     assert result.tokens == sum(LENGTHS)
+    assert result.generated_rows == 0 and not shard["generated"].any()  # a prefill: every row a prompt token
     for ids, index, rows, expected in zip(prompts, chunk.prompt_indices, result.prompts, reference, strict=True):
         assert rows.prompt_index == index
         span = slice(rows.first_row, rows.first_row + rows.rows)
         assert (shard["prompt_index"][span] == index).all()
+        assert (shard["prompt_length"][span] == len(ids)).all()
         for capture in chunk.captures:
             values, positions = expected_rows(expected[capture.key], chunk.selection)
             assert shard["token_position"][span].tolist() == positions
@@ -228,6 +232,57 @@ def test_trace_and_harvest_share_a_step(inprocess_engine, client_model, tmp_path
         shard["model.layers.0.output"], torch.cat([r["model.layers.0.output"] for r in reference]), atol=1e-4, rtol=1e-4
     )
     assert result.steps == 1
+
+
+def test_outlier_rows_are_left_out_on_the_engine(inprocess_engine, tmp_path, prompts, reference) -> None:
+    """A chunk with the spec's outliers option: rows over twice the chunk's median norm (of any capture) are not in
+    the shard; the rest are transformers' values, and the counts say what was left out."""
+    llm = inprocess_engine.model.vllm_entrypoint
+    captures = [Capture("model.layers.0"), Capture("model.layers.0", io="input")]
+    outliers = Outliers("drop", times_median=2.0)
+    chunk = work(tmp_path, prompts, SELECTIONS["all"], "outliers", captures=captures, outliers=outliers)
+    result = run(inprocess_engine, run_chunk(llm, chunk))
+    shard = load(Path(chunk.sink["path"]))
+    values = {c.key: torch.cat([r[c.key] for r in reference]) for c in captures}
+    norms = {key: value.norm(dim=1) for key, value in values.items()}
+    over = {key: norm > 2.0 * norm.median() for key, norm in norms.items()}
+    kept = ~(over["model.layers.0.output"] | over["model.layers.0.input"])
+    assert 0 < int((~kept).sum()) < 20  # the reference values do have outliers, and not many
+    assert result.outliers is not None and result.outliers["dropped_rows"] == int((~kept).sum())
+    assert result.outliers["over"] == {key: int(mask.sum()) for key, mask in over.items()}
+    assert result.rows == int(kept.sum())
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])
+    assert shard["token_position"].tolist() == positions[kept].tolist()
+    for key, value in values.items():
+        torch.testing.assert_close(shard[key], value[kept], atol=1e-4, rtol=1e-4)
+        # torch.median is the lower of the two middle values; the limit is the chunk's exactly.
+        assert result.outliers["limits"][key] == pytest.approx(2.0 * float(norms[key].median()), rel=1e-4)
+
+
+def test_outlier_rows_are_clipped_on_the_engine(inprocess_engine, tmp_path, prompts, reference) -> None:
+    """Clipping scales the engine's own (inference-mode) host rows in place: rows over the norm limit come out at
+    it, in their direction; the others as transformers computes them."""
+    llm = inprocess_engine.model.vllm_entrypoint
+    key = "model.layers.0.output"
+    values = torch.cat([r[key] for r in reference])
+    limit = float(values.norm(dim=1).median())  # half the rows are over it
+    chunk = work(
+        tmp_path,
+        prompts,
+        SELECTIONS["all"],
+        "clipped",
+        captures=[Capture("model.layers.0")],
+        outliers=Outliers("clip", max_norm=limit),
+    )
+    result = run(inprocess_engine, run_chunk(llm, chunk))
+    shard = load(Path(chunk.sink["path"]))
+    over = values.norm(dim=1) > limit
+    assert result.rows == len(values) and result.outliers is not None and result.outliers["dropped_rows"] == 0
+    assert result.outliers["over"][key] == int(over.sum()) > 0
+    torch.testing.assert_close(shard[key][~over], values[~over], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(shard[key][over].norm(dim=1), torch.full((int(over.sum()),), limit), rtol=1e-5, atol=0)
+    cosine = torch.nn.functional.cosine_similarity(shard[key][over], values[over])
+    torch.testing.assert_close(cosine, torch.ones_like(cosine), atol=1e-5, rtol=0)
 
 
 def test_rerun_writes_identical_bytes(inprocess_engine, tmp_path, prompts) -> None:
