@@ -35,6 +35,10 @@ class S3Settings(BaseModel):
     access_key_id: str | None = None
     # The secret key that goes with ``access_key_id``.
     secret_access_key: SecretStr | None = None
+    # Parts of multipart uploads that one process sends at once, all its uploads together (each part, 8 MiB or more,
+    # is read into memory while it is sent). A worker's harvest shards go up at the store's rate when this covers
+    # the store's latency; a store with several volume servers (or a remote one) may take more.
+    upload_parts_in_flight: int = Field(16, ge=1, le=256)
 
 
 class Settings(BaseSettings):

@@ -1,11 +1,22 @@
-"""The object store on S3 or an S3-compatible server (SeaweedFS, MinIO, ...), through boto3."""
+"""The object store on S3 or an S3-compatible server (SeaweedFS, MinIO, ...), through boto3.
+
+A regular file (a worker's handoff file: a harvest shard, a trace result) goes up in parts that the store's part
+threads read at their offsets (``pread``) and send in parallel, ``S3Settings.upload_parts_in_flight`` at once for all
+of this process's uploads together: one upload alone (the last shard of a harvest) gets every thread, many share
+them first come first served. Request bodies are sent unsigned (``UNSIGNED-PAYLOAD``, what boto3 does over HTTPS
+anyway) with their CRC32 checksum, which the store checks: over plain HTTP boto3 would otherwise hash every byte
+with SHA-256 once more for the signature, the costliest step of an upload on the worker's cores. What was uploaded
+is still checked end to end: the object's sha256 is recorded where it was written and clients check it.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import stat
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, BinaryIO
 
 import boto3
@@ -37,6 +48,8 @@ S3_MAX_DELETE_KEYS = 1000
 # s3transfer buffers up to ~10 parts of a non-seekable stream, so memory use is bounded by
 # about 10 x part size, never the whole object.
 MAX_CONCURRENCY = 4
+# Pooled connections beyond the part threads' own: staged writers, reads, small requests.
+SPARE_CONNECTIONS = 16
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 
 
@@ -46,6 +59,8 @@ class S3ObjectStore(ObjectStore):
     def __init__(self, settings: S3Settings) -> None:
         self.bucket = settings.bucket
         self._client: Any = _client(settings, settings.endpoint_url)
+        # Threads start on first use; a store that never uploads a file has none.
+        self._parts = ThreadPoolExecutor(settings.upload_parts_in_flight, thread_name_prefix="nnqueue-s3-part")
         # Presigning is local (no request); a URL for clients must name the address they reach the store at.
         public = settings.public_endpoint_url
         self._presigner: Any = _client(settings, public) if public and public != settings.endpoint_url else self._client
@@ -57,12 +72,54 @@ class S3ObjectStore(ObjectStore):
         return len(data)
 
     def put_stream(self, key: str, fileobj: BinaryIO, size_hint: int | None = None) -> int:
-        counted = _CountingReader(fileobj)
         self._ensure_bucket()
+        span = _file_span(fileobj)
+        if span is not None:
+            return self._put_file(validate_key(key), *span)
+        counted = _CountingReader(fileobj)
         # Managed transfer: multipart above the threshold, parts read one at a time from the stream
         # and uploaded concurrently; a failure aborts the multipart upload so no object appears.
         self._client.upload_fileobj(counted, self.bucket, validate_key(key), Config=_transfer_config(size_hint))
         return counted.bytes_read
+
+    def _put_file(self, key: str, fd: int, offset: int, size: int) -> int:
+        """Upload ``size`` bytes of the open regular file ``fd`` from ``offset``: one PUT below the multipart threshold,
+        else parts read and sent on the part threads, the upload completed once all are in (aborted if any fails:
+        nothing appears)."""
+        if size < MULTIPART_THRESHOLD:
+            self._call("put_object", key, Body=_read_at(fd, offset, size))
+            return size
+        part_size = _part_size(size)
+        upload_id = self._call("create_multipart_upload", key)["UploadId"]
+        parts = [
+            self._parts.submit(
+                self._file_part, key, upload_id, number, fd, offset + start, min(part_size, size - start)
+            )
+            for number, start in enumerate(range(0, size, part_size), start=1)
+        ]
+        try:
+            done = [part.result() for part in parts]
+            self._call("complete_multipart_upload", key, UploadId=upload_id, MultipartUpload={"Parts": done})
+        except BaseException:
+            for part in parts:
+                part.cancel()
+            wait(parts)  # no part thread reads the file once the caller closes it
+            self._abort_upload(key, upload_id)
+            raise
+        return size
+
+    def _file_part(self, key: str, upload_id: str, number: int, fd: int, offset: int, length: int) -> dict[str, Any]:
+        body = _read_at(fd, offset, length)
+        answer = self._call("upload_part", key, UploadId=upload_id, PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def _abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort a multipart upload (its parts are dropped); one already gone is not an error."""
+        try:
+            self._call("abort_multipart_upload", key, UploadId=upload_id)
+        except ClientError as error:
+            if error.response["Error"]["Code"] != "NoSuchUpload":
+                raise
 
     def open_writer(self, key: str, size_hint: int | None = None) -> ObjectWriter:
         self._ensure_bucket()
@@ -179,9 +236,11 @@ def _client(settings: S3Settings, endpoint_url: str | None) -> Any:
         aws_secret_access_key=secret.get_secret_value() if secret else None,
         config=Config(
             signature_version="s3v4",
-            # Custom endpoints rarely resolve <bucket>.<host>; AWS itself prefers virtual hosts.
-            s3={"addressing_style": "path" if endpoint_url else "auto"},
+            # Custom endpoints rarely resolve <bucket>.<host>; AWS itself prefers virtual hosts. Bodies unsigned, with
+            # their CRC32 (see the module doc).
+            s3={"addressing_style": "path" if endpoint_url else "auto", "payload_signing_enabled": False},
             retries={"mode": "standard", "max_attempts": 5},
+            max_pool_connections=settings.upload_parts_in_flight + SPARE_CONNECTIONS,
         ),
     )
 
@@ -267,11 +326,28 @@ class _MultipartWriter(ObjectWriter):
         self.parts.clear()
         if self.upload_id is not None:
             upload_id, self.upload_id = self.upload_id, None
-            try:
-                self.store._call("abort_multipart_upload", self.key, UploadId=upload_id)
-            except ClientError as error:
-                if error.response["Error"]["Code"] != "NoSuchUpload":
-                    raise
+            self.store._abort_upload(self.key, upload_id)
+
+
+def _file_span(fileobj: BinaryIO) -> tuple[int, int, int] | None:
+    """``(fd, position, bytes from there to the end)`` when ``fileobj`` is an open regular file, else None."""
+    try:
+        fd = fileobj.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    position = fileobj.tell()
+    return fd, position, max(0, info.st_size - position)
+
+
+def _read_at(fd: int, offset: int, length: int) -> bytes:
+    """Exactly ``length`` bytes of ``fd`` at ``offset``; a file cut short meanwhile is an error (nothing is stored)."""
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise ObjectStoreError(f"the file ended at byte {offset + len(data)} while {offset + length} were expected")
+    return data
 
 
 class _CountingReader:

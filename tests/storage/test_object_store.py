@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import random
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
@@ -26,6 +28,7 @@ from nnqueue.storage import (
     S3ObjectStore,
     object_store_from_settings,
 )
+from nnqueue.storage.object_store import ObjectStoreError
 from nnqueue.storage.s3 import MIN_PART_SIZE
 from tests.utils import servers
 
@@ -398,3 +401,42 @@ def test_an_aborted_staged_write_leaves_the_object_as_it_was(store: ObjectStore,
         assert store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", []) == []
     else:
         assert [path.name for path in (store.root / key).parent.iterdir()] == ["object.bin"]
+
+
+def take_the_part_thread(store: S3ObjectStore) -> threading.Event:
+    """Take the part thread of ``store`` (a store with one) until the returned event is set: the parts of uploads
+    started meanwhile wait in its queue, unread."""
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        release.wait()
+
+    store._parts.submit(hold)
+    busy.wait()
+    return release
+
+
+def test_a_file_cut_short_while_its_parts_go_up_leaves_the_previous_object(
+    s3_settings: S3Settings, key: str, tmp_path: Path
+) -> None:
+    """A regular file goes up in parts that the store's part threads read when their turn comes: one that finds the
+    file ended early fails the upload, which is aborted (the object stays as it was, no multipart upload lingers)."""
+    store = S3ObjectStore(s3_settings.model_copy(update={"upload_parts_in_flight": 1}))
+    client = servers.s3_client_for(s3_settings)
+    store.put_bytes(key, b"previous")
+    path = tmp_path / "shard.bin"
+    path.write_bytes(random.Random(0).randbytes(3 * MIN_PART_SIZE))  # three parts
+    release = take_the_part_thread(store)  # the upload's parts queue, unread
+    with open(path, "rb") as file, ThreadPoolExecutor(1) as caller:
+        upload = caller.submit(store.put_stream, key, file)
+        deadline = time.monotonic() + 30
+        while not client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads"):
+            assert time.monotonic() < deadline and not upload.done(), "the multipart upload did not start"
+            time.sleep(0.01)
+        os.truncate(path, MIN_PART_SIZE + 1)  # after the file was measured, before its second part is read
+        release.set()
+        with pytest.raises(ObjectStoreError, match=f"the file ended at byte {MIN_PART_SIZE + 1}"):
+            upload.result(timeout=60)
+    assert store.get_bytes(key) == b"previous"
+    assert client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", []) == []
