@@ -65,12 +65,18 @@ from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
+from nnqueue.workers.upload_budget import UploadBudget
 from nnqueue.workers.weights import CheckpointUpdater, WeightsGate, base_version
 
 log = logging.getLogger(__name__)
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
 RUNNING_CHUNKS = prometheus_client.Gauge(
     "nnqueue_worker_running_chunks", "Harvest chunks this worker is running now.", ["model"]
+)
+UPLOADS_HELD = prometheus_client.Gauge(
+    "nnqueue_worker_upload_bytes_held",
+    "Bytes of harvest shards this worker's engine handed off that are not yet in the store (its upload budget used).",
+    ["model"],
 )
 
 
@@ -141,6 +147,8 @@ def run_worker(
             broken=lambda: _restart_for_weights(health),
         )
         host.call(updater.catch_up())  # the model's checkpoint swaps so far: serve the newest version
+        uploads = UploadBudget(settings.worker_upload_budget_bytes)
+        UPLOADS_HELD.labels(model_key).set_function(lambda: uploads.held)
         chunks = ChunkRunner(
             sessions,
             store,
@@ -151,6 +159,7 @@ def run_worker(
             worker_id,
             settings.harvest_chunk_attempts,
             engine_info(model, executor.model.vllm_entrypoint, executor.model.tokenizer),
+            uploads,
             health,
             gate,
         )
@@ -368,7 +377,7 @@ async def _start_executor(
     first runs on, and the transformers engine's process pipes to the loop that started it. ``isolated``: the
     vLLM engine core is spawned in a network namespace of its own (the other engine processes isolate
     themselves, told by ``$NNQUEUE_ENGINE_NETWORK``)."""
-    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff")
+    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir)
     if engine_kind is EngineKind.TRANSFORMERS:
         from nnqueue.engines.transformers import TransformersEngine
         from nnqueue.workers.transformers_execution import TransformersExecutor

@@ -76,9 +76,12 @@ class ShardSink:
 
 
 class ResultSinks:
-    def __init__(self, store: ObjectStore, handoff_root: Path) -> None:
+    def __init__(self, store: ObjectStore, handoff_root: Path, handoff_parent: Path | None = None) -> None:
+        """The handoff directory is made in ``handoff_parent`` when given (``NNQUEUE_WORKER_HANDOFF_DIR``), else in
+        ``handoff_root``, or in the temp folder when this process is root."""
         self.store = store
         self.handoff_root = handoff_root
+        self.handoff_parent = handoff_parent
         self._handoff_dir: Path | None = None
 
     def open(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool) -> JobSinks:
@@ -201,7 +204,7 @@ class ResultSinks:
         if self._handoff_dir is None:
             # The engine writes here. A root worker's engine runs as the engine user (nnqueue.isolation),
             # which may not reach the store's folder: its handoff directory is then in the temp folder (1777).
-            parent = None if os.geteuid() == 0 else self.handoff_root
+            parent = self.handoff_parent or (None if os.geteuid() == 0 else self.handoff_root)
             if parent is not None:
                 parent.mkdir(parents=True, exist_ok=True)
             self._handoff_dir = isolation.engine_writable_dir("nnqueue-handoff-", parent=parent)
