@@ -60,7 +60,8 @@ class S3ObjectStore(ObjectStore):
         self.bucket = settings.bucket
         self._client: Any = _client(settings, settings.endpoint_url)
         # Threads start on first use; a store that never uploads a file has none.
-        self._parts = ThreadPoolExecutor(settings.upload_parts_in_flight, thread_name_prefix="nnqueue-s3-part")
+        self.parts_in_flight = settings.upload_parts_in_flight
+        self._parts = ThreadPoolExecutor(self.parts_in_flight, thread_name_prefix="nnqueue-s3-part")
         # Presigning is local (no request); a URL for clients must name the address they reach the store at.
         public = settings.public_endpoint_url
         self._presigner: Any = _client(settings, public) if public and public != settings.endpoint_url else self._client
