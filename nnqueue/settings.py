@@ -104,9 +104,9 @@ class Settings(BaseSettings):
     # chunk whose shard does not fit waits (its slot held, so the engine slows to the store's pace).
     worker_upload_budget_bytes: int = Field(1 << 30, ge=1)
     # The folder in which a worker's engine leaves results and shards for the worker to upload (in a private folder
-    # made inside). Unset: ``<store_dir>/.handoff``, or the temp folder for a root worker (its engine runs as the
-    # engine user). A tmpfs (/dev/shm) keeps the handoff in memory: it needs room for the upload budget plus a
-    # shard per bulk slot.
+    # made inside, which a root worker's engine user must be able to reach). Unset: ``<store_dir>/.handoff``, or the
+    # temp folder for a root worker. A tmpfs (/dev/shm) keeps the handoff in memory: it needs room for the upload
+    # budget plus a shard per bulk slot.
     worker_handoff_dir: Path | None = None
     # The largest dataset (its source files together, or an upload) and the most prompts one harvest may have.
     harvest_max_dataset_bytes: int = Field(256 * 1024 * 1024, gt=0)
