@@ -87,7 +87,8 @@ async def harvest(
 ) -> list[Any]:
     """(h): every prompt through `run_chunk`, in chunks, ``chunks_in_flight`` at a time; their results. With
     ``sinks`` (the worker's `ResultSinks`), each chunk goes the worker's whole way, as ``ChunkRunner`` runs it: its
-    shard handed off in the sinks' folder, its slot freed once the shard fits the upload budget
+    shard handed off in the sinks' folder (its parts sent while the engine writes it: ``ShardFollower``), its slot
+    freed once the shard fits the upload budget
     (``UploadBudget``, ``NNQUEUE_WORKER_UPLOAD_BUDGET_BYTES``' default), then uploaded by `ResultSinks.commit_shard`
     to ``shard_key(chunk id)`` in their store while the next chunks run; else the engine writes it to ``out_dir``.
     ``timeline`` gets each chunk's seconds from the start: began, shard reported, slot freed, stored."""
@@ -119,16 +120,17 @@ async def harvest(
         )
         stamps = {}
         async with contextlib.AsyncExitStack() as stack:
+            follower = None if opened is None else await stack.enter_async_context(sinks.following(opened))
             async with slots:
                 stamps["began"] = time.perf_counter() - zero
-                result = await run_chunk(llm, work)
+                running = run_chunk(llm, work)
+                result = await (running if follower is None else follower.during(running))
                 stamps["reported"] = time.perf_counter() - zero
                 if opened is not None:  # the slot is held until the shard has room, as ChunkRunner.run_next holds it
                     await stack.enter_async_context(budget.room(result.bytes))
                 stamps["freed"] = time.perf_counter() - zero
-            if opened is not None:
-                reported = WrittenObject(result.bytes, result.sha256)
-                await asyncio.to_thread(sinks.commit_shard, opened, reported)
+            if follower is not None:
+                await asyncio.to_thread(follower.commit, WrittenObject(result.bytes, result.sha256))
         stamps["stored"] = time.perf_counter() - zero
         if timeline is not None:
             timeline.append(stamps)

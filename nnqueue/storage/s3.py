@@ -26,6 +26,7 @@ from botocore.exceptions import ClientError
 
 from nnqueue.settings import S3Settings
 from nnqueue.storage.object_store import (
+    FileUpload,
     ObjectNotFound,
     ObjectReader,
     ObjectStore,
@@ -76,38 +77,17 @@ class S3ObjectStore(ObjectStore):
         self._ensure_bucket()
         span = _file_span(fileobj)
         if span is not None:
-            return self._put_file(validate_key(key), *span)
+            offset, size = span
+            return _FileParts(self, validate_key(key), fileobj, size, offset).finish(size)
         counted = _CountingReader(fileobj)
         # Managed transfer: multipart above the threshold, parts read one at a time from the stream
         # and uploaded concurrently; a failure aborts the multipart upload so no object appears.
         self._client.upload_fileobj(counted, self.bucket, validate_key(key), Config=_transfer_config(size_hint))
         return counted.bytes_read
 
-    def _put_file(self, key: str, fd: int, offset: int, size: int) -> int:
-        """Upload ``size`` bytes of the open regular file ``fd`` from ``offset``: one PUT below the multipart threshold,
-        else parts read and sent on the part threads, the upload completed once all are in (aborted if any fails:
-        nothing appears)."""
-        if size < MULTIPART_THRESHOLD:
-            self._call("put_object", key, Body=_read_at(fd, offset, size))
-            return size
-        part_size = _part_size(size)
-        upload_id = self._call("create_multipart_upload", key)["UploadId"]
-        parts = [
-            self._parts.submit(
-                self._file_part, key, upload_id, number, fd, offset + start, min(part_size, size - start)
-            )
-            for number, start in enumerate(range(0, size, part_size), start=1)
-        ]
-        try:
-            done = [part.result() for part in parts]
-            self._call("complete_multipart_upload", key, UploadId=upload_id, MultipartUpload={"Parts": done})
-        except BaseException:
-            for part in parts:
-                part.cancel()
-            wait(parts)  # no part thread reads the file once the caller closes it
-            self._abort_upload(key, upload_id)
-            raise
-        return size
+    def follow_file(self, key: str, fileobj: BinaryIO, size_hint: int | None = None) -> FileUpload:
+        # Nothing here waits on the store: the caller may be an event loop (the parts' requests make the bucket).
+        return _FileParts(self, validate_key(key), fileobj, size_hint)
 
     def _file_part(self, key: str, upload_id: str, number: int, fd: int, offset: int, length: int) -> dict[str, Any]:
         body = _read_at(fd, offset, length)
@@ -330,8 +310,73 @@ class _MultipartWriter(ObjectWriter):
             self.store._abort_upload(self.key, upload_id)
 
 
-def _file_span(fileobj: BinaryIO) -> tuple[int, int, int] | None:
-    """``(fd, position, bytes from there to the end)`` when ``fileobj`` is an open regular file, else None."""
+class _FileParts(FileUpload):
+    """A regular file (from ``offset``) in parts of its size hint's part size, each read at its offset and sent on the
+    store's part threads as soon as the file holds it whole; the multipart upload is created by the first part's
+    turn on those threads (they serve in order, so it is made before any part needs it). Completed once every part
+    is in, aborted if any fails: nothing appears before. A file under the multipart threshold that sent nothing
+    goes up in one PUT at the finish."""
+
+    def __init__(self, store: S3ObjectStore, key: str, fileobj: BinaryIO, size_hint: int | None, offset: int = 0):
+        super().__init__(store, key, fileobj, size_hint)
+        self.s3, self.fd, self.offset = store, fileobj.fileno(), offset
+        self.part_size = _part_size(size_hint)
+        self.created: Future[str] | None = None
+        self.parts: list[Future[dict[str, Any]]] = []
+        self.sent = 0
+
+    def advance(self, written: int) -> None:
+        while self.sent + self.part_size <= written:
+            self._send(self.part_size)
+
+    def _send(self, length: int) -> None:
+        if self.created is None:
+            self.created = self.s3._parts.submit(self._create)
+        created, number, offset = self.created, len(self.parts) + 1, self.offset + self.sent
+        self.parts.append(
+            self.s3._parts.submit(
+                lambda: self.s3._file_part(self.key, created.result(), number, self.fd, offset, length)
+            )
+        )
+        self.sent += length
+
+    def _create(self) -> str:
+        upload_id: str = self.s3._call("create_multipart_upload", self.key)["UploadId"]
+        return upload_id
+
+    def finish(self, size: int) -> int:
+        if self.created is None and size < MULTIPART_THRESHOLD:
+            self.s3._call("put_object", self.key, Body=_read_at(self.fd, self.offset, size))
+            return size
+        try:
+            if size < self.sent:
+                raise ObjectStoreError(f"the file has {size} bytes, fewer than the {self.sent} already sent")
+            while self.sent < size:
+                self._send(min(self.part_size, size - self.sent))
+            done = [part.result() for part in self.parts]
+            assert self.created is not None
+            upload_id = self.created.result()
+            self.s3._call("complete_multipart_upload", self.key, UploadId=upload_id, MultipartUpload={"Parts": done})
+        except BaseException:
+            self.abort()
+            raise
+        self.created, self.parts = None, []
+        return size
+
+    def abort(self) -> None:
+        for part in self.parts:
+            part.cancel()
+        wait(self.parts)  # no part thread reads the file once the caller closes it
+        self.parts = []
+        if self.created is None:
+            return
+        created, self.created = self.created, None
+        if not created.cancelled() and created.exception() is None:  # (one never created has nothing to abort)
+            self.s3._abort_upload(self.key, created.result())
+
+
+def _file_span(fileobj: BinaryIO) -> tuple[int, int] | None:
+    """``(position, bytes from there to the end)`` when ``fileobj`` is an open regular file, else None."""
     try:
         fd = fileobj.fileno()
     except (AttributeError, OSError, ValueError):
@@ -340,7 +385,7 @@ def _file_span(fileobj: BinaryIO) -> tuple[int, int, int] | None:
     if not stat.S_ISREG(info.st_mode):
         return None
     position = fileobj.tell()
-    return fd, position, max(0, info.st_size - position)
+    return position, max(0, info.st_size - position)
 
 
 def _read_at(fd: int, offset: int, length: int) -> bytes:

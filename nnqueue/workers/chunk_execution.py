@@ -10,8 +10,9 @@ file against the report and streams it to the store (:mod:`nnqueue.workers.sinks
 recording its size and sha256. The shard lands under the chunk's deterministic key, so a chunk that runs again
 overwrites its own shard; only sizes, checksums and row offsets travel back from the engine.
 
-The upload is off the engine's critical path: :meth:`ChunkRunner.run_next` returns, freeing its bulk slot for the
-next chunk, as soon as the shard is handed off and fits in the worker's upload budget
+The upload is off the engine's critical path: its parts go up while the engine still writes the shard
+(:class:`nnqueue.workers.sinks.ShardFollower`), and :meth:`ChunkRunner.run_next` returns, freeing its bulk slot for
+the next chunk, as soon as the shard is handed off and fits in the worker's upload budget
 (:mod:`nnqueue.workers.upload_budget`); the chunk's own task then uploads the shard and records it. The chunk is
 RUNNING on this worker until then, and whatever ends the upload early (a failure, a cancel, the worker's shutdown)
 ends the chunk as a failure of the engine's part would: nothing is recorded for it and it runs again or fails.
@@ -63,7 +64,7 @@ from nnqueue.storage.object_store import Digest, ObjectStore
 from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.job_execution import Outcome
 from nnqueue.workers.provenance import provenance
-from nnqueue.workers.sinks import ResultSinks, ShardSink
+from nnqueue.workers.sinks import ResultSinks, ShardFollower
 from nnqueue.workers.upload_budget import UploadBudget
 from nnqueue.workers.weights import WeightsGate, WrongWeights
 
@@ -157,7 +158,10 @@ class ChunkRunner:
             dtype=spec.dtype,
             generated=spec.generated_positions,
         )
-        async with self.sinks.staged_shard(chunk.shard_key, name, bound) as sink:
+        async with (
+            self.sinks.staged_shard(chunk.shard_key, name, bound) as sink,
+            self.sinks.following(sink) as follower,  # its parts go up while the engine writes it
+        ):
             work = ChunkWork(
                 chunk_id=f"{chunk.harvest_id}-{chunk.index:05d}",
                 prompt_indices=range(chunk.first_prompt, chunk.first_prompt + chunk.prompts),
@@ -169,14 +173,14 @@ class ChunkRunner:
                 metadata={"harvest_id": str(chunk.harvest_id), "chunk_index": str(chunk.index)},
                 generation=spec.generate,
             )
-            ran = await self._on_weights(chunk, work)
+            ran = await follower.during(self._on_weights(chunk, work))
             if ran is None:
                 return Outcome.SKIPPED
             result, weights_version = ran
             if chunk.id not in await asyncio.to_thread(held_chunks, self.sessions, [chunk.id], self.worker_id):
                 log.info("chunk %s of harvest %s no longer held here; its shard is dropped", chunk.index, harvest.id)
                 return Outcome.SKIPPED
-            stored, timeline = await self._upload(sink, result, slot)
+            stored, timeline = await self._upload(follower, result, slot)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
         output = ChunkOutput(
             result.rows, stored.size, stored.sha256, result.tokens, offsets, result.stats, weights_version
@@ -212,14 +216,14 @@ class ChunkRunner:
             return None
 
     async def _upload(
-        self, sink: ShardSink, result: ChunkResult, slot: asyncio.Future[Outcome]
+        self, follower: ShardFollower, result: ChunkResult, slot: asyncio.Future[Outcome]
     ) -> tuple[Digest, UploadTimeline]:
         """Store the shard the engine reported, once it fits in the upload budget; ``slot`` is freed from then on."""
         timeline = UploadTimeline(engine_s=result.seconds, handed_off=time.monotonic())
         async with self.uploads.room(result.bytes):
             timeline.started = time.monotonic()
             _free(slot, Outcome.HANDED_OFF)
-            stored = await asyncio.to_thread(self.sinks.commit_shard, sink, WrittenObject(result.bytes, result.sha256))
+            stored = await asyncio.to_thread(follower.commit, WrittenObject(result.bytes, result.sha256))
             timeline.stored = time.monotonic()
         return stored, timeline
 

@@ -11,7 +11,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
@@ -427,16 +426,55 @@ def test_a_file_cut_short_while_its_parts_go_up_leaves_the_previous_object(
     store.put_bytes(key, b"previous")
     path = tmp_path / "shard.bin"
     path.write_bytes(random.Random(0).randbytes(3 * MIN_PART_SIZE))  # three parts
-    release = take_the_part_thread(store)  # the upload's parts queue, unread
-    with open(path, "rb") as file, ThreadPoolExecutor(1) as caller:
-        upload = caller.submit(store.put_stream, key, file)
-        deadline = time.monotonic() + 30
-        while not client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads"):
-            assert time.monotonic() < deadline and not upload.done(), "the multipart upload did not start"
-            time.sleep(0.01)
-        os.truncate(path, MIN_PART_SIZE + 1)  # after the file was measured, before its second part is read
+    release = take_the_part_thread(store)
+    with open(path, "rb") as file:
+        upload = store.follow_file(key, file, size_hint=3 * MIN_PART_SIZE)
+        upload.advance(3 * MIN_PART_SIZE)  # all three queued behind the held thread, unread
+        os.truncate(path, MIN_PART_SIZE + 1)
         release.set()
         with pytest.raises(ObjectStoreError, match=f"the file ended at byte {MIN_PART_SIZE + 1}"):
-            upload.result(timeout=60)
+            upload.finish(3 * MIN_PART_SIZE)
     assert store.get_bytes(key) == b"previous"
     assert client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", []) == []
+
+
+def uploaded_parts(s3_settings: S3Settings, store: S3ObjectStore, key: str) -> list[int]:
+    """The part numbers that the key's one multipart upload in progress holds so far."""
+    client = servers.s3_client_for(s3_settings)
+    uploads = client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", [])
+    if not uploads:
+        return []
+    parts = client.list_parts(Bucket=store.bucket, Key=key, UploadId=uploads[0]["UploadId"]).get("Parts", [])
+    return [part["PartNumber"] for part in parts]
+
+
+def test_a_file_goes_up_while_it_is_written(store: ObjectStore, key: str, request: pytest.FixtureRequest) -> None:
+    """`follow_file`: on S3 the parts the file holds whole go up before the writer is done; nothing appears at the
+    key before the finish, and an aborted upload leaves nothing."""
+    data = random.Random(3).randbytes(2 * MIN_PART_SIZE + 5)
+    path = request.getfixturevalue("tmp_path") / "growing.bin"
+    with open(path, "wb") as writer, open(path, "rb") as reader:
+        upload = store.follow_file(key, reader, size_hint=len(data))
+        writer.write(data[: MIN_PART_SIZE + 3])
+        writer.flush()
+        upload.advance(MIN_PART_SIZE + 3)
+        if isinstance(store, S3ObjectStore):  # the first part is stored while the rest is still to be written
+            s3_settings = request.getfixturevalue("s3_settings")
+            deadline = time.monotonic() + 30
+            while uploaded_parts(s3_settings, store, key) != [1]:
+                assert time.monotonic() < deadline, "the written part did not go up"
+                time.sleep(0.02)
+        assert not store.exists(key)
+        writer.write(data[MIN_PART_SIZE + 3 :])
+        writer.flush()
+        upload.advance(len(data))
+        assert upload.finish(len(data)) == len(data)
+    assert store.get_bytes(key) == data
+
+    with open(path, "rb") as reader:
+        dropped = store.follow_file(f"{key}.dropped", reader, size_hint=len(data))
+        dropped.advance(len(data))
+        dropped.abort()
+    assert not store.exists(f"{key}.dropped")
+    if isinstance(store, S3ObjectStore):
+        assert uploaded_parts(request.getfixturevalue("s3_settings"), store, f"{key}.dropped") == []
