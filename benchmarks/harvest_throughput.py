@@ -95,6 +95,7 @@ async def harvest(
     from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
     from nnqueue.engines.trace_report import WrittenObject
     from nnqueue.settings import Settings
+    from nnqueue.workers.chunk_execution import shard_bound
     from nnqueue.workers.upload_budget import UploadBudget
 
     slots = asyncio.Semaphore(chunks_in_flight)
@@ -106,7 +107,15 @@ async def harvest(
     async def chunk(number: int, first: int) -> Any:
         indices = list(range(first, min(first + prompts_per_chunk, len(prompts))))
         chunk_id = f"bench-{tag}-{number:05d}"
-        opened = None if sinks is None else sinks.open_shard(shard_key(chunk_id), f"{chunk_id}.safetensors", 1 << 40)
+        bound = shard_bound(
+            [prompts[i] for i in indices],
+            llm.model_config,
+            captures=len(layers),
+            selection=Selection(selection),
+            dtype=dtype,
+            generated=0,
+        )  # as ChunkRunner bounds it: the size hint of the upload's parts
+        opened = None if sinks is None else sinks.open_shard(shard_key(chunk_id), f"{chunk_id}.safetensors", bound)
         work = ChunkWork(
             chunk_id=chunk_id,
             prompt_indices=indices,

@@ -348,6 +348,8 @@ class _FileParts(FileUpload):
         if self.created is None and size < MULTIPART_THRESHOLD:
             self.s3._call("put_object", self.key, Body=_read_at(self.fd, self.offset, size))
             return size
+        if self.created is None:  # nothing sent: the parts' size for the size now known, not a bound's
+            self.part_size = _part_size(size)
         try:
             if size < self.sent:
                 raise ObjectStoreError(f"the file has {size} bytes, fewer than the {self.sent} already sent")

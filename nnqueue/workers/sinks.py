@@ -8,8 +8,8 @@ file it finds there (opened without following a link, a regular file with one li
 by the engine's user or this worker's: never a file of someone else's that the engine linked there), then
 streams it from that open file to the store (:meth:`nnqueue.storage.object_store.ObjectStore.put_stream`: an S3
 multipart upload for large objects, its parts read from the file at their offsets and sent in parallel; a local
-store copies it in the kernel) and records the size and the engine's sha256 with the job or chunk, which the API hands to clients and the
-clients check (:mod:`nnqueue.workers.job_execution`, :mod:`nnqueue.scheduler.harvest_manifest`). Nothing the
+store copies it in the kernel) and records the size and the engine's sha256 with the job or chunk, which the API
+hands to clients and the clients check (:mod:`nnqueue.workers.job_execution`, :mod:`nnqueue.scheduler.harvest_manifest`). Nothing the
 engine holds reaches the store: no URL, no credential; so an engine that a trace took over can forge the
 results of the steps it runs (and report a sha256 that does not match them, which the clients' check then
 refuses), but cannot replace a committed one, and a change made to a stored object behind the worker's back
@@ -308,6 +308,7 @@ class ShardFollower:
                 raise
             finally:
                 self.sinks.discard_shard(self.sink)
+            self.upload = None
             self._close()
         return Digest(stored, reported.sha256)
 
