@@ -18,6 +18,12 @@ process per GB (``*_cpu_s_per_GB``) say what the client itself costs, which wall
 the reader's is mostly sha256. Results go to ``--out`` (JSON).
 
     .venv/bin/python benchmarks/harvest_read.py --out benchmarks/results/harvest-read-cpu.json
+
+Where cores are free (the GPU machine's 16, with the payload and server wheels of ``../shared/gpu/README.md``'s
+recipe on ``PYTHONPATH`` and ``weed`` on ``PATH``), with shards of an 8B harvest's width, 2 GiB in all, and more
+GETs in flight:
+
+    python benchmarks/harvest_read.py --shards 32 --rows 8192 --width 4096 --prefetch 8 --reps 3 --out read.json
 """
 
 from __future__ import annotations
@@ -128,7 +134,7 @@ def main() -> None:
     from nnqueue.storage.s3 import S3ObjectStore
     from tests.utils import servers
 
-    server = servers.start_s3()
+    server = servers.start_s3(volume_size_limit_mb=30000)  # weed's default volume size: gigabytes of shards
     try:
         store = S3ObjectStore(
             S3Settings(

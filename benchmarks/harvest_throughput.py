@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -82,23 +83,39 @@ async def harvest(
     prompts_per_chunk: int,
     chunks_in_flight: int,
     sinks: Any = None,
+    timeline: list[dict[str, float]] | None = None,
 ) -> list[Any]:
     """(h): every prompt through `run_chunk`, in chunks, ``chunks_in_flight`` at a time; their results. With
-    ``sinks`` (the worker's `ResultSinks`), each chunk goes the worker's whole way: its shard handed off in the
-    sinks' folder and uploaded by `ResultSinks.commit_shard` to ``shard_key(chunk id)`` in their store, inside
-    the chunk's slot (as a bulk slot holds a chunk until its shard is stored); else the engine writes it to
-    ``out_dir``."""
+    ``sinks`` (the worker's `ResultSinks`), each chunk goes the worker's whole way, as ``ChunkRunner`` runs it: its
+    shard handed off in the sinks' folder (its parts sent while the engine writes it: ``ShardFollower``), its slot
+    freed once the shard fits the upload budget
+    (``UploadBudget``, ``NNQUEUE_WORKER_UPLOAD_BUDGET_BYTES``' default), then uploaded by `ResultSinks.commit_shard`
+    to ``shard_key(chunk id)`` in their store while the next chunks run; else the engine writes it to ``out_dir``.
+    ``timeline`` gets each chunk's seconds from the start: began, shard reported, slot freed, stored."""
     from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
     from nnqueue.engines.trace_report import WrittenObject
+    from nnqueue.settings import Settings
+    from nnqueue.workers.chunk_execution import shard_bound
+    from nnqueue.workers.upload_budget import UploadBudget
 
     slots = asyncio.Semaphore(chunks_in_flight)
+    budget = UploadBudget(Settings.model_fields["worker_upload_budget_bytes"].default)
     tag = uuid.uuid4().hex[:8]
     engine_writable(out_dir)
+    zero = time.perf_counter()
 
     async def chunk(number: int, first: int) -> Any:
         indices = list(range(first, min(first + prompts_per_chunk, len(prompts))))
         chunk_id = f"bench-{tag}-{number:05d}"
-        opened = None if sinks is None else sinks.open_shard(shard_key(chunk_id), f"{chunk_id}.safetensors", 1 << 40)
+        bound = shard_bound(
+            [prompts[i] for i in indices],
+            llm.model_config,
+            captures=len(layers),
+            selection=Selection(selection),
+            dtype=dtype,
+            generated=0,
+        )  # as ChunkRunner bounds it: the size hint of the upload's parts
+        opened = None if sinks is None else sinks.open_shard(shard_key(chunk_id), f"{chunk_id}.safetensors", bound)
         work = ChunkWork(
             chunk_id=chunk_id,
             prompt_indices=indices,
@@ -110,15 +127,43 @@ async def harvest(
             if opened is not None
             else {"kind": "handoff", "path": str(out_dir / f"{chunk_id}.safetensors")},
         )
-        async with slots:
-            result = await run_chunk(llm, work)
-            if opened is not None:
-                reported = WrittenObject(result.bytes, result.sha256)
-                await asyncio.to_thread(sinks.commit_shard, opened, reported)
-            return result
+        stamps = {}
+        async with contextlib.AsyncExitStack() as stack:
+            follower = None if opened is None else await stack.enter_async_context(sinks.following(opened))
+            async with slots:
+                stamps["began"] = time.perf_counter() - zero
+                running = run_chunk(llm, work)
+                result = await (running if follower is None else follower.during(running))
+                stamps["reported"] = time.perf_counter() - zero
+                if opened is not None:  # the slot is held until the shard has room, as ChunkRunner.run_next holds it
+                    await stack.enter_async_context(budget.room(result.bytes))
+                stamps["freed"] = time.perf_counter() - zero
+            if follower is not None:
+                await asyncio.to_thread(follower.commit, WrittenObject(result.bytes, result.sha256))
+        stamps["stored"] = time.perf_counter() - zero
+        if timeline is not None:
+            timeline.append(stamps)
+        return result
 
     starts = range(0, len(prompts), prompts_per_chunk)
     return list(await asyncio.gather(*(chunk(n, first) for n, first in enumerate(starts))))
+
+
+def timeline_summary(timeline: list[dict[str, float]]) -> dict[str, float]:
+    """Where a run's chunks spent their time: on the engine (begun to shard reported), waiting for upload room (the
+    engine's back pressure), uploading; and the tail, from the last shard reported to the last stored."""
+
+    def spans(start: str, end: str) -> list[float]:
+        return [stamps[end] - stamps[start] for stamps in timeline]
+
+    engine, waited, upload = spans("began", "reported"), spans("reported", "freed"), spans("freed", "stored")
+    return {
+        "engine_s_median": round(statistics.median(engine), 3),
+        "waited_for_room_s_total": round(sum(waited), 3),
+        "upload_s_median": round(statistics.median(upload), 3),
+        "upload_s_max": round(max(upload), 3),
+        "tail_s": round(max(s["stored"] for s in timeline) - max(s["reported"] for s in timeline), 3),
+    }
 
 
 def shard_key(chunk_id: str) -> str:
@@ -223,6 +268,7 @@ def harvest_rows(
     cpu: dict[str, list[float]] = {name: [] for name in ["raw", *variants]}
     pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}  # (wall, cpu) ratios
     results: dict[str, list[Any]] = {}
+    timelines: dict[str, list[dict[str, float]]] = {}  # the last round's, per variant
 
     def measure(name: str, fn: Any) -> Any:
         started, cpu_started = time.perf_counter(), cpu_seconds()
@@ -237,7 +283,10 @@ def harvest_rows(
                 measure("raw", raw)
             target = kept_dir if name == "one layer all-token" else out_dir
             shutil.rmtree(target, ignore_errors=True)
-            work = harvest(llm, prompts, layers, kind, dtype, target, prompts_per_chunk, chunks_in_flight, sinks)
+            timelines[name] = []
+            work = harvest(
+                llm, prompts, layers, kind, dtype, target, prompts_per_chunk, chunks_in_flight, sinks, timelines[name]
+            )
             results[name] = measure(name, lambda work=work: run(work))
             if raw is not None:
                 pairs[name].append((times["raw"][-1] / times[name][-1], cpu["raw"][-1] / cpu[name][-1]))
@@ -259,13 +308,14 @@ def harvest_rows(
             "store_MB_s": round(written / median / 1e6, 1),
             "steps_per_chunk": round(statistics.mean(result.steps for result in results[name]), 2),
             "cpu_s": [round(t, 3) for t in cpu[name]],
+            "timeline": timeline_summary(timelines[name]),
         }
         if pairs[name]:
             row["paired_ratio"] = round(statistics.median(wall for wall, _ in pairs[name]), 3)
             row["paired_cpu_ratio"] = round(statistics.median(cpu_ratio for _, cpu_ratio in pairs[name]), 3)
         print(
             f"(h) {name:<30} {row['tok_s']:>9,} tok/s  runs {row['runs_s']}  "
-            f"{written / 1e6:,.1f} MB at {row['store_MB_s']:,.1f} MB/s  layers {layers}",
+            f"{written / 1e6:,.1f} MB at {row['store_MB_s']:,.1f} MB/s  layers {layers}  {row['timeline']}",
             flush=True,
         )
     biggest = max(sum(result.bytes for result in found) for found in results.values())
@@ -274,15 +324,29 @@ def harvest_rows(
     report["sink_write_MB_s"] = round(sink_write_rate(out_dir, biggest), 1)
     report["sink_write_bytes"] = biggest
     print(f"handoff sink alone, {biggest / 1e6:,.1f} MB: {report['sink_write_MB_s']:,.1f} MB/s", flush=True)
+    if Path("/dev/shm").is_dir():  # the handoff in memory (NNQUEUE_WORKER_HANDOFF_DIR on a tmpfs)
+        shm = Path(tempfile.mkdtemp(prefix="harvest-sink-", dir="/dev/shm"))
+        report["sink_write_MB_s_dev_shm"] = round(sink_write_rate(shm, biggest), 1)
+        shm.rmdir()
+        print(f"handoff sink alone into /dev/shm: {report['sink_write_MB_s_dev_shm']:,.1f} MB/s", flush=True)
     kept = results["one layer all-token"]
     if sinks is not None:
         objects = len(results[max(results, key=lambda name: sum(result.bytes for result in results[name]))])
         report["store_put_MB_s"] = round(store_put_rate(sinks.store, out_dir, biggest, objects, chunks_in_flight), 1)
+        report["store_parts_in_flight"] = getattr(sinks.store, "parts_in_flight", None)
         print(
-            f"store alone ({type(sinks.store).__name__}), {objects} objects, {chunks_in_flight} at a time: "
-            f"{report['store_put_MB_s']:,.1f} MB/s",
+            f"store alone ({type(sinks.store).__name__}), {objects} objects, {chunks_in_flight} at a time, "
+            f"{report['store_parts_in_flight']} parts in flight: {report['store_put_MB_s']:,.1f} MB/s",
             flush=True,
         )
+        for name in variants:  # each row's upload rate beside the store's own
+            row = report["rows"][f"(h) {name}"]
+            row["store_put_MB_s"] = report["store_put_MB_s"]
+            print(
+                f"(h) {name:<30} uploaded at {row['store_MB_s']:,.1f} MB/s; the store's PUT rate "
+                f"{report['store_put_MB_s']:,.1f} MB/s ({row['store_MB_s'] / report['store_put_MB_s']:.3f})",
+                flush=True,
+            )
         kept_dir.mkdir(parents=True, exist_ok=True)
         for result in kept:  # the value checks read the shards where the engine would have left them
             (kept_dir / f"{result.chunk_id}.safetensors").write_bytes(sinks.store.get_bytes(shard_key(result.chunk_id)))
@@ -291,12 +355,12 @@ def harvest_rows(
 
 
 def versus_bounds(report: dict[str, Any], raw_tok_s: float) -> dict[str, float]:
-    """Each harvest row's tokens/s over the lower of raw vLLM and what the sink's measured write rate (and the
-    store's PUT rate, where shards went to a store) allows at that row's bytes per token (issue 10's bound for the
-    four-layer target)."""
+    """Each harvest row's tokens/s over the lower of raw vLLM and what the store's PUT rate (where shards went to a
+    store; else the handoff sink's measured write rate) allows at that row's bytes per token (issue 35's bound for
+    the four-layer target)."""
     tokens = report["prompts"] * report["tokens_per_prompt"]
     bounds = {}
-    store_mb_s = min(report.get("sink_write_MB_s", float("inf")), report.get("store_put_MB_s", float("inf")))
+    store_mb_s = report.get("store_put_MB_s") or report.get("sink_write_MB_s", float("inf"))
     for name, row in report["rows"].items():
         if "shard_bytes" in row:
             store_tok_s = store_mb_s * 1e6 / (row["shard_bytes"] / tokens)

@@ -35,6 +35,10 @@ class S3Settings(BaseModel):
     access_key_id: str | None = None
     # The secret key that goes with ``access_key_id``.
     secret_access_key: SecretStr | None = None
+    # Parts of multipart uploads that one process sends at once, all its uploads together (each part, 8 MiB or more,
+    # is read into memory while it is sent). A worker's harvest shards go up at the store's rate when this covers
+    # the store's latency; a store with several volume servers (or a remote one) may take more.
+    upload_parts_in_flight: int = Field(16, ge=1, le=256)
 
 
 class Settings(BaseSettings):
@@ -95,6 +99,15 @@ class Settings(BaseSettings):
     harvest_chunk_attempts: int = Field(3, ge=1)
     # Harvest chunks one vLLM worker runs at once, beside its interactive jobs (``nnqueue worker --bulk-slots``).
     worker_bulk_slots: int = Field(1, ge=1)
+    # Bytes of harvest shards a worker may hold handed off by its engine and not yet in the store. A chunk's slot is
+    # freed once its shard is written and fits here, so the engine goes on while the store takes the shards; a
+    # chunk whose shard does not fit waits (its slot held, so the engine slows to the store's pace).
+    worker_upload_budget_bytes: int = Field(1 << 30, ge=1)
+    # The folder in which a worker's engine leaves results and shards for the worker to upload (in a private folder
+    # made inside, which a root worker's engine user must be able to reach). Unset: ``<store_dir>/.handoff``, or the
+    # temp folder for a root worker. A tmpfs (/dev/shm) keeps the handoff in memory: it needs room for the upload
+    # budget plus a shard per bulk slot.
+    worker_handoff_dir: Path | None = None
     # The largest dataset (its source files together, or an upload) and the most prompts one harvest may have.
     harvest_max_dataset_bytes: int = Field(256 * 1024 * 1024, gt=0)
     # The most prompts one harvest may have (413 beyond).

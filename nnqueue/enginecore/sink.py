@@ -6,8 +6,9 @@ engine never holds anything that could write to the store, so nothing it does ca
 the frontend committed it.
 
 ``{"kind": "handoff", "path": str}``: a new file at ``path``, in a private directory the frontend made for
-the engine (a trace's result, a harvest shard). The object is written to a staging file beside it and
-renamed there when complete; its sha256 is computed from the bytes as they are written (:class:`HashingFile`),
+the engine (a trace's result, a harvest shard). The object is written to a staging file beside it
+(`staging_path`: the frontend may upload a shard's first parts while the rest is being written) and renamed there
+when complete; its sha256 is computed from the bytes as they are written (:class:`HashingFile`),
 never by reading the file again, and reported with its size. The frontend checks the file it finds (a
 regular file, not a link, the reported size, the engine's owner) and uploads it from there.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -83,12 +83,19 @@ class HashingFile:
         return Written(self.size, self.digest.hexdigest())
 
 
+def staging_path(target: str) -> str:
+    """Where the object for ``target`` is written before it is renamed there: ``.<name>.partial`` beside it."""
+    folder, name = os.path.split(target)
+    return os.path.join(folder, f".{name}.partial")
+
+
 def write_file(sink: dict[str, Any], save: Callable[[HashingFile], object]) -> Written:
     """Run ``save`` on a staging file beside the sink's path, hashing what it writes, then rename the complete
     file to the path; its size and sha256. The file is not fsynced: the frontend uploads it at once, and its
     upload is what lasts."""
     target = check(sink)["path"]
-    fd, staged = tempfile.mkstemp(prefix=".nnqueue-", suffix=".partial", dir=os.path.dirname(target))
+    staged = staging_path(target)
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as file:
             hashing = HashingFile(file)

@@ -79,6 +79,13 @@ class ObjectStore(ABC):
         memory; returns the size in bytes. ``size_hint``, the expected size if known, lets a backend
         pick its part size."""
 
+    def follow_file(self, key: str, fileobj: BinaryIO, size_hint: int | None = None) -> FileUpload:
+        """An upload of the regular file ``fileobj`` to ``key`` while its writer still appends to it:
+        :meth:`FileUpload.advance` may send what is written so far, :meth:`FileUpload.finish` sends the rest and
+        stores the object (nothing appears before), :meth:`FileUpload.abort` drops it. Here all of it goes at the
+        finish; a backend with parts sends them on the way."""
+        return FileUpload(self, key, fileobj, size_hint)
+
     @abstractmethod
     def open_writer(self, key: str, size_hint: int | None = None) -> ObjectWriter:
         """A staged write of ``key``: :meth:`ObjectWriter.write` the bytes as they come (bounded memory: parts
@@ -166,6 +173,28 @@ class ObjectWriter(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Drop what was written; the store keeps what it had. Safe to call after a failed commit."""
+
+
+class FileUpload:
+    """See :meth:`ObjectStore.follow_file`; use from one thread at a time."""
+
+    def __init__(self, store: ObjectStore, key: str, fileobj: BinaryIO, size_hint: int | None) -> None:
+        self.store, self.key, self.file, self.size_hint = store, validate_key(key), fileobj, size_hint
+
+    def advance(self, written: int) -> None:
+        """The file's first ``written`` bytes are final: send what of them may go now (never blocks on the store)."""
+
+    def finish(self, size: int) -> int:
+        """The file is complete at ``size`` bytes: store them; their count."""
+        self.file.seek(0)
+        stored = self.store.put_stream(self.key, self.file, size_hint=size)
+        if stored != size:
+            self.store.delete(self.key)
+            raise ObjectStoreError(f"the file had {stored} bytes at its upload, not {size}")
+        return stored
+
+    def abort(self) -> None:
+        """Drop what was sent; nothing appears at the key. Safe after a failed finish."""
 
 
 def _folder(prefix: str) -> str:

@@ -1,11 +1,22 @@
-"""The object store on S3 or an S3-compatible server (SeaweedFS, MinIO, ...), through boto3."""
+"""The object store on S3 or an S3-compatible server (SeaweedFS, MinIO, ...), through boto3.
+
+A regular file (a worker's handoff file: a harvest shard, a trace result) goes up in parts that the store's part
+threads read at their offsets (``pread``) and send in parallel, ``S3Settings.upload_parts_in_flight`` at once for all
+of this process's uploads together: one upload alone (the last shard of a harvest) gets every thread, many share
+them first come first served. Request bodies are sent unsigned (``UNSIGNED-PAYLOAD``, what boto3 does over HTTPS
+anyway) with their CRC32 checksum, which the store checks: over plain HTTP boto3 would otherwise hash every byte
+with SHA-256 once more for the signature, the costliest step of an upload on the worker's cores. What was uploaded
+is still checked end to end: the object's sha256 is recorded where it was written and clients check it.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import stat
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, BinaryIO
 
 import boto3
@@ -15,6 +26,7 @@ from botocore.exceptions import ClientError
 
 from nnqueue.settings import S3Settings
 from nnqueue.storage.object_store import (
+    FileUpload,
     ObjectNotFound,
     ObjectReader,
     ObjectStore,
@@ -37,6 +49,8 @@ S3_MAX_DELETE_KEYS = 1000
 # s3transfer buffers up to ~10 parts of a non-seekable stream, so memory use is bounded by
 # about 10 x part size, never the whole object.
 MAX_CONCURRENCY = 4
+# Pooled connections beyond the part threads' own: staged writers, reads, small requests.
+SPARE_CONNECTIONS = 16
 _NOT_FOUND_CODES = {"404", "NoSuchKey", "NotFound"}
 
 
@@ -46,6 +60,9 @@ class S3ObjectStore(ObjectStore):
     def __init__(self, settings: S3Settings) -> None:
         self.bucket = settings.bucket
         self._client: Any = _client(settings, settings.endpoint_url)
+        # Threads start on first use; a store that never uploads a file has none.
+        self.parts_in_flight = settings.upload_parts_in_flight
+        self._parts = ThreadPoolExecutor(self.parts_in_flight, thread_name_prefix="nnqueue-s3-part")
         # Presigning is local (no request); a URL for clients must name the address they reach the store at.
         public = settings.public_endpoint_url
         self._presigner: Any = _client(settings, public) if public and public != settings.endpoint_url else self._client
@@ -57,12 +74,33 @@ class S3ObjectStore(ObjectStore):
         return len(data)
 
     def put_stream(self, key: str, fileobj: BinaryIO, size_hint: int | None = None) -> int:
-        counted = _CountingReader(fileobj)
         self._ensure_bucket()
+        span = _file_span(fileobj)
+        if span is not None:
+            offset, size = span
+            return _FileParts(self, validate_key(key), fileobj, size, offset).finish(size)
+        counted = _CountingReader(fileobj)
         # Managed transfer: multipart above the threshold, parts read one at a time from the stream
         # and uploaded concurrently; a failure aborts the multipart upload so no object appears.
         self._client.upload_fileobj(counted, self.bucket, validate_key(key), Config=_transfer_config(size_hint))
         return counted.bytes_read
+
+    def follow_file(self, key: str, fileobj: BinaryIO, size_hint: int | None = None) -> FileUpload:
+        # Nothing here waits on the store: the caller may be an event loop (the parts' requests make the bucket).
+        return _FileParts(self, validate_key(key), fileobj, size_hint)
+
+    def _file_part(self, key: str, upload_id: str, number: int, fd: int, offset: int, length: int) -> dict[str, Any]:
+        body = _read_at(fd, offset, length)
+        answer = self._call("upload_part", key, UploadId=upload_id, PartNumber=number, Body=body)
+        return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    def _abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort a multipart upload (its parts are dropped); one already gone is not an error."""
+        try:
+            self._call("abort_multipart_upload", key, UploadId=upload_id)
+        except ClientError as error:
+            if error.response["Error"]["Code"] != "NoSuchUpload":
+                raise
 
     def open_writer(self, key: str, size_hint: int | None = None) -> ObjectWriter:
         self._ensure_bucket()
@@ -179,9 +217,11 @@ def _client(settings: S3Settings, endpoint_url: str | None) -> Any:
         aws_secret_access_key=secret.get_secret_value() if secret else None,
         config=Config(
             signature_version="s3v4",
-            # Custom endpoints rarely resolve <bucket>.<host>; AWS itself prefers virtual hosts.
-            s3={"addressing_style": "path" if endpoint_url else "auto"},
+            # Custom endpoints rarely resolve <bucket>.<host>; AWS itself prefers virtual hosts. Bodies unsigned, with
+            # their CRC32 (see the module doc).
+            s3={"addressing_style": "path" if endpoint_url else "auto", "payload_signing_enabled": False},
             retries={"mode": "standard", "max_attempts": 5},
+            max_pool_connections=settings.upload_parts_in_flight + SPARE_CONNECTIONS,
         ),
     )
 
@@ -267,11 +307,95 @@ class _MultipartWriter(ObjectWriter):
         self.parts.clear()
         if self.upload_id is not None:
             upload_id, self.upload_id = self.upload_id, None
-            try:
-                self.store._call("abort_multipart_upload", self.key, UploadId=upload_id)
-            except ClientError as error:
-                if error.response["Error"]["Code"] != "NoSuchUpload":
-                    raise
+            self.store._abort_upload(self.key, upload_id)
+
+
+class _FileParts(FileUpload):
+    """A regular file (from ``offset``) in parts of its size hint's part size, each read at its offset and sent on the
+    store's part threads as soon as the file holds it whole; the multipart upload is created by the first part's
+    turn on those threads (they serve in order, so it is made before any part needs it). Completed once every part
+    is in, aborted if any fails: nothing appears before. A file under the multipart threshold that sent nothing
+    goes up in one PUT at the finish."""
+
+    def __init__(self, store: S3ObjectStore, key: str, fileobj: BinaryIO, size_hint: int | None, offset: int = 0):
+        super().__init__(store, key, fileobj, size_hint)
+        self.s3, self.fd, self.offset = store, fileobj.fileno(), offset
+        self.part_size = _part_size(size_hint)
+        self.created: Future[str] | None = None
+        self.parts: list[Future[dict[str, Any]]] = []
+        self.sent = 0
+
+    def advance(self, written: int) -> None:
+        while self.sent + self.part_size <= written:
+            self._send(self.part_size)
+
+    def _send(self, length: int) -> None:
+        if self.created is None:
+            self.created = self.s3._parts.submit(self._create)
+        created, number, offset = self.created, len(self.parts) + 1, self.offset + self.sent
+        self.parts.append(
+            self.s3._parts.submit(
+                lambda: self.s3._file_part(self.key, created.result(), number, self.fd, offset, length)
+            )
+        )
+        self.sent += length
+
+    def _create(self) -> str:
+        upload_id: str = self.s3._call("create_multipart_upload", self.key)["UploadId"]
+        return upload_id
+
+    def finish(self, size: int) -> int:
+        if self.created is None and size < MULTIPART_THRESHOLD:
+            self.s3._call("put_object", self.key, Body=_read_at(self.fd, self.offset, size))
+            return size
+        if self.created is None:  # nothing sent: the parts' size for the size now known, not a bound's
+            self.part_size = _part_size(size)
+        try:
+            if size < self.sent:
+                raise ObjectStoreError(f"the file has {size} bytes, fewer than the {self.sent} already sent")
+            while self.sent < size:
+                self._send(min(self.part_size, size - self.sent))
+            done = [part.result() for part in self.parts]
+            assert self.created is not None
+            upload_id = self.created.result()
+            self.s3._call("complete_multipart_upload", self.key, UploadId=upload_id, MultipartUpload={"Parts": done})
+        except BaseException:
+            self.abort()
+            raise
+        self.created, self.parts = None, []
+        return size
+
+    def abort(self) -> None:
+        for part in self.parts:
+            part.cancel()
+        wait(self.parts)  # no part thread reads the file once the caller closes it
+        self.parts = []
+        if self.created is None:
+            return
+        created, self.created = self.created, None
+        if not created.cancelled() and created.exception() is None:  # (one never created has nothing to abort)
+            self.s3._abort_upload(self.key, created.result())
+
+
+def _file_span(fileobj: BinaryIO) -> tuple[int, int] | None:
+    """``(position, bytes from there to the end)`` when ``fileobj`` is an open regular file, else None."""
+    try:
+        fd = fileobj.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        return None
+    position = fileobj.tell()
+    return position, max(0, info.st_size - position)
+
+
+def _read_at(fd: int, offset: int, length: int) -> bytes:
+    """Exactly ``length`` bytes of ``fd`` at ``offset``; a file cut short meanwhile is an error (nothing is stored)."""
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise ObjectStoreError(f"the file ended at byte {offset + len(data)} while {offset + length} were expected")
+    return data
 
 
 class _CountingReader:

@@ -10,6 +10,13 @@ file against the report and streams it to the store (:mod:`nnqueue.workers.sinks
 recording its size and sha256. The shard lands under the chunk's deterministic key, so a chunk that runs again
 overwrites its own shard; only sizes, checksums and row offsets travel back from the engine.
 
+The upload is off the engine's critical path: its parts go up while the engine still writes the shard
+(:class:`nnqueue.workers.sinks.ShardFollower`), and :meth:`ChunkRunner.run_next` returns, freeing its bulk slot for
+the next chunk, as soon as the shard is handed off and fits in the worker's upload budget
+(:mod:`nnqueue.workers.upload_budget`); the chunk's own task then uploads the shard and records it. The chunk is
+RUNNING on this worker until then, and whatever ends the upload early (a failure, a cancel, the worker's shutdown)
+ends the chunk as a failure of the engine's part would: nothing is recorded for it and it runs again or fails.
+
 A failure goes back to QUEUED until the chunk has run ``NNQUEUE_HARVEST_CHUNK_ATTEMPTS`` times, then fails
 the harvest naming the chunk and the cause (:mod:`nnqueue.scheduler.chunks`). A cancel (or a chunk taken
 over while this worker looked dead) is seen by :meth:`ChunkRunner.reap_lost` at the heartbeat, which cancels
@@ -35,7 +42,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
 from nnqueue.db.models import Harvest, HarvestChunk
-from nnqueue.engines.harvest_runner import ChunkWork, Selection, run_chunk
+from nnqueue.engines.harvest_runner import ChunkResult, ChunkWork, Selection, run_chunk
 from nnqueue.engines.trace_report import WrittenObject
 from nnqueue.scheduler.chunks import (
     ChunkOutput,
@@ -53,11 +60,12 @@ from nnqueue.scheduler.harvest_estimate import COLUMN_BYTES, DTYPE_BYTES
 from nnqueue.scheduler.harvest_manifest import build_manifest, dumps
 from nnqueue.scheduler.harvest_spec import HarvestSpec
 from nnqueue.storage.keys import MANIFEST_FILE, harvest_key
-from nnqueue.storage.object_store import ObjectStore
+from nnqueue.storage.object_store import Digest, ObjectStore
 from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.job_execution import Outcome
 from nnqueue.workers.provenance import provenance
-from nnqueue.workers.sinks import ResultSinks
+from nnqueue.workers.sinks import ResultSinks, ShardFollower
+from nnqueue.workers.upload_budget import UploadBudget
 from nnqueue.workers.weights import WeightsGate, WrongWeights
 
 log = logging.getLogger(__name__)
@@ -76,6 +84,7 @@ class ChunkRunner:
     worker_id: str
     max_attempts: int
     engine_info: dict[str, Any]  # model, revision and library versions, for the manifest
+    uploads: UploadBudget  # the bytes of shards handed off and not yet stored
     # The worker's engine health (shared with its JobRunner); None in tests.
     health: EngineHealth | None = None
     # The engine's weights version and update gate (nnqueue.workers.weights); None: versions are not tracked.
@@ -84,7 +93,9 @@ class ChunkRunner:
     _aborted: set[int] = field(default_factory=set)
 
     async def run_next(self) -> Outcome:
-        """Claim the model's fairest QUEUED chunk and run it (what a bulk token asks for)."""
+        """Claim the model's fairest QUEUED chunk and run it (what a bulk token asks for). Returns once the chunk no
+        longer needs its slot: ``HANDED_OFF`` when its shard is written and its upload goes on in the chunk's task,
+        else how the chunk ended."""
         if self.health is not None and self.health.dead.is_set():
             await asyncio.to_thread(send_chunk_tokens, self.app, self.model_key)  # for another worker
             return Outcome.SKIPPED
@@ -93,23 +104,28 @@ class ChunkRunner:
         if chunk is None:
             log.info("a bulk token for %s found no queued chunk; dropped", self.model_key)
             return Outcome.NO_WORK
-        task = asyncio.current_task()
-        assert task is not None
-        self._running[chunk.id] = task
+        slot: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        task = self._running[chunk.id] = asyncio.ensure_future(self._attempt(chunk, slot))
+        task.add_done_callback(_log_escaped)
+        return await slot
+
+    async def _attempt(self, chunk: HarvestChunk, slot: asyncio.Future[Outcome]) -> Outcome:
+        """The chunk from its claim to its end; ``slot`` gets ``HANDED_OFF`` when its upload starts, or its end."""
         started = time.monotonic()
+        outcome = Outcome.CANCELLED
         try:
-            outcome = await self._on_weights(chunk)
+            outcome = await self._run(chunk, slot)
         except asyncio.CancelledError:
             if chunk.id not in self._aborted:
                 raise  # the worker is shutting down: a live worker's heartbeat requeues the chunk
             log.info("chunk %s of harvest %s aborted: cancelled or taken over", chunk.index, chunk.harvest_id)
-            outcome = Outcome.CANCELLED
         except Exception as error:
             if self.health is not None and self.health.caused_by_death(error):
                 # Not the chunk's fault: it stays RUNNING here until this worker has deregistered, then a
                 # live worker's heartbeat requeues it (as for a killed worker's chunk).
                 await self.health.engine_died()
-                return Outcome.SKIPPED
+                outcome = Outcome.SKIPPED
+                return outcome
             log.exception("chunk %s of harvest %s failed", chunk.index, chunk.harvest_id)
             cause = f"{type(error).__name__}: {error}"
             status = await asyncio.to_thread(
@@ -120,24 +136,13 @@ class ChunkRunner:
         finally:
             self._running.pop(chunk.id, None)
             self._aborted.discard(chunk.id)
+            _free(slot, outcome)
         metrics.HARVEST_CHUNKS_FINISHED.labels(self.model_key, outcome.value).inc()
         if outcome is Outcome.COMPLETED:
             metrics.HARVEST_CHUNK_TIME.labels(self.model_key).observe(time.monotonic() - started)
         return outcome
 
-    async def _on_weights(self, chunk: HarvestChunk) -> Outcome:
-        """Run the chunk holding the weights still (no update in between); one that reached this engine after it
-        moved off the chunk's pinned version goes back to the queue, uncharged."""
-        if self.weights is None:
-            return await self._run(chunk, None)
-        try:
-            async with self.weights.serving(chunk.weights_pin) as version:
-                return await self._run(chunk, version)
-        except WrongWeights as wrong:
-            await asyncio.to_thread(requeue_chunk, self.sessions, self.app, chunk.id, self.worker_id, str(wrong))
-            return Outcome.SKIPPED
-
-    async def _run(self, chunk: HarvestChunk, weights_version: str | None) -> Outcome:
+    async def _run(self, chunk: HarvestChunk, slot: asyncio.Future[Outcome]) -> Outcome:
         harvest = await asyncio.to_thread(self._harvest, chunk.harvest_id)
         spec = HarvestSpec.model_validate(harvest.spec)
         data = await asyncio.to_thread(
@@ -153,7 +158,10 @@ class ChunkRunner:
             dtype=spec.dtype,
             generated=spec.generated_positions,
         )
-        async with self.sinks.staged_shard(chunk.shard_key, name, bound) as sink:
+        async with (
+            self.sinks.staged_shard(chunk.shard_key, name, bound) as sink,
+            self.sinks.following(sink) as follower,  # its parts go up while the engine writes it
+        ):
             work = ChunkWork(
                 chunk_id=f"{chunk.harvest_id}-{chunk.index:05d}",
                 prompt_indices=range(chunk.first_prompt, chunk.first_prompt + chunk.prompts),
@@ -166,12 +174,14 @@ class ChunkRunner:
                 generation=spec.generate,
                 outliers=spec.outliers,
             )
-            result = await run_chunk(self.model.vllm_entrypoint, work)
+            ran = await follower.during(self._on_weights(chunk, work))
+            if ran is None:
+                return Outcome.SKIPPED
+            result, weights_version = ran
             if chunk.id not in await asyncio.to_thread(held_chunks, self.sessions, [chunk.id], self.worker_id):
                 log.info("chunk %s of harvest %s no longer held here; its shard is dropped", chunk.index, harvest.id)
                 return Outcome.SKIPPED
-            reported = WrittenObject(result.bytes, result.sha256)
-            stored = await asyncio.to_thread(self.sinks.commit_shard, sink, reported)
+            stored, timeline = await self._upload(follower, result, slot)
         offsets = [prompt.first_row for prompt in result.prompts] + [result.rows]
         output = ChunkOutput(
             result.rows,
@@ -189,17 +199,42 @@ class ChunkRunner:
         metrics.STORE_BYTES_WRITTEN.labels("shard").inc(stored.size)
         metrics.HARVEST_TOKENS.labels(self.model_key).inc(result.tokens)
         log.info(
-            "chunk %s of harvest %s: %d prompts, %d tokens, %d rows, %d bytes in %.2f s on the engine",
+            "chunk %s of harvest %s: %d prompts, %d tokens, %d rows, %d bytes; %s",
             chunk.index,
             harvest.id,
             chunk.prompts,
             result.tokens,
             result.rows,
             stored.size,
-            result.seconds,
+            timeline,
         )
         await asyncio.to_thread(self._complete_if_last, harvest.id)
         return Outcome.COMPLETED
+
+    async def _on_weights(self, chunk: HarvestChunk, work: ChunkWork) -> tuple[ChunkResult, str | None] | None:
+        """Run the chunk on the engine holding the weights still (no update in between): its result and the weights
+        version it ran on. None: it reached this engine after the engine moved off the chunk's pinned version, and
+        went back to the queue, uncharged."""
+        if self.weights is None:
+            return await run_chunk(self.model.vllm_entrypoint, work), None
+        try:
+            async with self.weights.serving(chunk.weights_pin) as version:
+                return await run_chunk(self.model.vllm_entrypoint, work), version
+        except WrongWeights as wrong:
+            await asyncio.to_thread(requeue_chunk, self.sessions, self.app, chunk.id, self.worker_id, str(wrong))
+            return None
+
+    async def _upload(
+        self, follower: ShardFollower, result: ChunkResult, slot: asyncio.Future[Outcome]
+    ) -> tuple[Digest, UploadTimeline]:
+        """Store the shard the engine reported, once it fits in the upload budget; ``slot`` is freed from then on."""
+        timeline = UploadTimeline(engine_s=result.seconds, handed_off=time.monotonic())
+        async with self.uploads.room(result.bytes):
+            timeline.started = time.monotonic()
+            _free(slot, Outcome.HANDED_OFF)
+            stored = await asyncio.to_thread(follower.commit, WrittenObject(result.bytes, result.sha256))
+            timeline.stored = time.monotonic()
+        return stored, timeline
 
     def _harvest(self, harvest_id: uuid.UUID) -> Harvest:
         with self.sessions() as session:
@@ -235,6 +270,35 @@ class ChunkRunner:
             if task is not None:
                 task.get_loop().call_soon_threadsafe(task.cancel)
         return lost
+
+
+@dataclass
+class UploadTimeline:
+    """When a chunk's shard moved (``time.monotonic()``): reported by the engine (``engine_s`` after the chunk
+    began there), given room in the upload budget (its slot freed), stored."""
+
+    engine_s: float
+    handed_off: float
+    started: float = 0.0
+    stored: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{self.engine_s:.2f} s on the engine, {self.started - self.handed_off:.2f} s waiting for upload room, "
+            f"{self.stored - self.started:.2f} s uploading"
+        )
+
+
+def _free(slot: asyncio.Future[Outcome], outcome: Outcome) -> None:
+    """Let `ChunkRunner.run_next` return ``outcome`` (once; not after it was cancelled)."""
+    if not slot.done():
+        slot.set_result(outcome)
+
+
+def _log_escaped(task: asyncio.Task[Outcome]) -> None:
+    """Log what a chunk's task raised past its own handling (its bulk token may have been acknowledged long ago)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("a harvest chunk's task raised", exc_info=task.exception())
 
 
 def tokenize(model: Any, examples: list[Example], spec: HarvestSpec) -> list[list[int]]:

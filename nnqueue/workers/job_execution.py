@@ -71,6 +71,7 @@ class Outcome(enum.StrEnum):
     CANCELLED = "cancelled"
     SKIPPED = "skipped"  # taken over by another worker while it ran
     NO_WORK = "no_work"  # the token found no queued work
+    HANDED_OFF = "handed_off"  # a harvest chunk's shard is written; its upload goes on without the engine
 
 
 @dataclass

@@ -67,12 +67,18 @@ from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
+from nnqueue.workers.upload_budget import UploadBudget
 from nnqueue.workers.weights import CheckpointUpdater, WeightsGate, base_version
 
 log = logging.getLogger(__name__)
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
 RUNNING_CHUNKS = prometheus_client.Gauge(
     "nnqueue_worker_running_chunks", "Harvest chunks this worker is running now.", ["model"]
+)
+UPLOADS_HELD = prometheus_client.Gauge(
+    "nnqueue_worker_upload_bytes_held",
+    "Bytes of harvest shards this worker's engine handed off that are not yet in the store (its upload budget used).",
+    ["model"],
 )
 
 
@@ -111,7 +117,7 @@ def run_worker(
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
     os.environ[CRASH_DIR_ENV] = str(crash_dir)
-    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff")
+    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir)
     view = (
         engine_view(model, engine_kwargs, [crash_dir, sinks.handoff_dir()]) if containment.filesystem_private else None
     )
@@ -149,6 +155,8 @@ def run_worker(
             staged=view is not None,
         )
         host.call(updater.catch_up())  # the model's checkpoint swaps so far: serve the newest version
+        uploads = UploadBudget(settings.worker_upload_budget_bytes)
+        UPLOADS_HELD.labels(model_key).set_function(lambda: uploads.held)
         chunks = ChunkRunner(
             sessions,
             store,
@@ -159,6 +167,7 @@ def run_worker(
             worker_id,
             settings.harvest_chunk_attempts,
             engine_info(model, executor.model.vllm_entrypoint, executor.model.tokenizer),
+            uploads,
             health,
             gate,
         )

@@ -7,15 +7,17 @@ handoff directory, hashing them as it writes, and reports each file's size and s
 file it finds there (opened without following a link, a regular file with one link, the reported size, owned
 by the engine's user or this worker's: never a file of someone else's that the engine linked there), then
 streams it from that open file to the store (:meth:`nnqueue.storage.object_store.ObjectStore.put_stream`: an S3
-multipart upload for large objects, parts read from the file once; a local store copies it in the kernel)
-and records the size and the engine's sha256 with the job or chunk, which the API hands to clients and the
-clients check (:mod:`nnqueue.workers.job_execution`, :mod:`nnqueue.scheduler.harvest_manifest`). Nothing the
+multipart upload for large objects, its parts read from the file at their offsets and sent in parallel; a local
+store copies it in the kernel) and records the size and the engine's sha256 with the job or chunk, which the API
+hands to clients and the clients check (:mod:`nnqueue.workers.job_execution`, :mod:`nnqueue.scheduler.harvest_manifest`). Nothing the
 engine holds reaches the store: no URL, no credential; so an engine that a trace took over can forge the
 results of the steps it runs (and report a sha256 that does not match them, which the clients' check then
 refuses), but cannot replace a committed one, and a change made to a stored object behind the worker's back
 no longer matches its recorded sha256.
 
-A handoff file is read once, by the upload, and removed. Results are per attempt
+A handoff file is read once, by the upload, and removed. A harvest shard's upload may begin while the engine still
+writes it (`ShardFollower`: the parts its staging file holds whole go up at once, the rest after the report),
+with the same checks of the file and the same record. Results are per attempt
 (``results/<job>/<attempt>/...``), so a worker that lost its job cannot overwrite the new holder's result;
 a shard's key is its chunk's (a re-run writes the same bytes), and a worker that lost its chunk removes its
 file instead of uploading it. A shard larger than the bound its chunk allows is refused (`open_shard`).
@@ -27,20 +29,25 @@ import asyncio
 import contextlib
 import os
 import stat
+import threading
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol, TypeVar
 
 from nnqueue import isolation
+from nnqueue.enginecore.sink import staging_path
 from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
-from nnqueue.storage.object_store import Digest, ObjectStore
+from nnqueue.storage.object_store import Digest, FileUpload, ObjectStore
 from nnqueue.storage.results import TORCH_AND_SAFETENSORS_FORMAT, TORCH_FORMAT, StoredResult
 
 # The result's objects, by the names the engine reports them under.
 OBJECTS = {"torch": TORCH_FILE, "safetensors": SAFETENSORS_FILE}
+# How often a shard being written is looked at (`ShardFollower.poll`), on the engine loop.
+FOLLOW_INTERVAL_S = 0.01
+T = TypeVar("T")
 
 
 class ResultNotWritten(NNqueueError):
@@ -76,9 +83,12 @@ class ShardSink:
 
 
 class ResultSinks:
-    def __init__(self, store: ObjectStore, handoff_root: Path) -> None:
+    def __init__(self, store: ObjectStore, handoff_root: Path, handoff_parent: Path | None = None) -> None:
+        """The handoff directory is made in ``handoff_parent`` when given (``NNQUEUE_WORKER_HANDOFF_DIR``), else in
+        ``handoff_root``, or in the temp folder when this process is root."""
         self.store = store
         self.handoff_root = handoff_root
+        self.handoff_parent = handoff_parent
         self._handoff_dir: Path | None = None
 
     def open(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool) -> JobSinks:
@@ -162,27 +172,52 @@ class ResultSinks:
             self.discard_shard(sink)
 
     def discard_shard(self, sink: ShardSink) -> None:
-        """Drop what an abandoned attempt wrote (nothing appears at the key)."""
+        """Drop what an abandoned attempt wrote (nothing appears at the key), its staging file too."""
         Path(sink.spec["path"]).unlink(missing_ok=True)
+        Path(staging_path(sink.spec["path"])).unlink(missing_ok=True)
+
+    @contextlib.asynccontextmanager
+    async def following(self, sink: ShardSink) -> AsyncIterator[ShardFollower]:
+        """The shard's upload while the engine writes it (`ShardFollower`), committed with `ShardFollower.commit`
+        instead of `commit_shard`; what was sent is dropped on leaving unless it was committed."""
+        follower = ShardFollower(self, sink)
+        try:
+            yield follower
+        finally:
+            await asyncio.to_thread(follower.abort)
 
     def _upload(self, path: str, key: str, reported: Reported, name: str) -> Digest:
         """Stream the handoff file at ``path`` to ``key`` once it is checked against ``reported`` (see the module
         doc); its size and the engine's sha256."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # the engine may have made it a link
-        except OSError as error:
-            raise ResultNotWritten(f"{name} was not handed off: {error.strerror}") from None
-        with os.fdopen(fd, "rb") as file:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid not in self._owners():
-                raise ResultNotWritten(f"{name} was not handed off as a file of the engine's own")
-            if info.st_size != reported.size:
-                raise ResultNotWritten(f"{name} handed off with {info.st_size} bytes, reported {reported.size}")
+        with self._open_handed_off(path, name) as file:
+            self._check_size(file, reported, name)
             uploaded = self.store.put_stream(key, file, size_hint=reported.size)
         if uploaded != reported.size:
             self.store.delete(key)
             raise ResultNotWritten(f"{name} changed while it was read: {uploaded} bytes, reported {reported.size}")
         return Digest(uploaded, reported.sha256)
+
+    def _open_handed_off(self, path: str, name: str) -> BinaryIO:
+        """The file at ``path`` opened for reading if it is one the engine handed off: not a link (nor a FIFO that
+        would block the open), a regular file with one link, the engine's or this worker's."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as error:
+            raise ResultNotWritten(f"{name} was not handed off: {error.strerror}") from None
+        file = os.fdopen(fd, "rb")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid not in self._owners():
+            file.close()
+            raise ResultNotWritten(f"{name} was not handed off as a file of the engine's own")
+        return file
+
+    def _check_size(self, file: BinaryIO, reported: Reported, name: str) -> None:
+        """The open handoff file still has one link and holds the ``reported`` size."""
+        info = os.fstat(file.fileno())
+        if info.st_nlink != 1:
+            raise ResultNotWritten(f"{name} was not handed off as a file of the engine's own")
+        if info.st_size != reported.size:
+            raise ResultNotWritten(f"{name} handed off with {info.st_size} bytes, reported {reported.size}")
 
     def _owners(self) -> set[int]:
         """Who a handoff file may belong to: the engine's user (when this worker is root and has one) or this
@@ -203,8 +238,94 @@ class ResultSinks:
         if self._handoff_dir is None:
             # The engine writes here. A root worker's engine runs as the engine user (nnqueue.isolation),
             # which may not reach the store's folder: its handoff directory is then in the temp folder (1777).
-            parent = None if os.geteuid() == 0 else self.handoff_root
+            parent = self.handoff_parent or (None if os.geteuid() == 0 else self.handoff_root)
             if parent is not None:
                 parent.mkdir(parents=True, exist_ok=True)
             self._handoff_dir = isolation.engine_writable_dir("nnqueue-handoff-", parent=parent)
         return self._handoff_dir
+
+
+class ShardFollower:
+    """A shard uploaded while the engine writes it: the engine writes to a staging file beside the handoff path
+    (:func:`nnqueue.enginecore.sink.staging_path`) and renames it there when complete. `poll`, called on the engine
+    loop every few milliseconds while the chunk runs (`during`), opens that staging file once it exists, checked as
+    a handed-off file is, and sends each part that the file holds whole (:meth:`ObjectStore.follow_file`);
+    `commit` sends the rest once the engine has reported the shard, and stores it. A staging file never seen (the
+    write came and went between polls) or refused is uploaded whole from the handoff path by `commit_shard`."""
+
+    def __init__(self, sinks: ResultSinks, sink: ShardSink) -> None:
+        self.sinks, self.sink = sinks, sink
+        self.file: BinaryIO | None = None
+        self.upload: FileUpload | None = None
+        self.refused = False
+        self._lock = threading.Lock()  # `commit` on an I/O thread, `abort` from the chunk's end
+
+    async def during(self, work: Awaitable[T]) -> T:
+        """Await ``work`` (the chunk on the engine) polling meanwhile."""
+
+        async def poll() -> None:
+            while True:
+                self.poll()
+                await asyncio.sleep(FOLLOW_INTERVAL_S)
+
+        polling = asyncio.ensure_future(poll())
+        try:
+            return await work
+        finally:
+            polling.cancel()
+
+    def poll(self) -> None:
+        """Non-blocking: the staging file opened once it is there, then the parts it holds whole sent."""
+        if self.refused:
+            return
+        try:
+            if self.file is None:
+                path = staging_path(self.sink.spec["path"])
+                if not os.path.lexists(path):
+                    return
+                self.file = self.sinks._open_handed_off(path, "the shard")
+                self.upload = self.sinks.store.follow_file(self.sink.key, self.file, self.sink.max_bytes)
+            assert self.upload is not None
+            self.upload.advance(min(os.fstat(self.file.fileno()).st_size, self.sink.max_bytes))
+        except (OSError, ResultNotWritten):  # gone meanwhile, or not the engine's own: `commit` uploads it whole
+            self.refused = True
+
+    def commit(self, reported: Reported) -> Digest:
+        """Store the shard the engine reported writing; its size and sha256 (see `ResultSinks.commit_shard`, whose
+        checks this makes). Blocking. The handoff file is removed."""
+        with self._lock:
+            if self.refused or self.upload is None:
+                self._abort()
+                return self.sinks.commit_shard(self.sink, reported)
+            assert self.file is not None
+            try:
+                if reported.size > self.sink.max_bytes:
+                    raise ResultNotWritten(
+                        f"the shard has {reported.size} bytes, over its bound of {self.sink.max_bytes}"
+                    )
+                self.sinks._check_size(self.file, reported, "the shard")
+                stored = self.upload.finish(reported.size)
+            except BaseException:
+                self._abort()
+                raise
+            finally:
+                self.sinks.discard_shard(self.sink)
+            self.upload = None
+            self._close()
+        return Digest(stored, reported.sha256)
+
+    def abort(self) -> None:
+        """Drop what was sent (nothing appears at the key); nothing to do after a commit. Blocking."""
+        with self._lock:
+            self._abort()
+
+    def _abort(self) -> None:
+        if self.upload is not None:
+            self.upload.abort()
+            self.upload = None
+        self._close()
+
+    def _close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import random
 import threading
 import time
@@ -26,6 +27,7 @@ from nnqueue.storage import (
     S3ObjectStore,
     object_store_from_settings,
 )
+from nnqueue.storage.object_store import ObjectStoreError
 from nnqueue.storage.s3 import MIN_PART_SIZE
 from tests.utils import servers
 
@@ -398,3 +400,81 @@ def test_an_aborted_staged_write_leaves_the_object_as_it_was(store: ObjectStore,
         assert store._client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", []) == []
     else:
         assert [path.name for path in (store.root / key).parent.iterdir()] == ["object.bin"]
+
+
+def take_the_part_thread(store: S3ObjectStore) -> threading.Event:
+    """Take the part thread of ``store`` (a store with one) until the returned event is set: the parts of uploads
+    started meanwhile wait in its queue, unread."""
+    busy, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        release.wait()
+
+    store._parts.submit(hold)
+    busy.wait()
+    return release
+
+
+def test_a_file_cut_short_while_its_parts_go_up_leaves_the_previous_object(
+    s3_settings: S3Settings, key: str, tmp_path: Path
+) -> None:
+    """A regular file goes up in parts that the store's part threads read when their turn comes: one that finds the
+    file ended early fails the upload, which is aborted (the object stays as it was, no multipart upload lingers)."""
+    store = S3ObjectStore(s3_settings.model_copy(update={"upload_parts_in_flight": 1}))
+    client = servers.s3_client_for(s3_settings)
+    store.put_bytes(key, b"previous")
+    path = tmp_path / "shard.bin"
+    path.write_bytes(random.Random(0).randbytes(3 * MIN_PART_SIZE))  # three parts
+    release = take_the_part_thread(store)
+    with open(path, "rb") as file:
+        upload = store.follow_file(key, file, size_hint=3 * MIN_PART_SIZE)
+        upload.advance(3 * MIN_PART_SIZE)  # all three queued behind the held thread, unread
+        os.truncate(path, MIN_PART_SIZE + 1)
+        release.set()
+        with pytest.raises(ObjectStoreError, match=f"the file ended at byte {MIN_PART_SIZE + 1}"):
+            upload.finish(3 * MIN_PART_SIZE)
+    assert store.get_bytes(key) == b"previous"
+    assert client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", []) == []
+
+
+def uploaded_parts(s3_settings: S3Settings, store: S3ObjectStore, key: str) -> list[int]:
+    """The part numbers that the key's one multipart upload in progress holds so far."""
+    client = servers.s3_client_for(s3_settings)
+    uploads = client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", [])
+    if not uploads:
+        return []
+    parts = client.list_parts(Bucket=store.bucket, Key=key, UploadId=uploads[0]["UploadId"]).get("Parts", [])
+    return [part["PartNumber"] for part in parts]
+
+
+def test_a_file_goes_up_while_it_is_written(store: ObjectStore, key: str, request: pytest.FixtureRequest) -> None:
+    """`follow_file`: on S3 the parts the file holds whole go up before the writer is done; nothing appears at the
+    key before the finish, and an aborted upload leaves nothing."""
+    data = random.Random(3).randbytes(2 * MIN_PART_SIZE + 5)
+    path = request.getfixturevalue("tmp_path") / "growing.bin"
+    with open(path, "wb") as writer, open(path, "rb") as reader:
+        upload = store.follow_file(key, reader, size_hint=len(data))
+        writer.write(data[: MIN_PART_SIZE + 3])
+        writer.flush()
+        upload.advance(MIN_PART_SIZE + 3)
+        if isinstance(store, S3ObjectStore):  # the first part is stored while the rest is still to be written
+            s3_settings = request.getfixturevalue("s3_settings")
+            deadline = time.monotonic() + 30
+            while uploaded_parts(s3_settings, store, key) != [1]:
+                assert time.monotonic() < deadline, "the written part did not go up"
+                time.sleep(0.02)
+        assert not store.exists(key)
+        writer.write(data[MIN_PART_SIZE + 3 :])
+        writer.flush()
+        upload.advance(len(data))
+        assert upload.finish(len(data)) == len(data)
+    assert store.get_bytes(key) == data
+
+    with open(path, "rb") as reader:
+        dropped = store.follow_file(f"{key}.dropped", reader, size_hint=len(data))
+        dropped.advance(len(data))
+        dropped.abort()
+    assert not store.exists(f"{key}.dropped")
+    if isinstance(store, S3ObjectStore):
+        assert uploaded_parts(request.getfixturevalue("s3_settings"), store, f"{key}.dropped") == []

@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import os
 import random
+import time
 import uuid
 from pathlib import Path
 
@@ -19,8 +20,9 @@ from nnqueue.engines.trace_report import WrittenObject
 from nnqueue.settings import S3Settings
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.object_store import ObjectStore
-from nnqueue.storage.s3 import S3ObjectStore
-from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ShardSink
+from nnqueue.storage.s3 import MIN_PART_SIZE, S3ObjectStore
+from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ShardFollower, ShardSink
+from tests.storage.test_object_store import uploaded_parts
 
 JOB = uuid.UUID("12345678-1234-5678-1234-567812345678")
 MiB = 1 << 20
@@ -136,3 +138,49 @@ def test_an_abandoned_shard_leaves_nothing(store: ObjectStore, tmp_path: Path) -
         asyncio.run(fail_mid_shard())
     half = failed.value.args[0]
     assert not store.exists(key) and not any(Path(half.spec["path"]).parent.iterdir())
+
+
+def test_a_shard_goes_up_while_the_engine_writes_it(s3_settings: S3Settings, tmp_path: Path) -> None:
+    """The worker follows the engine's staging file: the parts written whole go up before the engine is done, the
+    rest after its report; what is stored is the shard, and nothing is left in the handoff folder."""
+    store = S3ObjectStore(s3_settings.model_copy(update={"bucket": f"sinks-{uuid.uuid4().hex[:8]}"}))
+    sinks = ResultSinks(store, tmp_path, tmp_path)
+    data = random.Random(2).randbytes(3 * MIN_PART_SIZE + 7)
+    key = "harvests/h/shard-00002.safetensors"
+    opened = sinks.open_shard(key, "followed.safetensors", len(data))
+    follower = ShardFollower(sinks, opened)
+    follower.poll()  # nothing written yet: nothing to follow
+    assert follower.file is None
+
+    def engine(file: sink.HashingFile) -> None:
+        file.write(data[: 2 * MIN_PART_SIZE + 1])
+        file.flush()
+        follower.poll()  # mid-write: two parts are whole
+        deadline = time.monotonic() + 30
+        while uploaded_parts(s3_settings, store, key) != [1, 2]:
+            assert time.monotonic() < deadline, "the written parts did not go up"
+            time.sleep(0.02)
+        file.write(data[2 * MIN_PART_SIZE + 1 :])
+
+    written = sink.write_file(opened.spec, engine)
+    digest = follower.commit(WrittenObject(written.size, written.sha256))
+    assert (digest.size, digest.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    assert store.get_bytes(key) == data and list(Path(opened.spec["path"]).parent.iterdir()) == []
+
+
+def test_a_staging_file_that_is_not_the_engines_own_is_not_followed(tmp_path: Path) -> None:
+    """A staging path the engine pointed at someone else's file is never read; the shard it then reports is
+    uploaded from its handoff file with every check, as without following."""
+    store = LocalObjectStore(tmp_path / "objects")
+    sinks = ResultSinks(store, tmp_path / "handoff", tmp_path / "handoff")
+    opened = sinks.open_shard("harvests/h/shard-00003.safetensors", "linked.safetensors", 64)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"root's")
+    os.symlink(secret, sink.staging_path(opened.spec["path"]))
+    follower = ShardFollower(sinks, opened)
+    follower.poll()
+    assert follower.refused and follower.file is None
+    os.unlink(sink.staging_path(opened.spec["path"]))
+    written = write(opened.spec, b"the shard")
+    digest = follower.commit(written)
+    assert store.get_bytes(opened.key) == b"the shard" and digest.size == 9

@@ -1,0 +1,102 @@
+"""ChunkRunner on the session's in-process engine with real Postgres, Redis and S3: a chunk's slot is freed as soon
+as its shard is handed off (``run_next`` answers while the upload goes on in the chunk's task); an upload that fails
+after that sends the chunk back to the queue with the cause and leaves nothing at its key, and the chunk's next
+attempt stores the shard that its recorded sha256 describes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from nnqueue.broker import queue_name
+from nnqueue.db.models import HarvestChunk, JobStatus
+from nnqueue.engines.harvest_runner import capture_points
+from nnqueue.scheduler import registry
+from nnqueue.storage.s3 import S3ObjectStore
+from nnqueue.workers.chunk_execution import ChunkRunner
+from nnqueue.workers.job_execution import Outcome
+from nnqueue.workers.sinks import ResultSinks
+from nnqueue.workers.upload_budget import UploadBudget
+from tests.storage.test_object_store import take_the_part_thread
+from tests.utils import servers
+from tests.utils.engines import InProcessEngine, run
+from tests.utils.services import MODEL_KEY, Services
+from tests.workers.test_harvest import chunks_of, harvest, prompts, wait_harvest
+
+S = JobStatus
+# 4 KiB of float32 a token: a shard of 48 prompts is several parts of a multipart upload.
+CAPTURES = [
+    {"module": "model.layers.0"},
+    {"module": "model.layers.1"},
+    {"module": "model.layers.0", "io": "input"},
+    {"module": "model.layers.1", "io": "input"},
+    {"module": "model.layers.0.mlp.down_proj", "io": "input"},
+    {"module": "model.layers.1.mlp.down_proj", "io": "input"},
+]
+
+
+def wait_until(what: str, done: Callable[[], object]) -> None:
+    deadline = time.monotonic() + 120
+    while not done():
+        assert time.monotonic() < deadline, f"{what} did not happen in 120 s"
+        time.sleep(0.02)
+
+
+def the_chunk(services: Services, harvest_id: uuid.UUID) -> HarvestChunk:
+    [chunk] = chunks_of(services, harvest_id)
+    return chunk
+
+
+def test_an_upload_that_fails_after_the_slot_was_freed_sends_the_chunk_back_and_stores_nothing(
+    inprocess_engine: InProcessEngine, services: Services, tmp_path: Path
+) -> None:
+    worker_id = registry.new_worker_id()
+    points = run(inprocess_engine, capture_points(inprocess_engine.model.vllm_entrypoint))
+    registry.register(services.sessions, worker_id, MODEL_KEY, queue_name(MODEL_KEY), 1, capture_points=points)
+    harvest_id = harvest(services, prompts(48, 160, seed=5), prompts_per_chunk=48, captures=CAPTURES)
+    assert services.settings.s3 is not None
+    store = S3ObjectStore(services.settings.s3.model_copy(update={"upload_parts_in_flight": 1}))
+    client = servers.s3_client_for(services.settings.s3)
+    runner = ChunkRunner(
+        services.sessions,
+        services.store,
+        services.celery,
+        inprocess_engine.model,
+        ResultSinks(store, tmp_path, tmp_path),
+        MODEL_KEY,
+        worker_id,
+        max_attempts=3,
+        engine_info={},
+        uploads=UploadBudget(1 << 30),
+    )
+    release = take_the_part_thread(store)  # the shard's parts wait for the test
+
+    assert inprocess_engine.run(runner.run_next()) is Outcome.HANDED_OFF  # the slot is free; the shard is not stored
+    chunk = the_chunk(services, harvest_id)
+    assert chunk.status is S.RUNNING and runner.running_chunks() == [chunk.id]
+    [handed_off] = tmp_path.glob("nnqueue-handoff-*/*.safetensors")
+    assert handed_off.stat().st_size > 3 * (8 << 20)  # several parts, none read yet
+    os.truncate(handed_off, 1 << 20)  # what an engine could do to its file once it had reported it
+    release.set()
+
+    wait_until("the chunk's end", lambda: the_chunk(services, harvest_id).status is not S.RUNNING)
+    chunk = the_chunk(services, harvest_id)
+    assert (chunk.status, chunk.attempts, chunk.sha256) == (S.QUEUED, 1, None)
+    # Cut before the worker's check of the file, or after it, as its parts were read:
+    assert "handed off with 1048576 bytes" in (chunk.error or "") or "the file ended at byte" in (chunk.error or "")
+    assert runner.running_chunks() == [] and not store.exists(chunk.shard_key)
+    assert client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []  # aborted, not left over
+    assert not any(tmp_path.glob("nnqueue-handoff-*/*"))
+
+    # Its next attempt stores the shard; what is stored is what its recorded size and sha256 say.
+    assert inprocess_engine.run(runner.run_next()) is Outcome.HANDED_OFF
+    done = wait_harvest(services, harvest_id)
+    assert done.status is S.COMPLETED, (done.error_type, done.error_message)
+    chunk = the_chunk(services, harvest_id)
+    stored = store.get_bytes(chunk.shard_key)
+    assert (chunk.attempts, chunk.bytes, chunk.sha256) == (2, len(stored), hashlib.sha256(stored).hexdigest())
+    assert runner.running_chunks() == []
