@@ -8,7 +8,8 @@ queue and stores around it.
   ``nnqueue worker`` starts it (``contained``: its user, network namespace, seccomp and lock-down too), and a meta
   client model to build payloads with (`PrebuiltBackend`).
 * The queue (`Queue`): the worker's whole path for jobs, without the broker: payloads in the store, rows in SQLite
-  or Postgres, ``JobRunner`` claims with one thread a job (as the Celery pool), results committed.
+  or Postgres, ``JobRunner`` claims with one thread a job (as the Celery pool), results committed; each run's
+  timeline (`nnqueue.timeline`: claim, payload, engine steps, result written, committed, finished).
 * Stores (`start_s3_store`): a SeaweedFS S3 server started here, and the object store on it.
 """
 
@@ -278,6 +279,7 @@ class Queue:
         from nnqueue.engines.outbox import poller
         from nnqueue.settings import Settings
         from nnqueue.storage import object_store_from_settings
+        from nnqueue.timeline import Timelines
         from nnqueue.workers.job_execution import JobRunner
         from nnqueue.workers.sinks import ResultSinks
         from nnqueue.workers.trace_execution import VLLMTraceExecutor
@@ -295,7 +297,8 @@ class Queue:
             poller(engine.vllm_entrypoint),  # the engine's one poller, shared with harvest chunks (as the worker)
             BuilderPool("", {}, 0, 0),
         )
-        self.runner = JobRunner(self.sessions, executor, "bench", f"bench:{os.getpid()}")
+        self.timelines = Timelines()  # each job's run: claim, payload, engine steps, result, commit, finish
+        self.runner = JobRunner(self.sessions, executor, "bench", f"bench:{os.getpid()}", timelines=self.timelines)
 
     def submit(self, payloads: list[bytes], kind: str = "trace", safetensors: bool = False) -> list[uuid.UUID]:
         """What ``submit_job`` does, minus the broker: payload to the store, QUEUED row to the DB (jobs of
@@ -363,7 +366,9 @@ class Queue:
             return load_result(self.store.get_bytes(job.result_key))
 
     def clear(self) -> None:
+        """Before a run: no results, no timelines of earlier runs."""
         shutil.rmtree(self.settings.resolved_store_dir / "results", ignore_errors=True)
+        self.timelines.clear()
 
 
 def start_s3_store(bucket: str) -> tuple[Any, Any]:

@@ -31,7 +31,7 @@ from benchmarks.common import (
     start_s3_store,
     stop,
 )
-from benchmarks.profiling import LoopBusy, LoopSampler, Profile, engine_sampler
+from benchmarks.profiling import LoopBusy, LoopSampler, Profile, engine_sampler, print_timeline
 
 TRACE_SECONDS: list[float] = []  # (c)'s time spent building its traces, per run
 
@@ -204,6 +204,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             written.append(queue.results(job_ids))
         pt, total = written[-1]
         med = statistics.median(times)
+        timeline = queue.timelines.percentiles()  # the last run's jobs
         row(
             name,
             times,
@@ -214,8 +215,10 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "saves_pt_bytes": pt,
                 "store_bytes": total,
                 "store_MB_s": round(total / med / 1e6, 1),
+                "timeline_ms": timeline,
             },
         )
+        print_timeline(name, timeline)
         return job_ids
 
     s3, sinks = None, None

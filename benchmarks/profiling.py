@@ -1,6 +1,7 @@
-"""Where a benchmark's time goes: timers wrapped around the worker path's steps (`Profile`), the engine loop's
-busy time (`LoopBusy`), samples of the engine loop's stack (`LoopSampler`) and of the engine process's stepping
-thread (`engine_sampler`, sent there by ``collective_rpc``)."""
+"""Where a benchmark's time goes: each job's timeline (`print_timeline`: `nnqueue.timeline`'s percentiles), timers
+wrapped around the worker path's steps (`Profile`), the engine loop's busy time (`LoopBusy`), samples of the engine
+loop's stack (`LoopSampler`) and of the engine process's stepping thread (`engine_sampler`, sent there by
+``collective_rpc``)."""
 
 from __future__ import annotations
 
@@ -197,3 +198,10 @@ def _where(frame: Any) -> str:
     code = frame.f_code
     parts = code.co_filename.split("/")
     return f"{'/'.join(parts[-2:])}:{code.co_name}"
+
+
+def print_timeline(name: str, table: dict[str, dict[str, float]]) -> None:
+    """One line per step of a row's job timelines (`nnqueue.timeline.Timelines.percentiles`): p50, p90 and max ms."""
+    print(f"  {name}: per-job timeline, ms (p50 / p90 / max)", flush=True)
+    for step, value in table.items():
+        print(f"    {step:<28} {value['p50_ms']:>9.2f} {value['p90_ms']:>9.2f} {value['max_ms']:>9.2f}", flush=True)

@@ -47,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # nnqueue, tests and benchmarks, from a checkout
 
 from benchmarks.common import SHAPES, Queue, build_model_dir, engine_kwargs, prompt_ids, start, stop
+from benchmarks.profiling import print_timeline
 
 JOBS = (1, 16, 256)
 COEFFICIENT = 4.0
@@ -131,7 +132,7 @@ def payload(work: Any) -> bytes:
 
 def through_queue(host: Any, queue: Any, llm: Any, prompts: list[list[int]], jobs: int, args: Any, width: int) -> Any:
     """`split`'s jobs through the worker's path, the rest plain meanwhile: one timer per rep (submission, the
-    API's work, is not timed)."""
+    API's work, is not timed), and the last rep's job timelines."""
     work, steered = split(prompts, jobs, args.layer, width, args.max_tokens)
     payloads = [payload(w) for w in work]
     times = []
@@ -146,7 +147,7 @@ def through_queue(host: Any, queue: Any, llm: Any, prompts: list[list[int]], job
         times.append(time.perf_counter() - started)
         if outcomes != ["completed"] * len(ids):
             raise RuntimeError(f"steering jobs did not complete: {outcomes[:4]} {queue.failure(ids[0])}")
-    return times, steered
+    return times, steered, queue.timelines.percentiles()  # the last run's jobs
 
 
 def timed(host: Any, make: Any, reps: int) -> list[float]:
@@ -232,11 +233,11 @@ def nnqueue_mode(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
             rows[name] = row(name, timed(host, go, args.reps), tokens, {"steered_prompts": steered["n"]})
         queue = Queue(Path(tempfile.mkdtemp(prefix="steer-queue-")), engine, postgres.url if postgres else None)
         for jobs in JOBS:
-            times, steered_n = through_queue(host, queue, llm, prompts, jobs, args, width)
+            times, steered_n, timeline = through_queue(host, queue, llm, prompts, jobs, args, width)
             name = f"({label}) queue: {jobs} steering job(s) + unsteered"
-            rows[name] = row(
-                name, times, tokens, {"steered_prompts": steered_n, "db": "postgres" if postgres else "sqlite"}
-            )
+            extra = {"steered_prompts": steered_n, "db": "postgres" if postgres else "sqlite", "timeline_ms": timeline}
+            rows[name] = row(name, times, tokens, extra)
+            print_timeline(name, timeline)
         if not graphs:
             rows["checks"] = checks(args, host, engine, client, prompts, width)
     finally:

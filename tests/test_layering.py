@@ -23,6 +23,7 @@ LAYERS = {
     "errors": 0,
     "logs": 0,
     "metrics": 0,
+    "timeline": 0,
     "isolation": 1,
     "netns": 1,
     "seccomp_filter": 1,

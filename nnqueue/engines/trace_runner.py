@@ -23,6 +23,7 @@ from typing import Any
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.prebuilt import TraceRequests
 from nnqueue.engines.trace_report import TraceReport, parse_report
+from nnqueue.timeline import stamp
 
 # Strong references to in-flight cleanups (asyncio holds tasks weakly).
 _cleanups: set[asyncio.Task[Any]] = set()
@@ -49,16 +50,19 @@ async def run_trace(
 
         async def one(request_id: str, prompt: Any, params: Any) -> None:
             async for output in engine.generate(prompt, params, request_id):
+                stamp("first_output")
                 outputs[request_id] = output  # the last one is the finished one
             if on_finished is not None:
                 on_finished(len(outputs))
 
+        stamp("submitted")
         try:
             async with asyncio.TaskGroup() as group:
                 for request_id, prompt, params in zip(trace.request_ids, trace.prompts, trace.params, strict=True):
                     group.create_task(one(request_id, prompt, params))
         except BaseExceptionGroup as failures:
             raise failures.exceptions[0] from None
+        stamp("last_output")
         report = outbox.expect(trace_id)
         try:
             await engine.collective_rpc(
@@ -68,7 +72,9 @@ async def run_trace(
             report.cancel()
             raise
         finished = True
-        return parse_report(await report)
+        written = await report
+        stamp("written")
+        return parse_report(written)
     finally:
         if not finished:
             # Aborted, cancelled or failed before the engine took the trace over: free its requests'

@@ -27,6 +27,7 @@ from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.trace_report import TraceReport
 from nnqueue.storage.object_store import ObjectStore
+from nnqueue.timeline import stamp
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.steer_execution import execute_steering
@@ -51,7 +52,9 @@ class VLLMTraceExecutor:
         if job.kind is JobKind.STEER:  # declarative, on the engine's steering path: no trace to build
             return await execute_steering(self, job, progress)
         payload = await load_job_payload(self.sessions, self.store, job)
+        stamp("payload")
         trace, requests = await self._prepare(job, payload)
+        stamp("built")
         total = len(requests.request_ids)
         progress(0, total)
 

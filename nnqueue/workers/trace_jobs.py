@@ -27,6 +27,7 @@ from nnqueue.db.models import Job
 from nnqueue.engines.trace_report import TraceReport
 from nnqueue.scheduler.payloads import PayloadMissing, load_payload
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
+from nnqueue.timeline import stamp
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
 
@@ -60,6 +61,7 @@ async def run_and_commit(
                 stored = await asyncio.to_thread(sinks.commit, handoff, report.objects)
             except (ResultNotWritten, OSError, ObjectNotFound) as error:
                 raise JobFailure("ResultWriteFailed", f"the result did not reach the store: {error}") from None
+            stamp("committed")
     return Execution(units, stored, failure)
 
 

@@ -1,7 +1,7 @@
 """JobRunner on the session's in-process engine, real Postgres and a local store: a job taken from this
 worker while it runs (requeued because the worker looked dead, then claimed by another) is aborted at the
 next heartbeat's reap, leaves the other worker's claim alone, and writes no result; tokens that arrive
-together claim their jobs together."""
+together claim their jobs together; each job's timeline passes every point of its run, in order."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.storage.keys import payload_key
 from nnqueue.storage.local import LocalObjectStore
+from nnqueue.timeline import POINTS, Timelines
 from nnqueue.workers.job_execution import JobRunner, Outcome
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
@@ -86,6 +87,27 @@ def test_tokens_that_arrive_together_claim_their_jobs_in_one_transaction(
     with sessions() as session:
         rows = session.execute(select(Job.status, Job.worker_id, Job.result_key).where(Job.id.in_(job_ids))).all()
     assert all(status is S.COMPLETED and worker == "w" and key for status, worker, key in rows) and len(rows) == 12
+
+
+def test_each_jobs_timeline_passes_every_point_of_its_run_in_order(
+    inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    sessions = session_factory(make_engine(database_factory()))
+    store = LocalObjectStore(tmp_path)
+    _queue(sessions, store, [two_invoke_payload(client_model)] * 3)
+    runner = _runner(sessions, store, inprocess_engine, tmp_path, "w")
+    runner.timelines = Timelines()
+
+    async def tokens() -> list[Outcome]:
+        return await asyncio.gather(*(runner.run_next() for _ in range(4)))
+
+    outcomes = asyncio.run_coroutine_threadsafe(tokens(), inprocess_engine.host.loop).result(timeout=120)
+    assert sorted(outcomes) == sorted([Outcome.COMPLETED] * 3 + [Outcome.NO_WORK])
+    assert len(runner.timelines.finished) == 3  # the token that found no job ran none
+    for kept in runner.timelines.finished:
+        assert list(kept.stamps) == list(POINTS)  # every point, in the order the run passed them
+        assert list(kept.stamps.values()) == sorted(kept.stamps.values())
+    assert runner.timelines.percentiles()["whole run"]["jobs"] == 3
 
 
 def test_one_jobs_bad_end_does_not_fail_the_others_that_ended_with_it(database_factory: Callable[..., str]) -> None:
