@@ -35,6 +35,7 @@ from nnqueue.enginecore.harvest_spec import Generation as ChunkGeneration
 from nnqueue.enginecore.steer_spec import Edit, check_edits
 from nnqueue.enginecore.steering import TAG
 from nnqueue.engines.harvest_runner import ChunkResult, ChunkWork, capture_chunk
+from nnqueue.engines.outbox import poller
 from nnqueue.errors import NNqueueError
 from nnqueue.timeline import stamp
 
@@ -197,8 +198,9 @@ async def _steer(
             on_finished(done)
         return generation
 
+    calls = poller(llm)  # the begin and end go with the other jobs' calls of the moment, in one RPC
     try:
-        answers = await llm.collective_rpc("nnqueue_steer_begin", args=(spec,))
+        answers = await calls.call("nnqueue_steer_begin", spec)
         refused = [a for a in answers if not isinstance(a, dict) or a.get("job") != key]
         if refused:
             raise SteerError(f"the engine refused steering job {work.job_id}: {_reason(refused[0])}")
@@ -209,9 +211,9 @@ async def _steer(
         stamp("last_output")
     except BaseException:
         await asyncio.shield(llm.abort(request_ids))
-        await asyncio.shield(llm.collective_rpc("nnqueue_steer_end", args=(key,)))
+        await asyncio.shield(calls.call("nnqueue_steer_end", key))
         raise
-    ends = await llm.collective_rpc("nnqueue_steer_end", args=(key,))
+    ends = await calls.call("nnqueue_steer_end", key)
     stamp("written")
     errors = [end.get("error") for end in ends if isinstance(end, dict) and end.get("error")]
     if errors or not all(isinstance(end, dict) and end.get("ended") for end in ends):

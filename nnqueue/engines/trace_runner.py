@@ -2,9 +2,10 @@
 
 The requests come ready-made (:mod:`nnqueue.engines.prebuilt`): nnsight's mediator bytes already sit in
 each request's ``extra_args``, so nothing is deserialized or re-serialized here. `run_trace` submits them
-together and, once all have finished, makes one RPC, ``nnqueue_finish_trace``, with the finished outputs
-(which serve ``tracer.result``) and the sinks to write to: the engine collects and merges the saves in its
-own process and writes them (:mod:`nnqueue.enginecore.rpc`). The outcome (written objects, the trace's
+together and, once all have finished, calls ``nnqueue_finish_trace`` with the finished outputs (which serve
+``tracer.result``) and the sinks to write to, grouped with the other jobs' calls of the moment in one RPC
+(:meth:`nnqueue.engines.outbox.OutboxPoller.call`): the engine collects and merges the saves in its own process
+and writes them (:mod:`nnqueue.enginecore.rpc`). The outcome (written objects, the trace's
 first error as nnsight's deferred-error dict) comes back through the outbox and is validated
 (:mod:`nnqueue.engines.trace_report`), because the engine process runs users' code.
 
@@ -65,9 +66,7 @@ async def run_trace(
         stamp("last_output")
         report = outbox.expect(trace_id)
         try:
-            await engine.collective_rpc(
-                "nnqueue_finish_trace", args=(trace_id, trace.request_ids, pickle.dumps(outputs), sinks)
-            )
+            await outbox.call("nnqueue_finish_trace", trace_id, trace.request_ids, pickle.dumps(outputs), sinks)
         except BaseException:
             report.cancel()
             raise
@@ -79,7 +78,7 @@ async def run_trace(
         if not finished:
             # Aborted, cancelled or failed before the engine took the trace over: free its requests'
             # state there. A shielded task, so our own cancellation cannot stop it.
-            cleanup = asyncio.ensure_future(engine.collective_rpc("nnqueue_discard_trace", args=(trace.request_ids,)))
+            cleanup = asyncio.ensure_future(outbox.call("nnqueue_discard_trace", trace.request_ids))
             _cleanups.add(cleanup)
             cleanup.add_done_callback(_cleanups.discard)
             await asyncio.shield(cleanup)
