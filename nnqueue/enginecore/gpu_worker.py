@@ -9,6 +9,7 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.crash_report import CrashReportingWorker
+from nnqueue.enginecore.envoy_trees import EnvoyTreesMixin
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.pipeline_stages import PipelineStageMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
@@ -17,8 +18,11 @@ from nnqueue.enginecore.steering import SteerRunnerMixin
 from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
-class NNqueueGPUModelRunner(SteerRunnerMixin, HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner):
-    """nnqueue's harvest capture over nnsight's runner; adds no constructor state (re-classed in place)."""
+class NNqueueGPUModelRunner(
+    EnvoyTreesMixin, SteerRunnerMixin, HarvestRunnerMixin, PipelineStageMixin, NNsightGPUModelRunner
+):
+    """nnqueue's harvest capture, steering and requests' envoy trees over nnsight's runner; adds no constructor
+    state (re-classed in place)."""
 
 
 class NNqueueGPUWorker(SandboxedWorker, CrashReportingWorker, WeightsGuardWorker, NNqueueRPC, NNsightGPUWorker):
