@@ -7,13 +7,14 @@ per-job engine calls (a trace's finish or discard, a steering job's begin and en
 
 Each ``collective_rpc`` is a utility call that vLLM's engine core answers between two steps, on the thread that
 steps the model. Made one by one, hundreds of one-prompt jobs' calls (a finish per trace, a begin and an end per
-steering job, and the outbox polls) each cost the engine's thread a round of its own and waited for a step of
-their own (issue 36). So one RPC is in flight at a time: the calls made meanwhile go together in the next one,
+steering job) each cost that thread a round of its own (issue 36). The jobs whose requests ended in one step
+resume in the same turn of the engine loop, so the calls made in one turn go together in one RPC,
 ``collective_rpc("nnqueue_calls", [(method, args), ...])`` (:meth:`nnqueue.enginecore.rpc.NNqueueRPC.nnqueue_calls`:
-every rank runs them in order and answers each), and every one of these RPCs also brings back what the engine
-completed since the last (the outbox). While any future from `expect` is pending, an RPC is made at least every
-``interval_s`` (with no call, if none is waiting), so the polls of all the waiting jobs, and their finishes, are
-one RPC. A call's answer is what ``collective_rpc`` would have answered for it alone (one item per rank).
+every rank runs them in order and answers each), sent at the end of that turn, whatever RPCs are in flight (an
+RPC waits for the end of the engine's current step: waiting for the previous one too would cost a step).
+Every such RPC also brings back what the engine completed since the last (the outbox), and while any future
+from `expect` is pending the poller makes one of no call, one at a time, ``interval_s`` after the last one's
+answer. A call's answer is what ``collective_rpc`` would have answered for it alone (one item per rank).
 
 Entries come from the engine process, which runs users' code: each must be a JSON-shaped dict with a string
 ``id`` and ``kind``, of bounded size; anything else is logged and dropped. An entry nobody waits for (its job was
@@ -26,7 +27,6 @@ import asyncio
 import json
 import logging
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 from nnqueue.enginecore.outbox import CALL_FAILED
@@ -64,14 +64,6 @@ def valid_entry(raw: Any) -> dict[str, Any] | None:
     return raw if size <= MAX_ENTRY_BYTES else None
 
 
-@dataclass
-class _Round:
-    """The calls of one RPC, and a future for its end (which a poll awaits)."""
-
-    calls: list[tuple[str, tuple[Any, ...], asyncio.Future[list[Any]]]] = field(default_factory=list)
-    done: asyncio.Future[None] | None = None
-
-
 class OutboxPoller:
     """One engine's grouped calls and its outbox. Use it only on the engine's event loop."""
 
@@ -79,9 +71,9 @@ class OutboxPoller:
         self.engine = engine  # the AsyncLLM
         self.interval_s = interval_s
         self._waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
-        self._poll_task: asyncio.Task[None] | None = None
-        self._next = _Round()  # the calls made while an RPC is in flight
-        self._rpcs: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._calls: list[tuple[str, tuple[Any, ...], asyncio.Future[list[Any]]]] = []  # made this moment
+        self._rpcs: set[asyncio.Task[None]] = set()  # strong references (asyncio holds tasks weakly)
 
     def expect(self, entry_id: str) -> asyncio.Future[dict[str, Any]]:
         """A future for the entry with this id; call it before starting the work that posts it."""
@@ -90,55 +82,48 @@ class OutboxPoller:
         future = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda _: self._forget(entry_id, future))
         self._waiters[entry_id] = future
-        if self._poll_task is None or self._poll_task.done():
-            self._poll_task = asyncio.ensure_future(self._poll())
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._poll())
         return future
 
     async def call(self, method: str, *args: Any) -> list[Any]:
-        """``collective_rpc(method, args=args)``'s answer (one item per rank), made in the next grouped RPC. Raises
-        what ``collective_rpc`` raised (the engine died), or :class:`EngineCallFailed` when the call raised there."""
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        self._next.calls.append((method, args, future))
-        self._start()
+        """``collective_rpc(method, args=args)``'s answer (one item per rank), made in one RPC with the other calls
+        made in this turn of the loop. Raises what ``collective_rpc`` raised (the engine died), or
+        :class:`EngineCallFailed` when the call raised there."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        if not self._calls:
+            loop.call_soon(self._send)
+        self._calls.append((method, args, future))
         return await future
-
-    async def _round_trip(self) -> None:
-        """Wait for an RPC that starts from now on (the outbox is fetched at its end)."""
-        waiting = self._next
-        if waiting.done is None:
-            waiting.done = asyncio.get_running_loop().create_future()
-        done = waiting.done
-        self._start()
-        await asyncio.shield(done)
 
     def _forget(self, entry_id: str, future: asyncio.Future[dict[str, Any]]) -> None:
         if self._waiters.get(entry_id) is future:
             del self._waiters[entry_id]
 
-    def _start(self) -> None:
-        if self._rpcs is None or self._rpcs.done():
-            self._rpcs = asyncio.ensure_future(self._run_rpcs())
+    def _send(self) -> None:
+        """One RPC for the calls made in the last turn of the loop (those whose caller still waits)."""
+        calls = [(method, args, future) for method, args, future in self._calls if not future.done()]
+        self._calls = []
+        if calls:
+            task = asyncio.ensure_future(self._rpc(calls))
+            self._rpcs.add(task)
+            task.add_done_callback(self._rpcs.discard)
 
-    async def _run_rpcs(self) -> None:
-        """One RPC after another while calls or polls wait for one."""
-        while self._next.calls or self._next.done is not None:
-            current, self._next = self._next, _Round()
-            calls = [(method, args, future) for method, args, future in current.calls if not future.done()]
-            try:
-                answers = await self.engine.collective_rpc("nnqueue_calls", args=([(m, a) for m, a, _ in calls],))
-            except asyncio.CancelledError:  # the loop is closing: nobody waits forever
-                for round_ in (current, self._next):
-                    for _, _, future in round_.calls:
-                        future.cancel()
-                    if round_.done is not None:
-                        round_.done.cancel()
-                raise
-            except Exception as error:  # noqa: BLE001 - the engine's (dead, say): each caller's, raised to each
-                self._failed(current, calls, error)
-                continue
-            self._answer(calls, answers or [])
-            if current.done is not None and not current.done.done():
-                current.done.set_result(None)
+    async def _rpc(self, calls: list[tuple[str, tuple[Any, ...], asyncio.Future[list[Any]]]]) -> None:
+        try:
+            answers = await self.engine.collective_rpc("nnqueue_calls", args=([(m, a) for m, a, _ in calls],))
+        except asyncio.CancelledError:  # the loop is closing: nobody waits forever
+            for _, _, future in calls:
+                future.cancel()
+            raise
+        except Exception as error:  # noqa: BLE001 - the engine's (dead, say): each caller's, raised to each
+            log.warning("an RPC of %d call(s) to the engine failed: %s", len(calls), error)
+            for _, _, future in calls:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        self._answer(calls, answers or [])
 
     def _answer(self, calls: list[tuple[str, tuple[Any, ...], asyncio.Future[list[Any]]]], answers: list[Any]) -> None:
         """Each call's answers (one per rank, as ``collective_rpc`` gives them), then the outbox's entries."""
@@ -156,28 +141,19 @@ class OutboxPoller:
             for raw in rank.get("outbox") or ():
                 self._deliver(raw)
 
-    def _failed(
-        self, current: _Round, calls: list[tuple[str, tuple[Any, ...], asyncio.Future[list[Any]]]], error: Exception
-    ) -> None:
-        log.warning("an RPC of %d call(s) to the engine failed: %s", len(calls), error)
-        for _, _, future in calls:
-            if not future.done():
-                future.set_exception(error)
-        if current.done is not None and not current.done.done():
-            current.done.set_exception(error)
-            current.done.exception()  # retrieved: a round nobody awaits any more logs nothing
-
     async def _poll(self) -> None:
+        """While anyone waits: an RPC of no call, one at a time, ``interval_s`` after the last one's answer."""
         while self._waiters:
             await asyncio.sleep(self.interval_s)
             try:
-                await self._round_trip()
+                answers = await self.engine.collective_rpc("nnqueue_calls", args=([],))
             except Exception as error:
                 log.exception("reading the engine's outbox failed")
                 for future in list(self._waiters.values()):
                     if not future.done():
                         future.set_exception(OutboxError(f"the engine's outbox could not be read: {error}"))
                 return
+            self._answer([], answers or [])
 
     def _deliver(self, raw: Any) -> None:
         entry = valid_entry(raw)

@@ -4,7 +4,8 @@ The payload's header is validated by :func:`nnqueue.trace_payload.decode`; each 
 become a ``SamplingParams`` through ``msgspec.convert`` (typed, and vLLM's own checks run in its
 ``__post_init__``), and its mediator bytes go into ``extra_args`` untouched, for nnsight to load inside
 the engine process, with the trace's envoy tree (a format 2 payload: the sha256 it came with and its bytes,
-:mod:`nnqueue.enginecore.envoy_trees`), which the engine verifies the first time it sees it. Any problem is a :class:`~nnqueue.trace_payload.PayloadError` naming the invoke.
+:mod:`nnqueue.enginecore.envoy_trees`), which the engine verifies the first time it sees it. Any problem is a
+:class:`~nnqueue.trace_payload.PayloadError` naming the invoke.
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ from nnqueue.engines.steer_runner import (
     run_steering_captured,
 )
 from nnqueue.engines.trace_report import WrittenObject
-from nnqueue.scheduler.payloads import PayloadMissing, load_payload
 from nnqueue.scheduler.steering import decode_payload
 from nnqueue.storage.keys import ACTIVATIONS_FILE, result_key
 from nnqueue.storage.object_store import Digest, ObjectNotFound
@@ -58,10 +57,7 @@ except ImportError:
 
 async def execute_steering(executor: Any, job: Job, progress: Callable[[int, int], None]) -> Execution:
     """Run steering ``job`` on ``executor``'s engine (a `VLLMTraceExecutor`: its sessions, store, model, sinks)."""
-    try:
-        payload = await asyncio.to_thread(load_payload, executor.sessions, executor.store, job)
-    except PayloadMissing as missing:
-        raise JobFailure("PayloadMissing", str(missing)) from None
+    payload = await executor.payloads.load(job)
     stamp("payload")
     try:
         body, vectors = decode_payload(payload)

@@ -1,6 +1,7 @@
 """The outbox poller: entries from the engine (untrusted) are validated, matched to their waiters by id, and a
-broken engine fails the waiters instead of leaving them hanging; the calls made while an RPC is in flight go
-together in the next one, each answered as it would be alone, and every RPC brings the outbox back. The engine
+broken engine fails the waiters instead of leaving them hanging; the calls made in one turn of the loop go
+together in one RPC, sent at once whatever is in flight, each answered as it would be alone, and every RPC brings
+the outbox back. The engine
 here is a stand-in for vLLM's ``AsyncLLM.collective_rpc`` of ``nnqueue_calls``, which answers with one item per
 rank (the real one is tested on the engine: tests/engines/test_steer_runner.py, tests/workers/)."""
 
@@ -24,6 +25,7 @@ class Engine:
         self.answer = answer or (lambda method, args, rank: None)
         self.ranks = ranks
         self.rpcs: list[list[tuple[str, tuple[Any, ...]]]] = []
+        self.in_flight = self.most_in_flight = 0
 
     @property
     def calls(self) -> int:
@@ -33,7 +35,10 @@ class Engine:
         assert method == "nnqueue_calls"
         (calls,) = args
         self.rpcs.append([(name, tuple(call_args)) for name, call_args in calls])
-        await asyncio.sleep(0.01)  # a step: the calls made meanwhile wait for the next RPC
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.01)  # the engine's step, which an RPC waits for
+        self.in_flight -= 1
         outbox = self.outboxes.pop(0) if self.outboxes else [[], None]
         if isinstance(outbox, Exception):
             raise outbox
@@ -92,7 +97,7 @@ def test_polling_stops_when_nobody_waits() -> None:
     assert engine.calls <= 1
 
 
-def test_calls_made_while_an_rpc_is_in_flight_go_together_and_each_gets_its_own_answers() -> None:
+def test_calls_made_together_go_in_one_rpc_and_each_gets_its_own_answers() -> None:
     def answer(method: str, args: tuple[Any, ...], rank: int) -> Any:
         if method == "nnqueue_steer_begin" and args == ("bad",):
             return {CALL_FAILED: "ValueError: no such point"} if rank == 1 else {"job": "bad"}
@@ -105,7 +110,8 @@ def test_calls_made_while_an_rpc_is_in_flight_go_together_and_each_gets_its_own_
         poller = OutboxPoller(engine, interval_s=60)  # no poll of its own in this test
         written = poller.expect("t-1")
         first = asyncio.ensure_future(poller.call("nnqueue_finish_trace", "t-1", ["r-1"]))
-        await asyncio.sleep(0)  # the first RPC is in flight: the next three wait and go together
+        for _ in range(3):  # the first call is made and its RPC sent; the next three are made together
+            await asyncio.sleep(0)
         rest = [
             poller.call("nnqueue_steer_begin", "good"),
             poller.call("nnqueue_steer_begin", "bad"),
@@ -119,6 +125,7 @@ def test_calls_made_while_an_rpc_is_in_flight_go_together_and_each_gets_its_own_
         [("nnqueue_finish_trace", ("t-1", ["r-1"]))],
         [("nnqueue_steer_begin", ("good",)), ("nnqueue_steer_begin", ("bad",)), ("nnqueue_steer_end", ("good",))],
     ]
+    assert engine.most_in_flight == 2  # the second RPC did not wait for the first's answer
     assert finish == [{"rank": 0, "args": ["t-1", ["r-1"]]}, {"rank": 1, "args": ["t-1", ["r-1"]]}]
     assert begun == [{"rank": 0, "args": ["good"]}, {"rank": 1, "args": ["good"]}]
     assert ended == [{"rank": 0, "args": ["good"]}, {"rank": 1, "args": ["good"]}]
