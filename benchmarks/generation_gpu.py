@@ -12,7 +12,7 @@ Variants, each in a process of its own (one engine per process, the GPU's memory
 * ``raw-graphs``: a plain ``AsyncLLM``, vLLM's defaults (compiled, CUDA graphs); ``raw-eager``: ``enforce_eager``.
 * ``nnsight-taps``: nnsight's own synchronous engine (stock ``VLLM``, its worker class) with
   ``taps=["model.layers.<layer>.output"]``: one trace of P invokes, each steering its prompt.
-* ``nnqueue-eager`` / ``nnqueue-taps``: P one-prompt jobs through nnqueue's worker path (``harvest_gpu.Queue``:
+* ``nnqueue-eager`` / ``nnqueue-taps``: P one-prompt jobs through nnqueue's worker path (`benchmarks.common.Queue`:
   claim, payload, prebuilt parse, run, the engine writes the result, commit), K=P at once, on
   ``load_engine`` eager and with the same taps (what ``nnqueue worker --taps`` builds).
 
@@ -37,8 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import harvest_gpu  # benchmarks/ is this script's directory, so on sys.path
-from harvest_gpu import SHAPES, PrebuiltBackend, Queue, build_model_dir, engine_kwargs, prompt_ids, start, stop
+from benchmarks.common import SHAPES, PrebuiltBackend, Queue, build_model_dir, engine_kwargs, prompt_ids, start, stop
 
 VARIANTS = ["raw-graphs", "raw-eager", "nnsight-taps", "nnqueue-eager", "nnqueue-taps"]
 
@@ -192,14 +191,14 @@ def variant(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- the run: every variant, then the ratios
 
 
-def run_all(args: argparse.Namespace, argv: list[str], work: Path) -> dict[str, Any]:
-    """Each variant in a child process (this script with ``--generation-variant``); their rows, ratios and checks."""
+def run_all(args: argparse.Namespace, command: list[str], work: Path) -> dict[str, Any]:
+    """Each variant in a child process (``command``, the script and its arguments, with ``--generation-variant``);
+    their rows, ratios and checks."""
     rows: dict[str, Any] = {}
     for name in args.variants.split(","):
         out = work / f"generation-{name}.json"
-        command = [sys.executable, harvest_gpu.__file__, *argv, "--generation-variant", name, "--out", str(work)]
         started = time.perf_counter()
-        done = subprocess.run(command, check=False)
+        done = subprocess.run([sys.executable, *command, "--generation-variant", name, "--out", str(work)], check=False)
         if done.returncode != 0 or not out.exists():
             rows[name] = {"error": f"exit code {done.returncode}"}
         else:

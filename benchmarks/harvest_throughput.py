@@ -21,7 +21,7 @@ checked against nnsight's own trace on the same engine.
     .venv/bin/python benchmarks/harvest_throughput.py            # SmolLM2-135M (as the demo converts it)
     .venv/bin/python benchmarks/harvest_throughput.py --tiny     # the test suite's tiny model, seconds
 
-``benchmarks/harvest_gpu.py`` imports the harvest parts of this file for its GPU runs.
+``benchmarks/harvest_gpu_bench.py`` imports the harvest parts of this file for its GPU runs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Declarative steering during generation on one vLLM engine: raw vLLM with CUDA graphs vs nnqueue's steering path.
 
 Why: issue 24 asks steering (an addition at one layer, every step) at >= 0.90x raw vLLM. Shape: a Llama-3-8B-shaped
-dummy model (benchmarks/harvest_gpu.py's), P=256 prompts x L=128 tokens, 128 generated each (``ignore_eos``),
+dummy model (`benchmarks.common`'s), P=256 prompts x L=128 tokens, 128 generated each (``ignore_eos``),
 greedy. Throughput is generated tokens per second. Each mode runs in its own process (one engine each); the
 default runs them all, one after the other, and prints the ratios to (raw).
 
@@ -17,7 +17,7 @@ default runs them all, one after the other, and prints the ratios to (raw).
 * (graphs) the same engine with CUDA graphs: nnsight's taps (vLLM's breakable graphs) at the steered layer, and
   the steering hook installed before the graphs are recorded (``NNQUEUE_STEER_POINTS``); rows as (eager).
   Needs a vLLM with breakable CUDA graphs; the row says so when it is missing.
-* (queue) rows, in (eager) and (graphs): the same J jobs through the worker's whole path (`harvest_gpu.Queue`:
+* (queue) rows, in (eager) and (graphs): the same J jobs through the worker's whole path (`benchmarks.common.Queue`:
   payloads frozen as the API does, ``steer`` job rows in SQLite or ``--postgres``, claimed by ``JobRunner`` with
   J Celery-like threads, run by the worker's steering executor, generations stored, committed), the other prompts
   plain meanwhile; submission (the API's work) is not timed.
@@ -44,10 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # harvest_gpu's helpers
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # nnqueue, when run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # nnqueue, tests and benchmarks, from a checkout
 
-from harvest_gpu import SHAPES, Queue, build_model_dir, engine_kwargs, prompt_ids, start, stop
+from benchmarks.common import SHAPES, Queue, build_model_dir, engine_kwargs, prompt_ids, start, stop
+from benchmarks.profiling import print_timeline
 
 JOBS = (1, 16, 256)
 COEFFICIENT = 4.0
@@ -132,7 +132,7 @@ def payload(work: Any) -> bytes:
 
 def through_queue(host: Any, queue: Any, llm: Any, prompts: list[list[int]], jobs: int, args: Any, width: int) -> Any:
     """`split`'s jobs through the worker's path, the rest plain meanwhile: one timer per rep (submission, the
-    API's work, is not timed)."""
+    API's work, is not timed), and the last rep's job timelines."""
     work, steered = split(prompts, jobs, args.layer, width, args.max_tokens)
     payloads = [payload(w) for w in work]
     times = []
@@ -147,7 +147,7 @@ def through_queue(host: Any, queue: Any, llm: Any, prompts: list[list[int]], job
         times.append(time.perf_counter() - started)
         if outcomes != ["completed"] * len(ids):
             raise RuntimeError(f"steering jobs did not complete: {outcomes[:4]} {queue.failure(ids[0])}")
-    return times, steered
+    return times, steered, queue.timelines.percentiles()  # the last run's jobs
 
 
 def timed(host: Any, make: Any, reps: int) -> list[float]:
@@ -233,11 +233,11 @@ def nnqueue_mode(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
             rows[name] = row(name, timed(host, go, args.reps), tokens, {"steered_prompts": steered["n"]})
         queue = Queue(Path(tempfile.mkdtemp(prefix="steer-queue-")), engine, postgres.url if postgres else None)
         for jobs in JOBS:
-            times, steered_n = through_queue(host, queue, llm, prompts, jobs, args, width)
+            times, steered_n, timeline = through_queue(host, queue, llm, prompts, jobs, args, width)
             name = f"({label}) queue: {jobs} steering job(s) + unsteered"
-            rows[name] = row(
-                name, times, tokens, {"steered_prompts": steered_n, "db": "postgres" if postgres else "sqlite"}
-            )
+            extra = {"steered_prompts": steered_n, "db": "postgres" if postgres else "sqlite", "timeline_ms": timeline}
+            rows[name] = row(name, times, tokens, extra)
+            print_timeline(name, timeline)
         if not graphs:
             rows["checks"] = checks(args, host, engine, client, prompts, width)
     finally:

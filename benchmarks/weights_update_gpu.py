@@ -102,8 +102,7 @@ def trainer(args: argparse.Namespace) -> None:
     """One phase's trainer: push every parameter through the protocol; ``--bare``: then a bare broadcast."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import harvest_gpu
+    from benchmarks import common
 
     try:
         from trl.generation.vllm_client import VLLMClient
@@ -113,8 +112,8 @@ def trainer(args: argparse.Namespace) -> None:
     except ImportError:
         client, kind = ProtocolClient(f"http://127.0.0.1:{HTTP_PORT}", NCCL_PORT), "ProtocolClient (no TRL here)"
     client.session.headers["Authorization"] = f"Bearer {os.environ['NNQUEUE_BENCH_KEY']}"
-    config = {**harvest_gpu.COMMON, **harvest_gpu.SHAPES[args.shape]}
-    names = list(harvest_gpu.weight_shapes(config))
+    config = {**common.COMMON, **common.SHAPES[args.shape]}
+    names = list(common.weight_shapes(config))
     tensors = {name: new_value(name, args.shape).to("cuda:0") for name in names}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     torch.cuda.synchronize()
@@ -151,11 +150,12 @@ def trainer(args: argparse.Namespace) -> None:
 
 
 def new_value(name: str, shape: str) -> Any:
-    """The trainer's value of ``name``: seeded like ``harvest_gpu.seeded_tensor``, from another seed."""
-    import harvest_gpu
+    """The trainer's value of ``name``: seeded like ``common.seeded_tensor``, from another seed."""
     import torch
 
-    dims = harvest_gpu.weight_shapes({**harvest_gpu.COMMON, **harvest_gpu.SHAPES[shape]})[name]
+    from benchmarks import common
+
+    dims = common.weight_shapes({**common.COMMON, **common.SHAPES[shape]})[name]
     generator = torch.Generator().manual_seed(zlib.crc32(f"{name}#step-1".encode()))
     draws = torch.randint(-(2**15), 2**15, dims, generator=generator, dtype=torch.int32).float() / 2**15
     value = 1 + 0.1 * draws if name.endswith("norm.weight") else 0.0346 * draws
@@ -238,14 +238,14 @@ def probe_trace(client: Any, backend: Any) -> None:
 
 
 def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    import harvest_gpu
     import torch
     from nnsight.modeling.vllm import VLLM
 
+    from benchmarks import common
     from tests.utils.engines import running_engine
     from tests.utils.reference import reference_saves
 
-    model_dir = harvest_gpu.build_model_dir(work, "1b", seeded=True)
+    model_dir = common.build_model_dir(work, "1b", seeded=True)
     pushed = work / "pushed"
     pushed.mkdir()
     for file in model_dir.iterdir():  # the same config and tokenizer; the trainer writes the weights
@@ -284,14 +284,14 @@ def check_1b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def time_8b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    import harvest_gpu
     import torch
     from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
     from vllm.distributed.utils import StatelessProcessGroup
 
+    from benchmarks import common
     from tests.utils.engines import running_engine
 
-    model_dir = harvest_gpu.build_model_dir(work, "8b", seeded=False)
+    model_dir = common.build_model_dir(work, "8b", seeded=False)
     kwargs = {"dtype": "bfloat16", "max_model_len": 1024, "gpu_memory_utilization": 0.5, "load_format": "dummy"}
     (work / "8b").mkdir()
     sessions, settings, key = serving_stack(work / "8b")
@@ -307,9 +307,9 @@ def time_8b(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         version, pauses = gate.version, list(gate.pauses)
         time.sleep(2.0)  # its generate and close_communicator
         server.should_exit = True
-    config = {**harvest_gpu.COMMON, **harvest_gpu.SHAPES["8b"]}
+    config = {**common.COMMON, **common.SHAPES["8b"]}
     buffers = [
-        torch.empty(dims, dtype=torch.bfloat16, device="cuda:0") for dims in harvest_gpu.weight_shapes(config).values()
+        torch.empty(dims, dtype=torch.bfloat16, device="cuda:0") for dims in common.weight_shapes(config).values()
     ]
     group = StatelessProcessGroup.create(host="127.0.0.1", port=BARE_PORT, rank=0, world_size=2)
     communicator = PyNcclCommunicator(group, device=0)
@@ -340,7 +340,7 @@ def main() -> None:
     parser.add_argument("--bare", action="store_true")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+    sys.path.insert(0, str(ROOT))  # nnqueue, tests and benchmarks, from a checkout
     if args.role == "trainer":
         trainer(args)
         return

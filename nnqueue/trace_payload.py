@@ -10,16 +10,24 @@ Layout::
 
     MAGIC (8 bytes) | header length (8 bytes, big-endian) | header (UTF-8 JSON) | blobs
 
-The header is ``{"format": 1, "nnsight": str, "python": str, "invokes": [invoke, ...]}`` and each invoke
-``{"prompt": {"prompt": str} | {"prompt_token_ids": [int, ...]}, "sampling": {name: value},
+The header is ``{"format": 2, "nnsight": str, "python": str, "envoys": tree | null, "invokes": [invoke, ...]}``
+and each invoke ``{"prompt": {"prompt": str} | {"prompt_token_ids": [int, ...]}, "sampling": {name: value},
 "mediator": [offset, length], "edits": [str, ...] | null}``: one vLLM request per nnsight invoke, with
 its ``SamplingParams`` as plain JSON (every non-default field but ``extra_args``, after nnsight filled in
 the trace-level settings the invoke did not name), the mediator bytes nnsight puts in
 ``extra_args["nnsight_mediator"]`` (a blob range) and the edit names it puts in ``extra_args["nnsight_edits"]``.
-Blobs are back to back in invoke order and must exactly fill the rest of the payload.
+Blobs are back to back (the tree's first, then the invokes' in order) and must exactly fill the rest of the payload.
 
-Stdlib only at import: the client and every server process import it. :func:`from_vllm_requests` (which
-the client and the builders call) imports ``msgspec``, which vLLM already requires.
+The model's envoy tree (``tree``: ``{"sha256": hex, "blob": [0, length]}``). nnsight pickles each invoke's
+mediator with the whole tree of envoys it refers to, which the engine unpickled for every request, on the thread
+that steps the model (issue 36: about 12% of that thread for one-prompt jobs on an 8B model). A payload of
+format 2 (`from_vllm_trace`) carries the tree once, pickled as nnsight pickles it, and the mediators refer to its
+envoys by persistent id (`envoy_pid`: the tree's sha256 and the envoy's path); the engine gives each request a
+tree of its own, unpickled from those bytes ahead of time (:mod:`nnqueue.enginecore.envoy_trees`). Format 1 (no
+``envoys``: every mediator holds its own tree) is still read.
+
+Stdlib only at import: the client and every server process import it. :func:`from_vllm_trace` (which the client
+and the builders call) imports ``msgspec``, which vLLM already requires, and nnsight.
 """
 
 from __future__ import annotations
@@ -33,7 +41,10 @@ from typing import Any
 from nnqueue.errors import NNqueueError
 
 MAGIC = b"NNQTRACE"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what `encode` writes when the trace carries its envoy tree (format 1 otherwise)
+READ_FORMATS = (1, 2)
+# Persistent ids of the tree's envoys in a format 2 mediator: ENVOY_PID + the tree's sha256 + ":" + the envoy's path.
+ENVOY_PID = "nnqueue_envoy:"
 _LENGTH = struct.Struct(">Q")
 # What an nnsight serialized trace starts with: nnsight pickles with protocol 4 (a PROTO opcode, then a
 # FRAME opcode), and RequestModel.serialize(compress=True) wraps that in a zstd frame.
@@ -70,10 +81,32 @@ class Invoke:
 
 
 @dataclass(frozen=True)
+class EnvoyTree:
+    """The model's envoy tree as nnsight pickles it, which the mediators refer to (`envoy_pid`), and its sha256."""
+
+    sha256: str
+    data: bytes
+
+
+@dataclass(frozen=True)
 class PrebuiltTrace:
     invokes: list[Invoke]
     nnsight: str = ""
     python: str = ""
+    envoys: EnvoyTree | None = None
+
+
+def envoy_pid(tree_sha256: str, path: str) -> str:
+    """The persistent id a format 2 mediator refers to the envoy at ``path`` of its tree by."""
+    return f"{ENVOY_PID}{tree_sha256}:{path}"
+
+
+def parse_envoy_pid(pid: Any) -> tuple[str, str] | None:
+    """``(tree sha256, envoy path)`` of an `envoy_pid`; None for any other persistent id."""
+    if not isinstance(pid, str) or not pid.startswith(ENVOY_PID):
+        return None
+    digest, _, path = pid[len(ENVOY_PID) :].partition(":")
+    return digest, path
 
 
 def payload_kind(data: bytes) -> str | None:
@@ -94,6 +127,11 @@ def payload_kind(data: bytes) -> str | None:
 
 def encode(trace: PrebuiltTrace) -> bytes:
     invokes, blobs, offset = [], [], 0
+    tree = None
+    if trace.envoys is not None:
+        tree = {"sha256": trace.envoys.sha256, "blob": [0, len(trace.envoys.data)]}
+        blobs.append(trace.envoys.data)
+        offset = len(trace.envoys.data)
     for invoke in trace.invokes:
         invokes.append(
             {
@@ -105,7 +143,9 @@ def encode(trace: PrebuiltTrace) -> bytes:
         )
         blobs.append(invoke.mediator)
         offset += len(invoke.mediator)
-    header = {"format": FORMAT_VERSION, "nnsight": trace.nnsight, "python": trace.python, "invokes": invokes}
+    header: dict[str, Any] = {"format": 1, "nnsight": trace.nnsight, "python": trace.python, "invokes": invokes}
+    if tree is not None:
+        header |= {"format": FORMAT_VERSION, "envoys": tree}
     encoded = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     return b"".join([MAGIC, _LENGTH.pack(len(encoded)), encoded, *blobs])
 
@@ -114,7 +154,10 @@ def decode(data: bytes) -> PrebuiltTrace:
     """Parse and validate a prebuilt payload (types, sizes, blob ranges); raises :class:`PayloadError`."""
     header = read_header(data)
     blobs = memoryview(data)[len(MAGIC) + _LENGTH.size + _header_length(data) :]
-    invokes, expected = [], 0
+    envoys, expected = _envoys(header.get("envoys"), blobs), 0
+    if envoys is not None:
+        expected = len(envoys.data)
+    invokes = []
     for index, raw in enumerate(header["invokes"]):
         where = f"invoke {index}"
         if not isinstance(raw, dict) or set(raw) != {"prompt", "sampling", "mediator", "edits"}:
@@ -136,7 +179,7 @@ def decode(data: bytes) -> PrebuiltTrace:
         )
     if expected != len(blobs):
         raise PayloadError(f"{len(blobs) - expected} bytes after the last mediator")
-    return PrebuiltTrace(invokes, nnsight=header["nnsight"], python=header["python"])
+    return PrebuiltTrace(invokes, nnsight=header["nnsight"], python=header["python"], envoys=envoys)
 
 
 def read_header(data: bytes) -> dict[str, Any]:
@@ -153,11 +196,13 @@ def read_header(data: bytes) -> dict[str, Any]:
         raise PayloadError(f"header is not JSON: {error}") from None
     if not isinstance(header, dict):
         raise PayloadError("header must be a JSON object")
-    if header.get("format") != FORMAT_VERSION:
+    if not _is_int(header.get("format")) or header["format"] not in READ_FORMATS:
         raise PayloadError(
-            f"prebuilt trace format {header.get('format')!r} is not supported by this server (it reads format"
-            f" {FORMAT_VERSION}): update nnqueue on the older side"
+            f"prebuilt trace format {header.get('format')!r} is not supported by this server (it reads formats"
+            f" {', '.join(map(str, READ_FORMATS))}): update nnqueue on the older side"
         )
+    if header["format"] == 1 and "envoys" in header:
+        raise PayloadError("a format 1 header has no 'envoys'")
     for name in ("nnsight", "python"):
         if not isinstance(header.get(name), str) or len(header[name]) > 64:
             raise PayloadError(f"header field {name!r} must be a version string")
@@ -200,6 +245,38 @@ def from_vllm_requests(prompts: list[Any], params: list[Any], lora_requests: lis
     return PrebuiltTrace(invokes, nnsight=nnsight.__version__, python=platform.python_version())
 
 
+def from_vllm_trace(
+    model: Any,
+    prompts: list[Any],
+    params: list[Any],
+    lora_requests: list[Any],
+    forward_kwargs: dict[str, Any],
+    root: Any = None,
+) -> PrebuiltTrace:
+    """The prebuilt form (format 2) of a prepared trace on ``model`` (a ``VLLM``): ``tracer.prepare``'s call
+    arguments and keyword arguments. Pickles the envoy tree the trace's code refers to (``root``: the tracer's
+    model, ``model`` unless the trace was deserialized against it) once, as nnsight pickles it into each mediator
+    (``dumps``), then has ``model``'s ``VLLM._attach_mediators`` serialize the mediators with each envoy of that
+    tree as `envoy_pid` instead."""
+    import hashlib
+
+    from nnsight.intervention.serialization import dumps
+
+    root = model if root is None else root
+    tree = dumps(root)
+    digest = hashlib.sha256(tree).hexdigest()
+    envoys = list(root.modules())
+    try:
+        for envoy in envoys:  # nnsight's pickler writes an object with a _persistent_id as that id
+            envoy.__dict__["_persistent_id"] = envoy_pid(digest, envoy.path)
+        model._attach_mediators(params, **forward_kwargs)
+    finally:
+        for envoy in envoys:
+            envoy.__dict__.pop("_persistent_id", None)
+    trace = from_vllm_requests(prompts, params, lora_requests)
+    return PrebuiltTrace(trace.invokes, trace.nnsight, trace.python, EnvoyTree(digest, tree))
+
+
 def _prompt_of(prompt: Any, index: int) -> dict[str, Any]:
     if isinstance(prompt, str):
         return {"prompt": prompt}
@@ -212,6 +289,22 @@ def _prompt_of(prompt: Any, index: int) -> dict[str, Any]:
         f"invoke {index}'s prompt ({shown}) is not a string or token ids, the prompts nnqueue carries"
         " (multimodal prompts are not supported)"
     )
+
+
+def _envoys(raw: Any, blobs: memoryview) -> EnvoyTree | None:
+    """The header's envoy tree, its bytes the first blob; None when the mediators carry their own."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"sha256", "blob"}:
+        raise PayloadError("envoys must be null or an object with sha256 and blob")
+    digest, span = raw["sha256"], raw["blob"]
+    if not isinstance(digest, str) or len(digest) != 64 or digest.strip("0123456789abcdef"):
+        raise PayloadError("envoys: sha256 must be 64 lowercase hex digits")
+    if not (isinstance(span, list) and len(span) == 2 and all(_is_int(value) for value in span)):
+        raise PayloadError("envoys: blob must be [offset, length]")
+    if span[0] != 0 or span[1] <= 0 or span[1] > len(blobs):
+        raise PayloadError(f"envoys: bytes [{span[0]}, {span[0] + span[1]}) are not the first blob")
+    return EnvoyTree(digest, bytes(blobs[: span[1]]))
 
 
 def _header_length(data: bytes) -> int:

@@ -24,6 +24,7 @@ LAYERS = {
     "logs": 0,
     "metrics": 0,
     "libc": 0,
+    "timeline": 0,
     "isolation": 1,
     "netns": 1,
     "mountns": 1,

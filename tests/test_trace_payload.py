@@ -2,7 +2,8 @@
 
 The requests a worker builds from a prebuilt payload must equal the ones nnsight builds for a local run of
 the same trace (``VLLMTracer.prepare`` + ``VLLM._attach_mediators``: prompts, every sampling setting with the
-trace-level ones filled in where an invoke did not name its own, mediator bytes, edit names).
+trace-level ones filled in where an invoke did not name its own, mediator bytes, edit names), plus the trace's
+envoy tree, which a format 2 payload carries once for all its mediators; format 1 payloads are still read.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def to_requests(trace: PrebuiltTrace, job: str) -> Any:
 def test_the_worker_builds_the_requests_nnsight_builds(client_model: Any) -> None:
     from vllm.sampling_params import RequestOutputKind
 
+    from nnqueue.enginecore.envoy_trees import EXTRA_ARG as ENVOY_TREE
+
     local, prebuilt = Requests(), PrebuiltBackend()
     mixed_trace(client_model, local)
     mixed_trace(client_model, prebuilt)
@@ -61,11 +64,16 @@ def test_the_worker_builds_the_requests_nnsight_builds(client_model: Any) -> Non
     assert requests.prompts[1] == local.prompts[1]  # TokensPrompt: a dict of the token ids
     assert [param.temperature for param in requests.params] == [0.5, 1.0]
     assert [param.max_tokens for param in requests.params] == [5, 3]
+    tree = trace_payload.decode(prebuilt.payload).envoys
+    assert tree is not None
     for built, expected in zip(requests.params, local.params, strict=True):
         assert built.output_kind is RequestOutputKind.FINAL_ONLY  # as vLLM's offline LLM makes every request
         built.output_kind = expected.output_kind
         mediator = built.extra_args.pop("nnsight_mediator")
         assert mediator[:2] == b"\x80\x04" and len(mediator) > 100
+        # The tree, once for the trace (nnsight's own requests carry it in every mediator).
+        assert len(mediator) < len(expected.extra_args["nnsight_mediator"]) - len(tree.data) / 2
+        assert tree.sha256.encode() in mediator and built.extra_args.pop(ENVOY_TREE) == [tree.sha256, tree.data]
         expected.extra_args = {}
         built.extra_args = {}
         assert msgspec.to_builtins(built) == msgspec.to_builtins(expected)
@@ -89,13 +97,22 @@ def test_payload_kinds(client_model: Any) -> None:
     assert trace_payload.payload_kind(b"GIF89a") is None
 
 
-def one_invoke(**fields: Any) -> bytes:
+def one_invoke(header_fields: dict[str, Any] | None = None, blobs: bytes = b"abc", **fields: Any) -> bytes:
     invoke = {"prompt": {"prompt": "x"}, "sampling": {}, "mediator": [0, 3], "edits": None, **fields}
-    header = {"format": 1, "nnsight": "0.8.1", "python": "3.11.7", "invokes": [invoke]}
+    header = {"format": 1, "nnsight": "0.8.1", "python": "3.11.7", "invokes": [invoke], **(header_fields or {})}
     import json
 
     encoded = json.dumps(header).encode()
-    return trace_payload.MAGIC + len(encoded).to_bytes(8, "big") + encoded + b"abc"
+    return trace_payload.MAGIC + len(encoded).to_bytes(8, "big") + encoded + blobs
+
+
+SHA = "ab" * 32
+
+
+def with_tree(**envoys: Any) -> bytes:
+    """A format 2 payload: a 4-byte tree, then the 3-byte mediator."""
+    tree = {"sha256": SHA, "blob": [0, 4], **envoys}
+    return one_invoke({"format": 2, "envoys": tree}, b"TREEabc", mediator=[4, 3])
 
 
 @pytest.mark.parametrize(
@@ -116,11 +133,22 @@ def one_invoke(**fields: Any) -> bytes:
         (one_invoke(surprise=1), "must be an object with prompt, sampling, mediator and edits"),
         (trace_payload.MAGIC + (2).to_bytes(8, "big") + b"[]", "header must be a JSON object"),
         (trace_payload.MAGIC + (12).to_bytes(8, "big") + b'{"x": NaN}  ', "header holds NaN"),
+        (with_tree(), None),
+        (one_invoke({"format": 3}), "format 3 is not supported by this server .it reads formats 1, 2"),
+        (one_invoke({"format": True}), "format True is not supported"),
+        (one_invoke({"envoys": None}), "a format 1 header has no 'envoys'"),
+        (with_tree(sha256="AB" * 32), "sha256 must be 64 lowercase hex digits"),
+        (with_tree(blob=[4, 3]), "are not the first blob"),
+        (with_tree(blob=[0, 3]), "are not the next blob"),  # the tree's bytes and the mediator's overlap
+        (with_tree(surprise=1), "envoys must be null or an object with sha256 and blob"),
     ],
 )
 def test_a_malformed_payload_is_refused_naming_what_is_wrong(payload: bytes, reason: str | None) -> None:
     if reason is None:
-        assert trace_payload.decode(payload).invokes[0].mediator == b"abc"
+        trace = trace_payload.decode(payload)
+        assert trace.invokes[0].mediator == b"abc"
+        assert trace.envoys in (None, trace_payload.EnvoyTree(SHA, b"TREE"))
+        assert trace_payload.decode(trace_payload.encode(trace)) == trace
         return
     with pytest.raises(PayloadError, match=reason.replace("[", r"\[").replace("]", r"\]")):
         trace_payload.decode(payload)

@@ -132,13 +132,14 @@ def build_payload(tracer: Any) -> bytes:
     from nnqueue import trace_payload
 
     try:
-        # What VLLMTracer.execute + VLLM._call do before they submit to a local engine.
+        # What VLLMTracer.execute + VLLM._call do before they submit to a local engine (the mediators attached
+        # with the model's envoy tree once for the trace, not in each of them: trace_payload.from_vllm_trace).
         _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
-        model._attach_mediators(params, **forward_kwargs)
+        trace = trace_payload.from_vllm_trace(model, prompts, params, lora_requests, forward_kwargs)
     finally:
         model.interleaver.cancel()
         clear_shared_locals()
-    return trace_payload.encode(trace_payload.from_vllm_requests(prompts, params, lora_requests))
+    return trace_payload.encode(trace)
 
 
 def check_taps(tracer: Any, client: Submitter, model_key: str) -> None:

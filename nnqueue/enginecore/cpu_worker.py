@@ -24,6 +24,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.crash_report import CrashReportingWorker
+from nnqueue.enginecore.envoy_trees import EnvoyTreesMixin
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.pipeline_stages import PipelineStageMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
@@ -34,6 +35,7 @@ from nnqueue.enginecore.weights_guard import WeightsGuardWorker
 
 
 class NNsightCPUModelRunner(  # type: ignore[misc]
+    EnvoyTreesMixin,
     SteerRunnerMixin,
     HarvestRunnerMixin,
     PipelineStageMixin,
@@ -42,8 +44,9 @@ class NNsightCPUModelRunner(  # type: ignore[misc]
     StepRecoveryMixin,
     CPUModelRunner,
 ):
-    """nnqueue's harvest capture and nnsight's hooks (``load_model``, ``execute_model``, ...) over vLLM's CPU runner,
-    with a malformed intervention's step run again without it (:mod:`nnqueue.enginecore.step_recovery`).
+    """nnqueue's harvest capture, steering and requests' envoy trees and nnsight's hooks (``load_model``,
+    ``execute_model``, ...) over vLLM's CPU runner, with a malformed intervention's step run again without it
+    (:mod:`nnqueue.enginecore.step_recovery`).
 
     Adds no constructor state (nnsight's runner builds its own in ``load_model``), so an
     already-built ``CPUModelRunner`` can be re-classed to it.

@@ -10,6 +10,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 from nnqueue.enginecore import lifetime, stall_watchdog
 from nnqueue.enginecore.crash_report import CrashReportingWorker
+from nnqueue.enginecore.envoy_trees import EnvoyTreesMixin
 from nnqueue.enginecore.harvest_capture import HarvestRunnerMixin
 from nnqueue.enginecore.pipeline_stages import PipelineStageMixin
 from nnqueue.enginecore.rpc import NNqueueRPC
@@ -24,6 +25,7 @@ class _RecoveringGPUModelRunner(StepRecoveryMixin, GPUModelRunner):  # type: ign
 
 
 class NNqueueGPUModelRunner(  # type: ignore[misc]
+    EnvoyTreesMixin,
     SteerRunnerMixin,
     HarvestRunnerMixin,
     PipelineStageMixin,
@@ -31,8 +33,8 @@ class NNqueueGPUModelRunner(  # type: ignore[misc]
     NNsightGPUModelRunner,
     _RecoveringGPUModelRunner,
 ):
-    """nnqueue's harvest capture over nnsight's runner, a malformed intervention's step run again without it; adds
-    no constructor state (re-classed in place)."""
+    """nnqueue's harvest capture, steering and requests' envoy trees over nnsight's runner, a malformed
+    intervention's step run again without it; adds no constructor state (re-classed in place)."""
 
 
 class NNqueueGPUWorker(SandboxedWorker, CrashReportingWorker, WeightsGuardWorker, NNqueueRPC, NNsightGPUWorker):

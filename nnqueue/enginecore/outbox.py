@@ -2,9 +2,10 @@
 
 Work the engine finishes in the background (a trace's result written to its sink, later a harvest shard)
 is reported here as a small JSON-able dict ``{"id": str, "kind": str, ...}``. The frontend drains the
-queue with the batched RPC ``collective_rpc("nnqueue_outbox")`` (:class:`nnqueue.enginecore.rpc.NNqueueRPC`),
-which works the same under every vLLM executor (in-process, multiprocessing, Ray, multi-node). The frontend
-treats entries as untrusted input: this process runs users' code.
+queue with every RPC of its grouped calls, ``collective_rpc("nnqueue_calls")``
+(:class:`nnqueue.enginecore.rpc.NNqueueRPC`), which works the same under every vLLM executor (in-process,
+multiprocessing, Ray, multi-node); a grouped call that raised is answered as ``{CALL_FAILED: "Type: message"}``.
+The frontend treats entries as untrusted input: this process runs users' code.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections import deque
 from typing import Any
 
 MAX_DRAIN = 4096
+CALL_FAILED = "nnqueue_call_failed"
 
 _lock = threading.Lock()
 _entries: deque[dict[str, Any]] = deque()

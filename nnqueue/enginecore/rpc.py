@@ -18,7 +18,10 @@ rank (`stage_reporting`): a harvest chunk is captured and written by the stage t
   as above after their blocks' unwinding).
 * ``nnqueue_verify_state`` (the guards' mixin): verify and put back every tensor, read in full, and the rest of
   the state, with nothing in flight (a trust-domain switch).
-* ``nnqueue_outbox``: the queued completions (:mod:`nnqueue.enginecore.outbox`).
+* ``nnqueue_calls``: several of the per-job calls (`GROUPED`) in one RPC, each answered as it would be alone (a call
+  that raises answers ``{outbox.CALL_FAILED: "Type: message"}``), and the outbox's queued completions
+  (:mod:`nnqueue.enginecore.outbox`): the frontend sends the calls made in one turn of its loop in one such RPC
+  (:mod:`nnqueue.engines.outbox`), so that hundreds of jobs' finishes and polls cost the engine's thread few rounds.
 * ``nnqueue_harvest_begin`` / ``nnqueue_harvest_abort``: start or drop a harvest chunk
   (:mod:`nnqueue.enginecore.harvest_capture`); ``nnqueue_harvest_stats``: what the capture path holds;
   ``nnqueue_capture_points``: the model's capturable points (:mod:`nnqueue.enginecore.capture_points`).
@@ -46,6 +49,8 @@ from nnqueue.enginecore import outbox, pipeline_stages, trace_collect, trace_res
 
 log = logging.getLogger(__name__)
 _writer: list[trace_results.ResultWriter] = []
+# The per-job calls `nnqueue_calls` runs.
+GROUPED = frozenset({"nnqueue_finish_trace", "nnqueue_discard_trace", "nnqueue_steer_begin", "nnqueue_steer_end"})
 
 
 def reporting_rank() -> bool:
@@ -135,8 +140,20 @@ class NNqueueRPC:
         trace_collect.release(self.model_runner, list(request_ids))
         self.nnqueue_check_after(due)
 
-    def nnqueue_outbox(self) -> list[dict[str, Any]] | None:
-        return outbox.drain() if stage_reporting() else None
+    def nnqueue_calls(self, calls: list[tuple[str, list[Any]]]) -> dict[str, Any]:
+        """Run ``calls`` (method name, arguments) in order; their answers, and the outbox's completions (this stage's
+        reporting rank's; None on the others)."""
+        answers: list[Any] = []
+        for method, args in calls:
+            if method not in GROUPED:
+                answers.append({outbox.CALL_FAILED: f"{method!r} is not a call nnqueue_calls makes"})
+                continue
+            try:
+                answers.append(getattr(self, method)(*args))
+            except Exception as error:  # that call's failure, answered to its caller: not the engine's
+                log.exception("%s failed", method)
+                answers.append({outbox.CALL_FAILED: f"{type(error).__name__}: {error}"})
+        return {"answers": answers, "outbox": outbox.drain() if stage_reporting() else None}
 
     def nnqueue_harvest_begin(self, spec: dict[str, Any]) -> dict[str, Any] | None:
         """Begin a harvest chunk (`HarvestCapture.begin`): ``{"chunk": key}``, ``{"error": reason}``, or None

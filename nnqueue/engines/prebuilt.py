@@ -3,7 +3,9 @@
 The payload's header is validated by :func:`nnqueue.trace_payload.decode`; each invoke's sampling settings
 become a ``SamplingParams`` through ``msgspec.convert`` (typed, and vLLM's own checks run in its
 ``__post_init__``), and its mediator bytes go into ``extra_args`` untouched, for nnsight to load inside
-the engine process. Any problem is a :class:`~nnqueue.trace_payload.PayloadError` naming the invoke.
+the engine process, with the trace's envoy tree (a format 2 payload: the sha256 it came with and its bytes,
+:mod:`nnqueue.enginecore.envoy_trees`), which the engine verifies the first time it sees it. Any problem is a
+:class:`~nnqueue.trace_payload.PayloadError` naming the invoke.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
+from nnqueue.enginecore.envoy_trees import EXTRA_ARG as ENVOY_TREE
 from nnqueue.trace_payload import PayloadError, PrebuiltTrace
 
 # Fields a payload may set: SamplingParams' public ones but extra_args, which carries the mediator.
@@ -37,6 +40,7 @@ def to_requests(trace: PrebuiltTrace, request_id_prefix: str) -> TraceRequests:
     """The trace's requests, with ids ``f"{request_id_prefix}-{invoke index}"`` (the prefix must be unique
     among requests in flight on the engine)."""
     prompts, params = [], []
+    tree = None if trace.envoys is None else [trace.envoys.sha256, trace.envoys.data]
     for index, invoke in enumerate(trace.invokes):
         unknown = sorted(set(invoke.sampling) - SAMPLING_FIELDS)
         if unknown:
@@ -52,6 +56,8 @@ def to_requests(trace: PrebuiltTrace, request_id_prefix: str) -> TraceRequests:
         extra: dict[str, Any] = {"nnsight_mediator": invoke.mediator}
         if invoke.edits is not None:
             extra["nnsight_edits"] = list(invoke.edits)
+        if tree is not None:
+            extra[ENVOY_TREE] = tree
         param.extra_args = extra
         params.append(param)
         prompt = invoke.prompt

@@ -35,7 +35,9 @@ from nnqueue.enginecore.harvest_spec import Generation as ChunkGeneration
 from nnqueue.enginecore.steer_spec import Edit, check_edits
 from nnqueue.enginecore.steering import TAG
 from nnqueue.engines.harvest_runner import ChunkResult, ChunkWork, capture_chunk
+from nnqueue.engines.outbox import poller
 from nnqueue.errors import NNqueueError
+from nnqueue.timeline import stamp
 
 __all__ = [
     "Edit",
@@ -196,19 +198,23 @@ async def _steer(
             on_finished(done)
         return generation
 
+    calls = poller(llm)  # the begin and end go with the other jobs' calls of the moment, in one RPC
     try:
-        answers = await llm.collective_rpc("nnqueue_steer_begin", args=(spec,))
+        answers = await calls.call("nnqueue_steer_begin", spec)
         refused = [a for a in answers if not isinstance(a, dict) or a.get("job") != key]
         if refused:
             raise SteerError(f"the engine refused steering job {work.job_id}: {_reason(refused[0])}")
+        stamp("submitted")
         generations = await asyncio.gather(
             *(generate(i, r, ids) for i, (r, ids) in enumerate(zip(request_ids, work.token_ids, strict=True)))
         )
+        stamp("last_output")
     except BaseException:
         await asyncio.shield(llm.abort(request_ids))
-        await asyncio.shield(llm.collective_rpc("nnqueue_steer_end", args=(key,)))
+        await asyncio.shield(calls.call("nnqueue_steer_end", key))
         raise
-    ends = await llm.collective_rpc("nnqueue_steer_end", args=(key,))
+    ends = await calls.call("nnqueue_steer_end", key)
+    stamp("written")
     errors = [end.get("error") for end in ends if isinstance(end, dict) and end.get("error")]
     if errors or not all(isinstance(end, dict) and end.get("ended") for end in ends):
         raise SteerError(f"steering job {work.job_id} failed on the engine: {errors[0] if errors else ends!r:.2000}")
@@ -224,6 +230,7 @@ async def _generate(
     params = work.sampling.to_vllm(extra_args, captured=CAPTURE_TAG in extra_args)
     final = None
     async for output in llm.generate(prompt, params, request_id):
+        stamp("first_output")
         final = output
     if final is None or not final.outputs:
         raise SteerError(f"request {request_id} ended without output")

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import linecache
 from typing import Any
 
 from nnqueue import trace_payload
-from nnqueue.enginecore import child_process, protected
+from nnqueue.enginecore import child_process, envoy_trees, protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 from nnqueue.errors import NNqueueError
@@ -65,11 +66,15 @@ def check_prebuilt(model: Any, payload: bytes) -> None:
     instead of reaching the engine. Raises what the load raised, naming the invoke."""
     trace = trace_payload.decode(payload)
     persistent = model._remoteable_persistent_objects()
+    trees = envoy_trees.EnvoyTrees(ahead=False, strict=True)  # a format 2 trace's envoy tree, checked strictly
+    if trace.envoys is not None:
+        trees.add(trace.envoys.sha256, trace.envoys.data, persistent)
+    load = trees.loads(functools.partial(protected.load_mediator, strict=True))
     known = set(linecache.cache)
     try:
         for index, invoke in enumerate(trace.invokes):
             try:
-                protected.load_mediator(invoke.mediator, persistent, strict=True)
+                load(invoke.mediator, persistent)
             except Exception as error:  # noqa: BLE001 - whatever loading raised is the job's error
                 raise MediatorRejected(index, error) from None
     finally:
@@ -93,8 +98,11 @@ def _build(model: Any, payload: bytes) -> bytes:
         # trace's mediator; parse it back from the source deserialize just registered.
         tracer.node = ast.parse("".join(linecache.getlines(filename)))
         _, (prompts, params, lora_requests), forward_kwargs = tracer.prepare(tracer.info.code)
-        model._attach_mediators(params, **forward_kwargs)
-        return trace_payload.encode(trace_payload.from_vllm_requests(prompts, params, lora_requests))
+        # The trace's code refers to the deserialized copy of the client's envoy tree (tracer.envoy), which
+        # shares this model's interleaver and modules; the mediators are attached by this model (it serves edits).
+        return trace_payload.encode(
+            trace_payload.from_vllm_trace(model, prompts, params, lora_requests, forward_kwargs, tracer.envoy)
+        )
 
 
 def load_meta_model(model: str, engine_kwargs: dict[str, Any]) -> Any:

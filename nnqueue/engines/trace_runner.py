@@ -2,9 +2,10 @@
 
 The requests come ready-made (:mod:`nnqueue.engines.prebuilt`): nnsight's mediator bytes already sit in
 each request's ``extra_args``, so nothing is deserialized or re-serialized here. `run_trace` submits them
-together and, once all have finished, makes one RPC, ``nnqueue_finish_trace``, with the finished outputs
-(which serve ``tracer.result``) and the sinks to write to: the engine collects and merges the saves in its
-own process and writes them (:mod:`nnqueue.enginecore.rpc`). The outcome (written objects, the trace's
+together and, once all have finished, calls ``nnqueue_finish_trace`` with the finished outputs (which serve
+``tracer.result``) and the sinks to write to, grouped with the other jobs' calls of the moment in one RPC
+(:meth:`nnqueue.engines.outbox.OutboxPoller.call`): the engine collects and merges the saves in its own process
+and writes them (:mod:`nnqueue.enginecore.rpc`). The outcome (written objects, the trace's
 first error as nnsight's deferred-error dict) comes back through the outbox and is validated
 (:mod:`nnqueue.engines.trace_report`), because the engine process runs users' code.
 
@@ -23,6 +24,7 @@ from typing import Any
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.prebuilt import TraceRequests
 from nnqueue.engines.trace_report import TraceReport, parse_report
+from nnqueue.timeline import stamp
 
 # Strong references to in-flight cleanups (asyncio holds tasks weakly).
 _cleanups: set[asyncio.Task[Any]] = set()
@@ -49,31 +51,34 @@ async def run_trace(
 
         async def one(request_id: str, prompt: Any, params: Any) -> None:
             async for output in engine.generate(prompt, params, request_id):
+                stamp("first_output")
                 outputs[request_id] = output  # the last one is the finished one
             if on_finished is not None:
                 on_finished(len(outputs))
 
+        stamp("submitted")
         try:
             async with asyncio.TaskGroup() as group:
                 for request_id, prompt, params in zip(trace.request_ids, trace.prompts, trace.params, strict=True):
                     group.create_task(one(request_id, prompt, params))
         except BaseExceptionGroup as failures:
             raise failures.exceptions[0] from None
+        stamp("last_output")
         report = outbox.expect(trace_id)
         try:
-            await engine.collective_rpc(
-                "nnqueue_finish_trace", args=(trace_id, trace.request_ids, pickle.dumps(outputs), sinks)
-            )
+            await outbox.call("nnqueue_finish_trace", trace_id, trace.request_ids, pickle.dumps(outputs), sinks)
         except BaseException:
             report.cancel()
             raise
         finished = True
-        return parse_report(await report)
+        written = await report
+        stamp("written")
+        return parse_report(written)
     finally:
         if not finished:
             # Aborted, cancelled or failed before the engine took the trace over: free its requests'
             # state there. A shielded task, so our own cancellation cannot stop it.
-            cleanup = asyncio.ensure_future(engine.collective_rpc("nnqueue_discard_trace", args=(trace.request_ids,)))
+            cleanup = asyncio.ensure_future(outbox.call("nnqueue_discard_trace", trace.request_ids))
             _cleanups.add(cleanup)
             cleanup.add_done_callback(_cleanups.discard)
             await asyncio.shield(cleanup)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import uuid
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue import metrics
@@ -39,6 +40,13 @@ def store_payload(store: ObjectStore, key: str, data: bytes) -> None:
 def keep_inline(session: Session, job_id: uuid.UUID, data: bytes) -> None:
     """Add a small payload to the session, beside its (already added) job. The caller commits."""
     session.add(JobPayload(job_id=job_id, data=data))
+
+
+def load_inline(sessions: sessionmaker[Session], job_ids: list[uuid.UUID]) -> dict[uuid.UUID, bytes]:
+    """The payloads the database keeps for these jobs, read in one query (a job missing from it has none there)."""
+    with sessions() as session:
+        rows = session.execute(select(JobPayload.job_id, JobPayload.data).where(JobPayload.job_id.in_(job_ids)))
+        return {job_id: data for job_id, data in rows}
 
 
 def load_payload(sessions: sessionmaker[Session], store: ObjectStore, job: Job) -> bytes:

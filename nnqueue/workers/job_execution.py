@@ -53,6 +53,7 @@ from nnqueue.scheduler import registry
 from nnqueue.scheduler.claim import claim_jobs
 from nnqueue.scheduler.domain_turns import DomainTurns, Switch
 from nnqueue.storage.results import StoredResult
+from nnqueue.timeline import Timelines, stamp
 from nnqueue.workers.engine_health import EngineHealth
 from nnqueue.workers.grouped_calls import GroupedCalls
 from nnqueue.workers.weights import WeightsGate, WrongWeights
@@ -126,6 +127,8 @@ class JobRunner:
     containment: Containment | None = None
     # Which trust domain's traces the engine runs now, and when that may change.
     turns: DomainTurns = field(default_factory=DomainTurns)
+    # Where each run's timeline is kept (nnqueue.timeline; the benchmarks'); None: no timelines.
+    timelines: Timelines | None = None
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
     _versions: dict[uuid.UUID, str] = field(default_factory=dict)  # the weights each running job runs on
     # Running jobs this worker stopped, and why: CANCELLED by a user, or SKIPPED (taken by another worker).
@@ -143,6 +146,11 @@ class JobRunner:
 
     async def run_next(self) -> Outcome:
         """Claim the model's best QUEUED job and run it (what a token asks for)."""
+        with self.timelines.run() if self.timelines is not None else contextlib.nullcontext():
+            stamp("token")
+            return await self._claim_and_run()
+
+    async def _claim_and_run(self) -> Outcome:
         while True:
             if self.health is not None and self.health.dead.is_set():
                 await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
@@ -157,6 +165,7 @@ class JobRunner:
         if job is None:
             log.info("a token for %s found no queued job; dropped", self.model_key)
             return Outcome.NO_WORK
+        stamp("claimed")
         with job_context(job.id):
             return await self._run(job)
 
@@ -312,6 +321,7 @@ class JobRunner:
             fields["weights_version"] = self._versions[job_id]
         try:
             job = await self._endings(Ending(job_id, target, detail, fields))
+            stamp("finished")
         except InvalidTransition as lost:
             # Cancelled or taken over while finishing: the other writer's status stands.
             log.info("job %s not marked %s: %s", job_id, target.value, lost)

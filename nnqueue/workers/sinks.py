@@ -106,12 +106,15 @@ class ResultSinks:
     @contextlib.asynccontextmanager
     async def staged_result(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool) -> AsyncIterator[JobSinks]:
         """`open` for an async executor: what the attempt left in the handoff directory is removed on leaving,
-        whether its result was committed (`commit`), there was none, or the attempt failed."""
-        sinks = await asyncio.to_thread(self.open, job_id, attempt, safetensors=safetensors)
+        whether its result was committed (`commit`), there was none, or the attempt failed. Both on the calling
+        loop: naming the files (the directory is made once) and unlinking what is left (usually nothing: `commit`
+        removed it) cost less than the two thread hops they took, which hundreds of jobs in flight queued behind
+        each other's uploads (issue 36)."""
+        sinks = self.open(job_id, attempt, safetensors=safetensors)
         try:
             yield sinks
         finally:
-            await asyncio.to_thread(self.discard, sinks)
+            self.discard(sinks)
 
     def commit(self, sinks: JobSinks, written: Mapping[str, Reported]) -> StoredResult:
         """Upload the objects the engine reported writing (name -> size and sha256) from their handoff files;

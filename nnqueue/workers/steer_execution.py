@@ -38,10 +38,10 @@ from nnqueue.engines.steer_runner import (
     run_steering_captured,
 )
 from nnqueue.engines.trace_report import WrittenObject
-from nnqueue.scheduler.payloads import PayloadMissing, load_payload
 from nnqueue.scheduler.steering import decode_payload
 from nnqueue.storage.keys import ACTIVATIONS_FILE, result_key
 from nnqueue.storage.object_store import Digest, ObjectNotFound
+from nnqueue.timeline import stamp
 from nnqueue.workers.chunk_execution import shard_bound
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultNotWritten, ShardSink
@@ -57,10 +57,8 @@ except ImportError:
 
 async def execute_steering(executor: Any, job: Job, progress: Callable[[int, int], None]) -> Execution:
     """Run steering ``job`` on ``executor``'s engine (a `VLLMTraceExecutor`: its sessions, store, model, sinks)."""
-    try:
-        payload = await asyncio.to_thread(load_payload, executor.sessions, executor.store, job)
-    except PayloadMissing as missing:
-        raise JobFailure("PayloadMissing", str(missing)) from None
+    payload = await executor.payloads.load(job)
+    stamp("payload")
     try:
         body, vectors = decode_payload(payload)
         edits = [Edit.from_json(edit) for edit in body["edits"]]
@@ -69,6 +67,7 @@ async def execute_steering(executor: Any, job: Job, progress: Callable[[int, int
         work = SteerWork(str(job.id), token_ids, edits, vectors, sampling)
     except (ValueError, KeyError, TypeError) as error:
         raise JobFailure("InvalidPayload", f"the steering job's payload is not usable: {error}") from None
+    stamp("built")
     total = len(token_ids)
     progress(0, total)
 
@@ -90,6 +89,7 @@ async def execute_steering(executor: Any, job: Job, progress: Callable[[int, int
         raise JobFailure(type(refused).__name__, str(refused)) from None
     data = json.dumps({"format": RESULT_FORMAT, "generations": [g.to_json() for g in generations]}).encode()
     stored = await asyncio.to_thread(executor.sinks.put_result, job.id, job.attempts, RESULT_FILE, data)
+    stamp("committed")
     return Execution(total, dataclasses.replace(stored, safetensors=activations))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,10 +27,11 @@ from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.trace_report import TraceReport
 from nnqueue.storage.object_store import ObjectStore
+from nnqueue.timeline import stamp
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.steer_execution import execute_steering
-from nnqueue.workers.trace_jobs import load_job_payload, rebuild_message, run_and_commit
+from nnqueue.workers.trace_jobs import PayloadReads, rebuild_message, run_and_commit
 
 try:  # vLLM's checks of a request raise these (0.32); older vLLM (0.24 on the GPU) raises ValueError
     from vllm.exceptions import VLLMClientError as RequestRefused
@@ -46,12 +47,18 @@ class VLLMTraceExecutor:
     sinks: ResultSinks
     outbox: OutboxPoller
     builders: BuilderPool
+    payloads: PayloadReads = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.payloads = PayloadReads(self.sessions, self.store)
 
     async def execute(self, job: Job, progress: Callable[[int, int], None]) -> Execution:
         if job.kind is JobKind.STEER:  # declarative, on the engine's steering path: no trace to build
             return await execute_steering(self, job, progress)
-        payload = await load_job_payload(self.sessions, self.store, job)
+        payload = await self.payloads.load(job)
+        stamp("payload")
         trace, requests = await self._prepare(job, payload)
+        stamp("built")
         total = len(requests.request_ids)
         progress(0, total)
 

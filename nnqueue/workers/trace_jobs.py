@@ -3,7 +3,8 @@ error mapped.
 
 The vLLM executor (:mod:`nnqueue.workers.trace_execution`) and the transformers one
 (:mod:`nnqueue.workers.transformers_execution`) differ in how their engine runs a trace, not in what comes
-before and after: the payload is read from wherever it is kept (:mod:`nnqueue.scheduler.payloads`); the engine
+before and after: the payload is read from wherever it is kept (:mod:`nnqueue.scheduler.payloads`; `PayloadReads`
+reads the payloads the database keeps for the jobs claimed together in one query); the engine
 writes the result to the attempt's handoff files (:mod:`nnqueue.workers.sinks`) and reports it
 (:mod:`nnqueue.engines.trace_report`); this worker uploads what the engine reported writing, and removes what
 an attempt that commits nothing left behind. The job fails with the trace's first error (nnsight's type,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import platform
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,18 +27,36 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue import trace_payload
 from nnqueue.db.models import Job
 from nnqueue.engines.trace_report import TraceReport
-from nnqueue.scheduler.payloads import PayloadMissing, load_payload
+from nnqueue.scheduler.payloads import PayloadMissing, load_inline, load_payload
 from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
+from nnqueue.timeline import stamp
+from nnqueue.workers.grouped_calls import GroupedCalls
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
 
 
-async def load_job_payload(sessions: sessionmaker[Session], store: ObjectStore, job: Job) -> bytes:
-    """The job's payload (in an I/O thread); a missing one fails the job."""
-    try:
-        return await asyncio.to_thread(load_payload, sessions, store, job)
-    except PayloadMissing as missing:
-        raise JobFailure("PayloadMissing", str(missing)) from None
+class PayloadReads:
+    """Claimed jobs' payloads, in I/O threads; a missing one fails its job. The payloads the database keeps (small
+    ones, most jobs') are read together: one query for the jobs that ask while one is in flight, as the jobs claimed
+    together do (a session, a query and a thread hop per job were as many as the claims they followed); those in
+    the object store each in a thread of its own, in parallel."""
+
+    def __init__(self, sessions: sessionmaker[Session], store: ObjectStore) -> None:
+        self.sessions, self.store = sessions, store
+        self._inline: GroupedCalls[uuid.UUID, bytes] = GroupedCalls(self._read_inline)
+
+    async def load(self, job: Job) -> bytes:
+        try:
+            if job.payload_key is None:
+                return await self._inline(job.id)
+            return await asyncio.to_thread(load_payload, self.sessions, self.store, job)
+        except PayloadMissing as missing:
+            raise JobFailure("PayloadMissing", str(missing)) from None
+
+    def _read_inline(self, job_ids: list[uuid.UUID]) -> list[bytes | PayloadMissing]:
+        found = load_inline(self.sessions, job_ids)
+        missing = "the job's payload is not in the database (job_payloads, job {})"
+        return [found[job_id] if job_id in found else PayloadMissing(missing.format(job_id)) for job_id in job_ids]
 
 
 async def run_and_commit(
@@ -60,6 +80,7 @@ async def run_and_commit(
                 stored = await asyncio.to_thread(sinks.commit, handoff, report.objects)
             except (ResultNotWritten, OSError, ObjectNotFound) as error:
                 raise JobFailure("ResultWriteFailed", f"the result did not reach the store: {error}") from None
+            stamp("committed")
     return Execution(units, stored, failure)
 
 

@@ -11,7 +11,7 @@ job it was running with ``EngineDied`` (the next job starts a new one).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -23,7 +23,7 @@ from nnqueue.engines.transformers import TransformersEngine
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultSinks
-from nnqueue.workers.trace_jobs import load_job_payload, run_and_commit
+from nnqueue.workers.trace_jobs import PayloadReads, run_and_commit
 
 
 @dataclass
@@ -32,9 +32,13 @@ class TransformersExecutor:
     store: ObjectStore
     engine: TransformersEngine
     sinks: ResultSinks
+    payloads: PayloadReads = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.payloads = PayloadReads(self.sessions, self.store)
 
     async def execute(self, job: Job, progress: Callable[[int, int], None]) -> Execution:
-        payload = await load_job_payload(self.sessions, self.store, job)
+        payload = await self.payloads.load(job)
         progress(0, 1)
 
         async def run(sinks: dict[str, Any]) -> TraceReport:

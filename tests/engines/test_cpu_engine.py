@@ -2,8 +2,9 @@
 
 Checks a traced layer output and logits against transformers on the same weights, that a
 prebuilt multi-invoke trace run through `trace_runner` (the engine writing its result to handoff
-files) matches the direct traces, that two traces share an engine step (engine-side evidence), and
-that abort/cancel free the engine's workers. One event loop for the module: AsyncLLM binds its
+files) matches the direct traces, that two traces share an engine step (engine-side evidence), that
+each trace's envoys are its own (a change one trace makes to them is never seen by another, in the same
+step or later), and that abort/cancel free the engine's workers. One event loop for the module: AsyncLLM binds its
 output handler to the loop it first runs in.
 """
 
@@ -155,6 +156,30 @@ def test_two_traces_share_an_engine_step(loop, engine, client, outbox) -> None:
     # Tokens in `short`'s prefill forward: its own plus `long`'s decode token, or plus
     # `long`'s whole prompt if the two were prefilled together.
     assert result["saves"]["step_tokens"] in {short_tokens + 1, short_tokens + long_tokens}
+    assert request_count(loop, engine) == 0
+
+
+def mark_payload(client: VLLM) -> bytes:
+    """A trace that saves the mark it finds on an envoy of its tree, then marks it."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        layer = client.model.layers[0]
+        found = nnsight.save(getattr(layer, "nnqueue_test_mark", "no mark"))
+        layer.nnqueue_test_mark = "another trace's"
+        layer.output
+    return backend.payload
+
+
+def test_each_trace_has_envoys_of_its_own(loop, engine, client, outbox) -> None:
+    payload = mark_payload(client)
+    assert trace_payload.decode(payload).envoys is not None  # one tree for the trace, each request its own
+
+    async def traces(count: int, tag: str) -> list[Any]:
+        return await asyncio.gather(*(run_prebuilt(engine, outbox, payload, f"{tag}-{n}") for n in range(count)))
+
+    results = run(loop, traces(4, "together")) + run(loop, traces(1, "after"))
+    assert [result["report"].error for result in results] == [None] * 5
+    assert [result["saves"]["found"] for result in results] == ["no mark"] * 5
     assert request_count(loop, engine) == 0
 
 

@@ -1,6 +1,9 @@
 """The outbox poller: entries from the engine (untrusted) are validated, matched to their waiters by id, and a
-broken engine fails the waiters instead of leaving them hanging. The engine here is a stand-in for vLLM's
-``AsyncLLM.collective_rpc``, which answers with one list per rank."""
+broken engine fails the waiters instead of leaving them hanging; the calls made in one turn of the loop go
+together in one RPC, sent at once whatever is in flight, each answered as it would be alone, and every RPC brings
+the outbox back. The engine
+here is a stand-in for vLLM's ``AsyncLLM.collective_rpc`` of ``nnqueue_calls``, which answers with one item per
+rank (the real one is tested on the engine: tests/engines/test_steer_runner.py, tests/workers/)."""
 
 from __future__ import annotations
 
@@ -9,21 +12,40 @@ from typing import Any
 
 import pytest
 
-from nnqueue.engines.outbox import OutboxError, OutboxPoller, valid_entry
+from nnqueue.enginecore.outbox import CALL_FAILED
+from nnqueue.engines.outbox import EngineCallFailed, OutboxError, OutboxPoller, valid_entry
 
 
 class Engine:
-    def __init__(self, *answers: Any) -> None:
-        self.answers = list(answers)
-        self.calls = 0
+    """Answers each ``nnqueue_calls`` RPC with the next of ``outboxes`` (one entry list per rank, or an exception)
+    and, for each call, what ``answer`` gives (per rank); it records the calls of each RPC."""
 
-    async def collective_rpc(self, method: str) -> Any:
-        assert method == "nnqueue_outbox"
-        self.calls += 1
-        answer = self.answers.pop(0) if self.answers else [[], None]
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+    def __init__(self, *outboxes: Any, answer: Any = None, ranks: int = 2) -> None:
+        self.outboxes = list(outboxes)
+        self.answer = answer or (lambda method, args, rank: None)
+        self.ranks = ranks
+        self.rpcs: list[list[tuple[str, tuple[Any, ...]]]] = []
+        self.in_flight = self.most_in_flight = 0
+
+    @property
+    def calls(self) -> int:
+        return len(self.rpcs)
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> Any:
+        assert method == "nnqueue_calls"
+        (calls,) = args
+        self.rpcs.append([(name, tuple(call_args)) for name, call_args in calls])
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        await asyncio.sleep(0.01)  # the engine's step, which an RPC waits for
+        self.in_flight -= 1
+        outbox = self.outboxes.pop(0) if self.outboxes else [[], None]
+        if isinstance(outbox, Exception):
+            raise outbox
+        return [
+            {"answers": [self.answer(name, call_args, rank) for name, call_args in calls], "outbox": outbox[rank]}
+            for rank in range(self.ranks)
+        ]
 
 
 @pytest.mark.parametrize(
@@ -73,3 +95,57 @@ def test_polling_stops_when_nobody_waits() -> None:
 
     asyncio.run(cancel_the_only_waiter())
     assert engine.calls <= 1
+
+
+def test_calls_made_together_go_in_one_rpc_and_each_gets_its_own_answers() -> None:
+    def answer(method: str, args: tuple[Any, ...], rank: int) -> Any:
+        if method == "nnqueue_steer_begin" and args == ("bad",):
+            return {CALL_FAILED: "ValueError: no such point"} if rank == 1 else {"job": "bad"}
+        return {"rank": rank, "args": list(args)}
+
+    entry = {"id": "t-1", "kind": "trace_result"}
+    engine = Engine([[], None], [[entry], None], answer=answer)
+
+    async def calls() -> list[Any]:
+        poller = OutboxPoller(engine, interval_s=60)  # no poll of its own in this test
+        written = poller.expect("t-1")
+        first = asyncio.ensure_future(poller.call("nnqueue_finish_trace", "t-1", ["r-1"]))
+        for _ in range(3):  # the first call is made and its RPC sent; the next three are made together
+            await asyncio.sleep(0)
+        rest = [
+            poller.call("nnqueue_steer_begin", "good"),
+            poller.call("nnqueue_steer_begin", "bad"),
+            poller.call("nnqueue_steer_end", "good"),
+        ]
+        answers = await asyncio.gather(first, *rest, return_exceptions=True)
+        return [*answers, await written]
+
+    finish, begun, refused, ended, written = asyncio.run(calls())
+    assert engine.rpcs == [
+        [("nnqueue_finish_trace", ("t-1", ["r-1"]))],
+        [("nnqueue_steer_begin", ("good",)), ("nnqueue_steer_begin", ("bad",)), ("nnqueue_steer_end", ("good",))],
+    ]
+    assert engine.most_in_flight == 2  # the second RPC did not wait for the first's answer
+    assert finish == [{"rank": 0, "args": ["t-1", ["r-1"]]}, {"rank": 1, "args": ["t-1", ["r-1"]]}]
+    assert begun == [{"rank": 0, "args": ["good"]}, {"rank": 1, "args": ["good"]}]
+    assert ended == [{"rank": 0, "args": ["good"]}, {"rank": 1, "args": ["good"]}]
+    # A call that raised on a rank fails its own caller, naming why; its RPC's other calls are answered.
+    assert isinstance(refused, EngineCallFailed) and "nnqueue_steer_begin failed on the engine: ValueError" in str(
+        refused
+    )
+    assert written == entry  # the outbox came back with the calls' RPC: no poll was needed
+
+
+def test_an_rpc_that_fails_fails_every_call_in_it() -> None:
+    engine = Engine(RuntimeError("EngineDeadError"))
+
+    async def calls() -> list[Any]:
+        poller = OutboxPoller(engine, interval_s=60)
+        return list(
+            await asyncio.gather(
+                poller.call("nnqueue_steer_end", "a"), poller.call("nnqueue_steer_end", "b"), return_exceptions=True
+            )
+        )
+
+    failures = asyncio.run(calls())
+    assert [str(failure) for failure in failures] == ["EngineDeadError"] * 2 and engine.calls == 1

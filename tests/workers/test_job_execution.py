@@ -3,7 +3,7 @@ worker while it runs (requeued because the worker looked dead, then claimed by a
 next heartbeat's reap, leaves the other worker's claim alone, and writes no result; tokens that arrive
 together claim their jobs together; two trust domains' traces never share the engine (tokens wait for the turn
 to end rather than being dropped), and the switch puts back weights one domain's traces left changed before the
-other's first trace runs."""
+other's first trace runs; each job's timeline passes every point of its run, in order."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from nnqueue.scheduler import registry
 from nnqueue.storage.keys import payload_key
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.results import load_result
+from nnqueue.timeline import POINTS, Timelines
 from nnqueue.workers.job_execution import JobRunner, Outcome
 from nnqueue.workers.sinks import ResultSinks
 from tests.utils.engines import InProcessEngine
@@ -168,6 +169,27 @@ def write_through_stash_payload(client: Any) -> bytes:
         del norm.nnqueue_test_alias  # leaves the session's engine as it found it, the weights aside
         logits = client.logits.save()
     return backend.payload
+
+
+def test_each_jobs_timeline_passes_every_point_of_its_run_in_order(
+    inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
+) -> None:
+    sessions = session_factory(make_engine(database_factory()))
+    store = LocalObjectStore(tmp_path)
+    _queue(sessions, store, [two_invoke_payload(client_model)] * 3)
+    runner = _runner(sessions, store, inprocess_engine, tmp_path, "w")
+    runner.timelines = Timelines()
+
+    async def tokens() -> list[Outcome]:
+        return await asyncio.gather(*(runner.run_next() for _ in range(4)))
+
+    outcomes = asyncio.run_coroutine_threadsafe(tokens(), inprocess_engine.host.loop).result(timeout=120)
+    assert sorted(outcomes) == sorted([Outcome.COMPLETED] * 3 + [Outcome.NO_WORK])
+    assert len(runner.timelines.finished) == 3  # the token that found no job ran none
+    for kept in runner.timelines.finished:
+        assert list(kept.stamps) == list(POINTS)  # every point, in the order the run passed them
+        assert list(kept.stamps.values()) == sorted(kept.stamps.values())
+    assert runner.timelines.percentiles()["whole run"]["jobs"] == 3
 
 
 def test_one_jobs_bad_end_does_not_fail_the_others_that_ended_with_it(database_factory: Callable[..., str]) -> None:
