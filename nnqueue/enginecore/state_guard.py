@@ -164,6 +164,15 @@ class StateGuard:
     def accept_current(self) -> None:
         """Take the state as it is now for the reference (at start, and after nnqueue's own legitimate changes:
         a harvest's or steering job's hooks installed, weights loaded)."""
+        # The protected environment's memos, filled once on first use (an envoy tree's unpickling fills them in an
+        # engine without the environment installed): filled now, so that their filling is no change of a trace's.
+        protected._unsafe_values()
+        protected._reconstructor_ids()
+        # torch.compile's first use patches nn.Module's __init__ and __setstate__ (once, process-wide): patched
+        # now, as that first use would, so that a step that compiles first is not taken for a trace's change.
+        from torch._dynamo.mutation_guard import install_generation_tagging_init
+
+        install_generation_tagging_init()
         self.containers = list(_Walk(self.model, self.roots, self.extra_modules).containers())
         for container in self.containers:
             container.saved = _read(container)
@@ -259,10 +268,12 @@ class StateGuard:
                 if name in INTERPRETER_CACHES:
                     saved[name] = target.__dict__[name]
                     continue
+                log.warning("%s: %s was added; removed", container.name, name)
                 delattr(target, name)
                 changed = True
             for name, value in saved.items():
                 if target.__dict__.get(name, _MISSING) is not value:
+                    log.warning("%s: %s was changed; put back", container.name, name)
                     setattr(target, name, value)
                     changed = True
             return _Restored.CHANGED if changed else _Restored.NOTHING

@@ -3,6 +3,7 @@ process-wide; the worker tests run it installed, in real engines)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -282,8 +283,14 @@ def test_the_strict_unpickler_refuses_calls_and_changes_by_opcode(gadget: str) -
 
 def test_the_strict_unpickler_loads_real_mediators(client_model: Any) -> None:
     from nnqueue import trace_payload
+    from nnqueue.enginecore.envoy_trees import EnvoyTrees
     from tests.utils.payloads import two_invoke_payload
 
     persistent = client_model._remoteable_persistent_objects()
-    for invoke in trace_payload.decode(two_invoke_payload(client_model)).invokes:
-        assert type(protected.load_mediator(invoke.mediator, persistent, strict=True)).__name__ == "Mediator"
+    trace = trace_payload.decode(two_invoke_payload(client_model))
+    assert trace.envoys is not None  # format 2: the envoy tree once, which the mediators refer to
+    trees = EnvoyTrees(ahead=False, strict=True)
+    assert trees.add(trace.envoys.sha256, trace.envoys.data, persistent)
+    load = trees.loads(functools.partial(protected.load_mediator, strict=True))
+    for invoke in trace.invokes:
+        assert type(load(invoke.mediator, persistent)).__name__ == "Mediator"

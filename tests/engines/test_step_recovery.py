@@ -13,10 +13,7 @@ import torch
 from nnsight.modeling.vllm import VLLM
 
 from nnqueue import trace_payload
-from nnqueue.engines.outbox import poller
-from nnqueue.engines.prebuilt import to_requests
 from nnqueue.engines.trace_report import TraceReport
-from nnqueue.engines.trace_runner import run_trace
 from tests.utils.engines import InProcessEngine, run, run_prebuilt
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
 
@@ -57,6 +54,10 @@ def test_in_a_step_shared_with_another_trace_both_are_to_run_again_alone(
     inprocess_engine: InProcessEngine, client_model: VLLM
 ) -> None:
     llm = inprocess_engine.model.vllm_entrypoint
+
+    from nnqueue.engines.outbox import poller  # vLLM: only when a test runs
+    from nnqueue.engines.prebuilt import to_requests
+    from nnqueue.engines.trace_runner import run_trace
 
     async def one(payload: bytes, name: str, directory: str) -> TraceReport:
         sinks = {"torch": {"kind": "handoff", "path": f"{directory}/{name}"}}
