@@ -28,7 +28,7 @@ from benchmarks.common import (
     engine_kwargs,
     prompt_ids,
     start,
-    start_s3_store,
+    start_store,
     stop,
 )
 from benchmarks.profiling import LoopBusy, LoopSampler, Profile, engine_sampler, print_timeline
@@ -223,9 +223,12 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     s3, sinks = None, None
     if args.s3:
-        s3, store = start_s3_store("harvest-bench")
-        sinks = ResultSinks(store, work / "s3-handoff")
-        report["store"] = "s3 (SeaweedFS weed mini, local disk)"
+        # weed's default volume size (gigabytes of shards); --s3-volumes: more volume servers beside weed mini's
+        s3 = start_store(args.s3_volumes, args.s3_parts)
+        handoff = s3.scratch(Path(args.handoff_dir)) if args.handoff_dir else None  # removed with the store
+        sinks = ResultSinks(s3.store, work / "s3-handoff", handoff)
+        report["store"] = f"s3 (SeaweedFS weed mini, local disk, {args.s3_volumes} volume server(s))"
+        report["handoff_dir"] = args.handoff_dir or "the temp folder"
 
     def run_h() -> None:
         """(h): the harvest variants, the sink's write rate, and prompt 0's harvested value vs nnsight's."""
