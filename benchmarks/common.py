@@ -208,11 +208,18 @@ def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any
     return kwargs
 
 
-def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: bool = False) -> tuple[Any, Any, Any]:
+def start(
+    model_dir: Path,
+    kwargs: dict[str, Any],
+    concurrency: int,
+    contained: bool = False,
+    writable: list[Path] | None = None,
+) -> tuple[Any, Any, Any]:
     """EngineHost + nnqueue's load_engine on its loop, and a meta client for payloads. ``contained``: the engine
     as ``nnqueue worker`` starts it (scrubbed environment, engine user, network namespace, filesystem view,
     seccomp, lock-down); the folders this process makes later with `tempfile` (handoff folders) are made in a
-    folder the engine user may write, which its filesystem view holds."""
+    folder the engine user may write, which its filesystem view holds, as are ``writable`` (folders made before,
+    which the engine user can reach: an ``NNQUEUE_WORKER_HANDOFF_DIR``-like handoff parent)."""
     import contextlib
     import inspect
 
@@ -245,7 +252,8 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: 
         print(f"containment: {json.dumps(containment.report())}", flush=True)
         cache_dir()  # root's kernel cache stays in /tmp; the handoff folders the bench makes later land below:
         tempfile.tempdir = str(engine_writable_dir("nnqueue-bench-handoff-"))
-        view = engine_view(str(model_dir), kwargs, [Path(tempfile.tempdir)]) if containment.filesystem_private else None
+        folders = [Path(tempfile.tempdir), *(writable or [])]
+        view = engine_view(str(model_dir), kwargs, folders) if containment.filesystem_private else None
         isolated = engine_core_contained(network=containment.network_isolated, view=view)
         load_kwargs = engine_core_kwargs(kwargs)
 
