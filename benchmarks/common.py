@@ -274,6 +274,18 @@ def start(
     return host, engine, client
 
 
+def kill_children() -> None:
+    """Kill this process's child processes (the engine core, its workers, servers started here), for a run that
+    failed and exits without stopping them."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+
+
 def stop(host: Any, engine: Any) -> None:
     engine.vllm_entrypoint.shutdown()
     engine.vllm_entrypoint = None  # AsyncLLM.__del__ would shut down again at exit

@@ -68,6 +68,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # nnqueue, tests and benchmarks, from a checkout
 
 from benchmarks import generation_gpu, harvest_throughput
+from benchmarks.common import kill_children
 from benchmarks.harvest_gpu_bench import bench, plain_vllm
 from benchmarks.harvest_gpu_check import check_1b
 
@@ -191,9 +192,11 @@ def main() -> None:
         else:
             report = {"check": check_1b, "plain": plain_vllm, "bench": bench}[mode](args, work)
     except BaseException:  # noqa: BLE001 - Ctrl-C too: exit now rather than wait on the engine's threads
-        # Don't wait on the engine's threads and child processes: fail the call now, loudly.
+        # Don't wait on the engine's threads: fail the call now, loudly; its processes go too (an engine core left
+        # behind as the engine user makes the next --contained run refuse to start: "already run as the engine user").
         traceback.print_exc()
         sys.stdout.flush()
+        kill_children()
         os._exit(1)
     import nnsight
     import torch
