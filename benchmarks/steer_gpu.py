@@ -239,7 +239,11 @@ def nnqueue_mode(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
             rows[name] = row(name, times, tokens, extra)
             print_timeline(name, timeline)
         if not graphs:
-            rows["checks"] = checks(args, host, engine, client, prompts, width)
+            try:
+                rows["checks"] = checks(args, host, engine, client, prompts, width)
+            except RuntimeError as error:  # a check that fails to run is a result, not the loss of the rows above
+                rows["checks"] = {"error": str(error), "nnsight_ok": False}
+                print(f"checks: {json.dumps(rows['checks'])}", flush=True)
     finally:
         stop(host, engine)
         if postgres is not None:

@@ -20,7 +20,8 @@ engine's handoff write rate into the handoff folder and into ``/dev/shm`` (the m
 
     .venv/bin/python benchmarks/upload_throughput.py --out benchmarks/results/upload-throughput-cpu.json
 
-``start_store`` (weed mini with extra volume servers) is shared with ``benchmarks/harvest_gpu.py --s3-volumes``.
+``benchmarks.common.start_store`` (weed mini with extra volume servers) is shared with
+``benchmarks/harvest_gpu.py --s3 --s3-volumes``.
 """
 
 from __future__ import annotations
@@ -31,13 +32,10 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
-import signal
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,116 +44,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import Store, start_store
+
 MB = 1e6
-
-
-class Store:
-    """A SeaweedFS S3 store started here (``weed mini`` and extra volume servers) and nnqueue's store on it."""
-
-    def __init__(self, volumes: int, parts: int | None, volume_size_limit_mb: int) -> None:
-        from pydantic import SecretStr
-
-        from nnqueue.settings import S3Settings
-        from nnqueue.storage.s3 import S3ObjectStore
-        from tests.utils import servers
-
-        self.server = servers.start_s3(volume_size_limit_mb=volume_size_limit_mb)
-        self._scratch: list[Path] = []
-        self.volumes = [self._volume_server(index) for index in range(volumes - 1)]
-        self._wait_for_volume_servers(volumes)
-        extra = {"upload_parts_in_flight": parts} if parts else {}
-        self.settings = S3Settings(
-            endpoint_url=self.server.endpoint_url,
-            bucket=f"upload-bench-{uuid.uuid4().hex[:8]}",
-            region=self.server.region,
-            access_key_id=self.server.access_key_id,
-            secret_access_key=SecretStr(self.server.secret_access_key),
-            **extra,
-        )
-        self.store = S3ObjectStore(self.settings)
-        self.store.put_bytes("warm", b"up")  # the bucket, then volumes for it on every volume server
-        if volumes > 1:
-            self._grow(2 * volumes)
-
-    def _grow(self, count: int) -> None:
-        """``count`` more volumes for the bucket's collection, which the master spreads over the volume servers."""
-        import httpx
-
-        master = f"http://127.0.0.1:{self.server.ports[0]}"
-        params: dict[str, str | int] = {"collection": self.settings.bucket, "count": count, "replication": "000"}
-        answer = httpx.get(f"{master}/vol/grow", params=params, timeout=60)
-        answer.raise_for_status()
-
-    def _volume_server(self, index: int) -> Any:
-        from tests.utils import servers
-
-        master, master_grpc = self.server.ports[0], self.server.ports[1]  # weed mini's first two listeners
-        port, grpc = servers.free_ports(2)
-        workdir = Path(tempfile.mkdtemp(prefix=f"nnqueue-bench-volume-{index}-"))
-        argv = [
-            str(servers.weed_binary()),
-            "-logtostderr",
-            "volume",
-            f"-dir={workdir}",
-            "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
-            f"-port={port}",
-            f"-port.grpc={grpc}",
-            f"-mserver=127.0.0.1:{master}.{master_grpc}",
-        ]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(workdir), "TMPDIR": str(workdir)}
-        return servers.ServerProcess(f"weed-volume-{index}", argv, workdir, stop_signal=signal.SIGKILL, env=env)
-
-    def data_nodes(self) -> dict[str, int]:
-        """Each volume server's address and the volumes it holds, from the master."""
-        import httpx
-
-        status = httpx.get(f"http://127.0.0.1:{self.server.ports[0]}/dir/status", timeout=10).json()
-        nodes = {}
-        for center in status["Topology"].get("DataCenters") or []:
-            for rack in center.get("Racks") or []:
-                for node in rack.get("DataNodes") or []:
-                    nodes[node["Url"]] = node.get("Volumes", 0)
-        return nodes
-
-    def _wait_for_volume_servers(self, count: int) -> None:
-        deadline = time.monotonic() + 60
-        while len(self.data_nodes()) < count:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {len(self.data_nodes())} of {count} volume servers joined the master")
-            time.sleep(0.2)
-
-    def cpu_seconds(self) -> float:
-        """CPU seconds of the store's processes so far."""
-        import psutil
-
-        total = 0.0
-        for process in [self.server.process, *self.volumes]:
-            times = psutil.Process(process.pid).cpu_times()
-            total += times.user + times.system
-        return total
-
-    def scratch(self, parent: Path) -> Path:
-        """A folder of this run's in ``parent`` (a handoff folder on a tmpfs, say), which the engine user can pass
-        through to its own folder inside; removed by `stop`."""
-        folder = Path(tempfile.mkdtemp(prefix="upload-bench-", dir=parent))
-        folder.chmod(0o711)
-        self._scratch.append(folder)
-        return folder
-
-    def stop(self) -> None:
-        for folder in self._scratch:
-            shutil.rmtree(folder, ignore_errors=True)
-        for volume in self.volumes:
-            volume.stop()
-        self.server.stop()
-
-
-def start_store(volumes: int = 1, parts: int | None = None, volume_size_limit_mb: int = 30000) -> Store:
-    """weed mini with ``volumes`` - 1 more volume servers that joined its master before any bucket exists (so that
-    the bucket's volumes are grown on all of them); nnqueue's store on it with ``parts`` parts in flight (None:
-    nnqueue's default)."""
-    return Store(volumes, parts, volume_size_limit_mb)
 
 
 def boto3_alone(store: Store, paths: list[Path], chunks: int) -> None:
