@@ -264,7 +264,16 @@ class WeightsGuard:
         """The bits of the parameters at ``indices`` summed as integers (int64, on the CPU: a synchronization)."""
         if not indices:
             return torch.zeros(0, dtype=torch.int64)
-        return torch.stack([_bit_sum(self.held[index].storage) for index in indices]).cpu()
+        sums = [_bit_sum(self.held[index].storage) for index in indices]
+        by_device: dict[torch.device, list[int]] = {}
+        for position, value in enumerate(sums):  # a GPU model keeps some buffers on the CPU
+            by_device.setdefault(value.device, []).append(position)
+        if len(by_device) == 1:
+            return torch.stack(sums).cpu()
+        found = torch.empty(len(sums), dtype=torch.int64)
+        for positions in by_device.values():  # one synchronization per device
+            found[positions] = torch.stack([sums[position] for position in positions]).cpu()
+        return found
 
     def _trust_fingerprint(self, indices: list[int]) -> None:
         """After a restore: the content is the host copy's again, so is its fingerprint (re-read to be sure)."""
