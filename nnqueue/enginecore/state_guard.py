@@ -179,11 +179,16 @@ class StateGuard:
         self._freeze()
 
     def accept_hooks(self) -> None:
-        """Take the modules' hook tables as they are now (nnqueue installed a harvest's or a steering job's hooks)."""
+        """Take the modules' hook tables as they are now (nnqueue installed a harvest's or a steering job's hooks).
+        Called at every steering job's begin: the flat views are rebuilt only when a table changed (most begins
+        install no hook: the points' hooks stay installed), a walk of everything the guard holds otherwise."""
+        changed = False
         for container in self.containers:
-            if container.name.endswith(_HOOK_SUFFIXES):
+            if container.name.endswith(_HOOK_SUFFIXES) and not _read_matches(container):
                 container.saved = _read(container)
-        self._freeze()
+                changed = True
+        if changed:
+            self._freeze()
 
     def _freeze(self) -> None:
         """The flat views the fast check compares."""

@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -126,7 +127,8 @@ def warn_if_degraded(containment: isolation.Containment) -> None:
 def engine_reads(model: str, engine_kwargs: dict[str, Any]) -> list[Path]:
     """What the engine's processes read: the interpreter and the virtualenv (:func:`nnqueue.isolation.interpreter_paths`,
     the prefixes, ``sys.path`` but the working folder), the model, the engine arguments that name a file or
-    folder (a tokenizer, a download folder), and the Hugging Face hub's cache (models named by repository)."""
+    folder (a tokenizer, a download folder), the Hugging Face hub's cache (models named by repository) and the C
+    compiler's installation (`compiler_paths`)."""
     from huggingface_hub import constants
 
     paths = [*isolation.interpreter_paths(), Path(sys.prefix), Path(sys.base_prefix), Path(sys.exec_prefix)]
@@ -134,7 +136,23 @@ def engine_reads(model: str, engine_kwargs: dict[str, Any]) -> list[Path]:
     named = [model, *(value for value in engine_kwargs.values() if isinstance(value, str) and os.sep in value)]
     paths += [Path(value).absolute() for value in named if os.path.exists(value)]
     paths.append(Path(constants.HF_HUB_CACHE))
-    return paths
+    return paths + compiler_paths()
+
+
+def compiler_paths() -> list[Path]:
+    """Where the C compiler that Triton and inductor build their helpers with is installed (``$CC``, else ``gcc``
+    or ``cc`` on ``PATH``; the folder above its ``bin/``): one outside ``/usr`` (an ``/opt/gcc``) is otherwise
+    missing from the engine's view, and the engine's first sampling step fails to build Triton's CUDA helper."""
+    found: list[Path] = []
+    for name in filter(None, (os.environ.get("CC"), shutil.which("gcc"), shutil.which("cc"))):
+        path = Path(shutil.which(name) or name)
+        if not path.is_file():
+            continue
+        for each in (path.absolute(), path.resolve()):
+            prefix = each.parent.parent if each.parent.name == "bin" else each.parent
+            if prefix != Path(prefix.anchor) and prefix not in found:
+                found.append(prefix)
+    return found
 
 
 def model_files(model: str) -> list[Path]:

@@ -9,10 +9,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from nnqueue.workers.containment import engine_core_kwargs
+from nnqueue.workers.containment import compiler_paths, engine_core_kwargs, engine_reads
 
 DECIDE = textwrap.dedent(
     """
@@ -53,3 +54,17 @@ def test_a_multi_rank_engine_gets_the_executor_that_sandboxes_its_engine_core() 
         }
     for kept in ({"tensor_parallel_size": 1}, {"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}):
         assert engine_core_kwargs(kept) == kept  # one rank in the engine core's own process; Ray's own workers
+
+
+def test_a_compiler_outside_usr_is_in_the_engines_view(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton builds its CUDA helper with $CC at the engine's first sampling step: on a machine whose gcc lives in
+    /opt/gcc, the view must hold /opt/gcc (its bin/, libexec/, include/), or the contained engine fails to start."""
+    compiler = tmp_path / "opt" / "gcc" / "bin" / "gcc"
+    compiler.parent.mkdir(parents=True)
+    compiler.write_text("#!/bin/sh\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(compiler))
+    assert tmp_path / "opt" / "gcc" in compiler_paths()
+    assert tmp_path / "opt" / "gcc" in engine_reads(str(tmp_path / "no-model"), {})
+    monkeypatch.setenv("CC", str(tmp_path / "missing" / "bin" / "gcc"))
+    assert tmp_path / "missing" not in compiler_paths()
