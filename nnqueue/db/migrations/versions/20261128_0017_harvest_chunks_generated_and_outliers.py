@@ -1,7 +1,7 @@
 """harvest chunks: generated rows and outliers
 
 Revision ID: 0017
-Revises: 0015
+Revises: 0016
 Create Date: 2026-11-28 12:00:00.000000
 
 Each completed chunk keeps how many of its shard's rows are of generated tokens, and, for a harvest whose spec
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "0017"
-down_revision: str | None = "0015"
+down_revision: str | None = "0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
