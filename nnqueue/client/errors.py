@@ -1,7 +1,7 @@
 """What the client raises: HTTP failures (with the API's status and detail) and job outcomes.
 
 A job that FAILED on the worker raises an instance of the worker's error class, with nothing else of Python's
-added: an ``IndexError`` in intervention code raises an ``IndexError`` here, a ``VLLMValidationError`` (vLLM's
+added (the nnqueue backend, for a vLLM model, raises it as a local vLLM run does instead: `failure_class`): an ``IndexError`` in intervention code raises an ``IndexError`` here, a ``VLLMValidationError`` (vLLM's
 refusal of a prompt longer than ``max_model_len``) a ``VLLMValidationError``, nnsight's ``OutOfOrderError`` that
 class. It reads as the worker's message alone, as the error does where it was raised; the job's id and the
 worker-side traceback are its notes (shown under the traceback) and its attributes. The class is a subclass made
@@ -204,7 +204,7 @@ def failure_class(type_name: str, deferred: bool = False) -> type[JobFailed]:
         if original is None or issubclass(DeferredJobFailed, original):
             return DeferredJobFailed
         namespace = {"__module__": __name__, "__str__": JobFailed.__str__}  # not the worker's class's (KeyError's)
-        return _mixed(f"JobFailed[{type_name}]", (original, DeferredJobFailed), namespace)
+        return _mixed(f"JobFailed[{type_name}]", (original, DeferredJobFailed), namespace, DeferredJobFailed)
     if original is None or issubclass(JobFailed, original):
         return JobFailed
     namespace = {
@@ -216,15 +216,15 @@ def failure_class(type_name: str, deferred: bool = False) -> type[JobFailed]:
     }
     if original.__module__ == "vllm.exceptions":
         namespace.update(parameter=None, value=None)  # what vLLM's constructor would set (not run here)
-    return _mixed(type_name, (original, JobFailed), namespace)
+    return _mixed(type_name, (original, JobFailed), namespace, JobFailed)
 
 
-def _mixed(name: str, bases: tuple[type, ...], namespace: dict[str, Any]) -> type[JobFailed]:
-    """The class ``name`` of ``bases``, or JobFailed where they cannot make one."""
+def _mixed(name: str, bases: tuple[type, ...], namespace: dict[str, Any], fallback: type[JobFailed]) -> type[JobFailed]:
+    """The class ``name`` of ``bases``, or ``fallback`` where they cannot make one."""
     try:
         return type(name, bases, namespace)
     except TypeError:  # an incompatible layout
-        return JobFailed
+        return fallback
 
 
 def find_error_class(type_name: str) -> type[Exception] | None:
