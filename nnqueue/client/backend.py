@@ -17,10 +17,12 @@ them checked against the ones its workers serve before the trace is submitted (`
 
 The job is waited for (with a progress display) and its saves are marked and pushed into the caller's
 frame, as nnsight's ``VLLM._collect`` and ``VLLMTracer.execute`` do for a local run (the worker merged them
-the same way). A job that failed pushes what the other invokes saved, then raises
-:class:`~nnqueue.client.errors.JobFailed`, a ``RuntimeError`` shaped like nnsight's ``raise_deferred``
-(``"<Type>: <message>"`` plus the worker-side traceback) that is also an instance of the original
-exception type when that is a built-in one (``except TypeError`` works).
+the same way). A job that failed pushes what the other invokes saved, then raises the worker's error as a
+local run of the model raises it (:mod:`nnqueue.client.errors`), always a
+:class:`~nnqueue.client.errors.JobFailed` too: for a vLLM model, vLLM's own errors (``VLLMValidationError``) as
+they are, and the engine's others as nnsight's ``raise_deferred`` does, a ``RuntimeError`` reading
+``"<Type>: <message>"`` and the worker-side traceback, that is also an instance of the worker's class
+(``except IndexError`` works); for other models, the worker's class alone.
 
 Non-blocking (``client.backend(blocking=False)``), the trace only submits: the trace's variables stay
 unset, and ``backend.job`` is the :class:`~nnqueue.client.job.Job` to wait on and read ``.result()`` from.
@@ -108,7 +110,12 @@ class NNqueueBackend(Backend):
             # As a local run does: the values the other invokes saved land, then the error is raised.
             if failure.saves is not None:
                 push_saves(failure.saves, tracer)
-            raise
+            if not is_vllm_trace(tracer) or failure.job is None:
+                raise
+            # As a local vLLM run raises it: nnsight's raise_deferred's RuntimeError, but for vLLM's own errors.
+            deferred = JobFailed.from_job(failure.job, deferred=True)
+            deferred.saves = failure.saves
+            raise deferred from None
         push_saves(saves, tracer)
         return saves
 
@@ -119,10 +126,7 @@ class NNqueueBackend(Backend):
 
 def build_payload(tracer: Any) -> bytes:
     """The payload for a captured trace: prebuilt for a vLLM model, nnsight's serialization otherwise."""
-    from nnsight.modeling.vllm import VLLM
-
-    model = getattr(tracer, "envoy", None)
-    if not isinstance(model, VLLM) or not hasattr(tracer, "prepare"):
+    if not is_vllm_trace(tracer):
         from nnsight.schema.request import RequestModel
 
         return RequestModel.serialize(tracer, compress=False)
@@ -131,6 +135,7 @@ def build_payload(tracer: Any) -> bytes:
 
     from nnqueue import trace_payload
 
+    model = tracer.envoy
     try:
         # What VLLMTracer.execute + VLLM._call do before they submit to a local engine (the mediators attached
         # with the model's envoy tree once for the trace, not in each of them: trace_payload.from_vllm_trace).
@@ -140,6 +145,13 @@ def build_payload(tracer: Any) -> bytes:
         model.interleaver.cancel()
         clear_shared_locals()
     return trace_payload.encode(trace)
+
+
+def is_vllm_trace(tracer: Any) -> bool:
+    """Whether ``tracer`` traces an nnsight ``VLLM`` model (the others are nnsight's remote traces)."""
+    from nnsight.modeling.vllm import VLLM
+
+    return isinstance(getattr(tracer, "envoy", None), VLLM) and hasattr(tracer, "prepare")
 
 
 def check_taps(tracer: Any, client: Submitter, model_key: str) -> None:

@@ -1,21 +1,22 @@
 """What the client raises: HTTP failures (with the API's status and detail) and job outcomes.
 
-A job that FAILED on the worker surfaces as :class:`JobFailed`, a ``RuntimeError`` whose message has
-the shape of nnsight's ``raise_deferred``: ``"<Type>: <message>"``, then the worker-side traceback
-under ``Intervention traceback:``. Code that already matches nnsight's errors from a vLLM engine (which
-``raise_deferred`` re-raises as ``RuntimeError``) matches these too. When the original type is a Python
-built-in exception, the error is also an instance of it: a ``TypeError`` in intervention code can be
-caught with ``except TypeError`` as well as ``except RuntimeError``. An error vLLM itself raised for the
-request (``VLLMValidationError`` for a prompt longer than ``max_model_len``, say: vLLM's request checks, which
-a local run raises as they are, not through ``raise_deferred``) is an instance of that ``vllm.exceptions``
-class, when vLLM is installed here, and reads as vLLM's message alone, as it does locally. Code that wants the parts reads
-``type_name``, ``error_message`` and ``traceback``; ``saves`` holds what the trace's other invokes saved.
+A job that FAILED on the worker raises an instance of the worker's error class, with nothing else of Python's
+added (the nnqueue backend, for a vLLM model, raises it as a local vLLM run does instead: `failure_class`): an ``IndexError`` in intervention code raises an ``IndexError`` here, a ``VLLMValidationError`` (vLLM's
+refusal of a prompt longer than ``max_model_len``) a ``VLLMValidationError``, nnsight's ``OutOfOrderError`` that
+class. It reads as the worker's message alone, as the error does where it was raised; the job's id and the
+worker-side traceback are its notes (shown under the traceback) and its attributes. The class is a subclass made
+here of the worker's class and of :class:`JobFailed`, so ``except JobFailed`` catches every failed job. The worker
+sends only the class's name, which the client looks up in a fixed list of modules (`failure_class`); where it is
+not found there (nnqueue's own failures: ``InterventionStalled``, ``EngineCrash``, ...) the error is
+:class:`JobFailed` itself, whose message has the shape of nnsight's ``raise_deferred``: ``"<Type>: <message>"``,
+then the traceback under ``Intervention traceback:``. Code that wants the parts reads ``type_name``,
+``error_message`` and ``traceback``; ``saves`` holds what the trace's other invokes saved.
 """
 
 from __future__ import annotations
 
-import builtins
 import functools
+import importlib
 from typing import Any, Protocol
 
 
@@ -123,8 +124,12 @@ def format_detail(detail: Any) -> str:
     return str(detail)
 
 
-class JobFailed(NNqueueError, RuntimeError):
-    """The job ended FAILED: the worker's error type, message and traceback, as nnsight re-raises them."""
+class JobFailed(NNqueueError):
+    """The job ended FAILED: the worker's error type, message and traceback.
+
+    What the client raises is an instance of the worker's error class where this process can name it (see
+    `failure_class`), and of this class too; where it cannot, this class itself, whose message has the shape of
+    nnsight's ``raise_deferred`` (``"<Type>: <message>"`` and the worker-side traceback)."""
 
     def __init__(self, job: Followed | None, type_name: str, message: str, traceback: str = "") -> None:
         self.job = job
@@ -138,52 +143,107 @@ class JobFailed(NNqueueError, RuntimeError):
             lines += ["", "Intervention traceback:", traceback.rstrip()]
         super().__init__("\n".join(lines))
 
-    def __str__(self) -> str:  # not a built-in base's (KeyError quotes its message)
+    def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
 
     @classmethod
-    def from_job(cls, job: Followed) -> JobFailed:
+    def from_job(cls, job: Followed, *, deferred: bool = False) -> JobFailed:
+        """The error for ``job``, which FAILED. ``deferred``: as a local vLLM run raises it, where nnsight re-raises
+        the engine's errors with ``raise_deferred`` (a ``RuntimeError``) but vLLM's own as they are
+        (`failure_class`)."""
         error = job.info.get("error") or {}
         type_name = error.get("type") or "JobFailed"
-        arguments = (
-            job,
-            type_name,
-            error.get("message") or f"job {job.id} failed without an error message",
-            error.get("traceback") or "",
-        )
+        message = error.get("message") or f"job {job.id} failed without an error message"
+        traceback = error.get("traceback") or ""
+        raised = failure_class(type_name, deferred)
         try:
-            return failure_class(type_name)(*arguments)
-        except TypeError:  # a built-in whose constructor takes other arguments
-            return cls(*arguments)
+            # The worker's class is not constructed with its own arguments (which it may not take as a message):
+            # only made, as BaseException.__new__ makes any, then filled in as a JobFailed.
+            failure: JobFailed = raised.__new__(raised, message)
+            JobFailed.__init__(failure, job, type_name, message, traceback)
+        except TypeError:  # a class whose __new__ checks its arguments (ExceptionGroup)
+            failure = (DeferredJobFailed if deferred else JobFailed)(job, type_name, message, traceback)
+        failure.add_note(f"job {job.id} failed on the worker")
+        if traceback and type(failure).__str__ is not JobFailed.__str__:  # a message without the traceback
+            failure.add_note("Intervention traceback:\n" + traceback.rstrip())
+        return failure
+
+
+class DeferredJobFailed(JobFailed, RuntimeError):
+    """A failed vLLM trace whose error class this process cannot name, from the nnqueue backend: a
+    ``RuntimeError``, as nnsight's ``raise_deferred`` raises an engine's error in a local run."""
+
+
+# Where the client looks for the worker's error class by its name (the worker sends only the name): Python's
+# built-ins, then nnsight's modules that define the errors a trace raises, then vLLM's (`vllm.exceptions`, only for
+# a name starting with ``VLLM``: importing vLLM takes seconds). A fixed list: no module the server names is imported.
+NNSIGHT_ERROR_MODULES = (
+    "nnsight.intervention.interleaver",
+    "nnsight.intervention.serialization",
+    "nnsight.intervention.source",
+    "nnsight.tracing.tracer",
+)
 
 
 @functools.cache
-def failure_class(type_name: str) -> type[JobFailed]:
-    """JobFailed, also an instance of the built-in exception ``type_name`` when there is one, or of vLLM's
-    error class of that name (``vllm.exceptions``, whose instances then read as their message alone)."""
-    namespace: dict[str, Any] = {"__module__": __name__}
-    original = getattr(builtins, type_name, None)
-    if original is None and (original := _vllm_error(type_name)) is not None:
-        # Attributes vLLM's constructor would set (not run here), and vLLM's reading of the error.
-        namespace.update(parameter=None, value=None, __str__=lambda self: self.error_message)
-    if not isinstance(original, type) or not issubclass(original, Exception) or issubclass(JobFailed, original):
+def failure_class(type_name: str, deferred: bool = False) -> type[JobFailed]:
+    """What a job that failed with ``type_name`` raises here: a subclass of the worker's error class and of
+    :class:`JobFailed`, reading as the worker's message alone; JobFailed itself where that class is not found
+    (`find_error_class`), is not an ``Exception`` (``KeyboardInterrupt``), is one JobFailed already is
+    (``Exception``), or cannot be mixed.
+
+    ``deferred`` (the nnqueue backend, for a vLLM model): a local run raises vLLM's own errors
+    (``vllm.exceptions``) as they are, and every other error of the engine as nnsight's ``raise_deferred`` does,
+    a ``RuntimeError`` reading ``"<Type>: <message>"`` and the traceback. So every other error is a
+    :class:`DeferredJobFailed` that reads so, and is also an instance of the worker's class where there is one:
+    the one class a local vLLM run lacks, kept so that ``except IndexError`` works as it does through the
+    Client API and for other models."""
+    original = find_error_class(type_name)
+    namespace: dict[str, Any]
+    if deferred and (original is None or original.__module__ != "vllm.exceptions"):
+        if original is None or issubclass(DeferredJobFailed, original):
+            return DeferredJobFailed
+        namespace = {"__module__": __name__, "__str__": JobFailed.__str__}  # not the worker's class's (KeyError's)
+        return _mixed(f"JobFailed[{type_name}]", (original, DeferredJobFailed), namespace, DeferredJobFailed)
+    if original is None or issubclass(JobFailed, original):
         return JobFailed
+    namespace = {
+        # Named as the worker's class, so that a traceback reads as the worker's does.
+        "__module__": original.__module__,
+        "__qualname__": original.__qualname__,
+        # As the worker's error reads (a KeyError's message arrives quoted already); the notes carry the rest.
+        "__str__": lambda self: self.error_message,
+    }
+    if original.__module__ == "vllm.exceptions":
+        namespace.update(parameter=None, value=None)  # what vLLM's constructor would set (not run here)
+    return _mixed(type_name, (original, JobFailed), namespace, JobFailed)
+
+
+def _mixed(name: str, bases: tuple[type, ...], namespace: dict[str, Any], fallback: type[JobFailed]) -> type[JobFailed]:
+    """The class ``name`` of ``bases``, or ``fallback`` where they cannot make one."""
     try:
-        return type(f"JobFailed[{type_name}]", (JobFailed, original), namespace)
+        return type(name, bases, namespace)
     except TypeError:  # an incompatible layout
-        return JobFailed
+        return fallback
 
 
-def _vllm_error(type_name: str) -> type[BaseException] | None:
-    """vLLM's exception class ``type_name`` (``vllm.exceptions``), if vLLM is installed and has it."""
-    if not type_name.startswith("VLLM"):
+def find_error_class(type_name: str) -> type[Exception] | None:
+    """The ``Exception`` class named ``type_name`` in the modules the client looks in (``NNSIGHT_ERROR_MODULES``),
+    defined there; None if none has it or the module is not installed."""
+    if not type_name.isidentifier():
         return None
-    try:
-        from vllm import exceptions
-    except ImportError:
-        return None
-    found = getattr(exceptions, type_name, None)
-    return found if isinstance(found, type) and issubclass(found, exceptions.VLLMError) else None
+    places = ["builtins", *NNSIGHT_ERROR_MODULES]
+    if type_name.startswith("VLLM"):
+        places.append("vllm.exceptions")
+    for place in places:
+        try:
+            module = importlib.import_module(place)
+        except ImportError:
+            continue
+        found = getattr(module, type_name, None)
+        if isinstance(found, type) and issubclass(found, Exception) and found.__module__ == place:
+            return found
+    return None
 
 
 class JobCancelled(NNqueueError):

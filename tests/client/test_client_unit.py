@@ -37,6 +37,7 @@ from nnqueue.client import (
     UnknownModelError,
 )
 from nnqueue.client import client as client_module
+from nnqueue.client.errors import NNqueueError
 from nnqueue.client.job import Job
 
 API = "http://api.test"
@@ -207,38 +208,76 @@ def test_jobs_follows_the_cursor_across_pages() -> None:
     assert queries[0] == {"status": "failed", "model_key": "m", "limit": "2"} and queries[2]["cursor"] == "c2"
 
 
-def test_failed_jobs_raise_like_nnsights_raise_deferred() -> None:
-    traceback = '  File "<trace>", line 3, in <module>\n    raise ValueError("bad")\n'
-    failed = job_json("failed", error={"type": "ValueError", "message": "bad", "traceback": traceback})
-    client = scripted(lambda request: httpx.Response(200, json=failed))
-    with pytest.raises(JobFailed) as caught:
-        client.job(JOB_ID).wait(progress=False)
-    with pytest.raises(RuntimeError) as nnsight_way:
-        raise_deferred({"type_name": "ValueError", "message": "bad", "traceback": traceback})
-    assert str(caught.value) == str(nnsight_way.value)
-    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value, ValueError)  # also its own type
-    assert (caught.value.type_name, caught.value.error_message, caught.value.traceback) == (
-        "ValueError",
-        "bad",
-        traceback,
+def failed_job(type_name: str, traceback: str = "") -> Job:
+    """A job the scripted API says FAILED with ``type_name``, waited for (its error not raised)."""
+    failed = job_json("failed", error={"type": type_name, "message": "it broke", "traceback": traceback})
+    job = scripted(lambda request: httpx.Response(200, json=failed)).job(JOB_ID)
+    job.info = failed
+    return job
+
+
+TRACEBACK = '  File "<trace>", line 3, in <module>\n    raise ValueError("bad")\n'
+
+
+@pytest.mark.parametrize(
+    "type_name", ["IndexError", "KeyError", "ModuleNotFoundError", "OSError", "StopIteration", "UnicodeDecodeError"]
+)
+def test_a_failed_jobs_error_is_its_builtin_type_and_no_other(type_name: str) -> None:
+    with pytest.raises(getattr(builtins, type_name)) as caught:
+        failed_job(type_name, TRACEBACK).wait(progress=False)
+    error = caught.value
+    assert isinstance(error, JobFailed) and not isinstance(error, RuntimeError)  # nothing a local error lacks
+    added = set(type(error).__mro__) - set(getattr(builtins, type_name).__mro__) - {type(error)}
+    assert added == {JobFailed, NNqueueError}
+    assert str(error) == "it broke" and type(error).__name__ == type_name  # as the worker's error reads
+    assert error.__notes__ == [f"job {JOB_ID} failed on the worker", "Intervention traceback:\n" + TRACEBACK.rstrip()]
+    assert (error.type_name, error.error_message, error.traceback, error.job.id) == (
+        type_name,
+        "it broke",
+        TRACEBACK,
+        JOB_ID,
     )
 
 
-@pytest.mark.parametrize("type_name", ["KeyError", "ModuleNotFoundError", "OSError", "StopIteration", "TypeError"])
-def test_a_failed_jobs_error_is_also_its_builtin_type(type_name: str) -> None:
-    failed = job_json("failed", error={"type": type_name, "message": "it broke", "traceback": ""})
-    client = scripted(lambda request: httpx.Response(200, json=failed))
-    with pytest.raises(getattr(builtins, type_name)) as caught:
-        client.job(JOB_ID).wait(progress=False)
-    assert isinstance(caught.value, JobFailed) and str(caught.value) == f"{type_name}: it broke"
+def test_nnsights_and_vllms_error_types_are_theirs() -> None:
+    from nnsight.intervention.interleaver import OutOfOrderError
+    from vllm.exceptions import VLLMValidationError
+
+    for kind in (OutOfOrderError, VLLMValidationError):
+        with pytest.raises(kind) as caught:
+            failed_job(kind.__name__).wait(progress=False)
+        assert isinstance(caught.value, JobFailed) and not isinstance(caught.value, RuntimeError)
+        assert str(caught.value) == "it broke"
 
 
-@pytest.mark.parametrize("type_name", ["InterventionStalled", "OutOfOrderError", "ExceptionGroup", "KeyboardInterrupt"])
-def test_other_error_types_raise_plain_job_failed(type_name: str) -> None:
-    failed = job_json("failed", error={"type": type_name, "message": "it broke", "traceback": ""})
+@pytest.mark.parametrize(
+    "type_name",
+    ["InterventionStalled", "ExceptionGroup", "KeyboardInterrupt", "Exception", "os.system", "__class__", "Mediator"],
+)
+def test_names_the_client_cannot_raise_are_plain_job_failed(type_name: str) -> None:
     with pytest.raises(JobFailed) as caught:
-        scripted(lambda request: httpx.Response(200, json=failed)).job(JOB_ID).wait(progress=False)
+        failed_job(type_name, TRACEBACK).wait(progress=False)
     assert type(caught.value) is JobFailed and caught.value.type_name == type_name
+    assert str(caught.value) == f"{type_name}: it broke\n\nIntervention traceback:\n{TRACEBACK.rstrip()}"
+
+
+@pytest.mark.parametrize("type_name", ["ValueError", "KeyError", "RuntimeError", "OutOfOrderError", "Stalled"])
+def test_deferred_errors_read_as_nnsights_raise_deferred_for_a_local_vllm_run(type_name: str) -> None:
+    failure = JobFailed.from_job(failed_job(type_name, TRACEBACK), deferred=True)
+    with pytest.raises(RuntimeError) as nnsight_way:
+        raise_deferred({"type_name": type_name, "message": "it broke", "traceback": TRACEBACK})
+    assert isinstance(failure, RuntimeError) and isinstance(failure, JobFailed)
+    assert str(failure) == str(nnsight_way.value)
+    if type_name != "Stalled":  # also the worker's class, where there is one
+        assert type_name in {kind.__name__ for kind in type(failure).__mro__}
+
+
+def test_vllms_own_errors_stay_themselves_when_deferred() -> None:
+    from vllm.exceptions import VLLMValidationError
+
+    failure = JobFailed.from_job(failed_job("VLLMValidationError"), deferred=True)
+    assert isinstance(failure, VLLMValidationError) and not isinstance(failure, RuntimeError)
+    assert str(failure) == "it broke"
 
 
 def test_wait_follows_queued_running_completed_and_survives_a_blip(monkeypatch: pytest.MonkeyPatch) -> None:

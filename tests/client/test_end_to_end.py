@@ -93,6 +93,37 @@ def test_a_worker_side_user_error_reraises_with_its_type_and_traceback(
     assert error.job.info["error"]["type"] == "ValueError"
 
 
+def test_an_index_error_in_a_trace_surfaces_as_an_index_error(
+    client: Client, worker: WorkerProcess, client_model: Any, api_server: ApiServer, secret: str
+) -> None:
+    model = client_model
+    # Through the backend: as a local vLLM run raises it (nnsight's raise_deferred: a RuntimeError "IndexError:
+    # ..."), and an IndexError too.
+    with pytest.raises(IndexError) as caught:
+        with model.trace(PROMPT, backend=client.backend(model_key=MODEL_KEY), max_tokens=1, temperature=0.0):
+            hidden = model.model.layers[0].output[0]
+            [hidden][3]
+    error = caught.value
+    assert isinstance(error, JobFailed) and isinstance(error, RuntimeError)
+    assert str(error).startswith("IndexError: list index out of range\n\nIntervention traceback:\n")
+    assert error.job is not None and f"job {error.job.id} failed on the worker" in error.__notes__
+
+    # Through the Client API: the worker's IndexError, and nothing a local IndexError is not.
+    backend = client.backend(model_key=MODEL_KEY, blocking=False)
+    with model.trace(PROMPT, backend=backend, max_tokens=1, temperature=0.0):
+        [model.model.layers[0].output[0]][3]
+    assert backend.job is not None
+    with pytest.raises(IndexError) as caught:
+        client.job(backend.job.id).result(timeout=120, progress=False)
+    error = caught.value
+    assert isinstance(error, JobFailed) and not isinstance(error, RuntimeError)
+    assert str(error) == "list index out of range" and "[model.model.layers[0].output[0]][3]" in error.traceback
+
+    # The CLI shows the worker's type and traceback.
+    shown = run_cli(["status", backend.job.id], api_server.url, secret)
+    assert shown.exit_code == 0 and "IndexError" in shown.output and "worker traceback" in shown.output
+
+
 def test_the_non_blocking_backend_returns_the_job(
     client: Client, worker: WorkerProcess, client_model: Any, inprocess_engine: Any
 ) -> None:

@@ -120,7 +120,9 @@ def test_a_user_error_fails_the_job_with_its_type_and_the_engine_goes_on(
         with meta.trace(PROMPT, backend=client.backend(progress=False)):
             hidden = meta.model.layers[0].output
             raise ValueError(f"user code broke on {tuple(hidden.shape)}")
-    assert caught.value.type_name == "ValueError" and "user code broke on (1, 6, 128)" in str(caught.value)
+    assert caught.value.type_name == "ValueError" and str(caught.value) == "user code broke on (1, 6, 128)"
+    # As a local LanguageModel trace raises it: the ValueError, not nnsight's vLLM RuntimeError.
+    assert isinstance(caught.value, ValueError) and not isinstance(caught.value, RuntimeError)
     assert "raise ValueError" in caught.value.traceback and "nnsight/" not in caught.value.traceback
 
     with pytest.raises(RemoteError, match=r"^ZeroDivisionError: division by zero"):
