@@ -65,6 +65,7 @@ from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
+from nnqueue.workers.stall_deadline import StallDeadline
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
 from nnqueue.workers.upload_budget import UploadBudget
@@ -212,6 +213,8 @@ def run_worker(
                 broken=lambda: _restart_for_weights(health),
             )
         )
+    if isinstance(executor, VLLMTraceExecutor):  # its engine publishes its switches (enginecore.stall_beacon)
+        StallDeadline(crash_dir, settings.engine_stall_timeout_s).start()
     bulk = None
     if chunks is not None:
         RUNNING_CHUNKS.labels(model_key).set_function(lambda: len(chunks.running_chunks()))
