@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     # How often each worker compares the broker's tokens with the database's queued work and re-sends the
     # missing ones (after Redis restarted empty, say). Its first heartbeat always does.
     reconcile_interval_s: float = Field(30.0, gt=0)
+    # How long a worker must have served (from its engine being up) before it exits for its supervisor's restart
+    # backoff (1 s, doubling up to 60 s) to start again from 1 s (nnqueue.workers.supervisor).
+    supervisor_healthy_after_s: float = Field(120.0, gt=0)
     # Intervention code that runs this long without handing control back to the model (a user's
     # endless loop) is stopped inside the engine, so that the jobs batched with it go on.
     engine_stall_timeout_s: float = Field(60.0, gt=0)

@@ -66,6 +66,7 @@ from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.stall_deadline import StallDeadline
+from nnqueue.workers.supervisor import report_ready
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
 from nnqueue.workers.upload_budget import UploadBudget
@@ -194,6 +195,7 @@ def run_worker(
         host.call(executor.close())
         host.stop()
         raise
+    report_ready()  # the supervisor's healthy interval starts
     warn_if_degraded(containment)  # again, below the engine's start-up lines
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
     entrypoint = getattr(getattr(executor, "model", None), "vllm_entrypoint", None)
