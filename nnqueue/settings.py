@@ -181,6 +181,9 @@ class Settings(BaseSettings):
     auth_cache_s: float = Field(5.0, ge=0)
     # Jobs one API key may have queued or running at once (more submissions get 429).
     max_jobs_in_flight_per_key: int = Field(64, ge=1)
+    # Jobs one owner may have queued or running at once through all of its API keys together (more get 429), so that
+    # a second key does not double an owner's load.
+    max_jobs_in_flight_per_owner: int = Field(128, ge=1)
     # The crash cool-down: an owner whose traces crashed an engine, or changed an engine's weights or state (put
     # back, the job failed), this many times within the window gets 429 for new traces on every one of its keys
     # until the cool-down has passed since the last of them (each costs other users a restart or a rerun).
