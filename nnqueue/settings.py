@@ -173,6 +173,9 @@ class Settings(BaseSettings):
     api_workers: int = Field(1, ge=1)
     # The largest serialized trace a client may submit, in bytes (larger uploads get 413).
     max_payload_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # The largest result one job may store, in bytes (its saves.pt; a safetensors copy counts apart): a job that
+    # saves more fails with ResultTooLarge, naming this limit, and nothing of its result is stored. Unset: no limit.
+    max_result_bytes: int | None = Field(512 * 1024 * 1024, gt=0)
     # Payloads up to this many bytes are kept in the database with their job instead of the object store: one
     # object-store round trip less per submission (0: every payload goes to the store).
     inline_payload_max_bytes: int = Field(256 * 1024, ge=0)

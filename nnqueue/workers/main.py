@@ -119,7 +119,9 @@ def run_worker(
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
     os.environ[CRASH_DIR_ENV] = str(crash_dir)
-    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir)
+    sinks = ResultSinks(
+        store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir, settings.max_result_bytes
+    )
     view = (
         engine_view(model, engine_kwargs, [crash_dir, sinks.handoff_dir()]) if containment.filesystem_private else None
     )
