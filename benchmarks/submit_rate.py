@@ -233,6 +233,7 @@ def main() -> None:
             "NNQUEUE_S3__SECRET_ACCESS_KEY": s3.secret_access_key,
             "NNQUEUE_WORKER_STALE_AFTER_S": "86400",
             "NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY": str(10**9),
+            "NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_OWNER": str(10**9),
         }
         (workdir / "bare_app.py").write_text(BARE_APP)
         api_port, bare_port = servers.free_ports(2)

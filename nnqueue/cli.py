@@ -235,7 +235,7 @@ def worker(
             command += ["--bulk-slots", str(bulk_slots)]
         if taps is not None:
             command += ["--taps", taps]
-        raise typer.Exit(Supervisor([*command, *ctx.args]).run())
+        raise typer.Exit(Supervisor([*command, *ctx.args], settings.supervisor_healthy_after_s).run())
     from nnqueue.workers.supervisor import exit_with_supervisor
 
     exit_with_supervisor()

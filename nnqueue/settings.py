@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     # How often each worker compares the broker's tokens with the database's queued work and re-sends the
     # missing ones (after Redis restarted empty, say). Its first heartbeat always does.
     reconcile_interval_s: float = Field(30.0, gt=0)
+    # How long a worker must have served (from its engine being up) before it exits for its supervisor's restart
+    # backoff (1 s, doubling up to 60 s) to start again from 1 s (nnqueue.workers.supervisor).
+    supervisor_healthy_after_s: float = Field(120.0, gt=0)
     # Intervention code that runs this long without handing control back to the model (a user's
     # endless loop) is stopped inside the engine, so that the jobs batched with it go on.
     engine_stall_timeout_s: float = Field(60.0, gt=0)
@@ -170,6 +173,9 @@ class Settings(BaseSettings):
     api_workers: int = Field(1, ge=1)
     # The largest serialized trace a client may submit, in bytes (larger uploads get 413).
     max_payload_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    # The largest result one job may store, in bytes (its saves.pt; a safetensors copy counts apart): a job that
+    # saves more fails with ResultTooLarge, naming this limit, and nothing of its result is stored. Unset: no limit.
+    max_result_bytes: int | None = Field(512 * 1024 * 1024, gt=0)
     # Payloads up to this many bytes are kept in the database with their job instead of the object store: one
     # object-store round trip less per submission (0: every payload goes to the store).
     inline_payload_max_bytes: int = Field(256 * 1024, ge=0)
@@ -178,6 +184,9 @@ class Settings(BaseSettings):
     auth_cache_s: float = Field(5.0, ge=0)
     # Jobs one API key may have queued or running at once (more submissions get 429).
     max_jobs_in_flight_per_key: int = Field(64, ge=1)
+    # Jobs one owner may have queued or running at once through all of its API keys together (more get 429), so that
+    # a second key does not double an owner's load.
+    max_jobs_in_flight_per_owner: int = Field(128, ge=1)
     # The crash cool-down: an owner whose traces crashed an engine, or changed an engine's weights or state (put
     # back, the job failed), this many times within the window gets 429 for new traces on every one of its keys
     # until the cool-down has passed since the last of them (each costs other users a restart or a rerun).

@@ -59,7 +59,8 @@ class NNsightCPUWorker(SandboxedWorker, CrashReportingWorker, WeightsGuardWorker
 
     def init_device(self) -> None:
         super().init_device()
-        stall_watchdog.install(EngineConfig.from_environment().stall_timeout_s)
+        stall_timeout_s = EngineConfig.from_environment().stall_timeout_s
+        stall_watchdog.install(stall_timeout_s, stall_watchdog.request_id_in(lambda: self.model_runner))
         lifetime.exit_with_worker()
         # Exact type: the V2 CPU runner (VLLM_USE_V2_MODEL_RUNNER=1) is a different class
         # that nnsight does not instrument; nnsight's VLLM forces V1, this keeps it honest.

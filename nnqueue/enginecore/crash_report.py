@@ -58,7 +58,13 @@ def write_report(request_ids: list[str], error: BaseException, files: frozenset[
         "where": where,
         "traceback": "".join(traceback.format_exception(error))[-8000:],
     }
-    path = Path(directory) / f"crash-{os.getpid()}.json"
+    save_report(Path(directory), os.getpid(), report)
+
+
+def save_report(directory: Path, pid: int, report: dict[str, Any]) -> None:
+    """Write ``report`` as engine process ``pid``'s crash report in ``directory``, atomically. The worker writes
+    one itself for an engine process that it kills (:mod:`nnqueue.workers.stall_deadline`: ``cause`` "stall")."""
+    path = directory / f"crash-{pid}.json"
     staging = path.with_suffix(".tmp")
     staging.write_text(json.dumps(report))
     staging.replace(path)

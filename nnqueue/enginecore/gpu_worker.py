@@ -41,5 +41,6 @@ class NNqueueGPUWorker(SandboxedWorker, CrashReportingWorker, WeightsGuardWorker
     def init_device(self) -> None:
         super().init_device()  # checks the runner is vLLM's V1 GPUModelRunner, re-classes it to nnsight's
         self.model_runner.__class__ = NNqueueGPUModelRunner
-        stall_watchdog.install(EngineConfig.from_environment().stall_timeout_s)
+        stall_timeout_s = EngineConfig.from_environment().stall_timeout_s
+        stall_watchdog.install(stall_timeout_s, stall_watchdog.request_id_in(lambda: self.model_runner))
         lifetime.exit_with_worker()

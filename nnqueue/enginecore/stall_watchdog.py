@@ -13,18 +13,28 @@ any exception in user code (``defer_exceptions``), so only that request fails an
 The exception can only surface inside the timed switch: the watchdog decides and raises under the
 same lock that the switch takes on its way out, and the switch clears a raise that has not yet been
 delivered before it releases the lock.
+
+The exception lands only when the stalled thread next runs bytecode, which code blocked in C (``time.sleep``,
+a catastrophic regular expression) does not. In a vLLM engine, the switches are also published
+(:mod:`nnqueue.enginecore.stall_beacon`) with the request whose intervention runs, so that the worker can kill
+the engine process from outside (:mod:`nnqueue.workers.stall_deadline`) when the exception did not stop it.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nnsight.intervention.interleaver import Mediator
 
+from nnqueue.enginecore.crash_report import CRASH_DIR_ENV
+from nnqueue.enginecore.stall_beacon import Beacon
 from nnqueue.errors import NNqueueError
 
 
@@ -36,6 +46,7 @@ class InterventionStalled(NNqueueError):
 class _Switch:
     thread_id: int
     started: float
+    request_id: str = ""
     fired: bool = False
 
 
@@ -44,17 +55,26 @@ _active: list[_Switch] = []  # innermost last: a switch may run a nested one (a 
 _installed: list[float] = []
 
 
-def install(stall_timeout_s: float) -> None:
-    """Time every intervention switch in this process and start the watchdog; idempotent."""
+def install(stall_timeout_s: float, request_id_of: Callable[[Mediator], str] | None = None) -> None:
+    """Time every intervention switch in this process and start the watchdog; idempotent.
+
+    ``request_id_of``: the request whose intervention a mediator runs; given (a vLLM engine), the switches are
+    published in the crash report directory for the worker (:mod:`nnqueue.enginecore.stall_beacon`)."""
     if _installed:
         return
     _installed.append(stall_timeout_s)
     switch = Mediator.switch
+    directory = os.environ.get(CRASH_DIR_ENV)
+    beacon = Beacon(Path(directory)) if request_id_of is not None and directory else None
 
     def timed_switch(self: Mediator, *args: Any) -> Any:
         entry = _Switch(threading.get_ident(), time.monotonic())
+        if beacon is not None and request_id_of is not None:
+            entry.request_id = _cached_request_id(self, request_id_of)
         with _lock:
             _active.append(entry)
+            if beacon is not None:
+                beacon.publish(entry.started, entry.request_id)
         try:
             return switch(self, *args)
         finally:
@@ -62,9 +82,33 @@ def install(stall_timeout_s: float) -> None:
                 _active.remove(entry)
                 if entry.fired:
                     _set_async_exc(entry.thread_id, None)  # undelivered: it must not land outside
+                if beacon is not None:  # the switch it was nested in, if any, runs on
+                    beacon.publish(*((_active[-1].started, _active[-1].request_id) if _active else (0.0, "")))
 
     Mediator.switch = timed_switch
     threading.Thread(target=_watch, args=(stall_timeout_s,), name="nnqueue-stall-watchdog", daemon=True).start()
+
+
+def _cached_request_id(mediator: Mediator, request_id_of: Callable[[Mediator], str]) -> str:
+    """``request_id_of(mediator)``, kept on the mediator once found."""
+    known = getattr(mediator, "nnqueue_request_id", "")
+    if not known:
+        known = mediator.nnqueue_request_id = request_id_of(mediator)
+    return str(known)
+
+
+def request_id_in(runner: Callable[[], Any]) -> Callable[[Mediator], str]:
+    """``request_id_of`` for an engine whose model runner (nnsight's) ``runner()`` returns: the id of the request that
+    carries the mediator (as its trace or as a registered block's copy), "" for none."""
+
+    def request_id_of(mediator: Mediator) -> str:
+        requests = getattr(getattr(runner(), "nnsight_requests", None), "requests", {})
+        for request_id, request in list(requests.items()):
+            if any(worker is mediator for worker in request.workers()):
+                return str(request_id)
+        return ""
+
+    return request_id_of
 
 
 def _watch(stall_timeout_s: float) -> None:

@@ -3,8 +3,9 @@ for every submitter (the API, the CLI, schedules), before anything is stored.
 
 Two rules: some worker serves the job's model, live now or less than ``NNQUEUE_WORKER_RESTART_GRACE_S`` ago (a
 crashed worker being restarted: its jobs queue meanwhile; else :class:`ModelNotServed`: nothing would run it),
-and the submitting API key has fewer than its limit of jobs queued or running (else
-:class:`TooManyJobsInFlight`). The count is read as the job is added (by the same statement on Postgres, see
+and the submitting API key has fewer than its limit of jobs queued or running, and its owner fewer than the
+owner's limit through all of its keys together (else :class:`TooManyJobsInFlight`: a second key does not
+double an owner's share of the queue). The count is read as the job is added (by the same statement on Postgres, see
 :mod:`nnqueue.scheduler.intake`), so submissions racing each other may pass it together: it bounds a key's load,
 it is not an exact quota. A trace is also refused while its owner cools down after crashing engines or changing
 their state (:mod:`nnqueue.scheduler.crash_cooldown`).
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import EngineKind, Job, JobStatus
+from nnqueue.db.models import ApiKey, EngineKind, Job, JobStatus
 from nnqueue.errors import NNqueueError
 from nnqueue.scheduler.crash_cooldown import CrashCooldowns
 from nnqueue.scheduler.registry import LiveModels
@@ -31,6 +32,17 @@ IN_FLIGHT_COUNT = select(func.count()).select_from(
     select(Job.id)
     .where(Job.api_key_id == bindparam("key"), Job.status.in_(IN_FLIGHT))
     .limit(bindparam("limit"))
+    .subquery()
+)
+# An owner's jobs in flight through any of its keys, counted up to the owner's limit (parameters ``key_owner``, the
+# owner of the submitting key, null for none, and ``owner_limit``): through each key's index, not the owner's history.
+OWNER_IN_FLIGHT_COUNT = select(func.count()).select_from(
+    select(Job.id)
+    .where(
+        Job.api_key_id.in_(select(ApiKey.id).where(ApiKey.owner == bindparam("key_owner"))),
+        Job.status.in_(IN_FLIGHT),
+    )
+    .limit(bindparam("owner_limit"))
     .subquery()
 )
 
@@ -71,6 +83,8 @@ class AdmissionPolicy:
     scale_to_zero_models: tuple[str, ...] = ()
     # Whose traces may share an engine: each owner alone (and the groups admins made), or the whole deployment.
     trust_domains: Mode = "owner"
+    # Jobs one owner may have queued or running at once through all of its API keys; None: no limit.
+    max_jobs_in_flight_per_owner: int | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings, *, remember_live_models: bool = False) -> AdmissionPolicy:
@@ -87,6 +101,7 @@ class AdmissionPolicy:
             cooldowns,
             always,
             settings.trust_domains,
+            settings.max_jobs_in_flight_per_owner,
         )
 
 
@@ -105,11 +120,17 @@ def require_served(session: Session, policy: AdmissionPolicy, model_key: str, en
         raise EngineNotServed(f"model {model_key!r} is served here by a {kinds} engine, not {engine.value}", engines)
 
 
-def refuse_if_full(in_flight: int, limit: int) -> None:
-    """Raise :class:`TooManyJobsInFlight` if an API key with ``in_flight`` jobs queued or running is at ``limit``.
-    The count itself is part of the statement that adds the job (:mod:`nnqueue.scheduler.intake`)."""
+def refuse_if_full(in_flight: int, limit: int, owner_in_flight: int = 0, owner_limit: int | None = None) -> None:
+    """Raise :class:`TooManyJobsInFlight` if an API key with ``in_flight`` jobs queued or running is at ``limit``,
+    or its owner, with ``owner_in_flight`` through all its keys, at ``owner_limit``. The counts themselves are part
+    of the statement that adds the job (:mod:`nnqueue.scheduler.intake`)."""
     if in_flight >= limit:
         raise TooManyJobsInFlight(
             f"this API key already has {in_flight} jobs queued or running; the limit is {limit} "
             "(NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_KEY): wait for some to finish"
+        )
+    if owner_limit is not None and owner_in_flight >= owner_limit:
+        raise TooManyJobsInFlight(
+            f"this API key's owner already has {owner_in_flight} jobs queued or running through its keys; the limit"
+            f" is {owner_limit} (NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_OWNER): wait for some to finish"
         )

@@ -105,7 +105,10 @@ def accept_job(
         session, fields["model_key"], fields.get("weights_pin"), admission.stale_after_s
     )
     job = _new_job(fields, inline_payload_max_bytes, default_domain(fields["owner"], admission.trust_domains))
-    position = add_job(session, job, payload if job.payload_key is None else None, admission.max_jobs_in_flight_per_key)
+    inline = payload if job.payload_key is None else None
+    position = add_job(
+        session, job, inline, admission.max_jobs_in_flight_per_key, admission.max_jobs_in_flight_per_owner
+    )
     if job.payload_key is not None:
         store_payload(store, job.payload_key, payload)
     return Accepted(job, position)

@@ -9,10 +9,11 @@ first job to see that calls :meth:`EngineHealth.engine_died`, which, once for th
 3. settles the jobs this worker holds. A job alone in the fatal step crashed the engine: it fails with
    the engine's error, worded by the report's cause (`blame`): its own code raised it, vLLM's code failed
    on what its trace gave it, or the host's set-up failed (a permission, a module outside the job's code,
-   torch's compiler), which is said not to be the job's doing. Jobs in a fatal step with others cannot be told apart: each is requeued marked
-   ``run_alone`` with its crash count in ``job.meta["engine_crashes"]``, so that next time it runs with
-   no other job on its engine (:class:`EngineGate`) and, if it is the culprit, is the only job in the
-   step it kills. A job that has crashed an engine :data:`MAX_ENGINE_CRASHES` times fails whatever the
+   torch's compiler), which is said not to be the job's doing; or the worker killed the engine to stop its
+   stalled code (``InterventionStalled``, :mod:`nnqueue.workers.stall_deadline`). Jobs in a fatal step with
+   others cannot be told apart: each is requeued marked ``run_alone`` with its crash count in
+   ``job.meta["engine_crashes"]``, so that next time it runs with no other job on its engine
+   (:class:`EngineGate`) and, if it is the culprit, is the only job in the step it kills. A job that has crashed an engine :data:`MAX_ENGINE_CRASHES` times fails whatever the
    report says (an engine killed without a report, by the OOM killer say, names no step). Jobs that
    were not in the fatal step are requeued as they were;
 4. deregisters the worker and stops the process (a warm Celery shutdown), which then exits with
@@ -76,14 +77,17 @@ def job_ids_in(request_ids: list[str]) -> set[uuid.UUID]:
     return jobs
 
 
-CAUSES = frozenset({"trace", "engine", "host"})
+# "stall": the worker killed the engine to stop intervention code past its deadline (nnqueue.workers.stall_deadline).
+CAUSES = frozenset({"trace", "engine", "host", "stall"})
+# The error a job alone in the fatal step fails with, by the report's cause.
+ERROR_TYPES = {"host": "EngineHostError", "stall": "InterventionStalled"}
 
 
 @dataclass(frozen=True)
 class CrashReport:
     jobs: set[uuid.UUID]
     error: str
-    cause: str = "engine"  # see nnqueue.enginecore.crash_report: "trace", "engine" or "host"
+    cause: str = "engine"  # see nnqueue.enginecore.crash_report: "trace", "engine" or "host"; or "stall"
     where: str | None = None  # the trace's file:line, or the host error
 
 
@@ -91,6 +95,8 @@ def blame(report: CrashReport) -> str:
     """What a job alone in the fatal step is told: what failed, and whether its own code raised it."""
     if report.cause == "trace":
         return f"this job's trace crashed the engine (its code at {report.where} raised): {report.error}"
+    if report.cause == "stall":
+        return report.error.removeprefix("InterventionStalled: ")
     if report.cause == "host":
         return (
             "the engine crashed on a problem of this host's set-up, not in this job's code "
@@ -219,7 +225,7 @@ class EngineHealth:
             )
             return
         # A crash of the host's set-up is not held against the job's key (the crash cool-down counts EngineCrash).
-        kind = "EngineHostError" if report is not None and report.cause == "host" else "EngineCrash"
+        kind = ERROR_TYPES.get(report.cause, "EngineCrash") if report is not None else "EngineCrash"
         with transaction(self.sessions) as session:
             transition(
                 session,

@@ -65,6 +65,8 @@ from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
+from nnqueue.workers.stall_deadline import StallDeadline
+from nnqueue.workers.supervisor import report_ready
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.trace_execution import VLLMTraceExecutor
 from nnqueue.workers.upload_budget import UploadBudget
@@ -117,7 +119,9 @@ def run_worker(
     os.environ[WORKER_PID_ENV] = str(os.getpid())
     crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
     os.environ[CRASH_DIR_ENV] = str(crash_dir)
-    sinks = ResultSinks(store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir)
+    sinks = ResultSinks(
+        store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir, settings.max_result_bytes
+    )
     view = (
         engine_view(model, engine_kwargs, [crash_dir, sinks.handoff_dir()]) if containment.filesystem_private else None
     )
@@ -193,6 +197,7 @@ def run_worker(
         host.call(executor.close())
         host.stop()
         raise
+    report_ready()  # the supervisor's healthy interval starts
     warn_if_degraded(containment)  # again, below the engine's start-up lines
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
     entrypoint = getattr(getattr(executor, "model", None), "vllm_entrypoint", None)
@@ -212,6 +217,8 @@ def run_worker(
                 broken=lambda: _restart_for_weights(health),
             )
         )
+    if isinstance(executor, VLLMTraceExecutor):  # its engine publishes its switches (enginecore.stall_beacon)
+        StallDeadline(crash_dir, settings.engine_stall_timeout_s).start()
     bulk = None
     if chunks is not None:
         RUNNING_CHUNKS.labels(model_key).set_function(lambda: len(chunks.running_chunks()))

@@ -50,6 +50,10 @@ FOLLOW_INTERVAL_S = 0.01
 T = TypeVar("T")
 
 
+class ResultTooLarge(NNqueueError):
+    """A job's result is larger than the worker takes (``NNQUEUE_MAX_RESULT_BYTES``); nothing was stored."""
+
+
 class ResultNotWritten(NNqueueError):
     """What the engine reported does not match what it left for the worker."""
 
@@ -83,10 +87,18 @@ class ShardSink:
 
 
 class ResultSinks:
-    def __init__(self, store: ObjectStore, handoff_root: Path, handoff_parent: Path | None = None) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        handoff_root: Path,
+        handoff_parent: Path | None = None,
+        max_result_bytes: int | None = None,
+    ) -> None:
         """The handoff directory is made in ``handoff_parent`` when given (``NNQUEUE_WORKER_HANDOFF_DIR``), else in
-        ``handoff_root``, or in the temp folder when this process is root."""
+        ``handoff_root``, or in the temp folder when this process is root. ``max_result_bytes``: a job's result
+        objects larger than this are refused (`commit`); None: no limit."""
         self.store = store
+        self.max_result_bytes = max_result_bytes
         self.handoff_root = handoff_root
         self.handoff_parent = handoff_parent
         self._handoff_dir: Path | None = None
@@ -118,11 +130,18 @@ class ResultSinks:
 
     def commit(self, sinks: JobSinks, written: Mapping[str, Reported]) -> StoredResult:
         """Upload the objects the engine reported writing (name -> size and sha256) from their handoff files;
-        raises :class:`ResultNotWritten` when a file does not hold what was reported. A blocking call."""
+        raises :class:`ResultNotWritten` when a file does not hold what was reported, and :class:`ResultTooLarge`,
+        uploading nothing, when an object is larger than ``max_result_bytes``. A blocking call."""
         if "torch" not in written:
             raise ResultNotWritten("the engine reported no saves.pt")
         if unknown := set(written) - set(sinks.specs):
             raise ResultNotWritten(f"the engine reported {len(unknown)} object(s) it was given no sink for")
+        largest = max(reported.size for reported in written.values())
+        if self.max_result_bytes is not None and largest > self.max_result_bytes:
+            raise ResultTooLarge(
+                f"the job's result has {largest} bytes, over this deployment's limit of {self.max_result_bytes} bytes"
+                " per job (NNQUEUE_MAX_RESULT_BYTES): save fewer or smaller values"
+            )
         digests = {
             name: self._upload(sinks.specs[name]["path"], sinks.keys[name], reported, name)
             for name, reported in written.items()

@@ -32,7 +32,7 @@ from nnqueue.storage.object_store import ObjectNotFound, ObjectStore
 from nnqueue.timeline import stamp
 from nnqueue.workers.grouped_calls import GroupedCalls
 from nnqueue.workers.job_execution import Execution, JobFailure
-from nnqueue.workers.sinks import ResultNotWritten, ResultSinks
+from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ResultTooLarge
 
 
 class PayloadReads:
@@ -78,6 +78,8 @@ async def run_and_commit(
         if report.write_error is None and (report.objects or failure is None):
             try:
                 stored = await asyncio.to_thread(sinks.commit, handoff, report.objects)
+            except ResultTooLarge as error:
+                raise JobFailure("ResultTooLarge", str(error)) from None
             except (ResultNotWritten, OSError, ObjectNotFound) as error:
                 raise JobFailure("ResultWriteFailed", f"the result did not reach the store: {error}") from None
             stamp("committed")

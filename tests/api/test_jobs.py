@@ -258,17 +258,25 @@ def test_a_client_that_leaves_mid_upload_gets_a_400_and_nothing_is_stored(
     assert len(api.http.get("/v1/jobs?limit=200", headers=api.new_key("ivan")).json()["jobs"]) == before
 
 
-def test_jobs_in_flight_per_key_are_limited_with_429(services: Services) -> None:
-    with api_client(services, max_jobs_in_flight_per_key=2, worker_stale_after_s=3600) as api:
+def test_jobs_in_flight_per_key_and_per_owner_are_limited_with_429(services: Services) -> None:
+    limits = {"max_jobs_in_flight_per_key": 2, "max_jobs_in_flight_per_owner": 3}
+    with api_client(services, **limits, worker_stale_after_s=3600) as api:
         first_key, second_key = api.new_key("erin"), api.new_key("erin")
         ids = [api.submit_ok(first_key)["id"] for _ in range(2)]
 
         refused = api.submit(first_key)
         assert refused.status_code == 429 and "already has 2 jobs queued or running" in refused.json()["detail"]
-        assert api.submit(second_key).status_code == 201  # the limit is per key, not per owner
+        assert api.submit(second_key).status_code == 201  # the second key has room, and so has the owner (3)
+
+        # The owner's limit counts all its keys: the second key's next job would be the owner's fourth.
+        refused = api.submit(second_key)
+        assert refused.status_code == 429, refused.text
+        assert "owner already has 3 jobs queued or running through its keys; the limit is 3" in refused.json()["detail"]
+        assert "NNQUEUE_MAX_JOBS_IN_FLIGHT_PER_OWNER" in refused.json()["detail"]
+        assert api.submit(api.new_key("fay")).status_code == 201  # another owner's are not counted
 
         api.http.post(f"/v1/jobs/{ids[0]}/cancel", headers=first_key)  # an ended job frees its place
-        assert api.submit(first_key).status_code == 201
+        assert api.submit(second_key).status_code == 201
 
 
 def test_an_unknown_model_is_400_naming_the_live_models(api: Api) -> None:

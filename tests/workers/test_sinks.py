@@ -21,7 +21,7 @@ from nnqueue.settings import S3Settings
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.storage.s3 import MIN_PART_SIZE, S3ObjectStore
-from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ShardFollower, ShardSink
+from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ResultTooLarge, ShardFollower, ShardSink
 from tests.storage.test_object_store import uploaded_parts
 
 JOB = uuid.UUID("12345678-1234-5678-1234-567812345678")
@@ -64,6 +64,19 @@ def test_results_are_handed_off_as_files_and_uploaded_by_the_worker_with_their_d
     # What the engine could do afterwards: write its handoff path again. The committed object is a copy.
     Path(opened.specs["torch"]["path"]).write_bytes(b"forged bytes")
     assert store.get_bytes(stored.key) == b"torch bytes"
+
+
+def test_a_result_over_the_limit_is_refused_naming_it_and_nothing_is_stored(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path / "objects")
+    sinks = ResultSinks(store, tmp_path / "handoff", max_result_bytes=10)
+    opened = sinks.open(JOB, 1, safetensors=False)
+    with pytest.raises(
+        ResultTooLarge, match=r"11 bytes, over this deployment's limit of 10 bytes per job \(NNQUEUE_MAX"
+    ):
+        sinks.commit(opened, {"torch": write(opened.specs["torch"], b"eleven byte")})
+    assert not store.exists(f"results/{JOB}/1/saves.pt")
+    opened = sinks.open(JOB, 2, safetensors=False)
+    assert sinks.commit(opened, {"torch": write(opened.specs["torch"], b"ten bytes!")}).size == 10  # at the limit
 
 
 def test_a_wrong_size_a_link_someone_elses_file_or_a_missing_file_is_not_committed(tmp_path: Path) -> None:

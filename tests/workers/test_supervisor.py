@@ -5,6 +5,7 @@ published) comes back. A worker whose first start exits 2 was misconfigured, and
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,16 +13,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout whose nnqueue the supervisor runs
-SUPERVISE = "import sys; from nnqueue.workers.supervisor import Supervisor; sys.exit(Supervisor(sys.argv[1:]).run())"
+SUPERVISE = "import sys; from nnqueue.workers.supervisor import Supervisor; sys.exit(Supervisor(sys.argv[1:], 0.5).run())"  # a worker that served 0.5 s is healthy
 
 
-def supervise(child: str, runs: Path) -> subprocess.Popen[bytes]:
+def supervise(child: str, runs: Path, stderr: int | None = None) -> subprocess.Popen[bytes]:
     """A supervisor (its own process) running ``python -c child``; each start of the child adds a line to ``runs``."""
     script = f"open({str(runs)!r}, 'a').write('run\\n'); {child}"
     return subprocess.Popen(
         [sys.executable, "-c", SUPERVISE, sys.executable, "-c", script],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         start_new_session=True,
+        stderr=stderr,
     )
 
 
@@ -62,3 +64,26 @@ def test_a_first_start_that_exits_2_is_final(tmp_path: Path) -> None:
     supervisor = supervise("raise SystemExit(2)", runs)
     assert supervisor.wait(timeout=30) == 2
     assert started(runs) == 1
+
+
+def backoffs(child: str, runs: Path, starts: int) -> list[str]:
+    """The waits the supervisor announced before the child's first ``starts`` - 1 restarts."""
+    supervisor = supervise(child, runs, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while started(runs) < starts:
+            assert supervisor.poll() is None and time.monotonic() < deadline, "the worker was not started again"
+            time.sleep(0.1)
+    finally:
+        os.killpg(supervisor.pid, signal.SIGTERM)
+        _, stderr = supervisor.communicate(timeout=30)
+    return re.findall(r"starting it again in (\d+) s", stderr.decode())[: starts - 1]
+
+
+def test_the_backoff_doubles_while_the_worker_fails_before_it_is_ready(tmp_path: Path) -> None:
+    assert backoffs("import time; time.sleep(0.6); raise SystemExit(1)", tmp_path / "runs", 3) == ["1", "2"]
+
+
+def test_the_backoff_resets_after_a_worker_served_for_the_healthy_interval(tmp_path: Path) -> None:
+    ready = "from nnqueue.workers.supervisor import report_ready; report_ready(); import time; time.sleep(0.6)"
+    assert backoffs(f"{ready}; raise SystemExit(1)", tmp_path / "runs", 4) == ["1", "1", "1"]

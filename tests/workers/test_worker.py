@@ -53,8 +53,10 @@ S = JobStatus
 
 @pytest.fixture(scope="module")
 def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
-    """No --max-concurrent-jobs: the worker runs as many jobs at once as its engine schedules (--max-num-seqs)."""
-    return start_worker(max_concurrent_jobs=None, engine_args=["--max-num-seqs=5"], env={"NNQUEUE_TRACE_BUILDERS": "1"})
+    """No --max-concurrent-jobs: the worker runs as many jobs at once as its engine schedules (--max-num-seqs).
+    Results of up to 1 MiB."""
+    env = {"NNQUEUE_TRACE_BUILDERS": "1", "NNQUEUE_MAX_RESULT_BYTES": str(1 << 20)}
+    return start_worker(max_concurrent_jobs=None, engine_args=["--max-num-seqs=5"], env=env)
 
 
 def test_default_concurrency_follows_the_engines_max_num_seqs(worker: WorkerProcess) -> None:
@@ -264,6 +266,22 @@ def test_failing_jobs_fail_alone_while_a_good_job_completes(
 
     # The engine survived all three: a job after them runs.
     assert "logits" in result_of(services, submit(services, probe_payload(client_model, PROMPTS[1], max_tokens=1)))
+
+
+def test_a_result_over_the_limit_fails_its_job_naming_the_limit(
+    services: Services, worker: WorkerProcess, client_model: VLLM
+) -> None:
+    backend = PrebuiltBackend()
+    with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        client_model.model.layers[0].output
+        big = torch.zeros(512 * 1024).save()  # 2 MiB
+    failed = services.wait_for(submit(services, backend.payload), {S.FAILED, S.COMPLETED})
+    assert failed.status is S.FAILED and failed.error_type == "ResultTooLarge", (
+        failed.error_type,
+        failed.error_message,
+    )
+    assert "over this deployment's limit of 1048576 bytes per job (NNQUEUE_MAX_RESULT_BYTES)" in failed.error_message
+    assert failed.result_key is None  # nothing stored
 
 
 def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(

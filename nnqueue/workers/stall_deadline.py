@@ -1,0 +1,88 @@
+"""The hard step deadline: intervention code that the stall watchdog could not stop is stopped by killing its engine.
+
+The engine's stall watchdog (:mod:`nnqueue.enginecore.stall_watchdog`) stops a stalled intervention with an
+asynchronous exception, which lands only when the code next runs bytecode: code blocked in C (``time.sleep(1000)``,
+a catastrophic regular expression, a loop in a C extension) would hold the forward, and so every job on the
+engine, for as long as it likes. This thread of the worker reads where the engine's forward is
+(:mod:`nnqueue.enginecore.stall_beacon`) every :data:`POLL_S` seconds. When the forward of one of this worker's
+engine processes has been in one intervention's code for longer than the stall timeout plus :data:`GRACE_S` (the
+exception's chance to land), seen at two polls in a row, it writes the engine's crash report (cause ``"stall"``, the request whose code it was) and
+kills that engine process (SIGKILL). The engine's death then takes the usual path
+(:mod:`nnqueue.workers.engine_health`): the job whose code it was fails with ``InterventionStalled``, the other
+jobs on the engine are requeued as they were, and the supervisor starts a fresh worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from nnqueue.enginecore.crash_report import save_report
+from nnqueue.enginecore.stall_beacon import InUserCode, read_all
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+# How long past the stall timeout the watchdog's exception has to stop the code before the engine is killed.
+GRACE_S = 2.0
+STALL_CAUSE = "stall"
+
+
+class StallDeadline(threading.Thread):
+    """See the module doc; ``crash_dir``: the engine's crash report directory. Stops after it has killed once
+    (the worker then stops: its engine is dead)."""
+
+    def __init__(self, crash_dir: Path, stall_timeout_s: float) -> None:
+        super().__init__(name="nnqueue-stall-deadline", daemon=True)
+        self.crash_dir = crash_dir
+        self.stall_timeout_s = stall_timeout_s
+        self.deadline_s = stall_timeout_s + GRACE_S
+
+    def run(self) -> None:
+        overdue: set[InUserCode] = set()
+        while True:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            seen = {
+                each
+                for each in read_all(self.crash_dir)
+                if now - each.started > self.deadline_s and descends_from(each.pid, os.getpid())
+            }
+            for each in seen & overdue:  # the same switch at two polls: not a torn read
+                self.stop(each, now)
+                return
+            overdue = seen
+
+    def stop(self, stalled: InUserCode, now: float) -> None:
+        """Report ``stalled``'s request as the engine's crash and kill its engine process."""
+        message = (
+            f"intervention code ran for more than {self.stall_timeout_s:g} s without returning control to the model"
+            f" and was still running {now - stalled.started - self.stall_timeout_s:.1f} s later, in code that could"
+            " not be interrupted (a sleep, a regular expression or other code running in C?): the engine was killed"
+            " to stop it, and the other jobs on it run again"
+        )
+        report = {"request_ids": [stalled.request_id], "error": f"InterventionStalled: {message}", "cause": STALL_CAUSE}
+        save_report(self.crash_dir, stalled.pid, report)
+        log.error("killing engine process %d: request %s: %s", stalled.pid, stalled.request_id, message)
+        try:
+            os.kill(stalled.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            log.warning("engine process %d had already ended", stalled.pid)
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process ``pid`` runs and is ``ancestor``'s descendant: only this worker's own engine processes are
+    killed, never a process that took the pid of one that died with a beacon still raised."""
+    while pid > 1:
+        try:
+            # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses.
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
