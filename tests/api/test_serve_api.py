@@ -19,6 +19,7 @@ def test_serve_api_refuses_an_unmigrated_database(
     database_factory: Callable[..., str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NNQUEUE_DATABASE_URL", database_factory(migrated=False))
+    monkeypatch.setenv("NNQUEUE_BROKER_URL", "redis://127.0.0.1:1/0")  # set: the schema is what it refuses
     result = CliRunner().invoke(app, ["serve-api"], env={"COLUMNS": "200"})
     assert result.exit_code == 1
     assert "none (no nnqueue tables)" in result.output and "run `nnqueue db upgrade`" in result.output
