@@ -169,13 +169,14 @@ def snapshot(value: Any, copies: HostCopies | None = None, memo: dict[int, Any] 
 
 
 _importable: dict[int, type] = {}  # classes found importable by module and name (kept: their ids stay theirs)
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: set on every class a class statement (or type()) made; not on NoneType
 
 
 def _refuse_unimportable(cls: type) -> None:
     """Refuse a saved value whose class the trace defined: pickling it in a writer thread would run the trace's code
     (``__getnewargs__``, a dict subclass's ``items``) there, outside the engine steps the guards check; and a class
     that cannot be imported by its module and name cannot be unpickled by the client anyway."""
-    if id(cls) in _importable:
+    if id(cls) in _importable or not cls.__flags__ & _HEAP_TYPE:  # a static type is C's: no trace defined it
         return
     found: Any = sys.modules.get(cls.__module__)
     for part in cls.__qualname__.split("."):

@@ -109,3 +109,9 @@ def test_a_saved_value_of_a_class_the_trace_defined_is_refused() -> None:
     with pytest.raises(TypeError, match="a class the trace defined"):
         snapshot({"value": Saved(a=torch.ones(1))})
     assert snapshot({"value": {"a": torch.ones(1)}})["value"]["a"].item() == 1.0
+    # C's types are no trace's, whether builtins names them or not (NoneType, as in vLLM's RequestOutput fields)
+    assert snapshot({"none": None, "ellipsis": ..., "range": range(2)}) == {
+        "none": None,
+        "ellipsis": ...,
+        "range": range(2),
+    }
