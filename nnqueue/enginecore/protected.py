@@ -148,28 +148,25 @@ DESERIALIZATION_MODULES = frozenset(
 )
 # Single globals a payload may name (the engine's model class: a trace's model call is its bound method).
 DESERIALIZATION_GLOBALS = frozenset({("nnqueue.engines.platform", "EngineVLLM")})
+# numpy's functions that read or write files by name.
+NUMPY_FILE_FUNCTIONS = (
+    "load",
+    "save",
+    "savez",
+    "savez_compressed",
+    "savetxt",
+    "loadtxt",
+    "genfromtxt",
+    "fromfile",
+    "fromregex",
+    "memmap",
+)
 # Attributes of allowed modules that read or write files, reach any attribute by name, or read raw memory.
 HIDDEN_ATTRIBUTES = {
     "operator": frozenset({"attrgetter", "methodcaller"}),
     "_operator": frozenset({"attrgetter", "methodcaller"}),
     "torch": frozenset({"load", "save", "from_file", "load_library"}),
-    "numpy": frozenset(
-        {
-            "load",
-            "save",
-            "savez",
-            "savez_compressed",
-            "savetxt",
-            "loadtxt",
-            "genfromtxt",
-            "fromfile",
-            "fromregex",
-            "memmap",
-            "open_memmap",
-            "DataSource",
-            "as_strided",
-        }
-    ),
+    "numpy": frozenset({*NUMPY_FILE_FUNCTIONS, "open_memmap", "DataSource", "as_strided"}),
 }
 # Attribute names refused wherever intervention code names them (code, getattr, unpickled references), on any
 # object: native constructors that open a file by name, which no audit event reports (torch's
@@ -520,18 +517,7 @@ def _reachers() -> dict[str, Any]:
         "torch.PyTorchFileReader": torch.PyTorchFileReader,
         "torch.PyTorchFileWriter": torch.PyTorchFileWriter,
     }
-    for name in (
-        "load",
-        "save",
-        "savez",
-        "savez_compressed",
-        "savetxt",
-        "loadtxt",
-        "genfromtxt",
-        "fromfile",
-        "fromregex",
-        "memmap",
-    ):
+    for name in NUMPY_FILE_FUNCTIONS:
         found[f"numpy.{name}"] = getattr(numpy, name)
     storages: list[Any] = [torch.UntypedStorage, torch.TypedStorage] + [
         value for name, value in vars(torch).items() if name.endswith("Storage") and isinstance(value, type)
