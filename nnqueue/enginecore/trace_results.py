@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
+import os
 import queue
 import sys
 import threading
+import types
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
 
 import torch
 
-from nnqueue.enginecore import outbox, sink
+from nnqueue.enginecore import outbox, protected, sink
 from nnqueue.enginecore.trace_collect import CollectedTrace
 
 log = logging.getLogger(__name__)
@@ -168,6 +171,27 @@ def snapshot(value: Any, copies: HostCopies | None = None, memo: dict[int, Any] 
     return copied
 
 
+@functools.cache
+def _installation() -> tuple[str, ...]:
+    return tuple(protected._installation_folders())
+
+
+def _library_local(cls: type) -> bool:
+    """A class a library defines inside a function (vLLM's ``get_cached_tokenizer.<locals>.CachedTokenizer``, which a
+    saved cache reaches): its module is a file of the Python installation, and every function of its own was
+    compiled from that file. A trace's class has the trace's code. (A payload that forged its code objects'
+    file names could pass; the builder's strict unpickler and the audit hook stand before that.)"""
+    module = sys.modules.get(cls.__module__)
+    path = getattr(module, "__file__", None)
+    if "<locals>" not in cls.__qualname__ or not path or cls.__module__ == "__main__":
+        return False
+    path = os.path.realpath(path)
+    if not any(path.startswith(folder + os.sep) for folder in _installation()):
+        return False
+    functions = [value for value in vars(cls).values() if isinstance(value, types.FunctionType)]
+    return bool(functions) and all(os.path.realpath(f.__code__.co_filename) == path for f in functions)
+
+
 _importable: dict[int, type] = {}  # classes found importable by module and name (kept: their ids stay theirs)
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: set on every class a class statement (or type()) made; not on NoneType
 
@@ -181,7 +205,7 @@ def _refuse_unimportable(cls: type) -> None:
     found: Any = sys.modules.get(cls.__module__)
     for part in cls.__qualname__.split("."):
         found = getattr(found, part, None) if "<" not in part else None
-    if found is not cls:
+    if found is not cls and not _library_local(cls):
         raise TypeError(
             f"a saved value is a {cls.__qualname__!r}, a class the trace defined: save tensors, numbers, strings and "
             "containers of them instead (a class defined in the trace cannot be unpickled by the client either)"
