@@ -166,6 +166,7 @@ SAYS = {
     ("beat",): "NNQUEUE_BROKER_URL is not set",
     ("serve-api",): "NNQUEUE_BROKER_URL is not set",
     ("keys",): "run `nnqueue db upgrade`",  # every command of the group
+    ("domains",): "run `nnqueue db upgrade`",  # an admin's commands on the database, as keys
     ("db", "downgrade"): "the migration failed",
     ("up",): "Not a directory",
     ("demo",): "Not a directory",

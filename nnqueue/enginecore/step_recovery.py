@@ -40,11 +40,12 @@ import torch
 from greenlet import GreenletExit
 
 from nnqueue.enginecore import weights_guard
+from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
 
 
-class MalformedIntervention(RuntimeError):
+class MalformedIntervention(NNqueueError, RuntimeError):
     """What traces handed vLLM made the step fail or come out malformed (the step was run again without them)."""
 
 
