@@ -186,7 +186,7 @@ def _library_local(cls: type) -> bool:
     if "<locals>" not in cls.__qualname__ or not path or cls.__module__ == "__main__":
         return False
     path = os.path.realpath(path)
-    if not any(path.startswith(folder + os.sep) for folder in _installation()):
+    if not protected._under(path, _installation()):
         return False
     functions = [value for value in vars(cls).values() if isinstance(value, types.FunctionType)]
     return bool(functions) and all(os.path.realpath(f.__code__.co_filename) == path for f in functions)
