@@ -1183,7 +1183,8 @@ def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None,
     """A request's mediator bytes (``extra_args["nnsight_mediator"]``) loaded as nnsight's runner loads them
     (``Requests.add``: nnsight's ``loads``), checked: an nnsight ``Mediator``, whose code passes `check_code`
     when the protected environment is installed. ``strict``: with :class:`StrictUnpickler` (a trace builder's
-    check of every mediator before it reaches an engine), else nnsight's C unpickler with `find_class`.
+    check of every mediator before it reaches an engine) when the protected environment is installed, else
+    nnsight's C unpickler (with `find_class` when installed).
 
     Anything else (``pickle.dumps(1)``) would be taken for a mediator by the runner and fail inside
     ``execute_model``, which kills the engine every job shares."""
@@ -1191,7 +1192,7 @@ def load_mediator(data: bytes, persistent_objects: dict[Any, Any] | None = None,
     from nnsight.intervention.serialization import loads
 
     _region.roads = False
-    if strict:
+    if strict and _done:
         mediator = loads(data, persistent_objects=persistent_objects, unpickler=StrictUnpickler)
     else:
         mediator = loads(data, persistent_objects=persistent_objects)

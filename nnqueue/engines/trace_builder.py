@@ -85,12 +85,14 @@ def check_prebuilt(model: Any, payload: bytes) -> None:
 def _build(model: Any, payload: bytes) -> bytes:
     from nnsight.schema.request import RequestModel
 
+    # Off (NNQUEUE_PROTECTED_ENVIRONMENT=false: a trusted deployment), nnsight's own unpickler.
+    strict = {"unpickler": protected.StrictUnpickler} if protected.installed() else {}
     with payload_scope(model) as registered, protected.running_user_code():
         tracer = RequestModel.deserialize(
             payload,
             model._remoteable_persistent_objects(),
             compress=payload.startswith(trace_payload.ZSTD_MAGIC),
-            unpickler=protected.StrictUnpickler,
+            **strict,
         )
         filename = tracer.info.frame.f_code.co_filename
         registered(filename)

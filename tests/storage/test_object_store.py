@@ -439,9 +439,13 @@ def test_a_file_cut_short_while_its_parts_go_up_leaves_the_previous_object(
 
 
 def uploaded_parts(s3_settings: S3Settings, store: S3ObjectStore, key: str) -> list[int]:
-    """The part numbers that the key's one multipart upload in progress holds so far."""
+    """The part numbers that the key's one multipart upload in progress holds so far (none while the uploader has
+    not made the bucket yet: it does so on its first request, on its own thread)."""
     client = servers.s3_client_for(s3_settings)
-    uploads = client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", [])
+    try:
+        uploads = client.list_multipart_uploads(Bucket=store.bucket, Prefix=key).get("Uploads", [])
+    except client.exceptions.NoSuchBucket:
+        return []
     if not uploads:
         return []
     parts = client.list_parts(Bucket=store.bucket, Key=key, UploadId=uploads[0]["UploadId"]).get("Parts", [])
