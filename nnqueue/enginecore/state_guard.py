@@ -266,7 +266,8 @@ class StateGuard:
         """Put ``container`` back; what was different (see `_Restored`)."""
         saved, target = container.saved, container.target
         if container.kind is Kind.DICT:
-            return _restore_dict(target, saved, container.module)
+            level = logging.DEBUG if container.lazy else logging.WARNING
+            return _restore_dict(target, saved, container.module, container.name, level)
         if container.kind is Kind.CLASS:
             changed = False
             for name in [name for name in target.__dict__ if name not in saved]:
@@ -331,23 +332,35 @@ class _Restored(enum.Enum):
     CHANGED = "changed"
 
 
-def _restore_dict(target: dict[Any, Any], saved: dict[Any, Any], module: str | None) -> _Restored:
+def _restore_dict(
+    target: dict[Any, Any], saved: dict[Any, Any], module: str | None, where: str, level: int
+) -> _Restored:
+    """Put ``target`` back as ``saved``, logging each entry at ``level`` (``where``: the container's name)."""
     added = changed = False
-    for name in [name for name in target if name not in saved]:
+    for name in [name for name in target if name not in saved or _serializer_tag(name, target[name])]:
         value = target[name]
         submodule = isinstance(value, types.ModuleType) and sys.modules.get(f"{module}.{name}") is value
-        if module is not None and (submodule or name in INTERPRETER_CACHES):
-            saved[name] = value  # a submodule imported meanwhile, a warnings registry: the interpreter's, kept
+        if (module is not None and (submodule or name in INTERPRETER_CACHES)) or _serializer_tag(name, value):
+            saved[name] = value  # a submodule imported meanwhile, a warnings registry, nnsight's tag: kept
             continue
+        log.log(level, "%s: %r was added; removed", where, name)
         del target[name]
         added = True
     for name, value in saved.items():
         if target.get(name, _MISSING) is not value:
+            log.log(level, "%s: %r was changed; put back", where, name)
             target[name] = value
             changed = True
     if changed or (added and module is None):
         return _Restored.CHANGED
     return _Restored.ADDED_GLOBALS if added else _Restored.NOTHING
+
+
+def _serializer_tag(name: str, value: Any) -> bool:
+    """Whether this entry of a module's ``__dict__`` is the tag nnsight's serializer puts on every module an
+    envoy it pickles holds (``Envoy.__getstate__``: ``_persistent_id = "Module:<path>"``, a new string each time):
+    the engine's own doing when it pickles a result that holds envoys (``tracer.cache()``'s view), not a trace's."""
+    return name == "_persistent_id" and type(value) is str and value.startswith("Module:")
 
 
 def _restore_class(obj: Any, cls: type) -> None:

@@ -107,9 +107,13 @@ def test_the_engines_own_code_is_put_back(guard: StateGuard) -> None:
     assert not getattr(protected._auditing, "active", False)
 
 
-def test_the_interpreters_and_nnsights_own_lazy_work_is_not_blamed(guard: StateGuard) -> None:
+def test_the_interpreters_and_nnsights_own_lazy_work_is_not_blamed(model: Tiny, guard: StateGuard) -> None:
+    from nnsight import NNsight
     from nnsight.intervention import source
+    from nnsight.intervention.serialization import dumps
 
+    envoys = NNsight(model)  # as the engine's model is, before the reference
+    guard.accept_current()
     package = sys.modules["nnqueue.enginecore"]
     module = types.ModuleType("nnqueue.enginecore._imported_meanwhile")
     sys.modules[module.__name__] = module
@@ -117,7 +121,11 @@ def test_the_interpreters_and_nnsights_own_lazy_work_is_not_blamed(guard: StateG
         package._imported_meanwhile = module  # type: ignore[attr-defined]  # as the import system does
         torch.nn.Linear.__slotnames__ = []  # type: ignore[attr-defined]  # as copyreg does
         source.FORWARD_CACHE[compile("0", "<x>", "eval")] = None  # type: ignore[index]  # a module's .source
+        dumps(envoys)  # a result holding envoys (a tracer.cache() view): nnsight tags every module
+        assert model.norm.__dict__["_persistent_id"] == "Module:model.norm"
         found = guard.check()
+        model.norm._persistent_id = "Interleaver"  # type: ignore[assignment]  # not nnsight's tag for a module
+        assert guard.check().strict == ["norm"]
     finally:
         del sys.modules[module.__name__]
     assert found.strict == [] and found.lazy == ["nnsight.intervention.source.FORWARD_CACHE"], found
