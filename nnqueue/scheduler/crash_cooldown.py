@@ -1,10 +1,13 @@
-"""The crash cool-down: an owner whose traces crashed engines, or changed their state, again and again submits no
-trace for a while.
+"""The crash cool-down: an owner whose traces crashed engines, stalled them or changed their state, again and again
+submits no trace for a while.
 
 A trace that kills its engine fails alone (``EngineCrash``, :mod:`nnqueue.workers.engine_health`), but it
 costs every user of the model the worker's restart (the engine loads again); a trace that changes an engine's
 weights or state alone in its step (``WeightsModified``, ``StateModified``: the engine put it back,
-:mod:`nnqueue.enginecore.weights_guard`) makes the traces that shared steps with it run again. Each of these is
+:mod:`nnqueue.enginecore.weights_guard`) makes the traces that shared steps with it run again; a trace whose
+code stalls past the step deadline (``InterventionStalled``, :mod:`nnqueue.workers.stall_deadline`) holds every
+other job of the engine for the stall timeout, and then costs the restart of the engine it was stopped in. Each
+of these is
 charged to the job's owner (:data:`CHARGED_ERRORS`; a job that only shared a step is never charged: it ran again
 alone first). When ``limit`` of one owner's jobs were charged within ``window_s`` of each other, every key of
 that owner has its new traces refused (429, with ``Retry-After``) until ``cooldown_s`` after the last of them:
@@ -32,9 +35,10 @@ from nnqueue.db.models import ApiKey, Job, JobStatus, utcnow
 from nnqueue.errors import NNqueueError
 
 ENGINE_CRASH = "EngineCrash"
-# What a job's owner is charged for: its trace crashed an engine, or changed an engine's parameters or other state
-# alone in its step (nnqueue.enginecore.weights_guard's ERROR_TYPE and STATE_ERROR_TYPE).
-CHARGED_ERRORS = (ENGINE_CRASH, "WeightsModified", "StateModified")
+# What a job's owner is charged for: its trace crashed an engine, stalled it past the step deadline, or changed an
+# engine's parameters or other state alone in its step (nnqueue.enginecore.weights_guard's ERROR_TYPE and
+# STATE_ERROR_TYPE).
+CHARGED_ERRORS = (ENGINE_CRASH, "InterventionStalled", "WeightsModified", "StateModified")
 
 
 class CrashCooldown(NNqueueError):
@@ -72,7 +76,7 @@ class CrashCooldowns:
             _remember(self._until, owner, until)
         wait = (until - now).total_seconds()
         raise CrashCooldown(
-            f"traces of this owner crashed the engine or changed its state {self.limit} times within "
+            f"traces of this owner crashed the engine, stalled it or changed its state {self.limit} times within "
             f"{self.window_s:g} s; its keys may submit traces again in {math.ceil(wait)} s "
             "(NNQUEUE_ENGINE_CRASH_COOLDOWN_S). The failed jobs' errors say what happened",
             wait,

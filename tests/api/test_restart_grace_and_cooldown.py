@@ -115,11 +115,14 @@ def test_an_owner_whose_traces_crash_engines_cools_down_with_429_on_every_key(se
 
         refused = api.submit(mallory, model_key="crashy")
         assert refused.status_code == 429, refused.text
-        assert "changed its state 2 times within 600 s" in refused.json()["detail"]
+        assert "stalled it or changed its state 2 times within 600 s" in refused.json()["detail"]
         assert 290 <= int(refused.headers["Retry-After"]) <= 300
         assert api.submit(mallory, model_key="crashy").status_code == 429  # remembered, still refused
         assert api.submit(api.new_key("mallory"), model_key="crashy").status_code == 429  # per owner: a new key too
         assert api.submit(alice, model_key="crashy").status_code == 201  # other owners are not concerned
+        staller = api.new_key("victor")  # code stopped at the step deadline, twice: the engine held, then restarted
+        for ago in (0, 1):
+            crash(services, api.submit_ok(staller, model_key="crashy")["id"], ago, "InterventionStalled")
 
         # Only charged errors count (a job that only shared a step ran again alone); crashes further apart than
         # the window do not count; nor does a cool-down that has passed.
@@ -135,3 +138,4 @@ def test_an_owner_whose_traces_crash_engines_cools_down_with_429_on_every_key(se
         time.sleep(CLEAR_FOR_S)
         for key in (shared, spread, cooled):
             assert api.submit(key, model_key="crashy").status_code == 201
+        assert api.submit(staller, model_key="crashy").status_code == 429
