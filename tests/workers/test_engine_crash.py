@@ -77,7 +77,7 @@ def test_the_trace_that_kills_the_engine_fails_alone_and_the_worker_serves_again
 
     # The crash is the key's: with a limit of one crash, its next trace is refused for the cool-down.
     strict = AdmissionPolicy.from_settings(services.settings.model_copy(update={"engine_crash_limit": 1}))
-    with pytest.raises(CrashCooldown, match="crashed the engine or changed its state 1 times"):
+    with pytest.raises(CrashCooldown, match="crashed the engine, stalled it or changed its state 1 times"):
         submit_job(
             services.sessions,
             services.store,
