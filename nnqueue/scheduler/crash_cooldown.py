@@ -7,9 +7,8 @@ weights or state alone in its step (``WeightsModified``, ``StateModified``: the 
 :mod:`nnqueue.enginecore.weights_guard`) makes the traces that shared steps with it run again; a trace whose
 code stalls past the step deadline (``InterventionStalled``, :mod:`nnqueue.workers.stall_deadline`) holds every
 other job of the engine for the stall timeout, and then costs the restart of the engine it was stopped in. Each
-of these is
-charged to the job's owner (:data:`CHARGED_ERRORS`; a job that only shared a step is never charged: it ran again
-alone first). When ``limit`` of one owner's jobs were charged within ``window_s`` of each other, every key of
+of these is charged to the job's owner (:data:`CHARGED_ERRORS`; a job that only shared a step is never charged: it
+ran again alone first). When ``limit`` of one owner's jobs were charged within ``window_s`` of each other, every key of
 that owner has its new traces refused (429, with ``Retry-After``) until ``cooldown_s`` after the last of them:
 per owner, not per key, so a second key does not start afresh. Harvests and steering (declarative, no user code)
 are not refused.
