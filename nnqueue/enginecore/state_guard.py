@@ -337,11 +337,12 @@ def _restore_dict(
 ) -> _Restored:
     """Put ``target`` back as ``saved``, logging each entry at ``level`` (``where``: the container's name)."""
     added = changed = False
-    for name in [name for name in target if name not in saved or _serializer_tag(name, target[name])]:
+    saved.update((name, value) for name, value in target.items() if _serializer_tag(name, value))  # kept
+    for name in [name for name in target if name not in saved]:
         value = target[name]
         submodule = isinstance(value, types.ModuleType) and sys.modules.get(f"{module}.{name}") is value
-        if (module is not None and (submodule or name in INTERPRETER_CACHES)) or _serializer_tag(name, value):
-            saved[name] = value  # a submodule imported meanwhile, a warnings registry, nnsight's tag: kept
+        if module is not None and (submodule or name in INTERPRETER_CACHES):
+            saved[name] = value  # a submodule imported meanwhile, a warnings registry: the interpreter's, kept
             continue
         log.log(level, "%s: %r was added; removed", where, name)
         del target[name]
