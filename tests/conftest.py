@@ -271,10 +271,12 @@ def start_worker(
 def running_worker(
     services: Services, model_path: Path, log: Path, model_key: str, env: dict[str, str] | None = None
 ) -> Iterator[WorkerProcess]:
-    """An ``nnqueue worker`` for ``model_path`` (four jobs at once), registered, stopped on exit."""
+    """An ``nnqueue worker`` for ``model_path`` (four jobs at once), run from the model's parent directory (a
+    harvest's manifest names the model by its path relative to the worker's: ``tiny-llama``, as `nnqueue up` run
+    beside its data directory does), registered, stopped on exit."""
     from tests.utils.services import WorkerProcess
 
-    worker = WorkerProcess(services, model_path, log, 4, env, model_key=model_key)
+    worker = WorkerProcess(services, model_path, log, 4, env, model_key=model_key, cwd=model_path.parent)
     try:
         worker.wait_registered()
         yield worker

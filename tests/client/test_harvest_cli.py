@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +37,6 @@ prompts_per_chunk: 2
 """
 TRAINING_PAGE = Path(__file__).parents[2] / "docs" / "user" / "harvest-training.md"
 FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
-
-
-@pytest.fixture(scope="module")
-def worker(start_worker: Callable[..., WorkerProcess], tiny_model_path: Path) -> WorkerProcess:
-    """The module's worker, run from the model's parent directory: the manifest names the model by its path
-    relative to the worker's directory (``tiny-llama``), as `nnqueue up` run beside its data directory does."""
-    return start_worker(max_concurrent_jobs=4, cwd=tiny_model_path.parent)
 
 
 @pytest.fixture(scope="module")
