@@ -247,16 +247,24 @@ def client(api_server: ApiServer, secret: str) -> Iterator[Client]:
 
 @pytest.fixture(scope="module")
 def start_worker(
-    services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    services: Services,
+    tiny_model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[..., WorkerProcess]]:
-    """Starts ``nnqueue worker`` processes for the tiny model on the module's services; stops them at the end."""
-    from tests.utils.services import WorkerProcess
+    """Starts ``nnqueue worker`` processes for the tiny model on the module's services; stops them at the end. In a
+    module marked ``shared_worker``, only under a key of its own: one the shared workers serve would share their
+    jobs (and a harvest's chunks) with them, by chance."""
+    from tests.utils.services import MODEL_KEY, WorkerProcess
 
     started: list[WorkerProcess] = []
     logs = tmp_path_factory.mktemp("worker-logs")
+    shared_keys = {MODEL_KEY, str(tiny_model_path)} if request.node.get_closest_marker("shared_worker") else set()
 
     def start(model_path: Path = tiny_model_path, **kwargs: Any) -> WorkerProcess:
         """``kwargs``: WorkerProcess's (max_concurrent_jobs, model_key, engine, env, cwd, user)."""
+        if kwargs.get("model_key", MODEL_KEY) in shared_keys:
+            raise pytest.UsageError(f"{request.node.nodeid} is marked shared_worker: use the shared worker's fixture")
         worker = WorkerProcess(services, model_path, logs / f"worker-{len(started)}.log", **kwargs)
         started.append(worker)
         worker.wait_registered()
