@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from queue_stack import ENDED, QueueStack, latency_s, log, one_step_payload
+from queue_stack import QueueStack, latency_s, log, one_step_payload
 
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.storage.results import load_result
@@ -152,16 +152,6 @@ class Innocent(threading.Thread):
             self.stopping.wait(max(0.0, next_at - time.monotonic()))
 
 
-def ended(stack: QueueStack, job_ids: list[uuid.UUID], timeout_s: float = 3600) -> list[Job]:
-    """The jobs once every one has ended, whatever its status."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        jobs = [stack.services.job(job_id) for job_id in job_ids]
-        if all(job.status in ENDED for job in jobs) or time.monotonic() > deadline:
-            return jobs
-        time.sleep(0.5)
-
-
 def engine_rss_mb(worker: Any) -> float:
     """The resident memory of the worker's processes but the supervisor's, in MB."""
     return sum(child.memory_info().rss for child in worker.children()) / 1e6
@@ -219,22 +209,23 @@ def main() -> None:
         for name, payloads in attacks.items():
             innocent.phase = name
             before, serving = worker.log(), worker.wait_registered().id
-            hostile = ended(stack, [stack.submit(payload, f"hostile-{name}", MODEL_KEY) for payload in payloads])
+            hostile = stack.ended([stack.submit(payload, f"hostile-{name}", MODEL_KEY) for payload in payloads])
             while worker.wait_registered(timeout=1800).id == serving and DIED in worker.log()[len(before) :]:
                 time.sleep(0.5)  # the engine died: the next case starts once the restarted worker serves
             time.sleep(2 * args.every)  # the innocent's jobs just after the case count to it too
             statuses = collections.Counter(f"{job.status.value} {job.error_type or ''}".strip() for job in hostile)
+            during = worker.log()[len(before) :]  # what the worker logged in this case
             report["cases"][name] = {
                 "hostile": dict(statuses),
-                "engine_kills": worker.log().count(KILLED) - before.count(KILLED),
-                "engine_deaths": worker.log().count(DIED) - before.count(DIED),
-                "engine_loads_s": [float(found) for found in READY.findall(worker.log())[len(READY.findall(before)) :]],
+                "engine_kills": during.count(KILLED),
+                "engine_deaths": during.count(DIED),
+                "engine_loads_s": [float(found) for found in READY.findall(during)],
                 "engine_rss_mb": engine_rss_mb(worker),
             }
             log(f"{name}: {dict(statuses)}")
         innocent.stopping.set()
         innocent.join()
-        jobs = ended(stack, [job_id for _, job_id in innocent.sent])
+        jobs = stack.ended([job_id for _, job_id in innocent.sent])
         phases = [phase for phase, _ in innocent.sent]
         quiet = [job for job, phase in zip(jobs, phases, strict=True) if phase == "quiet"]
         reference = logits(stack, quiet[0]) if quiet and quiet[0].status is JobStatus.COMPLETED else None

@@ -108,22 +108,25 @@ class QueueStack:
     def submit(self, payload: bytes, owner: str, model_key: str) -> uuid.UUID:
         return self.services.submit(payload, owner=owner, model_key=model_key, timeout_s=1800).id
 
-    def wait_all(self, job_ids: list[uuid.UUID], timeout: float = 3600) -> list[Job]:
-        """The jobs once all have ended (each COMPLETED, or an AssertionError naming the first that is not)."""
+    def ended(self, job_ids: list[uuid.UUID], timeout: float = 3600) -> list[Job]:
+        """The jobs once all have ended, whatever their status (as they are, should ``timeout`` pass first)."""
         deadline = time.monotonic() + timeout
         while True:
             with self.services.sessions() as session:
                 jobs = [session.get(Job, job_id) for job_id in job_ids]
-            if all(job is not None and job.status in ENDED for job in jobs):
-                break
-            assert time.monotonic() < deadline, "jobs did not end in time"
+            found = [job for job in jobs if job is not None]
+            assert len(found) == len(job_ids), "a submitted job has no row"
+            if all(job.status in ENDED for job in found) or time.monotonic() > deadline:
+                return found
             time.sleep(0.2)
+
+    def wait_all(self, job_ids: list[uuid.UUID], timeout: float = 3600) -> list[Job]:
+        """The jobs once all have ended (each COMPLETED, or an AssertionError naming the first that is not)."""
+        jobs = self.ended(job_ids, timeout)
+        assert all(job.status in ENDED for job in jobs), "jobs did not end in time"
         for job in jobs:
-            assert job is not None and job.status is JobStatus.COMPLETED, (
-                job and job.error_type,
-                job and job.error_message,
-            )
-        return [job for job in jobs if job is not None]
+            assert job.status is JobStatus.COMPLETED, (job.error_type, job.error_message)
+        return jobs
 
     def close(self) -> None:
         for worker in self.workers:
