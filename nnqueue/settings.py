@@ -91,7 +91,8 @@ class Settings(BaseSettings):
     # endless loop) is stopped inside the engine, so that the jobs batched with it go on.
     engine_stall_timeout_s: float = Field(60.0, gt=0)
     # Sandboxed processes per worker that rebuild raw nnsight payloads (nnsight's own clients, old nnqueue
-    # clients) into prebuilt ones; started on first use. 0: the worker runs only client-prebuilt payloads.
+    # clients) into prebuilt ones and run sessions' bodies (a session needs two: at most this many less one run
+    # at once); started with the engine. 0: the worker runs only client-prebuilt payloads, and no sessions.
     trace_builders: int = Field(2, ge=0)
     # Locations a vLLM worker serves with CUDA graphs on (``nnqueue worker --taps``, comma-separated nnsight tap
     # patterns, e.g. ``model.layers.*.output``); a trace touching any other fails. Empty: eager, every location.

@@ -32,7 +32,9 @@ and the builders call) imports ``msgspec``, which vLLM already requires, and nns
 
 from __future__ import annotations
 
+import io
 import json
+import pickletools
 import platform
 import struct
 from dataclasses import dataclass
@@ -49,6 +51,10 @@ _LENGTH = struct.Struct(">Q")
 # What an nnsight serialized trace starts with: nnsight pickles with protocol 4 (a PROTO opcode, then a
 # FRAME opcode), and RequestModel.serialize(compress=True) wraps that in a zstd frame.
 PICKLE_PROTOCOL_4 = b"\x80\x04\x95"
+# How far into a raw payload's pickle its tracer's class must have been named (`tracer_class`).
+TRACER_OPCODES = 64
+# The tracer class of a session's raw payload (``model.session()``: nnsight's plain ``Tracer``).
+SESSION_TRACER = "nnsight.tracing.tracer.Tracer"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -107,6 +113,29 @@ def parse_envoy_pid(pid: Any) -> tuple[str, str] | None:
         return None
     digest, _, path = pid[len(ENVOY_PID) :].partition(":")
     return digest, path
+
+
+def tracer_class(payload: bytes) -> str | None:
+    """``module.QualName`` of the tracer an uncompressed raw nnsight payload holds (its pickle's first global
+    reference: ``RequestModel.serialize`` pickles ``(tracer, (source, globals, locals))``), or None when it names
+    none near its start. Only opcodes are parsed (``pickletools.genops``): nothing is built or imported."""
+    if not payload.startswith(PICKLE_PROTOCOL_4):
+        return None
+    strings: list[str] = []
+    try:
+        for index, (opcode, argument, _) in enumerate(pickletools.genops(io.BytesIO(payload))):
+            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+                strings.append(str(argument))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                return f"{strings[-2]}.{strings[-1]}"
+            elif opcode.name == "GLOBAL":
+                module, name = str(argument).split(" ", 1)
+                return f"{module}.{name}"
+            if index >= TRACER_OPCODES:
+                break
+    except (ValueError, EOFError):
+        pass
+    return None
 
 
 def payload_kind(data: bytes) -> str | None:

@@ -30,28 +30,25 @@ import hashlib
 import hmac
 import io
 import json
-import pickletools
 import secrets
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from nnqueue import trace_payload
 from nnqueue.db.models import EngineKind, Job, JobStatus
 from nnqueue.errors import NNqueueError
-from nnqueue.trace_payload import PICKLE_PROTOCOL_4, ZSTD_MAGIC
+from nnqueue.trace_payload import PICKLE_PROTOCOL_4, SESSION_TRACER, ZSTD_MAGIC
 
 VLLM_PREFIX = "nnsight.modeling.vllm.vllm.VLLM:"
 # LanguageModel (and TransformersModel) keys; nnsight before 0.8 keyed LanguageModel under its own path.
 TRANSFORMERS_PREFIXES = ("nnsight.modeling.transformers.TransformersModel:", "nnsight.modeling.language.LanguageModel:")
 TRANSFORMERS_TASKS = frozenset({"text-generation"})
 VLLM_TRACER = "nnsight.modeling.vllm.tracer.VLLMTracer"
-SESSION_TRACER = "nnsight.tracing.tracer.Tracer"
 # What RequestModel.serialize starts with: pickle protocol 4 and its first frame; or a zstd frame.
 # A blocking client's job id derives from the session id its websocket was given (see job_id_for_session).
 SESSION_NAMESPACE = uuid.UUID("5d0d7f4e-8e3c-4f0a-9a57-3e1f6f0b6c1d")
-# How far into the pickle the tracer's class must have been named.
-MAX_OPCODES = 64
 
 
 class ProtocolError(NNqueueError, ValueError):
@@ -128,44 +125,24 @@ def decompress(blob: bytes, compressed: bool, limit: int) -> bytes:
 
 
 def tracer_class(payload: bytes) -> str:
-    """``module.QualName`` of the tracer a raw nnsight payload holds: the pickle's first global reference.
-
-    ``RequestModel.serialize`` pickles ``(tracer, (source, globals, locals))``, so the first class named
-    is the tracer's. Only opcodes are parsed (nothing is built or imported); raises :class:`ProtocolError`
-    for anything that is not such a pickle.
-    """
+    """``module.QualName`` of the tracer a raw nnsight payload holds (:func:`nnqueue.trace_payload.tracer_class`);
+    raises :class:`ProtocolError` for anything that is not such a pickle."""
     if not payload.startswith(PICKLE_PROTOCOL_4):
         raise ProtocolError(
             "the payload is not an nnsight serialized trace (RequestModel.serialize: pickle protocol 4, or zstd)"
         )
-    strings: list[str] = []
-    try:
-        for index, (opcode, argument, _) in enumerate(pickletools.genops(io.BytesIO(payload))):
-            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
-                strings.append(str(argument))
-            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                return f"{strings[-2]}.{strings[-1]}"
-            elif opcode.name == "GLOBAL":
-                module, name = str(argument).split(" ", 1)
-                return f"{module}.{name}"
-            if index >= MAX_OPCODES:
-                break
-    except (ValueError, EOFError):
-        pass
-    raise ProtocolError("the payload is not an nnsight serialized trace: no tracer at its start")
+    found = trace_payload.tracer_class(payload)
+    if found is None:
+        raise ProtocolError("the payload is not an nnsight serialized trace: no tracer at its start")
+    return found
 
 
 def check_runnable(target: Target, tracer: str) -> None:
-    """Refuse (:class:`ProtocolError`) a payload the target's engine cannot run: a session or a non-VLLM trace
-    on a vLLM engine, or something other than an nnsight tracer."""
+    """Refuse (:class:`ProtocolError`) a payload the target's engine cannot run: on a vLLM engine, anything but a
+    VLLM trace or a session (:mod:`nnqueue.engines.sessions`); anywhere, something other than an nnsight tracer."""
     if not tracer.startswith("nnsight."):
         raise ProtocolError(f"the payload holds a {tracer!r}, not an nnsight trace")
-    if target.engine is EngineKind.VLLM and tracer != VLLM_TRACER:
-        if tracer == SESSION_TRACER:
-            raise ProtocolError(
-                "remote sessions (model.session(remote=True)) are not supported for VLLM models: "
-                "send each trace on its own (sessions run on transformers engines, for LanguageModel models)"
-            )
+    if target.engine is EngineKind.VLLM and tracer not in (VLLM_TRACER, SESSION_TRACER):
         raise ProtocolError(f"a VLLM model runs VLLM traces (model.trace), not a {tracer}")
 
 

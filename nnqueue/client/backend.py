@@ -12,6 +12,11 @@ invoke's mediator), and submits them as a prebuilt payload (:mod:`nnqueue.trace_
 reads without unpickling. Other models' traces are submitted as nnsight serializes them for its own
 remote clients (``RequestModel.serialize``).
 
+A session (``with model.session(backend=client.backend()):`` around several traces that pass values) is one job:
+it is submitted as nnsight serializes it for its own remote clients, and the worker runs its body in a trace
+builder and each of its traces on its engine (:mod:`nnqueue.engines.sessions`); what the session saved lands here
+as a trace's saves do. Its model key is its body's model's.
+
 A model built with taps (``VLLM(path, taps=client.taps(key))``, for workers that serve CUDA-graph taps) has
 them checked against the ones its workers serve before the trace is submitted (`check_taps`).
 
@@ -30,6 +35,7 @@ unset, and ``backend.job`` is the :class:`~nnqueue.client.job.Job` to wait on an
 
 from __future__ import annotations
 
+import ast
 from typing import TYPE_CHECKING, Any, Protocol
 
 from nnsight.tracing.backend import Backend
@@ -87,15 +93,15 @@ class NNqueueBackend(Backend):
         self.jobs: list[Job] = []
 
     def __call__(self, tracer: Tracer) -> dict[str, Any] | None:
-        if getattr(tracer, "envoy", None) is None:
-            raise NotImplementedError(
-                "model.session(...) cannot run as one nnqueue job: a job is one trace, and a session passes"
-                " values between its traces in this process. Give each model.trace(...) inside the session"
-                " backend=client.backend() instead; their saved values come back."
-            )
+        session = getattr(tracer, "envoy", None) is None  # model.session(backend=...): its traces in one job
         model_key = self.model_key or default_model_key(tracer)
-        check_taps(tracer, self.client, model_key)
-        payload = build_payload(tracer)
+        if session:
+            from nnsight.schema.request import RequestModel
+
+            payload = RequestModel.serialize(tracer, compress=False)
+        else:
+            check_taps(tracer, self.client, model_key)
+            payload = build_payload(tracer)
         self.job = self.client.submit(model_key, payload, **self.submit_options)
         self.jobs.append(self.job)
         if not self.blocking:
@@ -110,7 +116,7 @@ class NNqueueBackend(Backend):
             # As a local run does: the values the other invokes saved land, then the error is raised.
             if failure.saves is not None:
                 push_saves(failure.saves, tracer)
-            if not is_vllm_trace(tracer) or failure.job is None:
+            if not (is_vllm_trace(tracer) or is_vllm_session(tracer)) or failure.job is None:
                 raise
             # As a local vLLM run raises it: nnsight's raise_deferred's RuntimeError, but for vLLM's own errors.
             deferred = JobFailed.from_job(failure.job, deferred=True)
@@ -154,6 +160,28 @@ def is_vllm_trace(tracer: Any) -> bool:
     return isinstance(getattr(tracer, "envoy", None), VLLM) and hasattr(tracer, "prepare")
 
 
+def is_vllm_session(tracer: Any) -> bool:
+    """Whether ``tracer`` is a session (``model.session()``) around an nnsight ``VLLM`` model's traces."""
+    from nnsight.modeling.vllm import VLLM
+
+    return getattr(tracer, "envoy", None) is None and isinstance(session_model(tracer), VLLM)
+
+
+def session_model(tracer: Any) -> Any:
+    """The one nnsight model a session's body names (a model, not one of its modules), or None when it names
+    none or several."""
+    from nnsight.modeling.mixins.remotable import Remotable
+
+    frame = getattr(getattr(tracer, "info", None), "frame", None)
+    node = getattr(tracer, "node", None)
+    if frame is None or node is None:
+        return None
+    names = {found.id for found in ast.walk(node) if isinstance(found, ast.Name)}
+    values = (frame.f_locals.get(name, frame.f_globals.get(name)) for name in names)
+    models = {id(value): value for value in values if isinstance(value, Remotable)}
+    return next(iter(models.values())) if len(models) == 1 else None
+
+
 def check_taps(tracer: Any, client: Submitter, model_key: str) -> None:
     """Refuse, before submitting, a trace whose model declares taps (``VLLM(..., taps=[...])``) that the model's
     workers do not all serve: a location outside a worker's taps is never reached there. A trace on an untapped
@@ -175,14 +203,15 @@ def check_taps(tracer: Any, client: Submitter, model_key: str) -> None:
 
 
 def default_model_key(tracer: Any) -> str:
-    """The key a traced model is served under by default: the repo id or path it was built from."""
-    model = getattr(tracer, "envoy", None) or getattr(tracer, "model", None)
+    """The key a traced model is served under by default: the repo id or path it was built from (a session's: its
+    body's model's)."""
+    model = getattr(tracer, "envoy", None) or getattr(tracer, "model", None) or session_model(tracer)
     if isinstance(repo_id := getattr(model, "repo_id", None), str) and repo_id:  # transformers models
         return repo_id
     key = getattr(model, "_remoteable_model_key", None)
     if callable(key):
         return str(key())
-    raise ValueError("cannot tell which model this trace is for: pass client.backend(model_key=...)")
+    raise ValueError("cannot tell which model this trace or session is for: pass client.backend(model_key=...)")
 
 
 def push_saves(saves: dict[str, Any], tracer: Any) -> None:

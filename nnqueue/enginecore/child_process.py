@@ -11,7 +11,9 @@ root, the seccomp filter, the protected environment) and only then says it is re
 
 Frames, both ways: an 8-byte big-endian length of what follows, a type byte, the body. The child writes
 ``READY`` once (JSON describing it), then answers each ``REQUEST`` with ``OK`` (the answer) or ``FAILED`` (the
-request's error as JSON: type name, message, traceback). The protocol owns the child's original stdout; what
+request's error as JSON: type name, message, traceback). While it handles a request, a child may ask the worker
+something first (`ask`: an ``ASK`` frame, answered by a ``REPLY``; a session's trace for the worker's engine to run,
+:mod:`nnqueue.engines.sessions`), as often as it needs. The protocol owns the child's original stdout; what
 user code prints goes to stderr, the worker's log.
 
 The worker's side is :class:`ChildPool`: up to ``size`` children, started on first use (or ahead of it, by
@@ -29,7 +31,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, TypeVar
 
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 FRAME_HEADER = 8
-OK, FAILED, READY, REQUEST = 0, 1, 2, 3
+OK, FAILED, READY, REQUEST, ASK, REPLY = 0, 1, 2, 3, 4, 5
 READY_BYTES = 1 << 16
 MAX_REPORT_TEXT = 1 << 16
 STREAM_LIMIT = 1 << 20
@@ -83,11 +85,16 @@ def open_protocol() -> BinaryIO:
     return protocol
 
 
+# The child's frames to the worker and the worker's to it, while `serve` runs (what `ask` uses).
+_channel: list[BinaryIO] = []
+
+
 def serve(protocol: BinaryIO, ready: dict[str, Any], handle: Callable[[bytes], bytes]) -> None:
     """Say the child is ready (``ready`` describes it, in the worker's log), then answer request frames from stdin
     until it closes: ``handle``'s answer, or the report of what it raised. Call it inside the sandbox."""
     write_frame(protocol, READY, json.dumps(ready).encode())
     requests = sys.stdin.buffer
+    _channel[:] = [protocol, requests]
     while (request := read_frame(requests)) is not None:
         kind, body = request
         if kind != REQUEST:
@@ -100,14 +107,27 @@ def serve(protocol: BinaryIO, ready: dict[str, Any], handle: Callable[[bytes], b
             write_frame(protocol, OK, answer)
 
 
+def ask(question: bytes) -> bytes:
+    """While `serve` handles a request: send the worker ``question`` and wait for its reply (the worker's ``ask``
+    handler, :meth:`ChildPool.call`). Raises ``ConnectionError`` when the worker answers with anything else."""
+    if not _channel:
+        raise RuntimeError("ask() is for a child handling a request (serve)")
+    protocol, requests = _channel
+    write_frame(protocol, ASK, question)
+    reply = read_frame(requests)
+    if reply is None or reply[0] != REPLY:
+        raise ConnectionError("the worker did not reply to the child's question")
+    return reply[1]
+
+
 def error_report(error: BaseException) -> bytes:
     """A ``FAILED`` frame's body: the error's type name (its ``type_name`` when it names another), message and
-    traceback."""
+    traceback (its ``traceback_text`` when it carries another process's)."""
     return json.dumps(
         {
             "type_name": getattr(error, "type_name", type(error).__name__),
             "message": str(error),
-            "traceback": "".join(traceback.format_exception(error)),
+            "traceback": getattr(error, "traceback_text", None) or "".join(traceback.format_exception(error)),
         }
     ).encode()
 
@@ -181,10 +201,18 @@ class ChildPool:
             settling = asyncio.ensure_future(self._settle(children))
         return settling
 
-    async def call(self, request: bytes, doing: str, read: Callable[[bytes], T]) -> T:
+    async def call(
+        self,
+        request: bytes,
+        doing: str,
+        read: Callable[[bytes], T],
+        ask: Callable[[bytes], Awaitable[bytes]] | None = None,
+    ) -> T:
         """``read`` of a child's answer to ``request``. Raises :class:`ChildError` with the error the child
         reported, :class:`ChildFailed` when it did not start, died, or broke the protocol (``read`` raising
-        ``ValueError`` included: the answer is malformed); ``doing`` ("while ...") says when, in the message."""
+        ``ValueError`` included: the answer is malformed); ``doing`` ("while ...") says when, in the message.
+        ``ask``: what replies to the questions the child asks meanwhile (`ask`, child side); it must not raise
+        ``ValueError``. Without it a question breaks the protocol."""
         async with self._slots:
             child = self._take_idle() or await self._spawn()
             stdin, stdout = child.stdin, child.stdout
@@ -193,6 +221,10 @@ class ChildPool:
                 stdin.write(frame(REQUEST, request))
                 await stdin.drain()
                 kind, answer = await _read_frame(stdout, self.max_answer_bytes)
+                while kind == ASK and ask is not None:
+                    stdin.write(frame(REPLY, await ask(answer)))
+                    await stdin.drain()
+                    kind, answer = await _read_frame(stdout, self.max_answer_bytes)
                 if kind not in (OK, FAILED):
                     raise ValueError(f"a frame of type {kind}")
                 outcome = read(answer) if kind == OK else _reported_error(answer)

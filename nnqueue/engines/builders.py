@@ -8,7 +8,9 @@ those credentials, its sandbox, its frames). Its output is untrusted: the worker
 safe parser as a client's payload.
 
 Builders also check prebuilt payloads (`BuilderPool.check`): they load each mediator as the engine will, so
-one the engine cannot load fails its job at claim instead of reaching the engine.
+one the engine cannot load fails its job at claim instead of reaching the engine. And they run sessions
+(`BuilderPool.run_session`, :mod:`nnqueue.engines.sessions`): the body in a builder, each of its traces on the
+worker's engine.
 
 A worker starts all ``size`` builders while its engine loads (`BuilderPool.launch`), so its first trace job finds
 one ready instead of waiting for a builder to load its meta model (18-39 s on a 2-core CPU machine); otherwise
@@ -23,9 +25,11 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nnqueue.enginecore.child_process import ChildError, ChildFailed, ChildPool
+from nnqueue.engines import sessions
 
 READY_TIMEOUT_S = 900.0
 
@@ -39,6 +43,7 @@ class BuilderPool:
         command = [sys.executable, "-m", "nnqueue.engines.trace_builder", "--model", model]
         command += ["--engine-kwargs", json.dumps(engine_kwargs)]
         self.size = size
+        self._sessions = asyncio.Semaphore(max(size - 1, 1))
         self._pool = ChildPool(
             "trace builder", command, size, ready_timeout_s=READY_TIMEOUT_S, max_answer_bytes=max_output_bytes
         )
@@ -58,6 +63,23 @@ class BuilderPool:
             )
         return await self._call(payload)
 
+    async def run_session(
+        self, payload: bytes, sinks: dict[str, Any], run_trace: Callable[[bytes], Awaitable[bytes]]
+    ) -> bytes:
+        """Run the raw session ``payload`` in a builder (:mod:`nnqueue.engines.sessions`), its result written to
+        ``sinks``; ``run_trace`` runs each of its traces (a prebuilt payload) and replies (`sessions.reply`). The
+        answer is the result's report. A builder is always left for the others' builds and checks (each of a
+        session's traces is checked in another builder): at most ``size - 1`` sessions run at once, and a worker with
+        fewer than two builders refuses sessions. Raises :class:`ChildError`."""
+        if self.size < 2:
+            raise ChildError(
+                "SessionRefused",
+                f"this worker has {self.size} trace builder(s) (NNQUEUE_TRACE_BUILDERS): a session needs two, one"
+                " for its body and one to check each of its traces",
+            )
+        async with self._sessions:
+            return await self._call(sessions.request(payload, sinks), "while running this session", run_trace)
+
     async def check(self, payload: bytes) -> None:
         """Load a prebuilt payload's mediators in a builder as the engine will; raises :class:`ChildError` naming
         the invoke whose mediator cannot be loaded. Without builders (``size`` 0) it checks nothing: the engine
@@ -65,9 +87,14 @@ class BuilderPool:
         if self.size >= 1:
             await self._call(payload)
 
-    async def _call(self, payload: bytes) -> bytes:
+    async def _call(
+        self,
+        payload: bytes,
+        doing: str = "while rebuilding this trace",
+        ask: Callable[[bytes], Awaitable[bytes]] | None = None,
+    ) -> bytes:
         try:
-            return await self._pool.call(payload, "while rebuilding this trace", lambda built: built)
+            return await self._pool.call(payload, doing, lambda built: built, ask)
         except ChildFailed as failed:
             raise ChildError(
                 "TraceBuilderCrashed" if failed.started else "TraceBuilderUnavailable", str(failed)

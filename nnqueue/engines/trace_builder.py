@@ -24,7 +24,8 @@ it did not build is changed), so the bytes an engine loads were checked by opcod
 Run as ``python -m nnqueue.engines.trace_builder --model M --engine-kwargs JSON``: it loads the meta model,
 then answers one request frame at a time (:mod:`nnqueue.enginecore.child_process`, which also starts and
 replaces builders for the worker): a raw payload is rebuilt (the answer is the prebuilt payload), a prebuilt
-one checked (the answer is empty), and a failure is answered with its error. What the user's code prints goes
+one checked (the answer is empty), a session run, its traces on the worker's engine (:mod:`nnqueue.engines.sessions`:
+the answer is its result's report), and a failure is answered with its error. What the user's code prints goes
 to stderr (the worker's log), never into the protocol.
 """
 
@@ -41,6 +42,7 @@ from nnqueue import trace_payload
 from nnqueue.enginecore import child_process, envoy_trees, protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
+from nnqueue.engines import sessions
 from nnqueue.errors import NNqueueError
 
 
@@ -136,10 +138,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def answer(model: Any, payload: bytes) -> bytes:
-    """A request's answer: a raw payload's prebuilt one, or nothing for a prebuilt payload that passed its check."""
+    """A request's answer: a raw payload's prebuilt one, nothing for a prebuilt payload that passed its check, or a
+    session's report once it ran (:mod:`nnqueue.engines.sessions`)."""
     if payload.startswith(trace_payload.MAGIC):
         check_prebuilt(model, payload)
         return b""
+    if payload.startswith(sessions.REQUEST_MAGIC):
+        sinks, raw = sessions.parse_request(payload)
+        return sessions.run_session(model, raw, sinks, check_prebuilt)
     return build_prebuilt(model, payload)
 
 

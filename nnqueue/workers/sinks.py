@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import stat
 import threading
@@ -103,26 +104,29 @@ class ResultSinks:
         self.handoff_parent = handoff_parent
         self._handoff_dir: Path | None = None
 
-    def open(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool) -> JobSinks:
+    def open(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool, part: str = "") -> JobSinks:
         """Files for the engine to leave the result of ``job_id``'s ``attempt`` in: ``saves.pt``, and with
-        ``safetensors`` a sink the engine fills when every saved value is a tensor."""
+        ``safetensors`` a sink the engine fills when every saved value is a tensor. ``part``: the result of one of
+        the job's traces (a session's), read back (`read_back`) rather than stored."""
         directory = self.handoff_dir()
         objects = {name: file for name, file in OBJECTS.items() if safetensors or name != "safetensors"}
+        prefix = f"{job_id}-{attempt}-{part}-" if part else f"{job_id}-{attempt}-"
         specs = {
-            name: {"kind": "handoff", "path": str(directory / f"{job_id}-{attempt}-{file}")}
-            for name, file in objects.items()
+            name: {"kind": "handoff", "path": str(directory / f"{prefix}{file}")} for name, file in objects.items()
         }
         keys = {name: result_key(job_id, file, attempt) for name, file in objects.items()}
         return JobSinks(specs, keys)
 
     @contextlib.asynccontextmanager
-    async def staged_result(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool) -> AsyncIterator[JobSinks]:
+    async def staged_result(
+        self, job_id: uuid.UUID, attempt: int, *, safetensors: bool, part: str = ""
+    ) -> AsyncIterator[JobSinks]:
         """`open` for an async executor: what the attempt left in the handoff directory is removed on leaving,
         whether its result was committed (`commit`), there was none, or the attempt failed. Both on the calling
         loop: naming the files (the directory is made once) and unlinking what is left (usually nothing: `commit`
         removed it) cost less than the two thread hops they took, which hundreds of jobs in flight queued behind
         each other's uploads (issue 36)."""
-        sinks = self.open(job_id, attempt, safetensors=safetensors)
+        sinks = self.open(job_id, attempt, safetensors=safetensors, part=part)
         try:
             yield sinks
         finally:
@@ -150,6 +154,28 @@ class ResultSinks:
         fmt = TORCH_AND_SAFETENSORS_FORMAT if "safetensors" in digests else TORCH_FORMAT
         torch = digests["torch"]
         return StoredResult(sinks.keys["torch"], torch.size, fmt, torch.sha256, digests.get("safetensors"))
+
+    def read_back(self, sinks: JobSinks, written: Mapping[str, Reported]) -> bytes:
+        """The ``saves.pt`` the engine reported writing, read from its handoff file with the checks of `commit`
+        (its sha256 too) and the same bound, then removed: a session's trace's saves, for the session's builder. A
+        blocking call."""
+        reported = written.get("torch")
+        if reported is None:
+            raise ResultNotWritten("the engine reported no saves.pt")
+        if self.max_result_bytes is not None and reported.size > self.max_result_bytes:
+            raise ResultTooLarge(
+                f"a trace's result has {reported.size} bytes, over this deployment's limit of"
+                f" {self.max_result_bytes} bytes per job (NNQUEUE_MAX_RESULT_BYTES): save fewer or smaller values"
+            )
+        try:
+            with self._open_handed_off(sinks.specs["torch"]["path"], "saves.pt") as file:
+                self._check_size(file, reported, "saves.pt")
+                data = file.read(reported.size + 1)
+        finally:
+            self.discard(sinks)
+        if len(data) != reported.size or hashlib.sha256(data).hexdigest() != reported.sha256:
+            raise ResultNotWritten("saves.pt changed while it was read")
+        return data
 
     def put_result(self, job_id: uuid.UUID, attempt: int, name: str, data: bytes, fmt: str = "json") -> StoredResult:
         """Upload a result this worker made itself (a steering job's generations) as ``name`` of the attempt,

@@ -3,7 +3,9 @@
 The payload is parsed without unpickling (:mod:`nnqueue.trace_payload`, :mod:`nnqueue.engines.prebuilt`);
 a raw nnsight payload is first prebuilt by a sandboxed builder process (:mod:`nnqueue.engines.builders`), and a
 prebuilt one's mediators are loaded there once as a check, so one the engine could not load fails its job here.
-The engine runs the requests and writes the result to the sinks this worker hands it
+A session (several traces passing values, ``model.session()``) runs its body in a builder, which sends each of
+its traces back to run here (:mod:`nnqueue.engines.sessions`). The engine runs the requests and writes the result
+to the sinks this worker hands it
 (:mod:`nnqueue.engines.trace_runner`); this process commits it without ever unpickling a save, and the job
 fails with the trace's first error, as the transformers executor's do (:mod:`nnqueue.workers.trace_jobs`).
 A payload that cannot be rebuilt fails naming both sides' versions when they differ; a request vLLM refuses (``VLLMValidationError``: a prompt over ``max_model_len``) fails with
@@ -12,6 +14,9 @@ vLLM's type and message, which the client raises as that type (:mod:`nnqueue.cli
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,14 +27,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue import trace_payload
 from nnqueue.db.models import Job, JobKind
 from nnqueue.enginecore.child_process import ChildError
-from nnqueue.engines import prebuilt, trace_runner
+from nnqueue.engines import prebuilt, sessions, trace_runner
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
-from nnqueue.engines.trace_report import TraceReport
+from nnqueue.engines.trace_report import TraceReport, parse_report
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.timeline import stamp
 from nnqueue.workers.job_execution import Execution, JobFailure
-from nnqueue.workers.sinks import ResultSinks
+from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ResultTooLarge
 from nnqueue.workers.steer_execution import execute_steering
 from nnqueue.workers.trace_jobs import PayloadReads, rebuild_message, run_and_commit
 
@@ -57,6 +62,8 @@ class VLLMTraceExecutor:
             return await execute_steering(self, job, progress)
         payload = await self.payloads.load(job)
         stamp("payload")
+        if sessions.is_session(payload):
+            return await self._execute_session(job, payload, progress)
         trace, requests = await self._prepare(job, payload)
         stamp("built")
         total = len(requests.request_ids)
@@ -76,6 +83,70 @@ class VLLMTraceExecutor:
                 raise JobFailure(type(refused).__name__, str(refused)) from None
 
         return await run_and_commit(self.sinks, job, total, run, trace)
+
+    async def _execute_session(self, job: Job, payload: bytes, progress: Callable[[int, int], None]) -> Execution:
+        """A session (:mod:`nnqueue.engines.sessions`): its body in a builder, each of its traces run here when the
+        builder asks (`_run_session_trace`), its result written by the builder and committed as a trace's. Progress
+        counts the traces run (the total is not known before the body ends)."""
+        ran = [0]
+
+        async def run_trace(prebuilt_trace: bytes) -> bytes:
+            ran[0] += 1
+            progress(ran[0] - 1, ran[0])
+            answer = await self._run_session_trace(job, ran[0], prebuilt_trace)
+            progress(ran[0], ran[0] + 1)
+            return answer
+
+        async def run(sinks: dict[str, Any]) -> TraceReport:
+            try:
+                report = await self.builders.run_session(payload, sinks, run_trace)
+            except ChildError as failed:  # the body's error, a trace's (naming it), or its payload's
+                # A trace's failure, as a trace job's is: one that shared a step with a state change runs again alone.
+                reported = {"type_name": failed.type_name, "message": failed.message, "traceback": failed.traceback}
+                return TraceReport({**reported, "is_control_flow": False}, False, {}, None)
+            try:
+                return parse_report(json.loads(report))
+            except ValueError as error:
+                raise JobFailure(
+                    "InvalidPayload", f"the session's builder answered with a malformed report: {error}"
+                ) from None
+
+        progress(0, 1)
+        execution = await run_and_commit(self.sinks, job, 0, run)
+        return dataclasses.replace(execution, units=ran[0])
+
+    async def _run_session_trace(self, job: Job, index: int, payload: bytes) -> bytes:
+        """Run trace ``index`` of a session job (a prebuilt payload from its builder, untrusted and checked as a
+        client's is, in another builder) on the engine; the reply for the builder: its saves or its error. Raises
+        only what would fail any trace's job (the engine died, the job was cancelled)."""
+        try:
+            trace = trace_payload.decode(payload)
+            requests = prebuilt.to_requests(trace, f"{job.id}-{job.attempts}-{index}")
+            await self.builders.check(payload)
+        except trace_payload.PayloadError as error:
+            return sessions.reply(b"", {"type_name": "InvalidPayload", "message": str(error)})
+        except ChildError as failed:
+            return sessions.reply(b"", {"type_name": failed.type_name, "message": failed.message})
+        async with self.sinks.staged_result(job.id, job.attempts, safetensors=False, part=f"trace{index}") as handoff:
+            try:
+                report = await trace_runner.run_trace(
+                    self.model,
+                    requests,
+                    trace_id=f"{job.id}-{job.attempts}-{index}",
+                    sinks=handoff.specs,
+                    outbox=self.outbox,
+                )
+            except ValueError as refused:  # vLLM's checks of a request (RequestRefused), a malformed engine report
+                return sessions.reply(b"", {"type_name": type(refused).__name__, "message": str(refused)})
+            if report.write_error is not None and report.error is None:
+                return sessions.reply(b"", {"type_name": "ResultWriteFailed", "message": report.write_error})
+            try:
+                saves = (
+                    await asyncio.to_thread(self.sinks.read_back, handoff, report.objects) if report.objects else b""
+                )
+            except (ResultTooLarge, ResultNotWritten, OSError) as error:
+                return sessions.reply(b"", {"type_name": type(error).__name__, "message": str(error)})
+        return sessions.reply(saves, report.error)
 
     async def close(self) -> None:
         await self.builders.close()

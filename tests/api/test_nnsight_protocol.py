@@ -49,10 +49,12 @@ def test_the_tracer_class_is_read_from_the_pickle_without_loading_it() -> None:
     for not_a_trace in (b"", b"PK\x03\x04", pickle.dumps([1, 2, 3], protocol=4), pickle.dumps("x", protocol=2)):
         with pytest.raises(protocol.ProtocolError):
             protocol.tracer_class(not_a_trace)
+    # Sessions run on both engines (vLLM: nnqueue.engines.sessions); a transformers trace does not run on vLLM.
     vllm = protocol.Target("m", EngineKind.VLLM, "VLLM")
-    with pytest.raises(protocol.ProtocolError, match="remote sessions"):
-        protocol.check_runnable(vllm, protocol.SESSION_TRACER)
+    protocol.check_runnable(vllm, protocol.SESSION_TRACER)
     protocol.check_runnable(protocol.Target("m", EngineKind.TRANSFORMERS, "LanguageModel"), protocol.SESSION_TRACER)
+    with pytest.raises(protocol.ProtocolError, match="a VLLM model runs VLLM traces"):
+        protocol.check_runnable(vllm, "nnsight.intervention.tracer.InterleavingTracer")
 
 
 def test_decompression_stops_at_the_limit() -> None:

@@ -15,9 +15,6 @@ trace parked on one fails; through the queue its message names the location and 
 
 What cannot match, and is checked to fail clearly instead:
 
-* ``model.session()`` as one job (``backend=`` on the session): a session runs its traces one after the
-  other, passing unsaved values between them in the client's process; a job is one trace. Traces inside
-  a session can each use the nnqueue backend, and then only their saved values come back.
 * Tracebacks name the engine's copy of a block (``<edit-...>`` with an object id), so they are compared
   with those ids taken out.
 * Through nnsight's own ``remote=True`` client, an error in the trace is nnsight's ``RemoteError`` (its
@@ -625,14 +622,8 @@ def test_errors_from_the_queue_are_also_their_original_type(client_model: Any, q
     assert isinstance(type_error(client_model, queue_backend)["error"], TypeError)
 
 
-def test_a_session_cannot_run_as_one_job_and_says_so(client: Client, client_model: Any) -> None:
-    with pytest.raises(NotImplementedError, match=r"model\.session"):
-        with client_model.session(backend=client.backend(model_key="any")):
-            with client_model.trace(P0, temperature=0.0, max_tokens=1):
-                logits = client_model.logits.save()
-
-
 def test_traces_inside_a_session_can_each_be_a_job(client_model: Any, queue_backend: Any) -> None:
+    """The traces of a local session, each a job of its own (a session as one job: tests/engines/test_sessions.py)."""
     with client_model.session():
         with client_model.trace(P0, temperature=0.0, max_tokens=1, backend=queue_backend):
             top = nnsight.save(client_model.logits.argmax(-1))

@@ -35,6 +35,8 @@ def handle(request):
         time.sleep(600)
     if request == b"big":
         return b"x" * (2 << 20)
+    if request == b"ask":  # two questions to the worker, then an answer made of its replies
+        return child_process.ask(b"first") + b"+" + child_process.ask(b"second")
     return b"echo:" + request
 
 protocol = child_process.open_protocol()
@@ -91,6 +93,30 @@ def test_a_child_that_breaks_the_protocol_is_killed_and_replaced(loop: asyncio.A
         await children.close()
         with pytest.raises(ProcessLookupError):
             os.kill(first, 0)
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_child_asks_the_worker_while_it_handles_a_request(loop: asyncio.AbstractEventLoop) -> None:
+    children = pool()
+    asked: list[bytes] = []
+
+    async def reply(question: bytes) -> bytes:
+        asked.append(question)
+        await asyncio.sleep(0)
+        return question.upper()
+
+    async def scenario() -> None:
+        pid = int(await children.call(b"pid", "while testing", bytes))
+        assert await children.call(b"ask", "while testing", bytes, reply) == b"FIRST+SECOND"
+        assert asked == [b"first", b"second"]
+        assert int(await children.call(b"pid", "while testing", bytes)) == pid  # the child lives on
+        # A question with nothing to reply to it breaks the protocol: the child is killed.
+        with pytest.raises(ChildFailed, match="broke the protocol while testing"):
+            await children.call(b"ask", "while testing", bytes)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        await children.close()
 
     loop.run_until_complete(scenario())
 

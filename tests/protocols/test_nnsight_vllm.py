@@ -30,6 +30,8 @@ from nnqueue.db.models import Job, JobStatus
 from nnqueue.embedded import ApiServer
 from nnqueue.scheduler import registry
 from nnqueue.settings import Settings
+from tests.utils.engines import InProcessEngine
+from tests.utils.reference import InProcessBackend
 from tests.utils.services import Services, WorkerProcess
 
 # A real worker process behind a real API server: the shared one.
@@ -189,12 +191,24 @@ def test_a_bad_key_an_unserved_model_and_a_language_model_are_refused_with_reaso
         assert reason in str(refused.value)
 
 
-def test_remote_sessions_are_refused_for_vllm_models(ndif: Any, worker: WorkerProcess, client_model: Any) -> None:
+def test_a_remote_session_runs_as_one_job_equal_to_the_local_session(
+    ndif: Any, worker: WorkerProcess, client_model: Any, inprocess_engine: InProcessEngine
+) -> None:
+    """``model.session(remote=True)`` (compressed, as nnsight sends by default): its traces pass a value on the
+    server, as the same session passes it on nnsight's own engine (tests/engines/test_sessions.py: the rest)."""
     model = client_model
-    with pytest.raises(RemoteError, match=r"remote sessions .* are not supported for VLLM models"):
-        with model.session(remote=True):
-            with model.trace(PROMPT, max_tokens=1):
+    results = []
+    for backend in (None, InProcessBackend(inprocess_engine)):
+        kwargs = {"max_tokens": 1, "temperature": 0.0, **({"backend": backend} if backend else {})}
+        with model.session(remote=backend is None):
+            with model.trace(PROMPT, **kwargs):
+                clean = model.model.layers[1].output[0].save()
+            with model.trace("A job queue runs many traces", **kwargs):
+                model.model.layers[1].output[0][:] = clean.mean(0)
                 logits = model.logits.save()
+        results.append((clean, logits))
+    (remote_clean, remote_logits), (local_clean, local_logits) = results
+    assert torch.equal(remote_clean, local_clean) and torch.equal(remote_logits, local_logits)
 
 
 def test_a_payload_over_the_limit_is_refused_even_when_it_compresses_under_it(
