@@ -18,9 +18,11 @@ import torch
 
 from nnqueue.client import Client
 from nnqueue.client.errors import JobFailed
+from nnqueue.embedded import ApiServer
+from tests.utils.api import create_secret
 from tests.utils.engines import InProcessEngine
 from tests.utils.reference import InProcessBackend
-from tests.utils.services import WorkerProcess
+from tests.utils.services import Services, WorkerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]
 
@@ -120,6 +122,37 @@ def test_a_session_cancelled_midway_stops_and_the_worker_serves_the_next_session
     # A session needs two builders (its body's, and one to check its traces): the cancelled one's was replaced.
     again = patching(model, client.backend(progress=False, wait_timeout=180), None)
     assert again["difference"] > 0
+
+
+def test_another_domains_trace_waits_until_the_session_ends(
+    client: Client, client_model: Any, path_worker: WorkerProcess, services: Services, api_server: ApiServer
+) -> None:
+    """Alice's session holds the engine for her trust domain (one per owner by default) from its first trace to its
+    end: Bob's trace, submitted between two of its traces, starts only after it."""
+    model = client_model
+    session = client.backend(blocking=False)
+    with model.session(backend=session):
+        with model.trace(CLEAN, temperature=0.0, max_tokens=1):
+            first = model.logits.save()
+        time.sleep(4)  # in the builder, between the traces
+        with model.trace(CLEAN, temperature=0.0, max_tokens=1):
+            second = model.logits.save()
+    alices = session.job
+    assert alices is not None
+    deadline = time.monotonic() + 180
+    while alices.refresh()["progress"]["done"] < 1:
+        assert time.monotonic() < deadline and not alices.done, alices.info
+        time.sleep(0.1)
+    with Client(api_server.url, create_secret(services.sessions, "bob")) as bob:
+        bobs_backend = bob.backend(blocking=False)
+        with model.trace(CORRUPT, temperature=0.0, max_tokens=1, backend=bobs_backend):
+            logits = model.logits.save()
+        bobs = bobs_backend.job
+        assert bobs is not None
+        bobs.wait(timeout=180, progress=False)
+        alices.wait(timeout=180, progress=False)
+        assert alices.info["domain"] != bobs.info["domain"]
+        assert bobs.info["started_at"] >= alices.info["finished_at"], (alices.info, bobs.info)
 
 
 def test_a_worker_with_one_builder_refuses_sessions_saying_why() -> None:
