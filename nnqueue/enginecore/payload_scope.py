@@ -42,6 +42,25 @@ def payload_scope(model: Any) -> Iterator[Callable[[str], None]]:
             linecache.cache.pop(filename, None)
 
 
+def deserialize(model: Any, payload: bytes) -> Any:
+    """The tracer of raw payload ``payload`` (``RequestModel.deserialize``, zstd or not), against ``model``'s
+    persistent objects, with the protected environment's strict unpickler when it is installed (nnsight's own when
+    it is off: ``NNQUEUE_PROTECTED_ENVIRONMENT=false``, a trusted deployment). Call it in `payload_scope`, running
+    user code (``protected.running_user_code``)."""
+    from nnsight.schema.request import RequestModel
+
+    from nnqueue import trace_payload
+    from nnqueue.enginecore import protected
+
+    strict = {"unpickler": protected.StrictUnpickler} if protected.installed() else {}
+    return RequestModel.deserialize(
+        payload,
+        model._remoteable_persistent_objects(),
+        compress=payload.startswith(trace_payload.ZSTD_MAGIC),
+        **strict,
+    )
+
+
 def _forget_sources() -> None:
     from nnsight.tracing.globals import BLOCKS, SOURCES
 

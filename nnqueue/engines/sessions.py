@@ -35,7 +35,7 @@ from typing import Any
 
 from nnqueue import trace_payload
 from nnqueue.enginecore import child_process, protected, sink
-from nnqueue.enginecore.payload_scope import payload_scope
+from nnqueue.enginecore.payload_scope import deserialize, payload_scope
 from nnqueue.errors import NNqueueError
 
 # A builder request to run a session: this, a 4-byte length, JSON {"sinks": ...}, then the raw payload.
@@ -89,19 +89,12 @@ def run_session(model: Any, payload: bytes, sinks: dict[str, Any], check: Callab
     """Run the session ``payload`` against meta model ``model``, each trace on the worker's engine once ``check``
     (``trace_builder.check_prebuilt``) passed its prebuilt payload; write what it saved to ``sinks`` and answer with
     the report the worker reads (``trace_report.parse_report``)."""
-    from nnsight.schema.request import RequestModel
     from nnsight.tracing.tracer import Tracer, _saves
 
     from nnqueue.enginecore import trace_results  # torch: imported once the builder is in its view (open_protocol)
 
-    strict = {"unpickler": protected.StrictUnpickler} if protected.installed() else {}
     with payload_scope(model) as registered, protected.running_user_code():
-        tracer = RequestModel.deserialize(
-            payload,
-            model._remoteable_persistent_objects(),
-            compress=payload.startswith(trace_payload.ZSTD_MAGIC),
-            **strict,
-        )
+        tracer = deserialize(model, payload)
         if type(tracer) is not Tracer:
             raise TypeError(f"the payload holds a {type(tracer).__name__}, not an nnsight session")
         frame = tracer.info.frame

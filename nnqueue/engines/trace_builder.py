@@ -40,7 +40,7 @@ from typing import Any
 
 from nnqueue import trace_payload
 from nnqueue.enginecore import child_process, envoy_trees, protected
-from nnqueue.enginecore.payload_scope import payload_scope
+from nnqueue.enginecore.payload_scope import deserialize, payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 from nnqueue.engines import sessions
 from nnqueue.errors import NNqueueError
@@ -85,17 +85,8 @@ def check_prebuilt(model: Any, payload: bytes) -> None:
 
 
 def _build(model: Any, payload: bytes) -> bytes:
-    from nnsight.schema.request import RequestModel
-
-    # Off (NNQUEUE_PROTECTED_ENVIRONMENT=false: a trusted deployment), nnsight's own unpickler.
-    strict = {"unpickler": protected.StrictUnpickler} if protected.installed() else {}
     with payload_scope(model) as registered, protected.running_user_code():
-        tracer = RequestModel.deserialize(
-            payload,
-            model._remoteable_persistent_objects(),
-            compress=payload.startswith(trace_payload.ZSTD_MAGIC),
-            **strict,
-        )
+        tracer = deserialize(model, payload)
         filename = tracer.info.frame.f_code.co_filename
         registered(filename)
         # Deserialize drops the AST node, which `_attach_mediators` needs to serialize a direct-input

@@ -18,6 +18,7 @@ import torch
 
 from nnqueue.client import Client
 from nnqueue.client.errors import JobFailed
+from nnqueue.client.job import Job
 from nnqueue.embedded import ApiServer
 from tests.utils.api import create_secret
 from tests.utils.engines import InProcessEngine
@@ -102,19 +103,8 @@ def test_a_session_cancelled_midway_stops_and_the_worker_serves_the_next_session
     client: Client, client_model: Any, path_worker: WorkerProcess, tiny_model_path: Path
 ) -> None:
     model = client_model
-    waiting = client.backend(model_key=str(tiny_model_path), blocking=False)
-    with model.session(backend=waiting):
-        with model.trace(CLEAN, temperature=0.0, max_tokens=1):
-            first = model.logits.save()
-        time.sleep(600)  # in the builder, between the traces
-        with model.trace(CLEAN, temperature=0.0, max_tokens=1):
-            second = model.logits.save()
-    job = waiting.job
-    assert job is not None
-    deadline = time.monotonic() + 180
-    while job.refresh()["progress"]["done"] < 1:  # the first trace ran: the body sleeps in the builder
-        assert time.monotonic() < deadline and not job.done, job.info
-        time.sleep(0.2)
+    job = a_session_past_its_first_trace(model, client.backend(model_key=str(tiny_model_path), blocking=False), 600)
+    deadline = time.monotonic() + 60
     job.cancel()
     while job.status() != "cancelled":
         assert time.monotonic() < deadline, job.info
@@ -130,19 +120,7 @@ def test_another_domains_trace_waits_until_the_session_ends(
     """Alice's session holds the engine for her trust domain (one per owner by default) from its first trace to its
     end: Bob's trace, submitted between two of its traces, starts only after it."""
     model = client_model
-    session = client.backend(blocking=False)
-    with model.session(backend=session):
-        with model.trace(CLEAN, temperature=0.0, max_tokens=1):
-            first = model.logits.save()
-        time.sleep(4)  # in the builder, between the traces
-        with model.trace(CLEAN, temperature=0.0, max_tokens=1):
-            second = model.logits.save()
-    alices = session.job
-    assert alices is not None
-    deadline = time.monotonic() + 180
-    while alices.refresh()["progress"]["done"] < 1:
-        assert time.monotonic() < deadline and not alices.done, alices.info
-        time.sleep(0.1)
+    alices = a_session_past_its_first_trace(model, client.backend(blocking=False), 4)
     with Client(api_server.url, create_secret(services.sessions, "bob")) as bob:
         bobs_backend = bob.backend(blocking=False)
         with model.trace(CORRUPT, temperature=0.0, max_tokens=1, backend=bobs_backend):
@@ -153,6 +131,24 @@ def test_another_domains_trace_waits_until_the_session_ends(
         alices.wait(timeout=180, progress=False)
         assert alices.info["domain"] != bobs.info["domain"]
         assert bobs.info["started_at"] >= alices.info["finished_at"], (alices.info, bobs.info)
+
+
+def a_session_past_its_first_trace(model: Any, waiting: Any, sleep_s: float) -> Job:
+    """Submit (``waiting``: a non-blocking backend) a session of two traces whose body sleeps ``sleep_s`` between
+    them; its job, once the first trace ran."""
+    with model.session(backend=waiting):
+        with model.trace(CLEAN, temperature=0.0, max_tokens=1):
+            first = model.logits.save()
+        time.sleep(sleep_s)  # in the builder, between the traces
+        with model.trace(CLEAN, temperature=0.0, max_tokens=1):
+            second = model.logits.save()
+    job = waiting.job
+    assert job is not None
+    deadline = time.monotonic() + 180
+    while job.refresh()["progress"]["done"] < 1:
+        assert time.monotonic() < deadline and not job.done, job.info
+        time.sleep(0.1)
+    return job
 
 
 def test_a_worker_with_one_builder_refuses_sessions_saying_why() -> None:
