@@ -174,6 +174,7 @@ class ChildPool:
         self._slots = asyncio.Semaphore(size)
         self._idle: list[asyncio.subprocess.Process] = []
         self._all: set[asyncio.subprocess.Process] = set()
+        self._domains: dict[asyncio.subprocess.Process, str] = {}  # whose code each child has run
 
     async def start(self) -> None:
         """Start a child now (rather than at the first request) and wait until it is ready."""
@@ -207,14 +208,24 @@ class ChildPool:
         doing: str,
         read: Callable[[bytes], T],
         ask: Callable[[bytes], Awaitable[bytes]] | None = None,
+        *,
+        domain: str | None = None,
+        runs_code: bool = False,
     ) -> T:
         """``read`` of a child's answer to ``request``. Raises :class:`ChildError` with the error the child
         reported, :class:`ChildFailed` when it did not start, died, or broke the protocol (``read`` raising
         ``ValueError`` included: the answer is malformed); ``doing`` ("while ...") says when, in the message.
         ``ask``: what replies to the questions the child asks meanwhile (`ask`, child side); it must not raise
-        ``ValueError``. Without it a question breaks the protocol."""
+        ``ValueError``. Without it a question breaks the protocol.
+
+        ``domain``: the trust domain the request is made for. A child that ran a domain's code (``runs_code``) serves
+        no other domain afterwards: whatever that code left in the process (an escape from the sandbox may change
+        the child's own code) must not reach another domain's requests. A request of another domain gets a fresh
+        child, an idle one of another domain stopped to make room. Without ``domain``, any child."""
         async with self._slots:
-            child = self._take_idle() or await self._spawn()
+            child = await self._take(domain)
+            if runs_code and domain is not None:
+                self._domains[child] = domain
             stdin, stdout = child.stdin, child.stdout
             assert stdin is not None and stdout is not None
             try:
@@ -245,14 +256,28 @@ class ChildPool:
             await self._stop(child)
         self._idle.clear()
 
-    def _take_idle(self) -> asyncio.subprocess.Process | None:
-        """An idle child that is still alive (one that died idle is dropped)."""
-        while self._idle:
-            child = self._idle.pop()
-            if child.returncode is None:
+    async def _take(self, domain: str | None) -> asyncio.subprocess.Process:
+        """A child for a request of ``domain``: an idle one that ran no other domain's code, or a fresh one (an idle
+        child of another domain stopped first, so that the pool stays within its size)."""
+        if (child := self._take_idle(domain)) is not None:
+            return child
+        if (other := self._take_idle()) is not None:
+            log.info("stopping %s process %d: it ran another trust domain's code", self.name, other.pid)
+            await self._stop(other)
+        return await self._spawn()
+
+    def _take_idle(self, domain: str | None = None) -> asyncio.subprocess.Process | None:
+        """An idle child that is still alive (one that died idle is dropped) and, for ``domain``, ran no other
+        domain's code."""
+        for child in list(reversed(self._idle)):
+            if child.returncode is not None:
+                self._idle.remove(child)
+                self._all.discard(child)
+                self._domains.pop(child, None)
+                log.warning("the %s process %d died while idle (exit code %s)", self.name, child.pid, child.returncode)
+            elif domain is None or self._domains.get(child, domain) == domain:
+                self._idle.remove(child)
                 return child
-            self._all.discard(child)
-            log.warning("the %s process %d died while idle (exit code %s)", self.name, child.pid, child.returncode)
         return None
 
     async def _settle(self, children: list[asyncio.subprocess.Process]) -> None:
@@ -300,6 +325,7 @@ class ChildPool:
     async def _stop(self, child: asyncio.subprocess.Process) -> int:
         """Kill ``child`` (if it still runs) and wait for it; its exit code."""
         self._all.discard(child)
+        self._domains.pop(child, None)
         if child.returncode is None:
             child.kill()
         return await child.wait()

@@ -12,6 +12,11 @@ one the engine cannot load fails its job at claim instead of reaching the engine
 (`BuilderPool.run_session`, :mod:`nnqueue.engines.sessions`): the body in a builder, each of its traces on the
 worker's engine.
 
+A builder that ran a trust domain's code (a raw payload's top-level code, a session's body) serves only that domain
+from then on, so that what the code left in it cannot reach another domain's builds: another domain's request gets
+a fresh builder (:meth:`ChildPool.call`; its meta model loads again, 18-39 s on a 2-core CPU machine). Checks run no
+user code and can use any builder that ran none of another domain's.
+
 A worker starts all ``size`` builders while its engine loads (`BuilderPool.launch`), so its first trace job finds
 one ready instead of waiting for a builder to load its meta model (18-39 s on a 2-core CPU machine); otherwise
 builders start on first use, up to ``size`` at once. They are reused. A build that fails raises the builder's
@@ -53,18 +58,19 @@ class BuilderPool:
         load while the caller's loop is busy, and a builder that does not start is logged and replaced on use)."""
         return await self._pool.launch(self.size)
 
-    async def build(self, payload: bytes) -> bytes:
-        """The prebuilt payload for a raw one (its mediators checked as `check` does); raises :class:`ChildError`."""
+    async def build(self, payload: bytes, domain: str) -> bytes:
+        """The prebuilt payload for a raw one of trust domain ``domain`` (its mediators checked as `check` does);
+        raises :class:`ChildError`."""
         if self.size < 1:
             raise ChildError(
                 "RawPayloadRefused",
                 "this worker has no trace builders (NNQUEUE_TRACE_BUILDERS=0), so it runs only payloads"
                 " prebuilt by the nnqueue client",
             )
-        return await self._call(payload)
+        return await self._call(payload, domain, runs_code=True)
 
     async def run_session(
-        self, payload: bytes, sinks: dict[str, Any], run_trace: Callable[[bytes], Awaitable[bytes]]
+        self, payload: bytes, domain: str, sinks: dict[str, Any], run_trace: Callable[[bytes], Awaitable[bytes]]
     ) -> bytes:
         """Run the raw session ``payload`` in a builder (:mod:`nnqueue.engines.sessions`), its result written to
         ``sinks``; ``run_trace`` runs each of its traces (a prebuilt payload) and replies (`sessions.reply`). The
@@ -78,23 +84,30 @@ class BuilderPool:
                 " for its body and one to check each of its traces",
             )
         async with self._sessions:
-            return await self._call(sessions.request(payload, sinks), "while running this session", run_trace)
+            request = sessions.request(payload, sinks)
+            return await self._call(request, domain, "while running this session", run_trace, runs_code=True)
 
-    async def check(self, payload: bytes) -> None:
-        """Load a prebuilt payload's mediators in a builder as the engine will; raises :class:`ChildError` naming
-        the invoke whose mediator cannot be loaded. Without builders (``size`` 0) it checks nothing: the engine
-        then fails such a request alone (``protected.load_mediator``)."""
+    async def check(self, payload: bytes, domain: str) -> None:
+        """Load a prebuilt payload's mediators (of trust domain ``domain``) in a builder as the engine will; raises
+        :class:`ChildError` naming the invoke whose mediator cannot be loaded. Without builders (``size`` 0) it
+        checks nothing: the engine then fails such a request alone (``protected.load_mediator``)."""
         if self.size >= 1:
-            await self._call(payload)
+            await self._call(payload, domain)
 
     async def _call(
         self,
         payload: bytes,
+        domain: str,
         doing: str = "while rebuilding this trace",
         ask: Callable[[bytes], Awaitable[bytes]] | None = None,
+        *,
+        runs_code: bool = False,
     ) -> bytes:
+        """A builder's answer. A builder that ran a domain's code (a build, a session: ``runs_code``) serves only that
+        domain afterwards (:meth:`ChildPool.call`); a check runs no code of the payload's (its strict unpickler builds
+        nothing but what reconstructors make), so it leaves a fresh builder fresh."""
         try:
-            return await self._pool.call(payload, doing, lambda built: built, ask)
+            return await self._pool.call(payload, doing, lambda built: built, ask, domain=domain, runs_code=runs_code)
         except ChildFailed as failed:
             raise ChildError(
                 "TraceBuilderCrashed" if failed.started else "TraceBuilderUnavailable", str(failed)

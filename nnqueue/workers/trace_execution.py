@@ -31,6 +31,7 @@ from nnqueue.engines import prebuilt, sessions, trace_runner
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.engines.trace_report import TraceReport, parse_report
+from nnqueue.scheduler.trust_domains import own_domain
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.timeline import stamp
 from nnqueue.workers.job_execution import Execution, JobFailure
@@ -99,7 +100,7 @@ class VLLMTraceExecutor:
 
         async def run(sinks: dict[str, Any]) -> TraceReport:
             try:
-                report = await self.builders.run_session(payload, sinks, run_trace)
+                report = await self.builders.run_session(payload, trust_domain(job), sinks, run_trace)
             except ChildError as failed:  # the body's error, a trace's (naming it), or its payload's
                 # A trace's failure, as a trace job's is: one that shared a step with a state change runs again alone.
                 reported = {"type_name": failed.type_name, "message": failed.message, "traceback": failed.traceback}
@@ -122,7 +123,7 @@ class VLLMTraceExecutor:
         try:
             trace = trace_payload.decode(payload)
             requests = prebuilt.to_requests(trace, f"{job.id}-{job.attempts}-{index}")
-            await self.builders.check(payload)
+            await self.builders.check(payload, trust_domain(job))
         except trace_payload.PayloadError as error:
             return sessions.reply(b"", {"type_name": "InvalidPayload", "message": str(error)})
         except ChildError as failed:
@@ -175,7 +176,7 @@ class VLLMTraceExecutor:
             )
         if kind == "nnsight":
             try:
-                payload = await self.builders.build(payload)  # its mediators checked too
+                payload = await self.builders.build(payload, trust_domain(job))  # its mediators checked too
             except ChildError as failed:
                 raise JobFailure(failed.type_name, rebuild_message(failed.message, job), failed.traceback) from None
         trace = None
@@ -188,9 +189,15 @@ class VLLMTraceExecutor:
             ) from None
         if kind == "prebuilt":
             try:
-                await self.builders.check(payload)
+                await self.builders.check(payload, trust_domain(job))
             except ChildError as failed:
                 raise JobFailure(
                     failed.type_name, rebuild_message(failed.message, job, trace), failed.traceback
                 ) from None
         return trace, requests
+
+
+def trust_domain(job: Job) -> str:
+    """The trust domain whose code the job runs: the one it was accepted in (its owner's own, for rows older than
+    domains)."""
+    return job.domain or own_domain(job.owner)

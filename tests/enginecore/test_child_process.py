@@ -121,6 +121,28 @@ def test_a_child_asks_the_worker_while_it_handles_a_request(loop: asyncio.Abstra
     loop.run_until_complete(scenario())
 
 
+def test_a_child_that_ran_a_domains_code_serves_no_other_domain(loop: asyncio.AbstractEventLoop) -> None:
+    children = pool()
+
+    async def pid(domain: str | None, runs_code: bool = False) -> int:
+        return int(await children.call(b"pid", "while testing", bytes, domain=domain, runs_code=runs_code))
+
+    async def scenario() -> None:
+        fresh = await pid("alice")
+        assert await pid("bob") == fresh  # a request that runs no code leaves the child fresh
+        assert await pid("alice", runs_code=True) == fresh
+        assert await pid("alice") == await pid("alice", runs_code=True) == fresh  # alice's from now on
+        bobs = await pid("bob", runs_code=True)
+        assert bobs != fresh
+        with pytest.raises(ProcessLookupError):  # stopped to keep the pool within its size
+            os.kill(fresh, 0)
+        assert await pid("alice") != bobs  # bob's child serves bob only, checks included
+        assert await pid(None) not in (fresh, bobs)  # no domain: any child (alice's fresh one, idle)
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
 def test_a_cancelled_request_kills_its_child(loop: asyncio.AbstractEventLoop) -> None:
     children = pool()
 

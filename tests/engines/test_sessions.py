@@ -161,4 +161,4 @@ def test_a_worker_with_one_builder_refuses_sessions_saying_why() -> None:
         raise AssertionError("no trace runs")
 
     with pytest.raises(ChildError, match=r"has 1 trace builder\(s\) \(NNQUEUE_TRACE_BUILDERS\): a session needs two"):
-        asyncio.run(BuilderPool("", {}, 1, 0).run_session(b"", {}, never))
+        asyncio.run(BuilderPool("", {}, 1, 0).run_session(b"", "owner:alice", {}, never))
