@@ -95,12 +95,12 @@ class NNqueueBackend(Backend):
     def __call__(self, tracer: Tracer) -> dict[str, Any] | None:
         session = getattr(tracer, "envoy", None) is None  # model.session(backend=...): its traces in one job
         model_key = self.model_key or default_model_key(tracer)
+        check_taps(tracer, self.client, model_key)
         if session:
             from nnsight.schema.request import RequestModel
 
             payload = RequestModel.serialize(tracer, compress=False)
         else:
-            check_taps(tracer, self.client, model_key)
             payload = build_payload(tracer)
         self.job = self.client.submit(model_key, payload, **self.submit_options)
         self.jobs.append(self.job)
@@ -183,10 +183,10 @@ def session_model(tracer: Any) -> Any:
 
 
 def check_taps(tracer: Any, client: Submitter, model_key: str) -> None:
-    """Refuse, before submitting, a trace whose model declares taps (``VLLM(..., taps=[...])``) that the model's
-    workers do not all serve: a location outside a worker's taps is never reached there. A trace on an untapped
-    meta model is checked by the engine instead (its job fails naming the location and the taps served)."""
-    model: Any = getattr(tracer, "envoy", None)
+    """Refuse, before submitting, a trace (or session) whose model declares taps (``VLLM(..., taps=[...])``) that the
+    model's workers do not all serve: a location outside a worker's taps is never reached there. A trace on an
+    untapped meta model is checked by the engine instead (its job fails naming the location and the taps served)."""
+    model: Any = getattr(tracer, "envoy", None) or session_model(tracer)
     if not getattr(model, "taps", ()):
         return
     served = client.taps(model_key)

@@ -147,6 +147,14 @@ class ChildError(NNqueueError):
         return f"{self.type_name}: {self.message}"
 
 
+class _AskFailed(Exception):
+    """What the worker's ``ask`` handler raised, carried past the child's own failures."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class ChildFailed(NNqueueError):
     """A child could not start (``started`` False), or died or broke the protocol during a request."""
 
@@ -175,6 +183,7 @@ class ChildPool:
         self._idle: list[asyncio.subprocess.Process] = []
         self._all: set[asyncio.subprocess.Process] = set()
         self._domains: dict[asyncio.subprocess.Process, str] = {}  # whose code each child has run
+        self._settling: set[asyncio.Task[None]] = set()  # `retire_domains`' replacements (asyncio holds tasks weakly)
 
     async def start(self) -> None:
         """Start a child now (rather than at the first request) and wait until it is ready."""
@@ -215,8 +224,8 @@ class ChildPool:
         """``read`` of a child's answer to ``request``. Raises :class:`ChildError` with the error the child
         reported, :class:`ChildFailed` when it did not start, died, or broke the protocol (``read`` raising
         ``ValueError`` included: the answer is malformed); ``doing`` ("while ...") says when, in the message.
-        ``ask``: what replies to the questions the child asks meanwhile (`ask`, child side); it must not raise
-        ``ValueError``. Without it a question breaks the protocol.
+        ``ask``: what replies to the questions the child asks meanwhile (`ask`, child side); what it raises is raised
+        here as it is, the child stopped. Without it a question breaks the protocol.
 
         ``domain``: the trust domain the request is made for. A child that ran a domain's code (``runs_code``) serves
         no other domain afterwards: whatever that code left in the process (an escape from the sandbox may change
@@ -233,7 +242,11 @@ class ChildPool:
                 await stdin.drain()
                 kind, answer = await _read_frame(stdout, self.max_answer_bytes)
                 while kind == ASK and ask is not None:
-                    stdin.write(frame(REPLY, await ask(answer)))
+                    try:
+                        replied = await ask(answer)
+                    except Exception as error:  # the asker's own failure: not the child's
+                        raise _AskFailed(error) from error
+                    stdin.write(frame(REPLY, replied))
                     await stdin.drain()
                     kind, answer = await _read_frame(stdout, self.max_answer_bytes)
                 if kind not in (OK, FAILED):
@@ -241,6 +254,8 @@ class ChildPool:
                 outcome = read(answer) if kind == OK else _reported_error(answer)
             except BaseException as error:
                 code = await self._stop(child)
+                if isinstance(error, _AskFailed):
+                    raise error.error from None
                 if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
                     raise ChildFailed(f"the {self.name} process died {doing} (exit code {code})") from None
                 if isinstance(error, ValueError):
@@ -250,6 +265,20 @@ class ChildPool:
             if isinstance(outcome, ChildError):
                 raise outcome
             return outcome
+
+    async def retire_domains(self) -> int:
+        """Stop the idle children that ran a trust domain's code, and start as many fresh ones (ready in the background,
+        as `launch` starts them); how many. For a switch of the domain the children's requests come from: nothing of
+        the old domain may stay behind, busy or idle, beside the new one's."""
+        retired = [child for child in self._idle if child in self._domains]
+        for child in retired:
+            self._idle.remove(child)
+            await self._stop(child)
+        if retired:
+            settling = await self.launch(len(retired))
+            self._settling.add(settling)
+            settling.add_done_callback(self._settling.discard)
+        return len(retired)
 
     async def close(self) -> None:
         for child in list(self._all):
@@ -269,13 +298,16 @@ class ChildPool:
     def _take_idle(self, domain: str | None = None) -> asyncio.subprocess.Process | None:
         """An idle child that is still alive (one that died idle is dropped) and, for ``domain``, ran no other
         domain's code."""
-        for child in list(reversed(self._idle)):
+        for child in list(self._idle):
             if child.returncode is not None:
                 self._idle.remove(child)
                 self._all.discard(child)
                 self._domains.pop(child, None)
                 log.warning("the %s process %d died while idle (exit code %s)", self.name, child.pid, child.returncode)
-            elif domain is None or self._domains.get(child, domain) == domain:
+        # One that already ran the domain's code first, so that fresh ones stay for the other domains.
+        ranked = sorted(reversed(self._idle), key=lambda child: self._domains.get(child) != domain)
+        for child in ranked:
+            if domain is None or self._domains.get(child, domain) == domain:
                 self._idle.remove(child)
                 return child
         return None

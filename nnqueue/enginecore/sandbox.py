@@ -80,6 +80,8 @@ JOB_MODULES = (
     "nnsight.tracing.tracer",
     "nnsight.tracing.util",
     "nnqueue.enginecore.trace_results",
+    "nnqueue.storage.results",
+    "safetensors.torch",
 )
 # What the worker's start-up probe imports as the engine user (nnqueue.isolation.plan_containment): what the
 # engine and builder processes import after the switch. Modules users' code may import (the protected

@@ -279,17 +279,26 @@ def write_saves(saves: dict[str, Any], sinks: dict[str, Any]) -> dict[str, dict[
         torch.save(saves, cast(BinaryIO, file))  # it calls write() (and flush()) alone
 
     written = {TORCH_OBJECT: _reported(sink.write_file(torch_sink, save_torch))}
-    if saves and all(isinstance(value, torch.Tensor) for value in saves.values()) and SAFETENSORS_OBJECT in sinks:
-        from safetensors.torch import save
-
-        # safetensors refuses tensors that share memory: give each name its own.
-        tensors, seen = {}, set()
-        for name, value in saves.items():
-            tensors[name] = value.contiguous() if id(value) not in seen else value.clone().contiguous()
-            seen.add(id(value))
+    if SAFETENSORS_OBJECT in sinks and (data := safetensors_bytes(saves)) is not None:
         target = sink.check(sinks[SAFETENSORS_OBJECT])
-        written[SAFETENSORS_OBJECT] = _reported(sink.write_file(target, lambda file: file.write(save(tensors))))
+        written[SAFETENSORS_OBJECT] = _reported(sink.write_file(target, lambda file: file.write(data)))
     return written
+
+
+def safetensors_bytes(saves: dict[str, Any]) -> bytes | None:
+    """The saves in safetensors form when every value is a tensor, else None. safetensors refuses tensors that share
+    memory: a tensor whose storage an earlier one uses (the same tensor under two names, a view of another) is
+    written as a copy."""
+    if not saves or not all(isinstance(value, torch.Tensor) for value in saves.values()):
+        return None
+    from safetensors.torch import save
+
+    tensors, storages = {}, set()
+    for name, value in saves.items():
+        storage = value.untyped_storage().data_ptr()
+        tensors[name] = value.contiguous() if storage not in storages else value.clone().contiguous()
+        storages.add(storage)
+    return save(tensors)
 
 
 def _reported(done: sink.Written) -> dict[str, Any]:

@@ -14,8 +14,9 @@ worker's engine.
 
 A builder that ran a trust domain's code (a raw payload's top-level code, a session's body) serves only that domain
 from then on, so that what the code left in it cannot reach another domain's builds: another domain's request gets
-a fresh builder (:meth:`ChildPool.call`; its meta model loads again, 18-39 s on a 2-core CPU machine). Checks run no
-user code and can use any builder that ran none of another domain's.
+a fresh builder (:meth:`ChildPool.call`; its meta model loads again, 18-39 s on a 2-core CPU machine), and when the
+engine switches domains every builder that ran a domain's code is replaced (`retire_domains`), so none stays idle
+beside the next domain's work. Checks run no user code and can use any builder that ran none of another domain's.
 
 A worker starts all ``size`` builders while its engine loads (`BuilderPool.launch`), so its first trace job finds
 one ready instead of waiting for a builder to load its meta model (18-39 s on a 2-core CPU machine); otherwise
@@ -112,6 +113,11 @@ class BuilderPool:
             raise ChildError(
                 "TraceBuilderCrashed" if failed.started else "TraceBuilderUnavailable", str(failed)
             ) from None
+
+    async def retire_domains(self) -> int:
+        """At a switch of the engine's trust domain: stop the builders that ran any domain's code, fresh ones in their
+        place (:meth:`ChildPool.retire_domains`); how many."""
+        return await self._pool.retire_domains()
 
     async def close(self) -> None:
         await self._pool.close()

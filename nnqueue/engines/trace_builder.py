@@ -87,6 +87,11 @@ def check_prebuilt(model: Any, payload: bytes) -> None:
 def _build(model: Any, payload: bytes) -> bytes:
     with payload_scope(model) as registered, protected.running_user_code():
         tracer = deserialize(model, payload)
+        if not hasattr(tracer, "prepare"):  # a session the worker did not recognize: only zstd hides one
+            raise TypeError(
+                f"the payload holds a {type(tracer).__name__} (a session?), not a vLLM trace: submit a session"
+                " uncompressed to /v1/jobs (as the nnqueue client does), or through nnsight's remote=True"
+            )
         filename = tracer.info.frame.f_code.co_filename
         registered(filename)
         # Deserialize drops the AST node, which `_attach_mediators` needs to serialize a direct-input
@@ -136,7 +141,7 @@ def answer(model: Any, payload: bytes) -> bytes:
         return b""
     if payload.startswith(sessions.REQUEST_MAGIC):
         sinks, raw = sessions.parse_request(payload)
-        return sessions.run_session(model, raw, sinks, check_prebuilt)
+        return sessions.run_session(model, raw, sinks)
     return build_prebuilt(model, payload)
 
 

@@ -190,9 +190,11 @@ class ResultSinks:
         return StoredResult(result_key(job_id, name, attempt), digest.size, fmt, digest.sha256)
 
     def discard(self, sinks: JobSinks) -> None:
-        """Remove what an attempt left in the handoff directory."""
+        """Remove what an attempt left in the handoff directory, a staging file included (a session's builder killed
+        while it wrote the result)."""
         for spec in sinks.specs.values():
             Path(spec["path"]).unlink(missing_ok=True)
+            Path(staging_path(spec["path"])).unlink(missing_ok=True)
 
     def open_shard(self, key: str, name: str, max_bytes: int) -> ShardSink:
         """A handoff file named ``name`` (unique to the attempt) for a shard of at most ``max_bytes`` bytes, to end

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ResultTooLarge
 from nnqueue.workers.steer_execution import execute_steering
 from nnqueue.workers.trace_jobs import PayloadReads, rebuild_message, run_and_commit
+
+log = logging.getLogger(__name__)
 
 try:  # vLLM's checks of a request raise these (0.32); older vLLM (0.24 on the GPU) raises ValueError
     from vllm.exceptions import VLLMClientError as RequestRefused
@@ -107,7 +110,7 @@ class VLLMTraceExecutor:
                 return TraceReport({**reported, "is_control_flow": False}, False, {}, None)
             try:
                 return parse_report(json.loads(report))
-            except ValueError as error:
+            except (ValueError, RecursionError) as error:
                 raise JobFailure(
                     "InvalidPayload", f"the session's builder answered with a malformed report: {error}"
                 ) from None
@@ -137,7 +140,7 @@ class VLLMTraceExecutor:
                     sinks=handoff.specs,
                     outbox=self.outbox,
                 )
-            except ValueError as refused:  # vLLM's checks of a request (RequestRefused), a malformed engine report
+            except (RequestRefused, ValueError) as refused:  # vLLM's checks of a request, a malformed engine report
                 return sessions.reply(b"", {"type_name": type(refused).__name__, "message": str(refused)})
             if report.write_error is not None and report.error is None:
                 return sessions.reply(b"", {"type_name": "ResultWriteFailed", "message": report.write_error})
@@ -159,7 +162,11 @@ class VLLMTraceExecutor:
         hooks, classes, the engine's own code), put back what changed and say what they put back
         (``nnqueue_verify_state``: :mod:`nnqueue.enginecore.weights_guard`). Runs between engine steps (vLLM serves
         RPCs there). With ``NNQUEUE_WEIGHTS_GUARD=false`` there are no guards: nothing is checked. Raises when a
-        rank could not restore its state."""
+        rank could not restore its state. The trace builders that ran the old domain's code are replaced too
+        (:meth:`BuilderPool.retire_domains`)."""
+        retired = await self.builders.retire_domains()
+        if retired:
+            log.info("%d trace builder(s) that ran a trust domain's code replaced at the switch", retired)
         answers = await self.model.vllm_entrypoint.collective_rpc("nnqueue_verify_state")
         kinds = ("weights", "state", "lazy")
         return sorted({name for answer in answers for kind in kinds for name in (answer or {}).get(kind, ())})

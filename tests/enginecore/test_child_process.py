@@ -106,16 +106,22 @@ def test_a_child_asks_the_worker_while_it_handles_a_request(loop: asyncio.Abstra
         await asyncio.sleep(0)
         return question.upper()
 
+    async def refuse(question: bytes) -> bytes:
+        raise LookupError("the worker's own failure")
+
     async def scenario() -> None:
         pid = int(await children.call(b"pid", "while testing", bytes))
         assert await children.call(b"ask", "while testing", bytes, reply) == b"FIRST+SECOND"
         assert asked == [b"first", b"second"]
         assert int(await children.call(b"pid", "while testing", bytes)) == pid  # the child lives on
+        # What the reply raises is raised as it is (not the child's failure); the child, left waiting, is stopped.
+        with pytest.raises(LookupError, match="the worker's own failure"):
+            await children.call(b"ask", "while testing", bytes, refuse)
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
         # A question with nothing to reply to it breaks the protocol: the child is killed.
         with pytest.raises(ChildFailed, match="broke the protocol while testing"):
             await children.call(b"ask", "while testing", bytes)
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
         await children.close()
 
     loop.run_until_complete(scenario())
@@ -138,6 +144,13 @@ def test_a_child_that_ran_a_domains_code_serves_no_other_domain(loop: asyncio.Ab
             os.kill(fresh, 0)
         assert await pid("alice") != bobs  # bob's child serves bob only, checks included
         assert await pid(None) not in (fresh, bobs)  # no domain: any child (alice's fresh one, idle)
+        # At a switch of domains, a child that ran a domain's code is replaced; a fresh one is kept.
+        assert await children.retire_domains() == 0
+        carols = await pid("carol", runs_code=True)
+        assert await children.retire_domains() == 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(carols, 0)
+        assert await pid("dave", runs_code=True) != carols  # the replacement
         await children.close()
 
     loop.run_until_complete(scenario())

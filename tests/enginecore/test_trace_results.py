@@ -63,14 +63,16 @@ def handoff(directory: Path) -> dict[str, dict[str, str]]:
 
 def test_tensors_only_are_written_as_torch_and_safetensors(tmp_path: Path) -> None:
     shared = torch.ones(2)
-    saves = {"a": shared, "b": shared, "c": torch.arange(3)}
+    hidden = torch.arange(6.0).reshape(2, 3)
+    saves = {"a": shared, "b": shared, "c": torch.arange(3), "hidden": hidden, "last": hidden[-1]}
     written = write_saves(saves, handoff(tmp_path))
     assert set(written) == {"torch", "safetensors"}
     assert written["torch"]["size"] == (tmp_path / "torch").stat().st_size
     loaded = load_result((tmp_path / "torch").read_bytes())
     assert loaded["a"] is loaded["b"]  # torch.save keeps the sharing
     tensors = load_file(tmp_path / "safetensors")  # safetensors, which refuses shared memory, gets copies
-    assert set(tensors) == {"a", "b", "c"} and torch.equal(tensors["c"], torch.arange(3))
+    assert set(tensors) == set(saves) and torch.equal(tensors["c"], torch.arange(3))
+    assert torch.equal(tensors["last"], hidden[-1]) and torch.equal(tensors["hidden"], hidden)  # a view, copied
 
 
 def test_other_values_are_written_as_torch_only(tmp_path: Path) -> None:
