@@ -179,6 +179,7 @@ class ChildPool:
     ) -> None:
         self.name, self.command = name, command
         self.ready_timeout_s, self.max_answer_bytes = ready_timeout_s, max_answer_bytes
+        self.size = size
         self._slots = asyncio.Semaphore(size)
         self._idle: list[asyncio.subprocess.Process] = []
         self._all: set[asyncio.subprocess.Process] = set()
@@ -268,8 +269,8 @@ class ChildPool:
 
     async def retire_domains(self) -> int:
         """Stop the idle children that ran a trust domain's code, and start as many fresh ones (ready in the background,
-        as `launch` starts them); how many. For a switch of the domain the children's requests come from: nothing of
-        the old domain may stay behind, busy or idle, beside the new one's."""
+        as `launch` starts them); how many. For a switch of the domain the children's requests come from (none is busy
+        then): nothing of the old domain may stay behind beside the new one's."""
         retired = [child for child in self._idle if child in self._domains]
         for child in retired:
             self._idle.remove(child)
@@ -287,10 +288,10 @@ class ChildPool:
 
     async def _take(self, domain: str | None) -> asyncio.subprocess.Process:
         """A child for a request of ``domain``: an idle one that ran no other domain's code, or a fresh one (an idle
-        child of another domain stopped first, so that the pool stays within its size)."""
+        child of another domain stopped first when the pool is full)."""
         if (child := self._take_idle(domain)) is not None:
             return child
-        if (other := self._take_idle()) is not None:
+        if len(self._all) >= self.size and (other := self._take_idle()) is not None:
             log.info("stopping %s process %d: it ran another trust domain's code", self.name, other.pid)
             await self._stop(other)
         return await self._spawn()

@@ -156,6 +156,22 @@ def test_a_child_that_ran_a_domains_code_serves_no_other_domain(loop: asyncio.Ab
     loop.run_until_complete(scenario())
 
 
+def test_another_domain_gets_a_new_child_beside_the_first_while_the_pool_has_room(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    children = pool(size=2)
+
+    async def scenario() -> None:
+        alices = int(await children.call(b"pid", "while testing", bytes, domain="alice", runs_code=True))
+        bobs = int(await children.call(b"pid", "while testing", bytes, domain="bob", runs_code=True))
+        assert bobs != alices
+        os.kill(alices, 0)  # still there: there was room for bob's
+        assert int(await children.call(b"pid", "while testing", bytes, domain="alice")) == alices
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
 def test_a_cancelled_request_kills_its_child(loop: asyncio.AbstractEventLoop) -> None:
     children = pool()
 
