@@ -147,7 +147,7 @@ class ChildError(NNqueueError):
         return f"{self.type_name}: {self.message}"
 
 
-class _AskFailed(Exception):
+class _AskFailed(NNqueueError):
     """What the worker's ``ask`` handler raised, carried past the child's own failures."""
 
     def __init__(self, error: Exception) -> None:
