@@ -6,8 +6,8 @@ a 500 (and a dropped keep-alive connection). Here every error body goes through 
 which keeps what JSON can hold and writes the rest as text. The database is the other source: text
 columns cannot hold NUL characters, so a value with one that reaches a query is refused as a 422
 (:func:`refuse_database_value`) rather than surfacing as the driver's error. And when the database
-or the object store cannot be reached, the answer is a 503 that says which (:func:`unavailable`),
-not a bare 500: the request may be sent again.
+or the object store cannot be reached, or the store fails a request (a full disk, a revoked credential), the
+answer is a 503 that says which (:func:`unavailable`), not a bare 500: the request may be sent again.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from botocore.exceptions import BotoCoreError
+from botocore.exceptions import BotoCoreError, ClientError
 from fastapi import FastAPI, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -53,9 +53,10 @@ async def refuse_database_value(_request: Request, error: Exception) -> JSONResp
 
 async def unavailable(_request: Request, error: Exception) -> JSONResponse:
     what = "the database" if isinstance(error, DBAPIError) else "the object store"
+    failed = "failed the request" if isinstance(error, ClientError) else "is unreachable"
     reason = str(getattr(error, "orig", error)).splitlines()[0][:300]
     return JSONResponse(
-        {"detail": f"{what} is unreachable; try again later ({type(error).__name__}: {reason})"},
+        {"detail": f"{what} {failed}; try again later ({type(error).__name__}: {reason})"},
         status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
     )
 
@@ -63,5 +64,5 @@ async def unavailable(_request: Request, error: Exception) -> JSONResponse:
 def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(DataError, refuse_database_value)
-    for unreachable in (OperationalError, InterfaceError, BotoCoreError):
+    for unreachable in (OperationalError, InterfaceError, BotoCoreError, ClientError):
         app.add_exception_handler(unreachable, unavailable)

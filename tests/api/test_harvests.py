@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import func, select
 
 from nnqueue.broker import bulk_queue_name, ready_messages
-from nnqueue.db.models import HarvestChunk, HarvestSchedule, JobStatus
+from nnqueue.db.models import Harvest, HarvestChunk, HarvestSchedule, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.scheduler.beat import run_beat
 from nnqueue.scheduler.harvest_dataset import Limits, read_slice
@@ -129,6 +129,17 @@ def test_a_spec_without_dataset_harvests_the_uploaded_file_and_needs_one(api: Ap
     assert nothing.status_code == 422 and "the dataset has no source" in nothing.text, nothing.text
     scheduled = api.http.post("/v1/schedules", headers=erin, json={"name": "n", "cron": "0 3 * * *", "spec": without})
     assert scheduled.status_code == 422 and "a schedule's dataset needs a source" in scheduled.text, scheduled.text
+
+
+def test_a_store_that_fails_the_write_is_a_503_that_says_so_and_keeps_nothing(services: Services) -> None:
+    refused = {**services.settings.model_dump()["s3"], "secret_access_key": "not-the-key"}
+    with api_client(services, s3=refused) as api:
+        fiona = api.new_key("fiona", HARVEST)
+        response = submit_harvest(api.http, fiona, spec())
+    assert response.status_code == 503, response.text
+    assert "the object store failed the request; try again later (ClientError" in response.json()["detail"]
+    with services.sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Harvest).where(Harvest.owner == "fiona")) == 0
 
 
 def test_an_upload_that_does_not_parse_is_refused_and_not_kept(api: Api, services: Services) -> None:

@@ -307,6 +307,19 @@ def s3_identities_config(access_key_id: str, secret_access_key: str) -> str:
     return json.dumps({"identities": [identity]})
 
 
+def _refuse_a_nearly_full_disk(workdir: Path) -> None:
+    """weed marks its volumes full when its disk has under 1% free, and then every write fails with InternalError
+    after boto3's retries: a nearly full disk turned a CI run into a timeout, module after module. Say so at once."""
+    disk = shutil.disk_usage(workdir)
+    needed = disk.total // 100 + 2**30  # weed's 1%, and a GiB for what the suite writes
+    if disk.free < needed:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise ServerStartError(
+            f"{workdir.parent} has {disk.free / 2**30:.1f} GiB free of {disk.total / 2**30:.0f} GiB; SeaweedFS "
+            f"refuses writes under 1% free, and the suite needs {needed / 2**30:.1f} GiB: free some space"
+        )
+
+
 def start_s3(timeout: float = 60, volume_size_limit_mb: int = 64) -> S3Server:
     """``weed mini``: master, volume, filer and S3 gateway in one process, ready in about half a
     second (``weed server -s3`` waits ~3 s for a raft election). Every listener gets an explicit free
@@ -314,6 +327,7 @@ def start_s3(timeout: float = 60, volume_size_limit_mb: int = 64) -> S3Server:
     volume files by default (weed creates several per bucket); a benchmark storing gigabytes asks for large ones."""
     binary = weed_binary()
     workdir = _workdir("s3")
+    _refuse_a_nearly_full_disk(workdir)
     access_key_id, secret_access_key = "nnqueue-test-" + secrets.token_hex(4), secrets.token_hex(16)
     config = workdir / "s3.json"
     config.write_text(s3_identities_config(access_key_id, secret_access_key))
