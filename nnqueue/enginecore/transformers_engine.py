@@ -16,7 +16,10 @@ Each job reads its own payload's source, never an earlier job's, in a trace scop
 (:mod:`nnqueue.enginecore.payload_scope`). A job may edit the weights (weight-editing research runs here:
 the job runs alone, so its edits reach only its own forward passes), but not the next job's: after each job
 the weights guard (:mod:`nnqueue.enginecore.weights_guard`) puts back every parameter it changed, from a
-copy kept in host memory, and drops the gradients it left. Intervention code that runs ``NNQUEUE_ENGINE_STALL_TIMEOUT_S``
+copy kept in host memory, and drops the gradients it left; the state guard (:mod:`nnqueue.enginecore.state_guard`)
+puts back the rest of what it changed (a module's attribute, a hook, a class's method, the engine's code), taken
+once the engine is sandboxed (`Engine.take_state`). So the next job, of any owner and any trust domain, runs on
+the model as it was loaded. Intervention code that runs ``NNQUEUE_ENGINE_STALL_TIMEOUT_S``
 without handing control back to the model is stopped by the stall watchdog
 (:mod:`nnqueue.enginecore.stall_watchdog`), failing the job; a job the worker gives up on (timeout, cancel)
 is ended by killing this process.
@@ -38,11 +41,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nnqueue.enginecore import child_process, protected
 from nnqueue.enginecore.payload_scope import payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
+
+if TYPE_CHECKING:
+    from nnqueue.enginecore.state_guard import StateGuard
 
 JSON_HEADER = 4
 
@@ -69,10 +75,13 @@ class Engine:
     """The loaded model and what running one job on it takes."""
 
     def __init__(self, model: Any) -> None:
+        from nnqueue.enginecore.state_guard import StateGuard
         from nnqueue.enginecore.weights_guard import WeightsGuard
 
         self.model = model
         self.guard = WeightsGuard(model._module)
+        self.state: StateGuard | None = None
+        self._check_state, self._check_weights = StateGuard.check, WeightsGuard.check  # as loaded, before any job
         self.persistent = model._remoteable_persistent_objects()
         self.default_attention = model.attn_implementation
         self.loaded = False  # whether the current job's payload was rebuilt (else its error is a rebuild error)
@@ -98,17 +107,27 @@ class Engine:
         else:
             report["objects"] = write_saves(saves, header["sinks"])
         finally:
-            self.restore_weights(header.get("job"))
+            self.restore(header.get("job"))
         return report
 
-    def restore_weights(self, job: Any) -> None:
-        """Put back what the job changed of the weights (its edits lasted for its own run only)."""
-        changed = self.guard.check()
-        if changed:
-            print(
-                f"nnqueue: job {job}'s changes to {len(changed)} parameter(s) {changed[:10]} were undone",
-                file=sys.stderr,
-            )
+    def take_state(self) -> None:
+        """Take the model's and the engine's state as it is now for what every job starts from: once the sandbox is
+        entered (which changes the protected environment's switches), before the first job."""
+        from nnqueue.enginecore.state_guard import StateGuard
+
+        self.state = StateGuard(self.model._module, roots=(self.model,))
+
+    def restore(self, job: Any) -> None:
+        """Put back what the job changed (its edits lasted for its own run only): the state first, as the vLLM
+        engine's guards do (it holds the weights guard's own code), then the weights."""
+        changes = self._check_state(self.state) if self.state is not None else None
+        weights = self._check_weights(self.guard)
+        state = changes.strict if changes is not None else []
+        for what, changed in (("parameter(s)", weights), ("other state", state)):
+            if changed:
+                print(
+                    f"nnqueue: job {job}'s changes to {len(changed)} {what} {changed[:10]} were undone", file=sys.stderr
+                )
 
     def execute(self, payload: bytes, env: dict[str, Any]) -> dict[str, Any]:
         """Rebuild and run the trace; its saved values by name (what a local run pushes into the caller's frame)."""
@@ -141,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     # payloads unpickled and run in the protected environment (what vLLM's engine processes do).
     enter_child_sandbox()
     stall_watchdog.install(args.stall_timeout_s)
+    engine.take_state()
     import nnsight
 
     ready = {"nnsight": nnsight.__version__, "device": str(engine.model.device)}

@@ -53,8 +53,8 @@ class TransformersExecutor:
         await self.engine.close()
 
     async def verify_engine_state(self) -> list[str]:
-        """Nothing to do at a trust domain switch: the engine process puts the weights back after every job, and
-        runs one job at a time (:mod:`nnqueue.enginecore.transformers_engine`)."""
+        """Nothing to do at a trust domain switch: the engine process runs one job at a time and puts back the
+        weights and the rest of the state after every job (:mod:`nnqueue.enginecore.transformers_engine`)."""
         return []
 
 

@@ -1,5 +1,6 @@
-"""On the transformers engine a job may edit the weights for its own run (weight-editing research), never into
-the next job's (nnqueue.enginecore.transformers_engine with nnqueue.enginecore.weights_guard), in process."""
+"""On the transformers engine a job may edit the weights, a module's attribute or its hooks for its own run
+(weight-editing research), never into the next job's, of any owner (nnqueue.enginecore.transformers_engine with
+nnqueue.enginecore.weights_guard and nnqueue.enginecore.state_guard), in process."""
 
 from __future__ import annotations
 
@@ -43,3 +44,33 @@ def test_a_jobs_weight_edit_lasts_for_that_job_only(tiny_model_path: Path, tmp_p
     assert before.abs().sum() > 0
     assert torch.equal(edited, torch.zeros_like(edited)), "the edit did not hold for its own job"
     assert torch.equal(after, before), "the edit reached the next job"
+
+
+def test_a_jobs_change_to_a_modules_attribute_or_hooks_lasts_for_that_job_only(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    from nnsight import LanguageModel
+
+    engine = Engine(load_model(str(tiny_model_path), {}))
+    engine.take_state()
+    norm = engine.model._module.model.norm
+    epsilon = norm.variance_epsilon
+    meta = LanguageModel(str(tiny_model_path))
+
+    def logits(change: str | None) -> bytes:
+        backend = PayloadBackend()
+        with meta.trace(PROMPT, backend=backend):
+            if change == "attribute":  # issue 33: changed other users' results through a module attribute
+                meta.model.norm._module.variance_epsilon = 1e4
+            elif change == "hook":
+                meta.model.norm._module.register_forward_hook(lambda module, args, output: output * 0)
+            out = meta.lm_head.output.save()
+        return backend.payload
+
+    before = run(engine, logits(None), tmp_path, "before")["out"]
+    for change in ("attribute", "hook"):
+        changed = run(engine, logits(change), tmp_path, change)["out"]
+        after = run(engine, logits(None), tmp_path, f"after-{change}")["out"]
+        assert not torch.equal(changed, before), f"the {change} change did not hold for its own job"
+        assert torch.equal(after, before), f"the {change} change reached the next job"
+        assert norm.variance_epsilon == epsilon and not norm._forward_hooks
