@@ -124,12 +124,8 @@ class VLLMTraceExecutor:
         client's is, in another builder) on the engine; the reply for the builder: its saves or its error. Raises
         only what would fail any trace's job (the engine died, the job was cancelled)."""
         try:
-            trace = trace_payload.decode(payload)
-            requests = prebuilt.to_requests(trace, f"{job.id}-{job.attempts}-{index}")
-            await self.builders.check(payload, trust_domain(job))
-        except trace_payload.PayloadError as error:
-            return sessions.reply(b"", {"type_name": "InvalidPayload", "message": str(error)})
-        except ChildError as failed:
+            _, requests = await self._parse(job, payload, f"{job.id}-{job.attempts}-{index}", check=True)
+        except JobFailure as failed:
             return sessions.reply(b"", {"type_name": failed.type_name, "message": failed.message})
         async with self.sinks.staged_result(job.id, job.attempts, safetensors=False, part=f"trace{index}") as handoff:
             try:
@@ -186,15 +182,22 @@ class VLLMTraceExecutor:
                 payload = await self.builders.build(payload, trust_domain(job))  # its mediators checked too
             except ChildError as failed:
                 raise JobFailure(failed.type_name, rebuild_message(failed.message, job), failed.traceback) from None
+        return await self._parse(job, payload, f"{job.id}-{job.attempts}", check=kind == "prebuilt")
+
+    async def _parse(
+        self, job: Job, payload: bytes, request_prefix: str, check: bool
+    ) -> tuple[trace_payload.PrebuiltTrace, prebuilt.TraceRequests]:
+        """A prebuilt payload's trace and its vLLM requests (ids under ``request_prefix``); with ``check``, its
+        mediators checked strictly in a builder first (a client's or a session body's prebuilt trace: untrusted)."""
         trace = None
         try:
             trace = trace_payload.decode(payload)
-            requests = prebuilt.to_requests(trace, f"{job.id}-{job.attempts}")
+            requests = prebuilt.to_requests(trace, request_prefix)
         except trace_payload.PayloadError as error:
             raise JobFailure(
                 "InvalidPayload", rebuild_message(str(error), job, trace), traceback.format_exc()
             ) from None
-        if kind == "prebuilt":
+        if check:
             try:
                 await self.builders.check(payload, trust_domain(job))
             except ChildError as failed:
