@@ -94,6 +94,10 @@ class Settings(BaseSettings):
     # clients) into prebuilt ones and run sessions' bodies (a session needs two: at most this many less one run
     # at once); started with the engine. 0: the worker runs only client-prebuilt payloads, and no sessions.
     trace_builders: int = Field(2, ge=0)
+    # The longest a trace builder may run a job's own Python without answering: a raw payload's top-level code, or
+    # a session's body between two of its traces. The job holds the engine for its trust domain meanwhile, so
+    # other domains' jobs wait; past it the builder is killed and the job fails (TraceBuilderTimedOut).
+    trace_builder_timeout_s: float = Field(60.0, gt=0)
     # Locations a vLLM worker serves with CUDA graphs on (``nnqueue worker --taps``, comma-separated nnsight tap
     # patterns, e.g. ``model.layers.*.output``); a trace touching any other fails. Empty: eager, every location.
     engine_taps: Annotated[list[str], NoDecode] = []

@@ -163,6 +163,10 @@ class ChildFailed(NNqueueError):
         self.started = started
 
 
+class ChildTimedOut(ChildFailed):
+    """A child ran past the pool's ``answer_timeout_s`` without answering or asking (it was stopped)."""
+
+
 def scrubbed_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     """A child's environment: the worker's, without its credentials (:mod:`nnqueue.isolation`'s patterns,
     ``NNQUEUE_SECRET_ENV_PATTERNS`` included). The child then enters the sandbox itself."""
@@ -175,10 +179,18 @@ class ChildPool:
     use it on one event loop only."""
 
     def __init__(
-        self, name: str, command: list[str], size: int, *, ready_timeout_s: float, max_answer_bytes: int
+        self,
+        name: str,
+        command: list[str],
+        size: int,
+        *,
+        ready_timeout_s: float,
+        max_answer_bytes: int,
+        answer_timeout_s: float | None = None,
     ) -> None:
         self.name, self.command = name, command
         self.ready_timeout_s, self.max_answer_bytes = ready_timeout_s, max_answer_bytes
+        self.answer_timeout_s = answer_timeout_s
         self.size = size
         self._slots = asyncio.Semaphore(size)
         self._idle: list[asyncio.subprocess.Process] = []
@@ -226,7 +238,9 @@ class ChildPool:
         reported, :class:`ChildFailed` when it did not start, died, or broke the protocol (``read`` raising
         ``ValueError`` included: the answer is malformed); ``doing`` ("while ...") says when, in the message.
         ``ask``: what replies to the questions the child asks meanwhile (`ask`, child side); what it raises is raised
-        here as it is, the child stopped. Without it a question breaks the protocol.
+        here as it is, the child stopped. Without it a question breaks the protocol. With the pool's
+        ``answer_timeout_s``, a child that runs that long without answering or asking (the time ``ask`` takes is not
+        the child's) is stopped: :class:`ChildTimedOut`.
 
         ``domain``: the trust domain the request is made for. A child that ran a domain's code (``runs_code``) serves
         no other domain afterwards: whatever that code left in the process (an escape from the sandbox may change
@@ -241,7 +255,7 @@ class ChildPool:
             try:
                 stdin.write(frame(REQUEST, request))
                 await stdin.drain()
-                kind, answer = await _read_frame(stdout, self.max_answer_bytes)
+                kind, answer = await asyncio.wait_for(_read_frame(stdout, self.max_answer_bytes), self.answer_timeout_s)
                 while kind == ASK and ask is not None:
                     try:
                         replied = await ask(answer)
@@ -249,7 +263,9 @@ class ChildPool:
                         raise _AskFailed(error) from error
                     stdin.write(frame(REPLY, replied))
                     await stdin.drain()
-                    kind, answer = await _read_frame(stdout, self.max_answer_bytes)
+                    kind, answer = await asyncio.wait_for(
+                        _read_frame(stdout, self.max_answer_bytes), self.answer_timeout_s
+                    )
                 if kind not in (OK, FAILED):
                     raise ValueError(f"a frame of type {kind}")
                 outcome = read(answer) if kind == OK else _reported_error(answer)
@@ -257,6 +273,10 @@ class ChildPool:
                 code = await self._stop(child)
                 if isinstance(error, _AskFailed):
                     raise error.error from None
+                if isinstance(error, TimeoutError):
+                    raise ChildTimedOut(
+                        f"the {self.name} process ran {self.answer_timeout_s:g} s without answering {doing}"
+                    ) from None
                 if isinstance(error, (asyncio.IncompleteReadError, ConnectionError)):
                     raise ChildFailed(f"the {self.name} process died {doing} (exit code {code})") from None
                 if isinstance(error, ValueError):

@@ -23,7 +23,10 @@ one ready instead of waiting for a builder to load its meta model (18-39 s on a 
 builders start on first use, up to ``size`` at once. They are reused. A build that fails raises the builder's
 error (:class:`~nnqueue.enginecore.child_process.ChildError`); a builder that dies, or whose build is cancelled
 (the job timed out or was cancelled: its user code may be stuck), is killed and replaced by a fresh one on the
-next build.
+next build. So is one that runs a job's code for ``timeout_s`` (``NNQUEUE_TRACE_BUILDER_TIMEOUT_S``) without
+answering: a payload's top-level code, or a session's body between two of its traces. The job holds the engine
+for its trust domain while it runs, so without this bound a job that sleeps there would keep every other domain
+waiting until its own timeout (``TraceBuilderTimedOut``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nnqueue.enginecore.child_process import ChildError, ChildFailed, ChildPool
+from nnqueue.enginecore.child_process import ChildError, ChildFailed, ChildPool, ChildTimedOut
 from nnqueue.engines import sessions
 
 READY_TIMEOUT_S = 900.0
@@ -43,7 +46,14 @@ READY_TIMEOUT_S = 900.0
 class BuilderPool:
     """Up to ``size`` builder processes for ``model``; use it only on one event loop."""
 
-    def __init__(self, model: str, engine_kwargs: dict[str, Any], size: int, max_output_bytes: int) -> None:
+    def __init__(
+        self,
+        model: str,
+        engine_kwargs: dict[str, Any],
+        size: int,
+        max_output_bytes: int,
+        timeout_s: float | None = None,
+    ) -> None:
         # The meta model needs the checkpoint's shape, not the engine's execution settings.
         engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "distributed_executor_backend"}
         command = [sys.executable, "-m", "nnqueue.engines.trace_builder", "--model", model]
@@ -51,7 +61,12 @@ class BuilderPool:
         self.size = size
         self._sessions = asyncio.Semaphore(max(size - 1, 1))
         self._pool = ChildPool(
-            "trace builder", command, size, ready_timeout_s=READY_TIMEOUT_S, max_answer_bytes=max_output_bytes
+            "trace builder",
+            command,
+            size,
+            ready_timeout_s=READY_TIMEOUT_S,
+            max_answer_bytes=max_output_bytes,
+            answer_timeout_s=timeout_s,
         )
 
     async def launch(self) -> asyncio.Task[None]:
@@ -109,6 +124,12 @@ class BuilderPool:
         nothing but what reconstructors make), so it leaves a fresh builder fresh."""
         try:
             return await self._pool.call(payload, doing, lambda built: built, ask, domain=domain, runs_code=runs_code)
+        except ChildTimedOut as silent:
+            raise ChildError(
+                "TraceBuilderTimedOut",
+                f"{silent} (NNQUEUE_TRACE_BUILDER_TIMEOUT_S): the job's own Python there (a payload's top-level code,"
+                " a session's body between its traces) holds the engine for its trust domain meanwhile",
+            ) from None
         except ChildFailed as failed:
             raise ChildError(
                 "TraceBuilderCrashed" if failed.started else "TraceBuilderUnavailable", str(failed)

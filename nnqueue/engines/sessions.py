@@ -21,7 +21,8 @@ and reported the same way. Locally too only saved values leave a vLLM trace: the
 
 The job's limits are the session's: its timeout covers the whole body, and each of its traces runs under the
 engine's stall timeout, state verification and result bound, one at a time, on an engine held for the job's trust
-domain for as long as the job runs. The body's own Python between traces has only the job's timeout. nnsight
+domain for as long as the job runs. The body's own Python between traces has the builder's bound
+(``NNQUEUE_TRACE_BUILDER_TIMEOUT_S``, :mod:`nnqueue.engines.builders`): other domains wait meanwhile. nnsight
 internals relied on (0.8.1): ``VLLMTracer.execute`` and ``prepare``, ``tracing.tracer.mark`` / ``push_result`` /
 ``_saves``, ``Tracer.execute``.
 """

@@ -362,7 +362,9 @@ async def _start_executor(
         return TransformersExecutor(sessions, store, engine, sinks)
     from nnqueue.engines.platform import load_engine
 
-    builders = BuilderPool(model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes)
+    builders = BuilderPool(
+        model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes, settings.trace_builder_timeout_s
+    )
     builders_ready = await builders.launch()
     try:
         with spawning.engine_core_contained(network=containment.network_isolated, view=view):

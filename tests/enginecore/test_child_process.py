@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from collections.abc import Iterator
 
 import psutil
 import pytest
 
-from nnqueue.enginecore.child_process import ChildError, ChildFailed, ChildPool
+from nnqueue.enginecore.child_process import ChildError, ChildFailed, ChildPool, ChildTimedOut
 
 # The child: reports its environment and pid, echoes, raises, exits, hangs or breaks the protocol on request.
 CHILD = """
@@ -52,9 +53,14 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-def pool(size: int = 1, command: list[str] | None = None) -> ChildPool:
+def pool(size: int = 1, command: list[str] | None = None, answer_timeout_s: float | None = None) -> ChildPool:
     return ChildPool(
-        "test child", command or [sys.executable, "-c", CHILD], size, ready_timeout_s=60, max_answer_bytes=1 << 20
+        "test child",
+        command or [sys.executable, "-c", CHILD],
+        size,
+        ready_timeout_s=60,
+        max_answer_bytes=1 << 20,
+        answer_timeout_s=answer_timeout_s,
     )
 
 
@@ -122,6 +128,30 @@ def test_a_child_asks_the_worker_while_it_handles_a_request(loop: asyncio.Abstra
         # A question with nothing to reply to it breaks the protocol: the child is killed.
         with pytest.raises(ChildFailed, match="broke the protocol while testing"):
             await children.call(b"ask", "while testing", bytes)
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_child_silent_past_the_answer_timeout_is_stopped_and_the_askers_time_is_not_its(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    children = pool(answer_timeout_s=1.5)
+
+    async def slow_reply(question: bytes) -> bytes:
+        await asyncio.sleep(2)  # the worker's time (a session's trace on the engine): not the child's
+        return question
+
+    async def scenario() -> None:
+        pid = int(await children.call(b"pid", "while testing", bytes))
+        assert await children.call(b"ask", "while testing", bytes, slow_reply) == b"first+second"
+        started = time.monotonic()
+        with pytest.raises(ChildTimedOut, match=r"ran 1\.5 s without answering while testing"):
+            await children.call(b"hang", "while testing", bytes)
+        assert time.monotonic() - started < 30
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        assert await children.call(b"again", "while testing", bytes) == b"echo:again"  # a fresh child
         await children.close()
 
     loop.run_until_complete(scenario())

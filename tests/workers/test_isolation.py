@@ -23,6 +23,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -115,13 +116,14 @@ def run_snoop(
 def root_worker(
     services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[WorkerProcess, Path]]:
-    """A root worker without the protected environment, and the .env in its working directory."""
+    """A root worker without the protected environment (its builders bound to 20 s of a job's code), and the .env in
+    its working directory."""
     # Settings read .env in the working directory: the worker's must not be readable by its engine.
     workdir = tmp_path_factory.mktemp("root-worker")
     env_file = workdir / ".env"
     env_file.write_text(f"NNQUEUE_S3__SECRET_ACCESS_KEY={services.env['NNQUEUE_S3__SECRET_ACCESS_KEY']}\n")
     env_file.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    env = {**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1"}
+    env = {**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1", "NNQUEUE_TRACE_BUILDER_TIMEOUT_S": "20"}
     worker = WorkerProcess(
         services, tiny_model_path, workdir / "worker.log", env=env, cwd=workdir, model_key="tiny-root"
     )
@@ -192,6 +194,23 @@ def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
     assert "NNQUEUE_ENGINE_STALL_TIMEOUT_S" in seen["environ"]  # the environment was read
     assert_no_secret(seen, services)
     assert seen["uid"] == engine_uid(root_worker[0]) and not seen["parent_readable"]
+
+
+def test_top_level_code_that_outruns_the_builders_bound_fails_its_job_saying_so(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    backend = PayloadBackend()
+    with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
+        time.sleep(600)  # trace-level code, in the builder, while the engine is held for this job's domain
+        with tracer.invoke(PROMPTS[0]):
+            logits = client_model.logits.save()
+    slow = services.submit(backend.payload, model_key="tiny-root")
+    slow = services.wait_for(slow.id, {JobStatus.FAILED, JobStatus.COMPLETED}, timeout=300)
+    assert slow.error_type == "TraceBuilderTimedOut", (slow.error_type, slow.error_message)
+    assert "ran 20 s without answering while rebuilding this trace" in slow.error_message
+    assert "NNQUEUE_TRACE_BUILDER_TIMEOUT_S" in slow.error_message
+    assert slow.started_at is not None and slow.finished_at is not None
+    assert (slow.finished_at - slow.started_at).total_seconds() < 120  # not the job's 600 s timeout
 
 
 def test_a_builder_that_dies_fails_only_its_job_and_is_replaced(
