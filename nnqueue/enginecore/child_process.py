@@ -255,7 +255,7 @@ class ChildPool:
             try:
                 stdin.write(frame(REQUEST, request))
                 await stdin.drain()
-                kind, answer = await asyncio.wait_for(_read_frame(stdout, self.max_answer_bytes), self.answer_timeout_s)
+                kind, answer = await self._answer(stdout)
                 while kind == ASK and ask is not None:
                     try:
                         replied = await ask(answer)
@@ -263,9 +263,7 @@ class ChildPool:
                         raise _AskFailed(error) from error
                     stdin.write(frame(REPLY, replied))
                     await stdin.drain()
-                    kind, answer = await asyncio.wait_for(
-                        _read_frame(stdout, self.max_answer_bytes), self.answer_timeout_s
-                    )
+                    kind, answer = await self._answer(stdout)
                 if kind not in (OK, FAILED):
                     raise ValueError(f"a frame of type {kind}")
                 outcome = read(answer) if kind == OK else _reported_error(answer)
@@ -286,6 +284,10 @@ class ChildPool:
             if isinstance(outcome, ChildError):
                 raise outcome
             return outcome
+
+    async def _answer(self, stdout: asyncio.StreamReader) -> tuple[int, bytes]:
+        """A child's next frame, within the pool's ``answer_timeout_s`` (TimeoutError past it)."""
+        return await asyncio.wait_for(_read_frame(stdout, self.max_answer_bytes), self.answer_timeout_s)
 
     async def retire_domains(self) -> int:
         """Stop the idle children that ran a trust domain's code, and start as many fresh ones (ready in the background,

@@ -120,9 +120,8 @@ class Engine:
     def restore(self, job: Any) -> None:
         """Put back what the job changed (its edits lasted for its own run only): the state first, as the vLLM
         engine's guards do (it holds the weights guard's own code), then the weights."""
-        changes = self._check_state(self.state) if self.state is not None else None
+        state = self._check_state(self.state).strict if self.state is not None else []
         weights = self._check_weights(self.guard)
-        state = changes.strict if changes is not None else []
         for what, changed in (("parameter(s)", weights), ("other state", state)):
             if changed:
                 print(

@@ -307,15 +307,14 @@ def s3_identities_config(access_key_id: str, secret_access_key: str) -> str:
     return json.dumps({"identities": [identity]})
 
 
-def _refuse_a_nearly_full_disk(workdir: Path) -> None:
-    """weed marks its volumes full when its disk has under 1% free, and then every write fails with InternalError
-    after boto3's retries: a nearly full disk turned a CI run into a timeout, module after module. Say so at once."""
-    disk = shutil.disk_usage(workdir)
+def _refuse_a_nearly_full_disk(folder: str) -> None:
+    """weed refuses writes when its disk has under 1% free, and then every write fails with InternalError after
+    boto3's retries: a nearly full disk turned a CI run into a timeout, module after module. Say so at once."""
+    disk = shutil.disk_usage(folder)
     needed = disk.total // 100 + 2**30  # weed's 1%, and a GiB for what the suite writes
     if disk.free < needed:
-        shutil.rmtree(workdir, ignore_errors=True)
         raise ServerStartError(
-            f"{workdir.parent} has {disk.free / 2**30:.1f} GiB free of {disk.total / 2**30:.0f} GiB; SeaweedFS "
+            f"{folder} has {disk.free / 2**30:.1f} GiB free of {disk.total / 2**30:.0f} GiB; SeaweedFS "
             f"refuses writes under 1% free, and the suite needs {needed / 2**30:.1f} GiB: free some space"
         )
 
@@ -326,8 +325,8 @@ def start_s3(timeout: float = 60, volume_size_limit_mb: int = 64) -> S3Server:
     port, since the defaults (and ``port + 10000`` for gRPC) would collide with a second session. Small
     volume files by default (weed creates several per bucket); a benchmark storing gigabytes asks for large ones."""
     binary = weed_binary()
+    _refuse_a_nearly_full_disk(tempfile.gettempdir())  # where _workdir puts weed's data
     workdir = _workdir("s3")
-    _refuse_a_nearly_full_disk(workdir)
     access_key_id, secret_access_key = "nnqueue-test-" + secrets.token_hex(4), secrets.token_hex(16)
     config = workdir / "s3.json"
     config.write_text(s3_identities_config(access_key_id, secret_access_key))
