@@ -212,11 +212,6 @@ def worker(
             "taps replay CUDA graphs: they are for the vllm engine, without --enforce-eager", param_hint="--taps"
         )
     broker_url(settings)  # before the supervisor or the engine starts: it cannot run without one
-    from nnqueue.enginecore.taps import UnservableTaps
-    from nnqueue.isolation import EngineUserError
-    from nnqueue.scheduler.registry import EngineConflict
-    from nnqueue.workers.main import run_worker
-
     logs.configure(settings.log_format)
     if supervise:
         from nnqueue.isolation import blank_initial_environment
@@ -239,6 +234,17 @@ def worker(
     from nnqueue.workers.supervisor import exit_with_supervisor
 
     exit_with_supervisor()
+    # Only the supervised process imports the engine's stack (vLLM, torch: 10-15 s on a 2-core machine): the
+    # supervisor, which starts a fresh one after each failure, stays light, and a worker's start pays it once.
+    try:
+        from nnqueue.workers.main import run_worker
+    except ImportError as missing:  # a broken install: exit 2, which the supervisor does not restart
+        typer.echo(f"the worker cannot import its engine's libraries: {missing}", err=True)
+        raise typer.Exit(2) from None
+    from nnqueue.enginecore.taps import UnservableTaps
+    from nnqueue.isolation import EngineUserError
+    from nnqueue.scheduler.registry import EngineConflict
+
     concurrency: int | None = max_concurrent_jobs  # None: the vLLM engine's max_num_seqs (run_worker)
     if kind.value == "transformers":
         if max_concurrent_jobs not in (None, 1):
