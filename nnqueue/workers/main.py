@@ -68,7 +68,6 @@ from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.stall_deadline import StallDeadline
 from nnqueue.workers.supervisor import report_ready
 from nnqueue.workers.tasks import register_run_job
-from nnqueue.workers.trace_execution import VLLMTraceExecutor
 from nnqueue.workers.upload_budget import UploadBudget
 from nnqueue.workers.weights import CheckpointUpdater, WeightsGate, base_version
 
@@ -133,6 +132,8 @@ def run_worker(
         _start_executor(engine_kind, model, engine_kwargs, settings, sessions, store, sinks, containment, view)
     )
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
+    from nnqueue.workers.trace_execution import VLLMTraceExecutor  # imported by _start_executor (see there)
+
     freeze_startup_heap()
     if max_concurrent_jobs is None:
         max_concurrent_jobs = default_concurrency(executor)
@@ -360,13 +361,15 @@ async def _start_executor(
         engine = TransformersEngine(model, engine_kwargs, settings.engine_stall_timeout_s)
         await engine.start()
         return TransformersExecutor(sessions, store, engine, sinks)
-    from nnqueue.engines.platform import load_engine
-
     builders = BuilderPool(
         model, engine_kwargs, settings.trace_builders, 4 * settings.max_payload_bytes, settings.trace_builder_timeout_s
     )
     builders_ready = await builders.launch()
     try:
+        # vLLM is imported only now (9-12 s of one core on a small machine), while the builders load beside it.
+        from nnqueue.engines.platform import load_engine
+        from nnqueue.workers.trace_execution import VLLMTraceExecutor
+
         with spawning.engine_core_contained(network=containment.network_isolated, view=view):
             vllm = load_engine(model, **engine_core_kwargs(engine_kwargs))  # blocks this loop; builders load aside
         await builders_ready
