@@ -234,13 +234,9 @@ def worker(
     from nnqueue.workers.supervisor import exit_with_supervisor
 
     exit_with_supervisor()
-    # Only the supervised process imports the engine's stack (vLLM, torch: 10-15 s on a 2-core machine): the
-    # supervisor, which starts a fresh one after each failure, stays light, and a worker's start pays it once.
-    try:
-        from nnqueue.workers.main import run_worker
-    except ImportError as missing:  # a broken install: exit 2, which the supervisor does not restart
-        typer.echo(f"the worker cannot import its engine's libraries: {missing}", err=True)
-        raise typer.Exit(2) from None
+    # Only the supervised process imports the engine's stack (torch here, vLLM once the trace builders are launched:
+    # 10-15 s of one core on a small machine): the supervisor, which starts a fresh one after each failure, stays
+    # light, and a worker's start pays the import once.
     from nnqueue.enginecore.taps import UnservableTaps
     from nnqueue.isolation import EngineUserError
     from nnqueue.scheduler.registry import EngineConflict
@@ -266,10 +262,15 @@ def worker(
             # Steering hooks must exist before vLLM records its graphs: hook the taps at load (see steering.py)
             os.environ.setdefault("NNQUEUE_STEER_POINTS", ",".join(served))
     try:
+        from nnqueue.workers.main import run_worker
+
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
     except (EngineConflict, EngineUserError, UnservableTaps) as conflict:
         typer.echo(str(conflict), err=True)
         raise typer.Exit(2) from None  # a configuration error: the supervisor does not restart it
+    except ImportError as missing:  # a broken install, found before the engine loads: not restarted either
+        typer.echo(f"the worker cannot import its engine's libraries: {missing}", err=True)
+        raise typer.Exit(2) from None
 
 
 @app.command()
