@@ -1,9 +1,12 @@
 """The worker's start-up: the heap made while the engine loaded is frozen out of garbage collection, and the trace
-builders start beside the engine, so that they are ready before the worker takes its first job."""
+builders start beside the engine, so that they are ready before the worker takes its first job; vLLM is imported
+only once the builders are launched, and the supervisor never imports it."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 
@@ -13,7 +16,7 @@ pytestmark = pytest.mark.shared_worker  # the start-up test reads the shared wor
 
 
 def test_the_startup_heap_is_out_of_the_collectors_reach() -> None:
-    from nnqueue.workers.main import freeze_startup_heap  # imports vLLM: only when the test runs
+    from nnqueue.workers.main import freeze_startup_heap
 
     startup = [[index] for index in range(10_000)]  # container objects the collector tracks
     before = gc.get_freeze_count()  # an in-process vLLM engine core freezes its own start-up
@@ -23,6 +26,15 @@ def test_the_startup_heap_is_out_of_the_collectors_reach() -> None:
         assert not any(obj is startup for obj in gc.get_objects())  # in no generation a collection walks
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("module", ["nnqueue.cli", "nnqueue.workers.supervisor", "nnqueue.workers.main"])
+def test_the_worker_and_its_supervisor_import_no_vllm_at_their_top(module: str) -> None:
+    """The worker imports vLLM (9-12 s of one core here) only after it launched its trace builders, which load
+    beside it (nnqueue.workers.main._start_executor); the supervisor never does."""
+    check = f"import sys, {module}; sys.exit(' '.join(n for n in ('vllm', 'nnsight') if n in sys.modules) or None)"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 @pytest.mark.slow
