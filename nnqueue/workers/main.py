@@ -31,7 +31,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
@@ -70,6 +70,9 @@ from nnqueue.workers.supervisor import report_ready
 from nnqueue.workers.tasks import register_run_job
 from nnqueue.workers.upload_budget import UploadBudget
 from nnqueue.workers.weights import CheckpointUpdater, WeightsGate, base_version
+
+if TYPE_CHECKING:  # imported where vLLM may be (_start_executor): a transformers worker never imports it
+    from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
 log = logging.getLogger(__name__)
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
@@ -132,8 +135,6 @@ def run_worker(
         _start_executor(engine_kind, model, engine_kwargs, settings, sessions, store, sinks, containment, view)
     )
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
-    from nnqueue.workers.trace_execution import VLLMTraceExecutor  # imported by _start_executor (see there)
-
     freeze_startup_heap()
     if max_concurrent_jobs is None:
         max_concurrent_jobs = default_concurrency(executor)
@@ -147,11 +148,12 @@ def run_worker(
     runner = JobRunner(sessions, executor, model_key, worker_id, health, gate, containment, turns)
     register_run_job(app, host, runner)
     chunks, points, updater, taps = None, None, None, ()
-    if isinstance(executor, VLLMTraceExecutor):  # harvests run on vLLM engines (the in-engine capture path)
+    vllm_executor = cast("VLLMTraceExecutor", executor) if engine_kind is EngineKind.VLLM else None
+    if vllm_executor is not None:  # harvests run on vLLM engines (the in-engine capture path)
         updater = CheckpointUpdater(
             sessions,
             store,
-            executor.model.vllm_entrypoint,
+            vllm_executor.model.vllm_entrypoint,
             gate,
             model_key,
             worker_id,
@@ -166,18 +168,18 @@ def run_worker(
             sessions,
             store,
             app,
-            executor.model,
-            executor.sinks,
+            vllm_executor.model,
+            vllm_executor.sinks,
             model_key,
             worker_id,
             settings.harvest_chunk_attempts,
-            engine_info(model, executor.model.vllm_entrypoint, executor.model.tokenizer),
+            engine_info(model, vllm_executor.model.vllm_entrypoint, vllm_executor.model.tokenizer),
             uploads,
             health,
             gate,
         )
-        points = host.call(capture_points(executor.model.vllm_entrypoint))
-        taps = executor.model.taps  # resolved by nnsight (VLLM._resolve_taps); empty on an eager engine
+        points = host.call(capture_points(vllm_executor.model.vllm_entrypoint))
+        taps = vllm_executor.model.taps  # resolved by nnsight (VLLM._resolve_taps); empty on an eager engine
     try:
         if taps:  # published with the capture points (enginecore.taps); none published: none servable
             points = mark_taps(points or [], taps)
@@ -206,10 +208,10 @@ def run_worker(
         engine_liveness.keep_probing(model_key, entrypoint), host.loop
     )  # host.stop ends it
     trainer = None
-    if settings.trainer_port is not None and isinstance(executor, VLLMTraceExecutor):
+    if settings.trainer_port is not None and vllm_executor is not None:
         trainer = host.call(
             trl_server.serve(
-                executor.model.vllm_entrypoint,
+                vllm_executor.model.vllm_entrypoint,
                 gate,
                 settings,
                 sessions,
@@ -218,7 +220,7 @@ def run_worker(
                 broken=lambda: _restart_for_weights(health),
             )
         )
-    if isinstance(executor, VLLMTraceExecutor):  # its engine publishes its switches (enginecore.stall_beacon)
+    if vllm_executor is not None:  # its engine publishes its switches (enginecore.stall_beacon)
         StallDeadline(crash_dir, settings.engine_stall_timeout_s).start()
     bulk = None
     if chunks is not None:
