@@ -149,11 +149,12 @@ def run_worker(
     register_run_job(app, host, runner)
     chunks, points, updater, taps = None, None, None, ()
     vllm_executor = cast("VLLMTraceExecutor", executor) if engine_kind is EngineKind.VLLM else None
+    entrypoint = vllm_executor.model.vllm_entrypoint if vllm_executor is not None else None  # vLLM's AsyncLLM
     if vllm_executor is not None:  # harvests run on vLLM engines (the in-engine capture path)
         updater = CheckpointUpdater(
             sessions,
             store,
-            vllm_executor.model.vllm_entrypoint,
+            entrypoint,
             gate,
             model_key,
             worker_id,
@@ -173,12 +174,12 @@ def run_worker(
             model_key,
             worker_id,
             settings.harvest_chunk_attempts,
-            engine_info(model, vllm_executor.model.vllm_entrypoint, vllm_executor.model.tokenizer),
+            engine_info(model, entrypoint, vllm_executor.model.tokenizer),
             uploads,
             health,
             gate,
         )
-        points = host.call(capture_points(vllm_executor.model.vllm_entrypoint))
+        points = host.call(capture_points(entrypoint))
         taps = vllm_executor.model.taps  # resolved by nnsight (VLLM._resolve_taps); empty on an eager engine
     try:
         if taps:  # published with the capture points (enginecore.taps); none published: none servable
@@ -203,7 +204,6 @@ def run_worker(
     report_ready()  # the supervisor's healthy interval starts
     warn_if_degraded(containment)  # again, below the engine's start-up lines
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
-    entrypoint = getattr(getattr(executor, "model", None), "vllm_entrypoint", None)
     asyncio.run_coroutine_threadsafe(
         engine_liveness.keep_probing(model_key, entrypoint), host.loop
     )  # host.stop ends it
@@ -211,7 +211,7 @@ def run_worker(
     if settings.trainer_port is not None and vllm_executor is not None:
         trainer = host.call(
             trl_server.serve(
-                vllm_executor.model.vllm_entrypoint,
+                entrypoint,
                 gate,
                 settings,
                 sessions,
