@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -73,6 +74,20 @@ def configure(log_format: LogFormat, level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+def configure_engine_process(level: int = logging.INFO) -> None:
+    """In an engine process a worker started (vLLM's engine core and its model-runner workers): nnqueue's own records
+    to stderr, the worker's log, in the worker's format (``NNQUEUE_LOG_FORMAT`` in the environment it exported).
+    Nothing there configures logging otherwise, so only warnings reached the log: not the engine's user and seccomp
+    filter, nor its guards' sizes. Other libraries' loggers (vLLM's own) are left as they are."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter("json" if os.environ.get("NNQUEUE_LOG_FORMAT", "").lower() == "json" else "text"))
+    handler.addFilter(JobIdFilter())
+    ours = logging.getLogger("nnqueue")
+    ours.handlers[:] = [handler]
+    ours.setLevel(level)
+    ours.propagate = False
 
 
 def uvicorn_log_config(log_format: LogFormat) -> dict[str, Any]:

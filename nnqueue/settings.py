@@ -279,6 +279,7 @@ class Settings(BaseSettings):
             "NNQUEUE_PROTECTED_ENVIRONMENT": "true" if self.protected_environment else "false",
             "NNQUEUE_ALLOWED_MODULES": ",".join(self.allowed_modules),
             "NNQUEUE_WEIGHTS_GUARD": "true" if self.weights_guard else "false",
+            "NNQUEUE_LOG_FORMAT": self.log_format,
         }
 
     @property
