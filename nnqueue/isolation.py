@@ -442,8 +442,9 @@ def foreign_processes(account: EngineUser) -> list[str]:
 
     A process of ours is one whose nearest ancestor not running as ``account`` is an ``nnqueue worker``: by
     its command line, or (a serving worker's title is Celery's) by being the worker that the process's
-    environment names (``NNQUEUE_ENGINE_SANDBOX``, which engine and builder processes inherit). Engine cores
-    and builders are the worker's children, vLLM's model-runner processes the engine core's. This tells a
+    environment names (``NNQUEUE_ENGINE_SANDBOX``, which engine and builder processes inherit), or that worker's
+    child naming it too (the builders' zygote). Engine cores are the worker's children, builders its zygote's,
+    vLLM's model-runner processes the engine core's. This tells a
     shared account (a database server, another service's daemon) from engines; it is not a defence against
     the account's own processes, which control their command lines and environments."""
     found = []
@@ -491,11 +492,20 @@ def _ours(pid: int, uid: int) -> bool:
     argv = _cmdline(pid)  # python -m nnqueue worker ..., or the console script: python .../bin/nnqueue worker ...
     if "worker" in argv and any(Path(part).name == "nnqueue" for part in argv[:3]):
         return True
+    worker = _sandbox_of(process)
+    # The worker itself, or the zygote it forks its trace builders from (nnqueue.enginecore.zygote: its child).
+    return worker is not None and (pid == worker or (_ppid(pid) == worker and _sandbox_of(pid) == worker))
+
+
+def _sandbox_of(pid: int) -> int | None:
+    """The worker that a process's environment names as its engine's (``NNQUEUE_ENGINE_SANDBOX``)."""
+    prefix = f"{SANDBOX_ENV}=".encode()
     try:
-        environ = Path(f"/proc/{process}/environ").read_bytes().split(b"\0")
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
-        return False
-    return f"{SANDBOX_ENV}={pid}".encode() in environ
+        return None
+    named = [entry.removeprefix(prefix) for entry in environ if entry.startswith(prefix)]
+    return int(named[0]) if named and named[0].isdigit() else None
 
 
 # The probe: a fresh interpreter, run as the engine user, imports what the engine processes import after the

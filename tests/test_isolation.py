@@ -12,9 +12,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nnqueue.isolation import (
@@ -184,13 +186,36 @@ def test_a_serving_workers_engine_processes_are_not_taken_for_other_users_of_the
         )
         for who, worker in named.items()
     }
+    # A builder is the child of the worker's zygote (root, unsandboxed: nnqueue.enginecore.zygote), which names the
+    # worker too; a zygote of another worker's does not make its children ours.
+    zygote = "import subprocess, sys; subprocess.run(['sleep', '60'], user=int(sys.argv[1]), group=int(sys.argv[2]))"
+    zygotes = {
+        who: subprocess.Popen(
+            [sys.executable, "-c", zygote, str(engine_account.uid), str(engine_account.gid)],
+            env={**os.environ, "NNQUEUE_ENGINE_SANDBOX": worker},
+        )
+        for who, worker in named.items()
+    }
     try:
+        builders = {who: wait_for_child(process.pid) for who, process in zygotes.items()}
         foreign = {entry.split(" ", 1)[0] for entry in foreign_processes(engine_account)}
     finally:
-        for process in started.values():
+        for process in [*started.values(), *zygotes.values()]:
+            for child in psutil.Process(process.pid).children():
+                child.kill()
             process.kill()
             process.wait()
     assert str(started["ours"].pid) not in foreign and str(started["theirs"].pid) in foreign
+    assert str(builders["ours"]) not in foreign and str(builders["theirs"]) in foreign
+
+
+def wait_for_child(pid: int) -> int:
+    """The pid of ``pid``'s first child, once it has one."""
+    deadline = time.monotonic() + 30
+    while not (children := psutil.Process(pid).children()):
+        assert time.monotonic() < deadline, f"process {pid} started no child"
+        time.sleep(0.05)
+    return children[0].pid
 
 
 def test_the_test_servers_never_run_as_the_engine_user() -> None:

@@ -3,8 +3,9 @@
 Two kinds of child run users' code outside the worker process, which holds the service's credentials: the
 trace builders (:mod:`nnqueue.engines.trace_builder`: raw nnsight payloads rebuilt against a meta model) and
 the transformers engine (:mod:`nnqueue.enginecore.transformers_engine`). Both are ``python -m <module>``,
-spawned fresh (never forked: no copy of the worker's heap comes along) with the worker's environment less its
-secrets (`scrubbed_environment`). A child first isolates itself (`open_protocol`: the engine's filesystem view and
+spawned fresh (never forked from the worker: no copy of its heap comes along) with the worker's environment less its
+secrets (`scrubbed_environment`); the builders are forked from such a process, their zygote, which loaded their model
+once (``zygote=True``, :mod:`nnqueue.enginecore.zygote`). A child first isolates itself (`open_protocol`: the engine's filesystem view and
 no network but its own loopback, :mod:`nnqueue.enginecore.spawning`), loads its model, then enters the sandbox
 (:func:`nnqueue.enginecore.sandbox.enter_child_sandbox`: no secret left, the engine user when the worker is
 root, the seccomp filter, the protected environment) and only then says it is ready (`serve`).
@@ -38,10 +39,12 @@ from typing import Any, BinaryIO, TypeVar
 from nnqueue import isolation
 from nnqueue.enginecore import spawning
 from nnqueue.enginecore.lifetime import exit_with_worker
+from nnqueue.enginecore.zygote import ForkedChild, Zygote
 from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+Child = asyncio.subprocess.Process | ForkedChild
 
 FRAME_HEADER = 8
 OK, FAILED, READY, REQUEST, ASK, REPLY = 0, 1, 2, 3, 4, 5
@@ -187,15 +190,18 @@ class ChildPool:
         ready_timeout_s: float,
         max_answer_bytes: int,
         answer_timeout_s: float | None = None,
+        zygote: bool = False,
     ) -> None:
         self.name, self.command = name, command
+        # ``zygote``: ``command`` runs once, as a zygote (nnqueue.enginecore.zygote), and the children are forked from it.
+        self._zygote = Zygote(name, command, scrubbed_environment, STREAM_LIMIT) if zygote else None
         self.ready_timeout_s, self.max_answer_bytes = ready_timeout_s, max_answer_bytes
         self.answer_timeout_s = answer_timeout_s
         self.size = size
         self._slots = asyncio.Semaphore(size)
-        self._idle: list[asyncio.subprocess.Process] = []
-        self._all: set[asyncio.subprocess.Process] = set()
-        self._domains: dict[asyncio.subprocess.Process, str] = {}  # whose code each child has run
+        self._idle: list[Child] = []
+        self._all: set[Child] = set()
+        self._domains: dict[Child, str] = {}  # whose code each child has run
         self._settling: set[asyncio.Task[None]] = set()  # `retire_domains`' replacements (asyncio holds tasks weakly)
 
     async def start(self) -> None:
@@ -211,15 +217,17 @@ class ChildPool:
         logged (the next request starts a fresh one). The processes run when this returns, so they load while the
         caller keeps its loop busy (a worker loading its engine); the task reads their READY frames once the loop
         runs again. Requests meanwhile wait for these children instead of starting more."""
-        children: list[asyncio.subprocess.Process] = []
+        children: list[Child | None] = []  # None: forked from the zygote once it is loaded
         try:
             for _ in range(count):
                 await self._slots.acquire()
                 try:
-                    children.append(await self._launch())
+                    children.append(None if self._zygote is not None else await self._launch())
                 except BaseException:
                     self._slots.release()
                     raise
+            if self._zygote is not None and children:
+                await self._zygote.start()
         finally:
             settling = asyncio.ensure_future(self._settle(children))
         return settling
@@ -307,8 +315,10 @@ class ChildPool:
         for child in list(self._all):
             await self._stop(child)
         self._idle.clear()
+        if self._zygote is not None:
+            await self._zygote.close()
 
-    async def _take(self, domain: str | None) -> asyncio.subprocess.Process:
+    async def _take(self, domain: str | None) -> Child:
         """A child for a request of ``domain``: an idle one that ran no other domain's code, or a fresh one (an idle
         child of another domain stopped first when the pool is full)."""
         if (child := self._take_idle(domain)) is not None:
@@ -318,7 +328,7 @@ class ChildPool:
             await self._stop(other)
         return await self._spawn()
 
-    def _take_idle(self, domain: str | None = None) -> asyncio.subprocess.Process | None:
+    def _take_idle(self, domain: str | None = None) -> Child | None:
         """An idle child that is still alive (one that died idle is dropped) and, for ``domain``, ran no other
         domain's code."""
         for child in list(self._idle):
@@ -335,10 +345,12 @@ class ChildPool:
                 return child
         return None
 
-    async def _settle(self, children: list[asyncio.subprocess.Process]) -> None:
-        """Wait until each of ``children`` (launched, each holding a slot) is ready, and leave it idle."""
+    async def _settle(self, children: list[Child | None]) -> None:
+        """Wait until each of ``children`` (launched, or None: to fork; each holding a slot) is ready, and leave it
+        idle."""
         for child in children:
             try:
+                child = child or await self._launch()
                 await self._ready(child)
             except ChildFailed as failed:
                 log.warning("%s", failed)
@@ -347,23 +359,30 @@ class ChildPool:
             finally:
                 self._slots.release()
 
-    async def _spawn(self) -> asyncio.subprocess.Process:
+    async def _spawn(self) -> Child:
         child = await self._launch()
         await self._ready(child)
         return child
 
-    async def _launch(self) -> asyncio.subprocess.Process:
-        child = await asyncio.create_subprocess_exec(
-            *self.command,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            env=scrubbed_environment(),
-            limit=STREAM_LIMIT,
-        )
+    async def _launch(self) -> Child:
+        child: Child
+        if self._zygote is not None:
+            try:
+                child = await self._zygote.fork(self.ready_timeout_s)
+            except (ConnectionError, TimeoutError) as error:
+                raise ChildFailed(f"the {self.name} process did not start: {error!r}", started=False) from None
+        else:
+            child = await asyncio.create_subprocess_exec(
+                *self.command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=scrubbed_environment(),
+                limit=STREAM_LIMIT,
+            )
         self._all.add(child)
         return child
 
-    async def _ready(self, child: asyncio.subprocess.Process) -> None:
+    async def _ready(self, child: Child) -> None:
         """Wait for ``child``'s READY frame; it is killed, and :class:`ChildFailed` raised, if none comes in time."""
         assert child.stdout is not None
         try:
@@ -377,7 +396,7 @@ class ChildPool:
             raise ChildFailed(f"the {self.name} process did not start: {error!r}", started=False) from None
         log.info("%s process %d ready (%s)", self.name, child.pid, body.decode(errors="replace"))
 
-    async def _stop(self, child: asyncio.subprocess.Process) -> int:
+    async def _stop(self, child: Child) -> int:
         """Kill ``child`` (if it still runs) and wait for it; its exit code."""
         self._all.discard(child)
         self._domains.pop(child, None)

@@ -14,13 +14,15 @@ worker's engine.
 
 A builder that ran a trust domain's code (a raw payload's top-level code, a session's body) serves only that domain
 from then on, so that what the code left in it cannot reach another domain's builds: another domain's request gets
-a fresh builder (:meth:`ChildPool.call`; its meta model loads again, 18-39 s on a 2-core CPU machine), and when the
+a fresh builder (:meth:`ChildPool.call`), and when the
 engine switches domains every builder that ran a domain's code is replaced (`retire_domains`), so none stays idle
 beside the next domain's work. Checks run no user code and can use any builder that ran none of another domain's.
 
-A worker starts all ``size`` builders while its engine loads (`BuilderPool.launch`), so its first trace job finds
-one ready instead of waiting for a builder to load its meta model (18-39 s on a 2-core CPU machine); otherwise
-builders start on first use, up to ``size`` at once. They are reused. A build that fails raises the builder's
+Builders are forked from the pool's zygote (:mod:`nnqueue.enginecore.zygote`), the same program, which loads the meta
+model once (13.8 s of CPU on a 2-core machine, paid by each builder when each loaded its own): a fresh builder is ready
+0.3-0.7 s after it is asked for, so a domain's switch or a killed builder costs no model load. A worker starts the
+zygote and all ``size`` builders while its engine loads (`BuilderPool.launch`), so its first trace job finds one ready;
+otherwise builders start on first use, up to ``size`` at once. They are reused. A build that fails raises the builder's
 error (:class:`~nnqueue.enginecore.child_process.ChildError`); a builder that dies, or whose build is cancelled
 (the job timed out or was cancelled: its user code may be stuck), is killed and replaced by a fresh one on the
 next build. So is one that runs a job's code for ``timeout_s`` (``NNQUEUE_TRACE_BUILDER_TIMEOUT_S``) without
@@ -67,6 +69,7 @@ class BuilderPool:
             ready_timeout_s=READY_TIMEOUT_S,
             max_answer_bytes=max_output_bytes,
             answer_timeout_s=timeout_s,
+            zygote=True,
         )
 
     async def launch(self) -> asyncio.Task[None]:

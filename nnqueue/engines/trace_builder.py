@@ -21,9 +21,10 @@ rebuilding, so it happens here too, never in the worker. Both load with the prot
 unpickler (``protected.StrictUnpickler``: nothing runs while a payload loads but its reconstructors, and nothing
 it did not build is changed), so the bytes an engine loads were checked by opcode first.
 
-Run as ``python -m nnqueue.engines.trace_builder --model M --engine-kwargs JSON``: it loads the meta model,
-then answers one request frame at a time (:mod:`nnqueue.enginecore.child_process`, which also starts and
-replaces builders for the worker): a raw payload is rebuilt (the answer is the prebuilt payload), a prebuilt
+Run as ``python -m nnqueue.engines.trace_builder --model M --engine-kwargs JSON``, by the worker's builder pool as its
+zygote (:mod:`nnqueue.enginecore.zygote`): it loads the meta model once, then forks a builder for each the pool asks
+for, which isolates itself and answers one request frame at a time (:mod:`nnqueue.enginecore.child_process`, which
+also replaces builders for the worker): a raw payload is rebuilt (the answer is the prebuilt payload), a prebuilt
 one checked (the answer is empty), a session run, its traces on the worker's engine (:mod:`nnqueue.engines.sessions`:
 the answer is its result's report), and a failure is answered with its error. What the user's code prints goes
 to stderr (the worker's log), never into the protocol.
@@ -39,7 +40,7 @@ import linecache
 from typing import Any
 
 from nnqueue import trace_payload
-from nnqueue.enginecore import child_process, envoy_trees, protected
+from nnqueue.enginecore import child_process, envoy_trees, protected, zygote
 from nnqueue.enginecore.payload_scope import deserialize, payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 from nnqueue.engines import sessions
@@ -123,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--engine-kwargs", default="{}")
     args = parser.parse_args(argv)
-    protocol = child_process.open_protocol()
+    forks = zygote.channel()
     model = load_meta_model(args.model, json.loads(args.engine_kwargs))
+    zygote.serve_forks(forks)  # returns in each builder the worker asks for: the rest is the builder's
+    protocol = child_process.open_protocol()
     # Only now, with the model read: no secret in the environment, the engine user when root, and
     # payloads unpickled and run in the protected environment.
     enter_child_sandbox()

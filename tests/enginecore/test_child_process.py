@@ -8,7 +8,7 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
@@ -36,6 +36,9 @@ def handle(request):
         time.sleep(600)
     if request == b"big":
         return b"x" * (2 << 20)
+    if request == b"fds":  # what each of its descriptors is
+        links = [f"/proc/self/fd/{fd}" for fd in os.listdir("/proc/self/fd")]
+        return json.dumps([os.readlink(link) for link in links if os.path.exists(link)]).encode()  # not listdir's
     if request == b"ask":  # two questions to the worker, then an answer made of its replies
         return child_process.ask(b"first") + b"+" + child_process.ask(b"second")
     return b"echo:" + request
@@ -45,6 +48,10 @@ print("user code's print goes to stderr")
 child_process.serve(protocol, {"child": "test"}, handle)
 """
 
+# The same child forked from a zygote (nnqueue.enginecore.zygote), as the trace builders are: each test runs both ways.
+FORKED_CHILD = "from nnqueue.enginecore import zygote\nzygote.serve_forks(zygote.channel())\n" + CHILD
+PoolFactory = Callable[..., ChildPool]
+
 
 @pytest.fixture()
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
@@ -53,18 +60,26 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop.close()
 
 
-def pool(size: int = 1, command: list[str] | None = None, answer_timeout_s: float | None = None) -> ChildPool:
-    return ChildPool(
-        "test child",
-        command or [sys.executable, "-c", CHILD],
-        size,
-        ready_timeout_s=60,
-        max_answer_bytes=1 << 20,
-        answer_timeout_s=answer_timeout_s,
-    )
+@pytest.fixture(params=["spawned", "forked"])
+def pool(request: pytest.FixtureRequest) -> PoolFactory:
+    """Makes pools of spawned children, or of children forked from a zygote."""
+    forked = request.param == "forked"
+
+    def make(size: int = 1, command: list[str] | None = None, answer_timeout_s: float | None = None) -> ChildPool:
+        return ChildPool(
+            "test child",
+            command or [sys.executable, "-c", FORKED_CHILD if forked else CHILD],
+            size,
+            ready_timeout_s=60,
+            max_answer_bytes=1 << 20,
+            answer_timeout_s=answer_timeout_s,
+            zygote=forked,
+        )
+
+    return make
 
 
-def test_answers_errors_and_deaths_each_have_their_outcome(loop: asyncio.AbstractEventLoop) -> None:
+def test_answers_errors_and_deaths_each_have_their_outcome(loop: asyncio.AbstractEventLoop, pool: PoolFactory) -> None:
     children = pool()
 
     async def scenario() -> None:
@@ -84,7 +99,9 @@ def test_answers_errors_and_deaths_each_have_their_outcome(loop: asyncio.Abstrac
     loop.run_until_complete(scenario())
 
 
-def test_a_child_that_breaks_the_protocol_is_killed_and_replaced(loop: asyncio.AbstractEventLoop) -> None:
+def test_a_child_that_breaks_the_protocol_is_killed_and_replaced(
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory
+) -> None:
     children = pool()
 
     async def scenario() -> None:
@@ -103,7 +120,7 @@ def test_a_child_that_breaks_the_protocol_is_killed_and_replaced(loop: asyncio.A
     loop.run_until_complete(scenario())
 
 
-def test_a_child_asks_the_worker_while_it_handles_a_request(loop: asyncio.AbstractEventLoop) -> None:
+def test_a_child_asks_the_worker_while_it_handles_a_request(loop: asyncio.AbstractEventLoop, pool: PoolFactory) -> None:
     children = pool()
     asked: list[bytes] = []
 
@@ -134,7 +151,7 @@ def test_a_child_asks_the_worker_while_it_handles_a_request(loop: asyncio.Abstra
 
 
 def test_a_child_silent_past_the_answer_timeout_is_stopped_and_the_askers_time_is_not_its(
-    loop: asyncio.AbstractEventLoop,
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory
 ) -> None:
     children = pool(answer_timeout_s=1.5)
 
@@ -157,7 +174,9 @@ def test_a_child_silent_past_the_answer_timeout_is_stopped_and_the_askers_time_i
     loop.run_until_complete(scenario())
 
 
-def test_a_child_that_ran_a_domains_code_serves_no_other_domain(loop: asyncio.AbstractEventLoop) -> None:
+def test_a_child_that_ran_a_domains_code_serves_no_other_domain(
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory
+) -> None:
     children = pool()
 
     async def pid(domain: str | None, runs_code: bool = False) -> int:
@@ -187,7 +206,7 @@ def test_a_child_that_ran_a_domains_code_serves_no_other_domain(loop: asyncio.Ab
 
 
 def test_another_domain_gets_a_new_child_beside_the_first_while_the_pool_has_room(
-    loop: asyncio.AbstractEventLoop,
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory
 ) -> None:
     children = pool(size=2)
 
@@ -202,7 +221,7 @@ def test_another_domain_gets_a_new_child_beside_the_first_while_the_pool_has_roo
     loop.run_until_complete(scenario())
 
 
-def test_a_cancelled_request_kills_its_child(loop: asyncio.AbstractEventLoop) -> None:
+def test_a_cancelled_request_kills_its_child(loop: asyncio.AbstractEventLoop, pool: PoolFactory) -> None:
     children = pool()
 
     async def scenario() -> None:
@@ -217,7 +236,9 @@ def test_a_cancelled_request_kills_its_child(loop: asyncio.AbstractEventLoop) ->
     loop.run_until_complete(scenario())
 
 
-def test_a_child_that_died_idle_is_replaced_before_the_next_request(loop: asyncio.AbstractEventLoop) -> None:
+def test_a_child_that_died_idle_is_replaced_before_the_next_request(
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory
+) -> None:
     children = pool()
 
     async def scenario() -> None:
@@ -232,7 +253,7 @@ def test_a_child_that_died_idle_is_replaced_before_the_next_request(loop: asynci
 
 
 def test_children_get_no_secrets_and_run_concurrently(
-    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("NNQUEUE_DATABASE_URL", "postgresql://secret")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
@@ -255,32 +276,57 @@ def test_children_get_no_secrets_and_run_concurrently(
 
 
 def test_launched_children_start_before_the_loop_runs_again_and_take_the_first_requests(
-    loop: asyncio.AbstractEventLoop,
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory, request: pytest.FixtureRequest
 ) -> None:
-    """What a worker does while its engine loads: the children run as soon as `launch` returns, before the loop
-    gets to read their READY frames, and the first requests, even those made before they are ready, go to them."""
+    """What a worker does while its engine loads: the children (forked ones: their zygote) run as soon as `launch`
+    returns, before the loop gets to read their READY frames, and the first requests, even those made before they are
+    ready, go to them."""
     children = pool(size=2)
+    forked = request.node.callspec.params["pool"] == "forked"
 
     def running() -> set[int]:
-        return {
-            child.pid for child in psutil.Process().children() if "child_process.serve" in " ".join(child.cmdline())
-        }
+        """The pool's processes that are no zygote."""
+        ours = [
+            child
+            for child in psutil.Process().children(recursive=True)
+            if "child_process.serve" in " ".join(child.cmdline())
+        ]
+        return {child.pid for child in ours} - {child.ppid() for child in ours}
 
     async def scenario() -> None:
         ready = await children.launch(2)
         launched = running()
-        assert len(launched) == 2 and not ready.done()
+        assert len(launched) == (1 if forked else 2) and not ready.done()  # forked: the zygote, loading
         early = [asyncio.ensure_future(children.call(b"pid", "while testing", bytes)) for _ in range(3)]
         await ready
         answered = {int(pid) for pid in await asyncio.gather(*early)}
-        assert answered <= launched and running() == launched  # no third child was started
+        assert answered <= running() and len(running()) == 2  # no third child was started
+        assert forked or running() == launched
+        await children.close()
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_forked_child_holds_nothing_of_its_zygote_or_its_siblings(
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory
+) -> None:
+    """A forked child keeps its own pipes and stderr: not the zygote's socket to the worker, nor another child's
+    pipes (both spawned and forked children hold stdin, stdout, stderr and the protocol's copy of stdout)."""
+    children = pool(size=2)
+
+    async def scenario() -> None:
+        import json
+
+        both = await asyncio.gather(*(children.call(b"fds", "while testing", bytes) for _ in range(2)))
+        for held in map(json.loads, both):
+            assert len(held) <= 4 and not any(target.startswith("socket:") for target in held), held
         await children.close()
 
     loop.run_until_complete(scenario())
 
 
 def test_a_launched_child_that_does_not_start_is_logged_and_the_request_starts_another(
-    loop: asyncio.AbstractEventLoop, caplog: pytest.LogCaptureFixture
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     children = pool(command=[sys.executable, "-c", "import sys; sys.exit(4)"])
 
@@ -293,7 +339,7 @@ def test_a_launched_child_that_does_not_start_is_logged_and_the_request_starts_a
     loop.run_until_complete(scenario())
 
 
-def test_a_child_that_does_not_start_says_so(loop: asyncio.AbstractEventLoop) -> None:
+def test_a_child_that_does_not_start_says_so(loop: asyncio.AbstractEventLoop, pool: PoolFactory) -> None:
     children = pool(command=[sys.executable, "-c", "import sys; sys.exit(4)"])
 
     async def scenario() -> None:
