@@ -5,8 +5,9 @@ trace builders (:mod:`nnqueue.engines.trace_builder`: raw nnsight payloads rebui
 the transformers engine (:mod:`nnqueue.enginecore.transformers_engine`). Both are ``python -m <module>``,
 spawned fresh (never forked from the worker: no copy of its heap comes along) with the worker's environment less its
 secrets (`scrubbed_environment`); the builders are forked from such a process, their zygote, which loaded their model
-once (``zygote=True``, :mod:`nnqueue.enginecore.zygote`). A child first isolates itself (`open_protocol`: the engine's filesystem view and
-no network but its own loopback, :mod:`nnqueue.enginecore.spawning`), loads its model, then enters the sandbox
+once (``zygote=True``, :mod:`nnqueue.enginecore.zygote`). A child isolates itself (`open_protocol`: the engine's
+filesystem view and no network but its own loopback, :mod:`nnqueue.enginecore.spawning`) and loads its model (a
+spawned child in that order; a forked one's zygote loaded it), then enters the sandbox
 (:func:`nnqueue.enginecore.sandbox.enter_child_sandbox`: no secret left, the engine user when the worker is
 root, the seccomp filter, the protected environment) and only then says it is ready (`serve`).
 
@@ -193,7 +194,7 @@ class ChildPool:
         zygote: bool = False,
     ) -> None:
         self.name, self.command = name, command
-        # ``zygote``: ``command`` runs once, as a zygote (nnqueue.enginecore.zygote), and the children are forked from it.
+        # ``zygote``: ``command`` runs once, as a zygote (nnqueue.enginecore.zygote); the children are forked from it.
         self._zygote = Zygote(name, command, scrubbed_environment, STREAM_LIMIT) if zygote else None
         self.ready_timeout_s, self.max_answer_bytes = ready_timeout_s, max_answer_bytes
         self.answer_timeout_s = answer_timeout_s

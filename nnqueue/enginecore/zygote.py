@@ -3,9 +3,9 @@
 A trace builder imports vLLM and nnsight and loads a meta model before it can answer: 13.8 s of CPU on a 2-core
 machine, paid by every builder a worker starts (two at each start and restart) and by every fresh builder a trust
 domain's switch asks for. A *zygote* pays it once: a process started as a pool's children are (``python -m ...``,
-spawned fresh with the worker's environment less its secrets, :func:`nnqueue.enginecore.child_process.scrubbed_environment`),
-which loads what they share and then only forks, on the worker's request, a child that goes on from there
-(:func:`serve_forks` returns in it). The zygote runs no user code and is never sandboxed; each child, single-threaded
+spawned fresh with the worker's environment less its secrets: ``child_process.scrubbed_environment``), which loads
+what they share and then only forks, on the worker's request, a child that goes on from there (:func:`serve_forks`
+returns in it). The zygote runs no user code and is never sandboxed; each child, single-threaded
 after the fork, isolates and sandboxes itself as a freshly started child does (its own namespaces, the engine user,
 the seccomp filter, the protected environment), keeps only its own pipes to the worker (every other descriptor of the
 zygote closed) and carries nothing of another child: a child that ran a trust domain's code changes only its own copy
