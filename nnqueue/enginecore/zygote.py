@@ -145,6 +145,7 @@ class Zygote:
         self._ready: asyncio.Future[None] | None = None
         self._forked: asyncio.Future[int] | None = None
         self._children: dict[int, ForkedChild] = {}
+        self._ended_early: dict[int, int] = {}  # exit codes of children not yet registered (one that died at once)
         self._lock = asyncio.Lock()
         self._reader: asyncio.Task[None] | None = None
 
@@ -176,7 +177,7 @@ class Zygote:
         the zygote dies first, ``TimeoutError`` when it is not loaded within ``ready_timeout_s``."""
         async with self._lock:
             await self.start()
-            assert self._ready is not None and self._socket is not None
+            assert self._ready is not None and self._socket is not None and self._reader is not None
             await asyncio.wait_for(asyncio.shield(self._ready), ready_timeout_s)
             child_in, stdin = os.pipe()
             stdout, child_out = os.pipe()
@@ -193,6 +194,10 @@ class Zygote:
                 os.close(child_out)
             child = ForkedChild(pid, *await self._streams(stdin, stdout))
             self._children[pid] = child
+            if (code := self._ended_early.pop(pid, None)) is not None or self._reader.done():  # dead, or the zygote
+                self._children.pop(pid)
+                child.kill()
+                child.ended(-int(signal.SIGKILL) if code is None else code)
             return child
 
     async def close(self) -> None:
@@ -225,6 +230,8 @@ class Zygote:
                     pid, code = (int(field) for field in rest.split())
                     if (child := self._children.pop(pid, None)) is not None:
                         child.ended(code)
+                    else:  # its fork's answer came first and `fork` has not registered it yet
+                        self._ended_early[pid] = code
         except (OSError, ValueError):
             pass
         finally:

@@ -339,6 +339,23 @@ def test_a_launched_child_that_does_not_start_is_logged_and_the_request_starts_a
     loop.run_until_complete(scenario())
 
 
+def test_a_child_that_dies_before_it_is_ready_says_so_at_once(
+    loop: asyncio.AbstractEventLoop, pool: PoolFactory, request: pytest.FixtureRequest
+) -> None:
+    """Forked, it dies as soon as it is forked: its exit can reach the worker before its fork is answered."""
+    forked = request.node.callspec.params["pool"] == "forked"
+    preamble = "from nnqueue.enginecore import zygote\nzygote.serve_forks(zygote.channel())\n" if forked else ""
+    children = pool(command=[sys.executable, "-c", preamble + "import os\nos._exit(3)"])
+
+    async def scenario() -> None:
+        for _ in range(3):
+            with pytest.raises(ChildFailed, match="the test child process did not start"):
+                await asyncio.wait_for(children.call(b"pid", "while testing", bytes), 30)
+        await asyncio.wait_for(children.close(), 30)
+
+    loop.run_until_complete(scenario())
+
+
 def test_a_child_that_does_not_start_says_so(loop: asyncio.AbstractEventLoop, pool: PoolFactory) -> None:
     children = pool(command=[sys.executable, "-c", "import sys; sys.exit(4)"])
 
