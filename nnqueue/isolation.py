@@ -444,9 +444,9 @@ def foreign_processes(account: EngineUser) -> list[str]:
     its command line, or (a serving worker's title is Celery's) by being the worker that the process's
     environment names (``NNQUEUE_ENGINE_SANDBOX``, which engine and builder processes inherit), or that worker's
     child naming it too (the builders' zygote). Engine cores are the worker's children, builders its zygote's,
-    vLLM's model-runner processes the engine core's. This tells a
-    shared account (a database server, another service's daemon) from engines; it is not a defence against
-    the account's own processes, which control their command lines and environments."""
+    vLLM's model-runner processes the engine core's. This tells a shared account (a database server, another
+    service's daemon) from engines; it is not a defence against the account's own processes, which control their
+    command lines and environments."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
