@@ -66,13 +66,18 @@ def formatter(log_format: LogFormat) -> logging.Formatter:
     return JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
 
 
-def configure(log_format: LogFormat, level: int = logging.INFO) -> None:
-    """Send every logger's records to stderr in ``log_format``, replacing the root logger's handlers."""
+def _stderr_handler(log_format: LogFormat) -> logging.Handler:
+    """A handler writing records to stderr in ``log_format``, each naming its job."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(log_format))
     handler.addFilter(JobIdFilter())
+    return handler
+
+
+def configure(log_format: LogFormat, level: int = logging.INFO) -> None:
+    """Send every logger's records to stderr in ``log_format``, replacing the root logger's handlers."""
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [_stderr_handler(log_format)]
     root.setLevel(level)
 
 
@@ -81,11 +86,9 @@ def configure_engine_process(level: int = logging.INFO) -> None:
     to stderr, the worker's log, in the worker's format (``NNQUEUE_LOG_FORMAT`` in the environment it exported).
     Nothing there configures logging otherwise, so only warnings reached the log: not the engine's user and seccomp
     filter, nor its guards' sizes. Other libraries' loggers (vLLM's own) are left as they are."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(formatter("json" if os.environ.get("NNQUEUE_LOG_FORMAT", "").lower() == "json" else "text"))
-    handler.addFilter(JobIdFilter())
+    log_format: LogFormat = "json" if os.environ.get("NNQUEUE_LOG_FORMAT", "").lower() == "json" else "text"
     ours = logging.getLogger("nnqueue")
-    ours.handlers[:] = [handler]
+    ours.handlers[:] = [_stderr_handler(log_format)]
     ours.setLevel(level)
     ours.propagate = False
 

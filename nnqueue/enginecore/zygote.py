@@ -193,11 +193,14 @@ class Zygote:
                 os.close(child_in)
                 os.close(child_out)
             child = ForkedChild(pid, *await self._streams(stdin, stdout))
-            self._children[pid] = child
-            if (code := self._ended_early.pop(pid, None)) is not None or self._reader.done():  # dead, or the zygote
-                self._children.pop(pid)
+            code = self._ended_early.pop(pid, None)  # it died at once
+            if code is None and self._reader.done():  # the zygote died meanwhile, and ended its children
                 child.kill()
-                child.ended(-int(signal.SIGKILL) if code is None else code)
+                code = -int(signal.SIGKILL)
+            if code is None:
+                self._children[pid] = child
+            else:
+                child.ended(code)
             return child
 
     async def close(self) -> None:

@@ -136,20 +136,23 @@ def run_worker(
     )
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
     freeze_startup_heap()
+    vllm_executor = cast("VLLMTraceExecutor", executor) if engine_kind is EngineKind.VLLM else None
+    entrypoint = vllm_executor.model.vllm_entrypoint if vllm_executor is not None else None  # vLLM's AsyncLLM
     if max_concurrent_jobs is None:
-        max_concurrent_jobs = default_concurrency(executor)
+        max_concurrent_jobs = default_concurrency(entrypoint)
     log.info("running up to %d jobs at once", max_concurrent_jobs)
     app = create_celery_app(settings, prefetch=max_concurrent_jobs)
 
     worker_id = registry.new_worker_id()
-    health = EngineHealth(sessions, app, worker_id, model_key, crash_dir, lambda: _engine_errored(executor))
+    # Whether the vLLM engine has died (its AsyncLLM's ``errored``); never, on the transformers engine.
+    health = EngineHealth(
+        sessions, app, worker_id, model_key, crash_dir, lambda: entrypoint is not None and bool(entrypoint.errored)
+    )
     gate = WeightsGate(*base_version(model, engine_kwargs.get("revision")))
     turns = DomainTurns(settings.domain_hold_s)
     runner = JobRunner(sessions, executor, model_key, worker_id, health, gate, containment, turns)
     register_run_job(app, host, runner)
     chunks, points, updater, taps = None, None, None, ()
-    vllm_executor = cast("VLLMTraceExecutor", executor) if engine_kind is EngineKind.VLLM else None
-    entrypoint = vllm_executor.model.vllm_entrypoint if vllm_executor is not None else None  # vLLM's AsyncLLM
     if vllm_executor is not None:  # harvests run on vLLM engines (the in-engine capture path)
         updater = CheckpointUpdater(
             sessions,
@@ -309,12 +312,11 @@ def _restart_for_weights(health: EngineHealth) -> None:
     health.stop()
 
 
-def default_concurrency(executor: Executor) -> int:
-    """Jobs to run at once when ``--max-concurrent-jobs`` is not given: as many as the vLLM engine schedules in
-    one step (its ``max_num_seqs``: vLLM's default for the device, or the ``--max-num-seqs`` given). Fewer
-    leave its batches short: one-prompt trace jobs ran at 0.45x raw vLLM on the H100 with 8 at once, 0.80x with
-    256. The transformers engine runs one job at a time."""
-    entrypoint = getattr(getattr(executor, "model", None), "vllm_entrypoint", None)
+def default_concurrency(entrypoint: Any) -> int:
+    """Jobs to run at once when ``--max-concurrent-jobs`` is not given: as many as the vLLM engine (``entrypoint``,
+    its AsyncLLM) schedules in one step (its ``max_num_seqs``: vLLM's default for the device, or the
+    ``--max-num-seqs`` given). Fewer leave its batches short: one-prompt trace jobs ran at 0.45x raw vLLM on the H100
+    with 8 at once, 0.80x with 256. The transformers engine (None) runs one job at a time."""
     return 1 if entrypoint is None else engine_max_num_seqs(entrypoint)
 
 
@@ -331,12 +333,6 @@ def freeze_startup_heap() -> None:
     0.5-0.7 s in each run of 256 one-prompt jobs (tiny model on a 2-core CPU machine), 0.03-0.15 s frozen."""
     gc.collect()
     gc.freeze()
-
-
-def _engine_errored(executor: Executor) -> bool:
-    """Whether the executor's vLLM engine has died (its AsyncLLM's ``errored``)."""
-    model = getattr(executor, "model", None)
-    return bool(getattr(getattr(model, "vllm_entrypoint", None), "errored", False))
 
 
 async def _start_executor(
