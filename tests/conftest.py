@@ -14,8 +14,8 @@ Helpers are in ``tests/utils/``.
 Starting a worker costs 30-60 s of the suite's budget (docs/development.md), so the tests that only need one
 running share the session's: ``worker`` (``MODEL_KEY``) and ``path_worker`` (keyed by the model's path, as
 nnsight's own clients ask), in modules marked ``shared_worker``, whose ``services`` (and so ``api_server``,
-``secret`` and ``client``) are then the session's shared namespace. Those modules run one after another, and each
-shared worker stops after its last test. A test that kills, poisons or reconfigures a worker starts its own with
+``secret`` and ``client``) are then the session's shared namespace. Those modules run first, one after another (in one
+process under pytest-xdist: tests/utils/scheduling.py), and each shared worker stops after its last test. A test that kills, poisons or reconfigures a worker starts its own with
 ``start_worker``, in a module not so marked (or, in a marked one, for a model key of its own).
 """
 
@@ -46,6 +46,14 @@ if TYPE_CHECKING:
     from tests.utils.services import Services, WorkerProcess
 
 TEST_BUCKET = "nnqueue-test"
+# The CLIs' rich consoles take their width from COLUMNS when they are made (at the first import of a CLI module),
+# else 80 where no stream is a terminal: a wrapped message would then depend on which test imported a CLI first.
+os.environ["COLUMNS"] = "200"
+# Keep compiled and assertion-rewritten modules where PYTHONDONTWRITEBYTECODE is set (this machine's shells): every
+# pytest process otherwise rewrites each test module again (6 s of its start), and every process a test starts
+# compiles the nnqueue modules it imports.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.fixture(autouse=True)
@@ -381,27 +389,43 @@ def marked_shared(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Refuse a shared worker to a module not marked ``shared_worker`` (its jobs would never reach it); run the marked
-    modules one after another, where the first of them was; note the last module that uses each of RELEASED_EARLY."""
+    """Refuse a shared worker to a module not marked ``shared_worker`` (its jobs would never reach it), or a mark that
+    pytest-xdist's scheduler cannot read; run the marked modules first, one after another; note the last module
+    that uses each of RELEASED_EARLY."""
+    from tests.utils.scheduling import declared_shared
+
     for item in items:
-        if not marked_shared(item) and any(name in item.fixturenames for name in SHARED_WORKERS):
+        marked = marked_shared(item)
+        if not marked and any(name in item.fixturenames for name in SHARED_WORKERS):
             raise pytest.UsageError(
                 f"{item.nodeid} uses a shared worker: mark its module (pytestmark = pytest.mark.shared_worker) so"
                 " that it runs on the workers' services, or start a worker of its own with start_worker"
                 " (docs/development.md)"
             )
+        if item.path.suffix == ".py" and declared_shared(item.path) != marked:
+            raise pytest.UsageError(
+                f"{item.nodeid}: mark a module shared_worker with a line of its own that starts 'pytestmark = ',"
+                " where pytest-xdist's scheduler reads it (tests/utils/scheduling.py)"
+            )
     shared = [item for item in items if marked_shared(item)]
-    if shared:
-        first = items.index(shared[0])
-        rest = [item for item in items if not marked_shared(item)]
-        # The modules of the path-keyed worker first, so that the two shared workers seldom run at once.
-        by_path = {module_of(item) for item in shared if "shared_path_worker" in item.fixturenames}
-        shared.sort(key=lambda item: module_of(item) not in by_path)
-        items[:] = rest[:first] + shared + rest[first:]
+    # The modules of the path-keyed worker first, so that the two shared workers seldom run at once.
+    by_path = {module_of(item) for item in shared if "shared_path_worker" in item.fixturenames}
+    shared.sort(key=lambda item: module_of(item) not in by_path)
+    # The marked modules first: under xdist they are one unit (tests/utils/scheduling.py), the longest, which one
+    # process starts with while the others take the remaining modules.
+    items[:] = shared + [item for item in items if not marked_shared(item)]
     config.stash[LAST_USER] = {
         name: str(module_of(item)) for item in items for name in RELEASED_EARLY if name in item.fixturenames
     }
     config.stash[RELEASE] = {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist: a module at a time, the modules marked ``shared_worker`` as one unit."""
+    from tests.utils.scheduling import ModuleScheduling
+
+    return ModuleScheduling(config, log)
 
 
 # What collecting the tests imported of the packages that take seconds to import (tests/test_collection.py).

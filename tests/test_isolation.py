@@ -95,9 +95,22 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running processes as 
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's, readable by every user (its headers: python3-dev)
 
 
+# Made as the dedicated account is, but not the one workers use: a worker starting meanwhile in the suite's other
+# process (pytest-xdist) would find this file's squatters and probes running as its account and refuse to start.
+TEST_ACCOUNT = "nnqueue-test-engine"
+
+
 @pytest.fixture
 def engine_account() -> EngineUser:
-    return ensure_account(DEFAULT_ENGINE_USER)
+    for _ in range(10):  # 10: the password file is locked (a worker creating the dedicated account meanwhile)
+        try:
+            return ensure_account(TEST_ACCOUNT)
+        except EngineUserError:
+            command = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_ACCOUNT]
+            if subprocess.run(command, capture_output=True).returncode not in (0, 9, 10):
+                raise
+            time.sleep(0.2)
+    raise AssertionError(f"could not create {TEST_ACCOUNT}")
 
 
 @pytest.fixture
@@ -130,7 +143,7 @@ def test_the_probe_names_what_the_engine_user_cannot_import_or_read(engine_accou
 def test_an_engine_user_that_cannot_reach_python_keeps_the_engine_root_or_refuses_saying_what_to_change(
     engine_account: EngineUser, hidden_python: Path
 ) -> None:
-    kept = plan_containment(DEFAULT_ENGINE_USER, False, None, ["json"], python=str(hidden_python))
+    kept = plan_containment(engine_account.name, False, None, ["json"], python=str(hidden_python))
     assert kept.engine_user is None and kept.report()["engine_user"] == "kept root"
     home = hidden_python.parent.parent
     assert "engine processes keep root" in kept.note and "Permission denied" in kept.note
@@ -138,19 +151,20 @@ def test_an_engine_user_that_cannot_reach_python_keeps_the_engine_root_or_refuse
     assert f"chmod o+x {home}" in kept.note and "outside /root" in kept.note
 
     with pytest.raises(EngineUserError, match="NNQUEUE_ENGINE_USER_REQUIRED is true") as refused:
-        plan_containment(DEFAULT_ENGINE_USER, True, None, ["json"], python=str(hidden_python))
+        plan_containment(engine_account.name, True, None, ["json"], python=str(hidden_python))
     assert f"chmod o+x {home}" in str(refused.value)
 
 
 @needs_root
 @pytest.mark.skipif(not Path(SYSTEM_PYTHON).exists(), reason="no system Python to probe with")
 def test_an_engine_user_that_can_use_python_is_switched_to(engine_account: EngineUser) -> None:
-    switched = plan_containment(DEFAULT_ENGINE_USER, True, "seccomp filter unavailable: test", ["json"], SYSTEM_PYTHON)
-    assert switched.engine_user == DEFAULT_ENGINE_USER
+    name = engine_account.name
+    switched = plan_containment(name, True, "seccomp filter unavailable: test", ["json"], SYSTEM_PYTHON)
+    assert switched.engine_user == name
     report = switched.report()
     assert {name: report[name] for name in ("engine_user", "note", "seccomp")} == {
-        "engine_user": DEFAULT_ENGINE_USER,
-        "note": f"engine processes switch to {DEFAULT_ENGINE_USER!r} once they are up",
+        "engine_user": name,
+        "note": f"engine processes switch to {name!r} once they are up",
         "seccomp": "seccomp filter unavailable: test",
     }
 
@@ -161,7 +175,7 @@ def test_an_engine_user_that_another_process_runs_as_is_refused(engine_account: 
     try:
         assert any(entry.startswith(f"{squatter.pid} (sleep 60") for entry in foreign_processes(engine_account))
         with pytest.raises(EngineUserError, match="other processes already run as the engine user") as refused:
-            plan_containment(DEFAULT_ENGINE_USER, False, None, ["json"], SYSTEM_PYTHON)
+            plan_containment(engine_account.name, False, None, ["json"], SYSTEM_PYTHON)
         assert str(squatter.pid) in str(refused.value)
     finally:
         squatter.kill()

@@ -1,0 +1,35 @@
+"""tests/utils/scheduling.py: how pytest-xdist shares the modules between its processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.utils.scheduling import SHARED_UNIT, ModuleScheduling, declared_shared
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def scope(nodeid: str) -> str:
+    scheduling = ModuleScheduling.__new__(ModuleScheduling)  # the controller's config is not needed to split
+    scheduling.root = ROOT
+    return scheduling._split_scope(nodeid)
+
+
+def test_the_modules_marked_shared_worker_are_one_unit_and_every_other_module_its_own() -> None:
+    assert scope("tests/api/test_results.py::test_models_shows_the_running_worker") == SHARED_UNIT
+    assert scope("tests/client/test_conformance.py::test_a_feature[layer_output-eager]") == SHARED_UNIT
+    assert scope("tests/workers/test_main.py::test_x") == SHARED_UNIT  # marked alone, not in a list
+    assert (
+        scope("tests/test_settings.py::test_a") == scope("tests/test_settings.py::test_b") == "tests/test_settings.py"
+    )
+    assert scope("tests/workers/test_engine_crash.py::test_c[x::y]") == "tests/workers/test_engine_crash.py"
+
+
+def test_a_mark_in_a_docstring_or_on_a_test_does_not_make_a_module_shared(tmp_path: Path) -> None:
+    module = tmp_path / "test_m.py"
+    module.write_text(
+        '"""pytestmark = pytest.mark.shared_worker, say"""\n@pytest.mark.shared_worker\ndef test_a(): ...\n'
+    )
+    assert not declared_shared(module)
+    module.write_text("import pytest\n\npytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # why\n")
+    assert declared_shared.__wrapped__(module)
