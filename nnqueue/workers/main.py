@@ -25,11 +25,14 @@ theirs; they hand results and shards to this process through files it reads and 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import importlib
 import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
@@ -100,6 +103,9 @@ def run_worker(
     engine's ``max_num_seqs`` once it is up (one job at a time on the transformers engine)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
+    if engine_kind is EngineKind.VLLM:
+        # vLLM's import (8-12 s of one core) runs beside the containment's probe, a subprocess (8-9 s).
+        threading.Thread(target=_import_vllm, name="nnqueue-import-vllm", daemon=True).start()
     containment = isolate(
         settings,
         model,
@@ -335,6 +341,14 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+def _import_vllm() -> None:
+    """Import what :func:`_start_executor` imports of vLLM, ahead of it. A failure is left to that import, which
+    then raises it where the worker reports it."""
+    with contextlib.suppress(Exception):
+        for name in ("nnqueue.engines.platform", "nnqueue.workers.trace_execution"):
+            importlib.import_module(name)
+
+
 async def _start_executor(
     engine_kind: EngineKind,
     model: str,
@@ -364,7 +378,7 @@ async def _start_executor(
     )
     builders_ready = await builders.launch()
     try:
-        # vLLM is imported only now (9-12 s of one core on a small machine), while the builders load beside it.
+        # vLLM's import, begun beside the containment's probe (_import_vllm), ends here if it has not yet.
         from nnqueue.engines.platform import load_engine
         from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
