@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -42,6 +44,7 @@ from tests.utils.tiny_model import TAPS, TINY_ENGINE_KWARGS
 if TYPE_CHECKING:
     from nnqueue.client import Client
     from nnqueue.embedded import ApiServer
+    from nnqueue.isolation import EngineUser
     from tests.utils.engines import InProcessEngine
     from tests.utils.services import Services, WorkerProcess
 
@@ -66,6 +69,26 @@ def restore_root_logger() -> Iterator[None]:
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+
+
+@pytest.fixture(scope="session")
+def spare_engine_account() -> EngineUser:
+    """An account made as the dedicated engine account is, for the tests that run strangers (squatters, probes) as
+    an engine account: on the workers' own, a worker starting meanwhile in the suite's other process would find them
+    and refuse to start."""
+    from nnqueue.isolation import EngineUserError, ensure_account
+
+    name = "nnqueue-test-engine"
+    for _ in range(10):
+        try:
+            return ensure_account(name)
+        except EngineUserError:
+            command = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
+            # 9: made meanwhile; 10: the password file is locked (a worker making the dedicated account)
+            if subprocess.run(command, capture_output=True).returncode not in (0, 9, 10):
+                raise
+            time.sleep(0.2)
+    raise AssertionError(f"could not create the account {name}")
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,6 @@ from nnqueue.isolation import (
     DEFAULT_ENGINE_USER,
     EngineUser,
     EngineUserError,
-    ensure_account,
     foreign_processes,
     plan_containment,
     probe,
@@ -95,22 +94,10 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="running processes as 
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's, readable by every user (its headers: python3-dev)
 
 
-# Made as the dedicated account is, but not the one workers use: a worker starting meanwhile in the suite's other
-# process (pytest-xdist) would find this file's squatters and probes running as its account and refuse to start.
-TEST_ACCOUNT = "nnqueue-test-engine"
-
-
 @pytest.fixture
-def engine_account() -> EngineUser:
-    for _ in range(10):  # 10: the password file is locked (a worker creating the dedicated account meanwhile)
-        try:
-            return ensure_account(TEST_ACCOUNT)
-        except EngineUserError:
-            command = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", TEST_ACCOUNT]
-            if subprocess.run(command, capture_output=True).returncode not in (0, 9, 10):
-                raise
-            time.sleep(0.2)
-    raise AssertionError(f"could not create {TEST_ACCOUNT}")
+def engine_account(spare_engine_account: EngineUser) -> EngineUser:
+    """Not the workers' account (tests/conftest.py says why): this file runs squatters and probes as it."""
+    return spare_engine_account
 
 
 @pytest.fixture

@@ -562,19 +562,20 @@ def python_reachable_by(account: isolation.EngineUser) -> bool:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the engine user is switched to only by a root worker")
 def test_a_worker_refuses_to_start_when_another_process_runs_as_its_engine_user(
-    services: Services, tiny_model_path: Path, tmp_path: Path
+    services: Services, tiny_model_path: Path, tmp_path: Path, spare_engine_account: isolation.EngineUser
 ) -> None:
-    account = isolation.ensure_account(isolation.DEFAULT_ENGINE_USER)
+    account = spare_engine_account  # the squatter on the workers' own would stop the other test process's workers
     squatter = subprocess.Popen(["sleep", "300"], user=account.uid, group=account.gid, extra_groups=[])
     try:
-        worker = WorkerProcess(services, tiny_model_path, tmp_path / "worker.log", model_key="tiny-squatted")
+        env = {"NNQUEUE_ENGINE_USER": account.name}
+        worker = WorkerProcess(services, tiny_model_path, tmp_path / "worker.log", env=env, model_key="tiny-squatted")
         code = wait_exit(worker)
     finally:
         squatter.kill()
         squatter.wait()
     log = worker.log()
     assert code == 2, log[-5000:]  # a configuration error: its supervisor did not start it again
-    assert f"other processes already run as the engine user 'nnqueue-engine' (uid {account.uid}): {squatter.pid}" in log
+    assert f"other processes already run as the engine user '{account.name}' (uid {account.uid}): {squatter.pid}" in log
     assert "leave NNQUEUE_ENGINE_USER unset" in log and log.count("Traceback") == 0
 
 
