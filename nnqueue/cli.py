@@ -231,9 +231,15 @@ def worker(
         if taps is not None:
             command += ["--taps", taps]
         raise typer.Exit(Supervisor([*command, *ctx.args], settings.supervisor_healthy_after_s).run())
+    from nnqueue.db import migrate
     from nnqueue.workers.supervisor import exit_with_supervisor
 
     exit_with_supervisor()
+    try:  # now, not after the engine's load, and a configuration error: its supervisor does not start it again
+        migrate.require_head(settings.resolved_database_url)
+    except migrate.SchemaOutOfDate as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2) from None
     # Only the supervised process imports the engine's stack (torch here, vLLM once the trace builders are launched:
     # 10-15 s of one core on a small machine): the supervisor, which starts a fresh one after each failure, stays
     # light, and a worker's start pays the import once.

@@ -13,8 +13,8 @@ each time. SIGTERM and SIGINT are passed to the worker, which shuts down warmly;
 exits with the worker's status. Any other exit is one the supervisor did not ask for, and is restarted,
 exit 0 included: a worker can be made to exit 0 from outside (Celery's remote-control ``shutdown``, were
 it on; a trace that reached the broker). The one exception is a worker whose very first start exits 2:
-it was misconfigured (a bad option, a conflicting engine, an install that cannot import vLLM), and starting it
-again would not help.
+it was misconfigured (a bad option, a conflicting engine, an install that cannot import vLLM, a database not
+migrated to its revision), and starting it again would not help.
 
 If the supervisor itself is killed, the kernel kills the worker (``PR_SET_PDEATHSIG``, set by the
 worker at start), and the worker's engine processes follow it (:mod:`nnqueue.enginecore.lifetime`).

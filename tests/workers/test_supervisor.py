@@ -113,3 +113,20 @@ def test_a_worker_that_cannot_import_vllm_exits_2_and_the_supervisor_never_impor
     assert result.returncode == 2, result.stderr[-3000:]
     assert "the worker cannot import its engine's libraries: vllm is broken on purpose" in result.stderr
     assert "starting it again" not in result.stderr
+
+
+def test_a_worker_on_an_unmigrated_database_exits_2_at_once_saying_what_to_run(tmp_path: Path) -> None:
+    """Not a restart loop behind a database error, and not after the engine's load: the schema is checked first."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NNQUEUE_DATA_DIR": str(tmp_path / "data")}
+    env |= {"NNQUEUE_BROKER_URL": "redis://127.0.0.1:1/0"}  # never reached
+    env.pop("NNQUEUE_DATABASE_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "nnqueue", "worker", "--model", str(tmp_path / "no-model-needed")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "is at revision none (no nnqueue tables)" in result.stderr
+    assert "run `nnqueue db upgrade`" in result.stderr and "starting it again" not in result.stderr
