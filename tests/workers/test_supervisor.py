@@ -103,13 +103,7 @@ def test_a_worker_that_cannot_import_vllm_exits_2_and_the_supervisor_never_impor
     env |= {"NNQUEUE_BROKER_URL": "redis://127.0.0.1:1/0", "NNQUEUE_DATA_DIR": str(tmp_path / "data")}  # never reached
     env.pop("NNQUEUE_DATABASE_URL", None)
     subprocess.run([sys.executable, "-m", "nnqueue", "db", "upgrade"], env=env, check=True, capture_output=True)
-    result = subprocess.run(
-        [sys.executable, "-m", "nnqueue", "worker", "--model", str(tiny_model_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = worker_command(tiny_model_path, env)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "the worker cannot import its engine's libraries: vllm is broken on purpose" in result.stderr
     assert "starting it again" not in result.stderr
@@ -120,13 +114,13 @@ def test_a_worker_on_an_unmigrated_database_exits_2_at_once_saying_what_to_run(t
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NNQUEUE_DATA_DIR": str(tmp_path / "data")}
     env |= {"NNQUEUE_BROKER_URL": "redis://127.0.0.1:1/0"}  # never reached
     env.pop("NNQUEUE_DATABASE_URL", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "nnqueue", "worker", "--model", str(tmp_path / "no-model-needed")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = worker_command(tmp_path / "no-model-needed", env)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "is at revision none (no nnqueue tables)" in result.stderr
     assert "run `nnqueue db upgrade`" in result.stderr and "starting it again" not in result.stderr
+
+
+def worker_command(model: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``nnqueue worker --model model``, supervised, run to its end."""
+    command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
