@@ -14,9 +14,10 @@ Helpers are in ``tests/utils/``.
 Starting a worker costs 30-60 s of the suite's budget (docs/development.md), so the tests that only need one
 running share the session's: ``worker`` (``MODEL_KEY``) and ``path_worker`` (keyed by the model's path, as
 nnsight's own clients ask), in modules marked ``shared_worker``, whose ``services`` (and so ``api_server``,
-``secret`` and ``client``) are then the session's shared namespace. Those modules run first, one after another (in one
-process under pytest-xdist: tests/utils/scheduling.py), and each shared worker stops after its last test. A test that kills, poisons or reconfigures a worker starts its own with
-``start_worker``, in a module not so marked (or, in a marked one, for a model key of its own).
+``secret`` and ``client``) are then the session's shared namespace. Those modules run first, one after another
+(in one process under pytest-xdist: tests/utils/scheduling.py), and each shared worker stops after its last test. A
+test that kills, poisons or reconfigures a worker starts its own with ``start_worker``, in a module not so marked
+(or, in a marked one, for a model key of its own).
 """
 
 from __future__ import annotations

@@ -145,13 +145,13 @@ def test_an_engine_user_that_cannot_reach_python_keeps_the_engine_root_or_refuse
 @needs_root
 @pytest.mark.skipif(not Path(SYSTEM_PYTHON).exists(), reason="no system Python to probe with")
 def test_an_engine_user_that_can_use_python_is_switched_to(engine_account: EngineUser) -> None:
-    name = engine_account.name
-    switched = plan_containment(name, True, "seccomp filter unavailable: test", ["json"], SYSTEM_PYTHON)
-    assert switched.engine_user == name
+    account = engine_account.name
+    switched = plan_containment(account, True, "seccomp filter unavailable: test", ["json"], SYSTEM_PYTHON)
+    assert switched.engine_user == account
     report = switched.report()
     assert {name: report[name] for name in ("engine_user", "note", "seccomp")} == {
-        "engine_user": name,
-        "note": f"engine processes switch to {name!r} once they are up",
+        "engine_user": account,
+        "note": f"engine processes switch to {account!r} once they are up",
         "seccomp": "seccomp filter unavailable: test",
     }
 
