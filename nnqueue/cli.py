@@ -231,18 +231,13 @@ def worker(
         if taps is not None:
             command += ["--taps", taps]
         raise typer.Exit(Supervisor([*command, *ctx.args], settings.supervisor_healthy_after_s).run())
-    from nnqueue.db import migrate
     from nnqueue.workers.supervisor import exit_with_supervisor
 
     exit_with_supervisor()
-    try:  # now, not after the engine's load, and a configuration error: its supervisor does not start it again
-        migrate.require_head(settings.resolved_database_url)
-    except migrate.SchemaOutOfDate as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(2) from None
     # Only the supervised process imports the engine's stack (torch here, vLLM once the trace builders are launched:
     # 10-15 s of one core on a small machine): the supervisor, which starts a fresh one after each failure, stays
     # light, and a worker's start pays the import once.
+    from nnqueue.db import migrate
     from nnqueue.enginecore.taps import UnservableTaps
     from nnqueue.isolation import EngineUserError
     from nnqueue.scheduler.registry import EngineConflict
@@ -268,10 +263,11 @@ def worker(
             # Steering hooks must exist before vLLM records its graphs: hook the taps at load (see steering.py)
             os.environ.setdefault("NNQUEUE_STEER_POINTS", ",".join(served))
     try:
+        migrate.require_head(settings.resolved_database_url)  # now, not after the engine's imports and load
         from nnqueue.workers.main import run_worker
 
         run_worker(model, model_key or model, concurrency, engine_kwargs, kind, bulk_slots)
-    except (EngineConflict, EngineUserError, UnservableTaps) as conflict:
+    except (EngineConflict, EngineUserError, UnservableTaps, migrate.SchemaOutOfDate) as conflict:
         typer.echo(str(conflict), err=True)
         raise typer.Exit(2) from None  # a configuration error: the supervisor does not restart it
     except ImportError as missing:  # a broken install, found before the engine loads: not restarted either
