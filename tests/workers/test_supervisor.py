@@ -99,9 +99,7 @@ def test_a_worker_that_cannot_import_vllm_exits_2_and_the_supervisor_never_impor
     broken = tmp_path / "broken" / "vllm"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text("raise ImportError('vllm is broken on purpose')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(broken.parent), str(ROOT)])}
-    env |= {"NNQUEUE_BROKER_URL": "redis://127.0.0.1:1/0", "NNQUEUE_DATA_DIR": str(tmp_path / "data")}  # never reached
-    env.pop("NNQUEUE_DATABASE_URL", None)
+    env = embedded_env(tmp_path, broken.parent)
     subprocess.run([sys.executable, "-m", "nnqueue", "db", "upgrade"], env=env, check=True, capture_output=True)
     result = worker_command(tiny_model_path, env)
     assert result.returncode == 2, result.stderr[-3000:]
@@ -111,10 +109,7 @@ def test_a_worker_that_cannot_import_vllm_exits_2_and_the_supervisor_never_impor
 
 def test_a_worker_on_an_unmigrated_database_exits_2_at_once_saying_what_to_run(tmp_path: Path) -> None:
     """Not a restart loop behind a database error, and not after the engine's load: the schema is checked first."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NNQUEUE_DATA_DIR": str(tmp_path / "data")}
-    env |= {"NNQUEUE_BROKER_URL": "redis://127.0.0.1:1/0"}  # never reached
-    env.pop("NNQUEUE_DATABASE_URL", None)
-    result = worker_command(tmp_path / "no-model-needed", env)
+    result = worker_command(tmp_path / "no-model-needed", embedded_env(tmp_path))
     assert result.returncode == 2, result.stderr[-3000:]
     assert "is at revision none (no nnqueue tables)" in result.stderr
     assert "run `nnqueue db upgrade`" in result.stderr and "starting it again" not in result.stderr
@@ -124,3 +119,12 @@ def worker_command(model: Path, env: dict[str, str]) -> subprocess.CompletedProc
     """``nnqueue worker --model model``, supervised, run to its end."""
     command = [sys.executable, "-m", "nnqueue", "worker", "--model", str(model)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def embedded_env(tmp_path: Path, *first_on_path: Path) -> dict[str, str]:
+    """The environment of an embedded (SQLite) worker under ``tmp_path``, whose broker is never reached, importing
+    ``first_on_path`` before this checkout."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, first_on_path), str(ROOT)])}
+    env |= {"NNQUEUE_BROKER_URL": "redis://127.0.0.1:1/0", "NNQUEUE_DATA_DIR": str(tmp_path / "data")}
+    env.pop("NNQUEUE_DATABASE_URL", None)
+    return env
