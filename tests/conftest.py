@@ -14,8 +14,8 @@ Helpers are in ``tests/utils/``.
 Starting a worker costs 30-60 s of the suite's budget (docs/development.md), so the tests that only need one
 running share the session's: ``worker`` (``MODEL_KEY``) and ``path_worker`` (keyed by the model's path, as
 nnsight's own clients ask), in modules marked ``shared_worker``, whose ``services`` (and so ``api_server``,
-``secret`` and ``client``) are then the session's shared namespace. Those modules run first, one after another
-(in one process under pytest-xdist: tests/utils/scheduling.py), and each shared worker stops after its last test. A
+``secret`` and ``client``) are then the session's shared namespace. Those modules run one after another (first,
+in one process, under pytest-xdist: tests/utils/scheduling.py), and each shared worker stops after its last test. A
 test that kills, poisons or reconfigures a worker starts its own with ``start_worker``, in a module not so marked
 (or, in a marked one, for a model key of its own).
 """
@@ -414,8 +414,8 @@ def marked_shared(item: pytest.Item) -> bool:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Refuse a shared worker to a module not marked ``shared_worker`` (its jobs would never reach it), or a mark that
-    pytest-xdist's scheduler cannot read; run the marked modules first, one after another; note the last module
-    that uses each of RELEASED_EARLY."""
+    pytest-xdist's scheduler cannot read; run the marked modules one after another (first under xdist); note the
+    last module that uses each of RELEASED_EARLY."""
     from tests.utils.scheduling import declared_shared
 
     for item in items:
@@ -432,12 +432,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 " where pytest-xdist's scheduler reads it (tests/utils/scheduling.py)"
             )
     shared = [item for item in items if marked_shared(item)]
+    rest = [item for item in items if not marked_shared(item)]
+    # Where the first of them was; under xdist first: they are one unit (tests/utils/scheduling.py), the longest,
+    # which one process starts with while the other takes the remaining modules.
+    first = 0 if hasattr(config, "workerinput") or not shared else items.index(shared[0])
     # The modules of the path-keyed worker first, so that the two shared workers seldom run at once.
     by_path = {module_of(item) for item in shared if "shared_path_worker" in item.fixturenames}
     shared.sort(key=lambda item: module_of(item) not in by_path)
-    # The marked modules first: under xdist they are one unit (tests/utils/scheduling.py), the longest, which one
-    # process starts with while the others take the remaining modules.
-    items[:] = shared + [item for item in items if not marked_shared(item)]
+    items[:] = rest[:first] + shared + rest[first:]
     config.stash[LAST_USER] = {
         name: str(module_of(item)) for item in items for name in RELEASED_EARLY if name in item.fixturenames
     }
