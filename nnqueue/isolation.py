@@ -64,6 +64,9 @@ DEFAULT_ENGINE_USER = "nnqueue-engine"
 # Set by the worker to its own pid: the engine processes it starts enter the sandbox (and only those: never
 # the process that set it, nor a library user's process that builds an engine itself).
 SANDBOX_ENV = "NNQUEUE_ENGINE_SANDBOX"
+# How long a starting root worker waits for processes of its engine account that are no worker's to exit
+# before it refuses to start (:func:`lasting_foreign_processes`).
+STRANGERS_GRACE_S = 10.0
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
@@ -452,29 +455,48 @@ def foreign_processes(account: EngineUser) -> list[str]:
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
-        if account.uid in _uids(pid) and not _ours(pid, account.uid):
+        if account.uid in _uids(pid) and _state(pid) not in _ENDED and not _ours(pid, account.uid):
             found.append(f"{pid} ({' '.join(_cmdline(pid))[:120] or '?'})")
     return found
 
 
-def _uids(pid: int) -> set[int]:
+# Zombie and dead: the process has ended and only waits for its parent to collect its exit status.
+_ENDED = ("Z", "X")
+
+
+def lasting_foreign_processes(account: EngineUser, grace: float) -> list[str]:
+    """:func:`foreign_processes` that are still there after up to ``grace`` seconds.
+
+    A worker killed a moment ago (its supervisor restarts it; another worker of the host starts meanwhile)
+    leaves engine processes that take a few seconds to exit: orphaned, with their memory and command line
+    already gone, they are no longer any worker's and would otherwise count as strangers."""
+    deadline = time.monotonic() + grace
+    while (found := foreign_processes(account)) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return found
+
+
+def _status(pid: int, field: str) -> list[str]:
+    """The values of one line of ``/proc/<pid>/status`` (none once the process is gone)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Uid:"):
-                return {int(field) for field in line.split()[1:]}
-    except (OSError, ValueError):
+            if line.startswith(f"{field}:"):
+                return line.split()[1:]
+    except OSError:
         pass
-    return set()
+    return []
+
+
+def _uids(pid: int) -> set[int]:
+    return {int(value) for value in _status(pid, "Uid")}
 
 
 def _ppid(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("PPid:"):
-                return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return 0
+    return int(next(iter(_status(pid, "PPid")), 0))
+
+
+def _state(pid: int) -> str:
+    return next(iter(_status(pid, "State")), "X")
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -671,7 +693,7 @@ def plan_containment(
             )
         return Containment(None, why, seccomp)
     account = ensure_account(user)
-    if others := foreign_processes(account):
+    if others := lasting_foreign_processes(account, STRANGERS_GRACE_S):
         raise EngineUserError(
             f"other processes already run as the engine user {account.name!r} (uid {account.uid}): "
             f"{', '.join(others[:5])}; engine processes would share their files and could signal them. Give the"

@@ -19,11 +19,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from nnqueue import isolation
 from nnqueue.isolation import (
     DEFAULT_ENGINE_USER,
     EngineUser,
     EngineUserError,
     foreign_processes,
+    lasting_foreign_processes,
     plan_containment,
     probe,
     unreadable_by,
@@ -157,7 +159,10 @@ def test_an_engine_user_that_can_use_python_is_switched_to(engine_account: Engin
 
 
 @needs_root
-def test_an_engine_user_that_another_process_runs_as_is_refused(engine_account: EngineUser) -> None:
+def test_an_engine_user_that_another_process_runs_as_is_refused(
+    engine_account: EngineUser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(isolation, "STRANGERS_GRACE_S", 0.5)
     squatter = subprocess.Popen(["sleep", "60"], user=engine_account.uid, group=engine_account.gid, extra_groups=[])
     try:
         assert any(entry.startswith(f"{squatter.pid} (sleep 60") for entry in foreign_processes(engine_account))
@@ -168,6 +173,30 @@ def test_an_engine_user_that_another_process_runs_as_is_refused(engine_account: 
         squatter.kill()
         squatter.wait()
     assert not any(entry.startswith(f"{squatter.pid} ") for entry in foreign_processes(engine_account))
+
+
+@needs_root
+def test_processes_of_the_account_that_are_exiting_or_ended_are_not_strangers(engine_account: EngineUser) -> None:
+    """A killed worker's engine processes take a moment to exit (the failure that kept ``pytest -n 2`` from being
+    the default): a starting worker waits for them, and a process that has ended (a zombie) is nobody."""
+    as_account = {"user": engine_account.uid, "group": engine_account.gid, "extra_groups": []}
+    ended = subprocess.Popen(["true"], **as_account)  # not waited for: a zombie until the end of this test
+    exiting = subprocess.Popen(["sleep", "1"], **as_account)
+    staying = subprocess.Popen(["sleep", "60"], **as_account)
+    try:
+        while psutil.Process(ended.pid).status() != psutil.STATUS_ZOMBIE:
+            time.sleep(0.05)
+        listed = {entry.split(" ", 1)[0] for entry in foreign_processes(engine_account)}
+        assert str(ended.pid) not in listed and {str(exiting.pid), str(staying.pid)} <= listed
+        started = time.monotonic()
+        lasting = lasting_foreign_processes(engine_account, grace=3)
+        waited = time.monotonic() - started
+    finally:
+        for process in (ended, exiting, staying):
+            process.kill()
+            process.wait()
+    assert [entry.split(" ", 1)[0] for entry in lasting] == [str(staying.pid)]
+    assert 2.9 < waited < 10  # it waited its grace for the one that stayed
 
 
 @needs_root
