@@ -181,11 +181,11 @@ def test_processes_of_the_account_that_are_exiting_or_ended_are_not_strangers(en
     the default): a starting worker waits for them, and a process that has ended (a zombie) is nobody."""
     as_account = {"user": engine_account.uid, "group": engine_account.gid, "extra_groups": []}
     ended = subprocess.Popen(["true"], **as_account)  # not waited for: a zombie until the end of this test
-    exiting = subprocess.Popen(["sleep", "1"], **as_account)
     staying = subprocess.Popen(["sleep", "60"], **as_account)
+    while psutil.Process(ended.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
+    exiting = subprocess.Popen(["sleep", "2"], **as_account)
     try:
-        while psutil.Process(ended.pid).status() != psutil.STATUS_ZOMBIE:
-            time.sleep(0.05)
         listed = {entry.split(" ", 1)[0] for entry in foreign_processes(engine_account)}
         assert str(ended.pid) not in listed and {str(exiting.pid), str(staying.pid)} <= listed
         started = time.monotonic()
