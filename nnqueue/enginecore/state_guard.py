@@ -12,6 +12,8 @@ a trace holds them (nnsight hands it the real modules; ``type()`` hands it their
   ``impl``, a layer's ``quant_method``, nnsight's per-module ``State`` and controller ``forward``);
 * the classes those objects are instances of, with their bases (``RMSNorm.forward_native = f``), and
   ``torch.Tensor``;
+* torch's modes active on the engine's thread (a ``TorchFunctionMode`` or ``TorchDispatchMode`` entered and left
+  active, ``torch.device("meta")`` entered: each sees every later torch call there, other owners' steps too);
 * the engine's own code that results pass through: the module globals and classes of nnqueue's engine package
   (the result writer ``trace_results.write_saves``, the sinks, ``WeightsGuard.check``, the RPCs), nnsight's, the
   model's layers' modules, torch's, ``builtins`` and the serializers', and the protected environment's
@@ -176,6 +178,7 @@ class StateGuard:
         self.containers = list(_Walk(self.model, self.roots, self.extra_modules).containers())
         for container in self.containers:
             container.saved = _read(container)
+        self._modes = _torch_modes()
         self._freeze()
 
     def accept_hooks(self) -> None:
@@ -238,6 +241,9 @@ class StateGuard:
         if not _switches_off():
             _switch_off()
             found.strict.append(_SWITCHES)
+        if not _same_modes(self._modes):
+            _put_back_modes(self._modes)
+            found.strict.append(_MODES)
         for container in self.containers:
             obj, cls = container.owner, container.owner_class
             if obj is not None and cls is not None and type(obj) is not cls:
@@ -258,7 +264,12 @@ class StateGuard:
         """Every container's entries, read in a few C-level passes, are the saved objects (see `_Identities`)."""
         try:
             lengths = list(map(len, chain(self._dicts, self._classes, self._sequences)))
-            return lengths == self._lengths and self._saved.same(self._now()) and _switches_off()
+            return (
+                lengths == self._lengths
+                and self._saved.same(self._now())
+                and _switches_off()
+                and _same_modes(self._modes)
+            )
         except Exception:  # noqa: BLE001 - an unset slot, a container of the wrong type: the slow path says which
             return False
 
@@ -380,6 +391,41 @@ def _switches_off() -> bool:
 def _switch_off() -> None:
     protected._auditing.active = False
     protected._region.depth = 0
+
+
+_MODES = "torch's function and dispatch modes on the engine's thread (a mode entered and left active)"
+_INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())
+
+
+def _torch_modes() -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
+    """The modes active on this (the engine's) thread: torch's function-mode stack, dispatch-mode stack and
+    infrastructure dispatch modes (fake, proxy, functional), each mode by identity. A mode that a trace enters and
+    leaves active (``TorchFunctionMode().__enter__()``, ``torch.device("meta").__enter__()``) sees every later
+    torch call on this thread, other owners' steps included: it can change their results and read their inputs."""
+    function = tuple(map(torch._C._get_function_stack_at, range(torch._C._len_torch_function_stack())))
+    dispatch = tuple(map(torch._C._get_dispatch_stack_at, range(torch._C._len_torch_dispatch_stack())))
+    return function, dispatch, tuple(map(torch._C._get_dispatch_mode, _INFRA_MODES))
+
+
+def _same_modes(saved: tuple[tuple[Any, ...], ...]) -> bool:
+    return all(map(_all_identical, _torch_modes(), saved))
+
+
+def _put_back_modes(saved: tuple[tuple[Any, ...], ...]) -> None:
+    function, dispatch, infra = saved
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    while torch._C._len_torch_dispatch_stack():
+        torch._C._pop_torch_dispatch_stack(None)
+    for mode in function:
+        torch._C._push_on_torch_function_stack(mode)
+    for mode in dispatch:
+        torch._C._push_on_torch_dispatch_stack(mode)
+    for key, mode in zip(_INFRA_MODES, infra, strict=True):
+        if torch._C._get_dispatch_mode(key) is not mode:
+            torch._C._unset_dispatch_mode(key)
+            if mode is not None:
+                torch._C._set_dispatch_mode(mode)
 
 
 # --------------------------------------------------------------------------------------------- what is walked

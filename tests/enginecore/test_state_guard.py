@@ -73,6 +73,37 @@ def test_hooks_left_behind_are_removed(model: Tiny, guard: StateGuard) -> None:
     assert calls == []
 
 
+def test_torch_modes_left_active_are_put_back(model: Tiny, guard: StateGuard) -> None:
+    """A red-team round's finding: a ``TorchFunctionMode`` entered and left active in a trace saw every later torch
+    call on the engine's thread, other owners' steps included (it rewrote their logits and collected their token
+    ids), and ``torch.device("meta")`` entered so broke the next step. The guard held neither."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(getattr(func, "__name__", "?"))
+            return func(*args, **(kwargs or {}))
+
+    class Doubler(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            return func(*args, **(kwargs or {})) * 2
+
+    expected = model.head(torch.ones(1, 8))
+    Spy().__enter__()
+    torch.device("meta").__enter__()
+    Doubler().__enter__()
+    found = guard.check()
+    assert found.strict == [state_guard._MODES], found
+    assert (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()) == (0, 0)
+    seen.clear()
+    after = model.head(torch.ones(1, 8))
+    assert after.device.type == "cpu" and torch.equal(after, expected) and seen == []
+    assert not guard.check()
+
+
 def test_a_replaced_class_method_and_a_swapped_class_are_put_back(model: Tiny, guard: StateGuard) -> None:
     forward = torch.nn.LayerNorm.forward
     torch.nn.LayerNorm.forward = lambda self, x: x * 0  # type: ignore[method-assign]

@@ -72,12 +72,30 @@ def hook(client: VLLM) -> bytes:
     return backend.payload
 
 
+def torch_mode(client: VLLM) -> bytes:
+    """A red-team round's finding: a torch function mode entered and left active sees every later torch call on the
+    engine's thread (here it scales every float result: the next jobs' logits change)."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        import torch as t
+
+        class Scale(t.overrides.TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+                result = func(*args, **(kwargs or {}))
+                return result * 1.25 if isinstance(result, t.Tensor) and result.is_floating_point() else result
+
+        Scale().__enter__()
+        logits = client.logits.save()
+    return backend.payload
+
+
 @pytest.mark.parametrize(
     ("hostile", "named"),
     [
         (plain_attribute, "model.norm"),
         (buffer, "model.layers.0.self_attn.rotary_emb.cos_sin_cache (buffer)"),
         (hook, "model.norm._forward_hooks"),
+        (torch_mode, "torch's function and dispatch modes on the engine's thread"),
     ],
 )
 def test_a_change_without_escape_fails_its_trace_and_the_next_job_is_untouched(
