@@ -40,6 +40,9 @@ def test_allowed_modules_work_and_come_back_protected() -> None:
     assert isinstance(scope["torch"], protected.ProtectedModule) and isinstance(scope["F"], types.ModuleType)
 
 
+FAKE_PACKET = "class Fake:\n    _qualified_op_name = 'aten::from_file'\n    _dir = []"
+
+
 @pytest.mark.parametrize(
     ("source", "named"),
     [
@@ -52,6 +55,9 @@ def test_allowed_modules_work_and_come_back_protected() -> None:
         ("f = (lambda: 0).__globals__", "'__globals__'"),
         ("import torch\ng = torch.nn.Module.__init__.__globals__", "'__globals__'"),
         ("def f():\n    yield 1\nf().gi_frame", "'gi_frame'"),
+        # A red-team round's file read: OpOverloadPacket.__getattr__ resolves the op a fake packet names.
+        (f"import torch\n{FAKE_PACKET}\ntype(torch.ops.aten.add).__getattr__(Fake(), 'default')", "'__getattr__'"),
+        (f"import torch\n{FAKE_PACKET}\ngetattr(type(torch.ops.aten.add), '__get' + 'attr__')", "'__getattr__'"),
         ("from . import x", "relative import"),
     ],
 )
