@@ -38,7 +38,7 @@ change) are each run again alone (``StateModifiedInSharedStep``), so that only t
 again is failed.
 
 What it cannot see: a change to an object it does not hold (a class that is none of the above, a library's
-module-level cache), a write through a tensor alias into memory that no guarded tensor owns, and anything done
+module-level cache, a mode left on a thread other than the engine's), a write through a tensor alias into memory that no guarded tensor owns, and anything done
 with an escape from the protected environment that also rewrites the guard itself. Trust domains are the
 boundary (docs/operator/security.md); this bounds what a trace can do to the other jobs of its own domain.
 """
@@ -401,7 +401,9 @@ def _torch_modes() -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]:
     """The modes active on this (the engine's) thread: torch's function-mode stack, dispatch-mode stack and
     infrastructure dispatch modes (fake, proxy, functional), each mode by identity. A mode that a trace enters and
     leaves active (``TorchFunctionMode().__enter__()``, ``torch.device("meta").__enter__()``) sees every later
-    torch call on this thread, other owners' steps included: it can change their results and read their inputs."""
+    torch call on this thread, other owners' steps included: it can change their results and read their inputs.
+    Read and restored with torch's own mode-stack functions in ``torch._C`` (private; as of torch 2.13), which is
+    what ``torch.overrides`` and ``torch.utils._python_dispatch`` use."""
     function = tuple(map(torch._C._get_function_stack_at, range(torch._C._len_torch_function_stack())))
     dispatch = tuple(map(torch._C._get_dispatch_stack_at, range(torch._C._len_torch_dispatch_stack())))
     return function, dispatch, tuple(map(torch._C._get_dispatch_mode, _INFRA_MODES))
