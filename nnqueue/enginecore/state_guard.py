@@ -40,8 +40,8 @@ again is failed.
 What it cannot see: a change to an object it does not hold (a class that is none of the above, a library's
 module-level cache, a mode left on a thread other than the engine's), a write through a tensor alias into memory
 that no guarded tensor owns, and anything done with an escape from the protected environment that also rewrites
-the guard itself. Trust domains are the
-boundary (docs/operator/security.md); this bounds what a trace can do to the other jobs of its own domain.
+the guard itself. Trust domains are the boundary (docs/operator/security.md); this bounds what a trace can do to
+the other jobs of its own domain.
 """
 
 from __future__ import annotations
