@@ -46,9 +46,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from nnqueue import probe_memo
 from nnqueue.errors import NNqueueError
 from nnqueue.libc import libc
 
@@ -531,8 +532,8 @@ def _sandbox_of(pid: int) -> int | None:
 
 
 # The probe: a fresh interpreter, run as the engine user, imports what the engine processes import after the
-# switch and reads the files inductor compiles against (its own Python.h among them); it prints the problems
-# as one JSON list.
+# switch and reads the files inductor compiles against (its own Python.h among them); it prints, as one JSON
+# list, the problems and what it read (its modules' files, the files it mapped, the files it was asked to read).
 _PROBE = """
 import importlib, json, os, sys, sysconfig
 modules, files = json.loads(sys.argv[1])
@@ -548,13 +549,24 @@ for name in files:
         open(name, "rb").close()
     except OSError as error:
         problems.append(f"read {name}: {error.strerror}")
-print(json.dumps(problems))
+read = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
+with open("/proc/self/maps") as maps:
+    read.update(line.split(None, 5)[5].strip() for line in maps if len(line.split(None, 5)) == 6)
+print(json.dumps([problems, sorted(name for name in read | set(files) if name and name.startswith("/"))]))
 """
 
 
 # How the probe runs where the engine will (its filesystem view and network: nnqueue.enginecore.spawning), given
 # the probe's own call.
 Contained = Callable[[Callable[[], "subprocess.CompletedProcess[str]"]], "subprocess.CompletedProcess[str]"]
+
+
+@dataclass(frozen=True)
+class Probed:
+    """What the probe could not import or read (empty: it passed), and the absolute paths it read."""
+
+    problems: list[str]
+    read: list[str] = field(default_factory=list)
 
 
 def probe(
@@ -564,9 +576,9 @@ def probe(
     timeout_s: float = 300.0,
     python: str = sys.executable,
     contained: Contained | None = None,
-) -> list[str]:
-    """What ``account`` cannot import or read with ``python`` (this interpreter), run as that account (empty:
-    nothing), where ``contained`` runs it (None: here).
+) -> Probed:
+    """What ``account`` cannot import or read with ``python`` (this interpreter), run as that account (no
+    problems: nothing), where ``contained`` runs it (None: here), and what it read.
 
     Modules of the standard library that the engine imports lazily (``symtable``), the libraries' modules
     that jobs load after the switch (nnsight's errors, inductor's ``codecache``) and the headers inductor
@@ -595,16 +607,16 @@ def probe(
     try:
         done = run() if contained is None else contained(run)
     except OSError as error:
-        return [f"run {python}: {error.strerror or error}"]
+        return Probed([f"run {python}: {error.strerror or error}"])
     except subprocess.TimeoutExpired:
-        return [f"the probe did not finish in {timeout_s:.0f} s"]
+        return Probed([f"the probe did not finish in {timeout_s:.0f} s"])
     finally:
         shutil.rmtree(home, ignore_errors=True)
     try:
-        problems = json.loads(done.stdout.strip().splitlines()[-1])
+        problems, read = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return [f"{python} exited with {done.returncode}: {done.stderr.strip()[-2000:]}"]
-    return [str(problem) for problem in problems]
+        return Probed([f"{python} exited with {done.returncode}: {done.stderr.strip()[-2000:]}"])
+    return Probed([str(problem) for problem in problems], [str(name) for name in read])
 
 
 def interpreter_paths() -> list[Path]:
@@ -667,6 +679,8 @@ def plan_containment(
     *,
     files: Iterable[Path] = (),
     contained: Contained | None = None,
+    memo: Path | None = None,
+    where: str = "",
 ) -> Containment:
     """Decide, at a worker's start, which user its engine processes run as (see docs/operator/engine-isolation.md).
 
@@ -677,7 +691,8 @@ def plan_containment(
     model's); then the engine switches to it. When the probe fails the engine keeps root, behind every layer
     that does not need the switch, and its worker runs only its operator's traces (:meth:`Containment.refusal`),
     unless ``required`` (``NNQUEUE_ENGINE_USER_REQUIRED``): then :class:`EngineUserError` says what to change.
-    ``seccomp``: why the seccomp filter is unavailable, or None.
+    ``seccomp``: why the seccomp filter is unavailable, or None. ``memo``: the folder where a passed probe is
+    remembered (:mod:`nnqueue.probe_memo`; None: always probe), ``where`` what ``contained`` does, as text.
     """
     uid = os.geteuid()
     if uid != 0 or not user:
@@ -700,7 +715,7 @@ def plan_containment(
             f" engine an account of its own: leave NNQUEUE_ENGINE_USER unset (the dedicated {DEFAULT_ENGINE_USER!r})"
             " or name an account nothing else uses"
         )
-    problems = probe(account, modules, files, python=python, contained=contained)
+    problems = _probe_unless_remembered(account, modules, files, python, contained, memo, where)
     if not problems:
         return Containment(account.name, f"engine processes switch to {account.name!r} once they are up", seccomp)
     paths = None if python == sys.executable else [Path(os.path.realpath(python))]
@@ -708,6 +723,26 @@ def plan_containment(
     if required:
         raise EngineUserError(f"NNQUEUE_ENGINE_USER_REQUIRED is true and {message}")
     return Containment(None, f"engine processes keep root, because {message}", seccomp)
+
+
+def _probe_unless_remembered(
+    account: EngineUser,
+    modules: Iterable[str],
+    files: Iterable[Path],
+    python: str,
+    contained: Contained | None,
+    memo: Path | None,
+    where: str,
+) -> list[str]:
+    modules, files = list(modules), list(files)
+    key = probe_memo.question(python, account.uid, account.gid, modules, files, where)
+    if memo is not None and probe_memo.passed(memo, key):
+        log.info("the engine user's probe passed before and nothing it read has changed: not run again")
+        return []
+    probed = probe(account, modules, files, python=python, contained=contained)
+    if memo is not None and not probed.problems:
+        probe_memo.remember(memo, key, probed.read)
+    return probed.problems
 
 
 def unreadable_by(account: EngineUser, paths: Iterable[Path]) -> list[Path]:

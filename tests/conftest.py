@@ -72,6 +72,18 @@ def restore_root_logger() -> Iterator[None]:
     root.setLevel(level)
 
 
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A folder that anyone can reach (pytest's own temporary folders are private to their user)."""
+    import shutil
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp())
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder)
+
+
 @pytest.fixture(scope="session")
 def spare_engine_account() -> EngineUser:
     """An account made as the dedicated engine account is, for the tests that run strangers (squatters, probes) as

@@ -10,10 +10,8 @@ import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -34,28 +32,19 @@ from nnqueue.isolation import (
 STRANGER = EngineUser("stranger", 54321, 54321)  # owns nothing here, in no group of these files
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
-    """A folder that anyone can reach (pytest's own temporary folders are private to their user)."""
-    folder = Path(tempfile.mkdtemp())
-    folder.chmod(0o755)
-    yield folder
-    shutil.rmtree(folder)
-
-
-def test_a_folder_is_unreadable_when_a_folder_above_it_cannot_be_searched(base: Path) -> None:
-    private, public = base / "home", base / "opt"
+def test_a_folder_is_unreadable_when_a_folder_above_it_cannot_be_searched(reachable: Path) -> None:
+    private, public = reachable / "home", reachable / "opt"
     (private / "lib").mkdir(parents=True)
     (public / "lib").mkdir(parents=True)
-    for folder in (base, private / "lib", public, public / "lib"):
+    for folder in (reachable, private / "lib", public, public / "lib"):
         folder.chmod(0o755)
     private.chmod(0o700)  # root's home
 
     assert unreadable_by(STRANGER, [private / "lib", public / "lib"]) == [private / "lib"]
 
 
-def test_a_folder_its_owner_or_group_may_read_is_readable(base: Path) -> None:
-    folder = base / "lib"
+def test_a_folder_its_owner_or_group_may_read_is_readable(reachable: Path) -> None:
+    folder = reachable / "lib"
     folder.mkdir()
     info = folder.stat()
     folder.chmod(0o750)
@@ -103,9 +92,9 @@ def engine_account(spare_engine_account: EngineUser) -> EngineUser:
 
 
 @pytest.fixture
-def hidden_python(base: Path) -> Path:
+def hidden_python(reachable: Path) -> Path:
     """A copy of the system Python in a folder only root may enter, as a Python in root's mode-700 home is."""
-    home = base / "root-home"
+    home = reachable / "root-home"
     (home / "bin").mkdir(parents=True)
     python = home / "bin" / "python3"
     shutil.copy2(os.path.realpath(SYSTEM_PYTHON), python)
@@ -115,14 +104,18 @@ def hidden_python(base: Path) -> Path:
 
 @needs_root
 @pytest.mark.skipif(not Path(SYSTEM_PYTHON).exists(), reason="no system Python to probe with")
-def test_the_probe_names_what_the_engine_user_cannot_import_or_read(engine_account: EngineUser, base: Path) -> None:
-    secret = base / "private" / "secret.txt"
+def test_the_probe_names_what_the_engine_user_cannot_import_or_read(
+    engine_account: EngineUser, reachable: Path
+) -> None:
+    secret = reachable / "private" / "secret.txt"
     secret.parent.mkdir()
     secret.write_text("root only")
     secret.parent.chmod(0o700)
 
-    assert probe(engine_account, ["json", "symtable"], [], python=SYSTEM_PYTHON) == []
-    problems = probe(engine_account, ["json", "no_such_module_here"], [secret], python=SYSTEM_PYTHON)
+    passed = probe(engine_account, ["json", "symtable"], [], python=SYSTEM_PYTHON)
+    assert passed.problems == []
+    assert any(name.endswith("/symtable.py") for name in passed.read)  # what it read, for nnqueue.probe_memo
+    problems = probe(engine_account, ["json", "no_such_module_here"], [secret], python=SYSTEM_PYTHON).problems
     assert len(problems) == 2
     assert problems[0].startswith("import no_such_module_here: ModuleNotFoundError")
     assert problems[1] == f"read {secret}: Permission denied"
@@ -325,11 +318,11 @@ AFTER_THE_SWITCH = textwrap.dedent(
 
 @needs_root
 def test_a_switched_engine_process_cannot_signal_the_worker_read_its_files_or_connect_to_its_sockets(
-    base: Path,
+    reachable: Path,
 ) -> None:
     import socket
 
-    private = base / "private"
+    private = reachable / "private"
     private.mkdir(mode=0o700)
     private.chmod(0o711)  # others may pass, not list: the file's own mode must keep them out
     secret = private / "secret.env"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -22,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from nnqueue import isolation, mountns, netns, seccomp_filter
+from nnqueue import isolation, mountns, netns, probe_memo, seccomp_filter
 from nnqueue.enginecore import sandbox, spawning
 from nnqueue.settings import Settings
 
@@ -75,6 +76,8 @@ def isolate(
         sandbox.PROBE_MODULES,
         files=model_files(model),
         contained=contained,
+        memo=probe_memo.DEFAULT_FOLDER,
+        where=json.dumps([isolated, probe_view.to_json() if private else None]),
     )
     containment = dataclasses.replace(
         containment,

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue import isolation, mountns
+from nnqueue import isolation, mountns, probe_memo
 from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
@@ -137,9 +137,13 @@ def run_worker(
     with sessions() as session:  # fail before loading a model that would then not register
         registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
-    executor = host.call(
-        _start_executor(engine_kind, model, engine_kwargs, settings, sessions, store, sinks, containment, view)
-    )
+    try:
+        executor = host.call(
+            _start_executor(engine_kind, model, engine_kwargs, settings, sessions, store, sinks, containment, view)
+        )
+    except BaseException:
+        probe_memo.forget(probe_memo.DEFAULT_FOLDER)  # if a remembered probe misled us, the next start probes
+        raise
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
     freeze_startup_heap()
     vllm_executor = cast("VLLMTraceExecutor", executor) if engine_kind is EngineKind.VLLM else None
