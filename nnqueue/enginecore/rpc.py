@@ -17,7 +17,7 @@ rank (`stage_reporting`): a harvest chunk is captured and written by the stage t
 * ``nnqueue_discard_trace``: frees the state of requests that were aborted, cancelled or timed out (and checks
   as above after their blocks' unwinding).
 * ``nnqueue_verify_state`` (the guards' mixin): verify and put back every tensor, read in full, and the rest of
-  the state, with nothing in flight (a trust-domain switch).
+  the state, with nothing in flight, then seed torch's generators with the seed given (a trust-domain switch).
 * ``nnqueue_calls``: several of the per-job calls (`GROUPED`) in one RPC, each answered as it would be alone (a call
   that raises answers ``{outbox.CALL_FAILED: "Type: message"}``), and the outbox's queued completions
   (:mod:`nnqueue.enginecore.outbox`): the frontend sends the calls made in one turn of its loop in one such RPC

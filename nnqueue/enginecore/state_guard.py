@@ -14,6 +14,10 @@ a trace holds them (nnsight hands it the real modules; ``type()`` hands it their
   ``torch.Tensor``;
 * torch's modes active on the engine's thread (a ``TorchFunctionMode`` or ``TorchDispatchMode`` entered and left
   active, ``torch.device("meta")`` entered: each sees every later torch call there, other owners' steps too);
+* torch's random seeds (``torch.manual_seed``: vLLM samples the requests without a seed of their own from the
+  default generators), put back to the seed they had; a trust-domain switch seeds them afresh (`StateGuard.reseed`);
+* the warnings filters and the ``warnings`` module's globals (lazy: ``catch_warnings`` rebinds them for a while),
+  and libraries' configuration objects (``nnsight.CONFIG``, walked as a module's attributes are);
 * the engine's own code that results pass through: the module globals and classes of nnqueue's engine package
   (the result writer ``trace_results.write_saves``, the sinks, ``WeightsGuard.check``, the RPCs), nnsight's, the
   model's layers' modules, torch's, ``builtins`` and the serializers', and the protected environment's
@@ -38,7 +42,8 @@ change) are each run again alone (``StateModifiedInSharedStep``), so that only t
 again is failed.
 
 What it cannot see: a change to an object it does not hold (a class that is none of the above, a library's
-module-level cache, a mode left on a thread other than the engine's), a write through a tensor alias into memory
+module-level cache, a mode left on a thread other than the engine's), a generator set back to the state its seed
+starts (``torch.manual_seed(torch.initial_seed())``: the same seed), a write through a tensor alias into memory
 that no guarded tensor owns, and anything done with an escape from the protected environment that also rewrites
 the guard itself. Trust domains are the boundary (docs/operator/security.md); this bounds what a trace can do to
 the other jobs of its own domain.
@@ -52,6 +57,7 @@ import logging
 import operator
 import sys
 import types
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
@@ -180,7 +186,15 @@ class StateGuard:
         for container in self.containers:
             container.saved = _read(container)
         self._modes = _torch_modes()
+        self._seeds = _seeds()
         self._freeze()
+
+    def reseed(self, seed: int) -> None:
+        """Seed torch's random generators with ``seed`` and take it for the reference: at a trust-domain switch, a
+        fresh seed (the same on every rank) ends what the domain before could know of the generators' state (it can
+        read the seed and restart its sequence, ``torch.manual_seed(torch.initial_seed())``, which no check sees)."""
+        torch.manual_seed(seed)
+        self._seeds = _seeds()
 
     def accept_hooks(self) -> None:
         """Take the modules' hook tables as they are now (nnqueue installed a harvest's or a steering job's hooks).
@@ -245,6 +259,9 @@ class StateGuard:
         if not _same_modes(self._modes):
             _put_back_modes(self._modes)
             found.strict.append(_MODES)
+        if _seeds() != self._seeds:
+            _put_back_seeds(self._seeds)
+            found.strict.append(_SEEDS)
         for container in self.containers:
             obj, cls = container.owner, container.owner_class
             if obj is not None and cls is not None and type(obj) is not cls:
@@ -270,6 +287,7 @@ class StateGuard:
                 and self._saved.same(self._now())
                 and _switches_off()
                 and _same_modes(self._modes)
+                and _seeds() == self._seeds
             )
         except Exception:  # noqa: BLE001 - an unset slot, a container of the wrong type: the slow path says which
             return False
@@ -306,6 +324,8 @@ class StateGuard:
             else:
                 target.clear()
                 (target.update if isinstance(target, set) else target.extend)(saved)
+            if target is warnings.filters:
+                warnings._filters_mutated()  # type: ignore[attr-defined]  # what each warning did, cached: dropped
         return _Restored.CHANGED
 
 
@@ -431,6 +451,25 @@ def _put_back_modes(saved: tuple[tuple[Any, ...], ...]) -> None:
                 torch._C._set_dispatch_mode(mode)
 
 
+_SEEDS = "torch's random seed (torch.manual_seed: the sampling of other jobs without a seed of their own)"
+
+
+def _seeds() -> tuple[int, int | None]:
+    """The seeds of torch's default generators: the CPU's, and the current GPU's once CUDA is up. A trace that
+    seeds them (``torch.manual_seed(1234)``) makes every later job's sampling without a seed of its own (vLLM
+    draws those from the default generators) predictable to it."""
+    return torch.initial_seed(), torch.cuda.initial_seed() if torch.cuda.is_initialized() else None
+
+
+def _put_back_seeds(seeds: tuple[int, int | None]) -> None:
+    """Seed the generators with the seeds they had: the same on every rank of a tensor-parallel engine, whose ranks
+    must sample alike (a fresh random seed per rank would make them diverge)."""
+    cpu, gpu = seeds
+    torch.manual_seed(cpu)  # every device
+    if gpu is not None and gpu != cpu:
+        torch.cuda.manual_seed_all(gpu)
+
+
 # --------------------------------------------------------------------------------------------- what is walked
 
 # Modules whose globals and classes the engine's results pass through, besides the model's own (their names, and
@@ -451,7 +490,11 @@ ENGINE_MODULES = (
     "hashlib",
     "safetensors.torch",
     "_thread",
+    "warnings",
 )
+# Of those, the modules whose globals are put back but blamed on no trace alone in its step (lazy): the warnings
+# module's are rebound for a while by every ``warnings.catch_warnings()``, which any library may enter.
+LAZY_MODULES = ("warnings",)
 # Containers in those modules' globals that hold configuration (compared entry by entry, not only bound).
 WATCHED_CONTAINERS = (
     *(
@@ -486,7 +529,11 @@ WATCHED_CONTAINERS = (
     ),
 )
 # Memos a trace's legitimate use fills (nnsight's instrumented forwards, built on a module's first ``.source``).
-LAZY_CONTAINERS = (("nnsight.intervention.source", "FORWARD_CACHE"),)
+# The warnings filters too: a trace's ``warnings.simplefilter("error")`` makes every warning of another job's code
+# an exception, and a module imported for the first time during a step may add its own filters.
+LAZY_CONTAINERS = (("nnsight.intervention.source", "FORWARD_CACHE"), ("warnings", "filters"))
+# Configuration objects of the libraries that are walked as a module's attributes are (``nnsight.CONFIG.APP.DEBUG``).
+WATCHED_OBJECTS = (("nnsight", "CONFIG"),)
 # Objects held by a module that are never walked into: other modules (walked on their own), tensors (the weights
 # guard's), and what only names code or data (functions, classes: a class is walked as a class).
 _LEAVES = (
@@ -580,10 +627,13 @@ class _Walk:
             if name not in names or not isinstance(module, types.ModuleType):
                 continue
             attributes = vars(module)
-            yield _Container(f"{name} (globals)", Kind.DICT, attributes, lazy=False, module=name)
+            yield _Container(f"{name} (globals)", Kind.DICT, attributes, lazy=name in LAZY_MODULES, module=name)
             for value in list(attributes.values()):
                 if isinstance(value, type) and value.__module__ == name:
                     self._note_class(value)
+        for module_name, attribute in WATCHED_OBJECTS:
+            if (value := getattr(sys.modules.get(module_name), attribute, None)) is not None:
+                yield from self._object(f"{module_name}.{attribute}", value, 0)
         for module_name, attribute in (*WATCHED_CONTAINERS, *LAZY_CONTAINERS):
             value = getattr(sys.modules.get(module_name), attribute, None)
             if isinstance(value, (dict, list, set)):

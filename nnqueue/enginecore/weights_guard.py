@@ -451,13 +451,17 @@ class WeightsGuardWorker(_Worker):
             log.error("a trace changed %s while it was finished; put back", (verified.weights + verified.state)[:20])
         return Verified(verified.weights, verified.state)
 
-    def nnqueue_verify_state(self) -> dict[str, list[str]]:
+    def nnqueue_verify_state(self, seed: int | None = None) -> dict[str, list[str]]:
         """Verify and restore everything the guards hold, reading every tensor in full (what a trust-domain switch
         calls, with nothing in flight): ``{"weights": [...], "state": [...], "lazy": [...]}``, the names put back.
-        An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``) answers with ``"off": ["guards"]``."""
+        ``seed``: torch's generators are then seeded with it (the switch's fresh seed, the same on every rank:
+        `StateGuard.reseed`). An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``) answers with
+        ``"off": ["guards"]``."""
         if self._nnqueue_guard is None:
             return {"weights": [], "state": [], "lazy": [], "off": ["guards"]}
         verified = self._nnqueue_verify(True, state=True)
+        if seed is not None and self._nnqueue_state is not None:
+            self._nnqueue_state.reseed(seed)
         if verified:
             log.error("verification put back %s", (verified.weights + verified.state + verified.lazy)[:20])
         return {"weights": verified.weights, "state": verified.state, "lazy": verified.lazy}

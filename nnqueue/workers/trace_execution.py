@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import secrets
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,13 +158,15 @@ class VLLMTraceExecutor:
         guards read every weight and buffer in full and verify the rest of the engine's state (module attributes,
         hooks, classes, the engine's own code), put back what changed and say what they put back
         (``nnqueue_verify_state``: :mod:`nnqueue.enginecore.weights_guard`). Runs between engine steps (vLLM serves
-        RPCs there). With ``NNQUEUE_WEIGHTS_GUARD=false`` there are no guards: nothing is checked. Raises when a
-        rank could not restore its state. The trace builders that ran the old domain's code are replaced too
-        (:meth:`BuilderPool.retire_domains`)."""
+        RPCs there), and seed torch's generators afresh, so that the old domain cannot know how the new one's
+        sampling without a seed of its own draws. With ``NNQUEUE_WEIGHTS_GUARD=false`` there are no guards: nothing
+        is checked. Raises when a rank could not restore its state. The trace builders that ran the old domain's
+        code are replaced too (:meth:`BuilderPool.retire_domains`)."""
         retired = await self.builders.retire_domains()
         if retired:
             log.info("%d trace builder(s) that ran a trust domain's code replaced at the switch", retired)
-        answers = await self.model.vllm_entrypoint.collective_rpc("nnqueue_verify_state")
+        seed = secrets.randbits(63)  # one for every rank: tensor-parallel ranks must sample alike
+        answers = await self.model.vllm_entrypoint.collective_rpc("nnqueue_verify_state", args=(seed,))
         kinds = ("weights", "state", "lazy")
         return sorted({name for answer in answers for kind in kinds for name in (answer or {}).get(kind, ())})
 

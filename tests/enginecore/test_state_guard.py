@@ -104,6 +104,31 @@ def test_torch_modes_left_active_are_put_back(model: Tiny, guard: StateGuard) ->
     assert not guard.check()
 
 
+def test_a_seed_the_warnings_filters_and_nnsights_configuration_are_put_back(guard: StateGuard) -> None:
+    """The red-team round's lesser findings on an in-process engine: ``torch.manual_seed(1234)`` in a trace made
+    later jobs' sampling without a seed of their own predictable; ``warnings.simplefilter("error")`` and
+    ``nnsight.CONFIG.APP.DEBUG`` outlived the step. A trust-domain switch seeds the generators afresh."""
+    import warnings
+
+    import nnsight
+
+    guard.accept_current()  # with nnsight loaded
+    seed, debug, filters = torch.initial_seed(), nnsight.CONFIG.APP.DEBUG, list(warnings.filters)
+    torch.manual_seed(1234)
+    warnings.simplefilter("error")
+    nnsight.CONFIG.APP.DEBUG = not debug
+    found = guard.check()
+    assert state_guard._SEEDS in found.strict and "nnsight.CONFIG.APP" in found.strict, found
+    assert "warnings.filters" in found.lazy, found
+    assert torch.initial_seed() == seed and nnsight.CONFIG.APP.DEBUG == debug and warnings.filters == filters
+    with pytest.warns(UserWarning):
+        warnings.warn("a warning, not an error, once the filter is gone", stacklevel=1)
+
+    guard.reseed(99)  # a domain switch's fresh seed becomes the reference
+    assert torch.initial_seed() == 99 and not guard.check()
+    guard.reseed(seed)
+
+
 def test_a_replaced_class_method_and_a_swapped_class_are_put_back(model: Tiny, guard: StateGuard) -> None:
     forward = torch.nn.LayerNorm.forward
     torch.nn.LayerNorm.forward = lambda self, x: x * 0  # type: ignore[method-assign]

@@ -18,7 +18,7 @@ import pytest
 import torch
 from nnsight.modeling.vllm import VLLM
 
-from tests.utils.engines import InProcessEngine, run_prebuilt, running_engine
+from tests.utils.engines import InProcessEngine, run, run_prebuilt, running_engine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
@@ -89,6 +89,18 @@ def torch_mode(client: VLLM) -> bytes:
     return backend.payload
 
 
+def seed(client: VLLM) -> bytes:
+    """A red-team round's finding: a seed set in a trace outlived it, and the later jobs' sampling without a seed of
+    their own drew from a sequence the trace knew."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        import torch as t
+
+        t.manual_seed(1234)
+        logits = client.logits.save()
+    return backend.payload
+
+
 @pytest.mark.parametrize(
     ("hostile", "named"),
     [
@@ -96,6 +108,7 @@ def torch_mode(client: VLLM) -> bytes:
         (buffer, "model.layers.0.self_attn.rotary_emb.cos_sin_cache (buffer)"),
         (hook, "model.norm._forward_hooks"),
         (torch_mode, "torch's function and dispatch modes on the engine's thread"),
+        (seed, "torch's random seed (torch.manual_seed"),
     ],
 )
 def test_a_change_without_escape_fails_its_trace_and_the_next_job_is_untouched(
@@ -148,3 +161,29 @@ def test_after_an_escape_a_replaced_weights_check_and_a_zeroed_weight_are_both_p
     assert "model.norm.weight" in message and "class nnqueue.enginecore.weights_guard.WeightsGuard" in message
     for attempt in range(2):
         assert torch.equal(innocent(unprotected_engine, client_model, tmp_path, f"after-{attempt}"), before)
+
+
+def engine_seed(engine: InProcessEngine, client: VLLM, tmp_path: Path, name: str) -> int:
+    """The seed of the engine's default CPU generator, as a trace reads it."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        import torch as t
+
+        seed = t.tensor(t.initial_seed()).save()
+    report, saves = run_prebuilt(engine, backend.payload, tmp_path, name)
+    assert report.error is None, report.error
+    return int(saves["seed"])
+
+
+def test_a_trust_domain_switch_seeds_the_generators_afresh(
+    inprocess_engine: InProcessEngine, client_model: VLLM, tmp_path: Path
+) -> None:
+    """What the worker's switch calls (``nnqueue_verify_state`` with one fresh seed for every rank): a domain before
+    could read the seed and restart its sequence, which no check sees; the next domain's draws are unknown to it."""
+    started = engine_seed(inprocess_engine, client_model, tmp_path, "before")
+    switch = inprocess_engine.model.vllm_entrypoint.collective_rpc
+    assert run(inprocess_engine, switch("nnqueue_verify_state", args=(4321,))) == [
+        {"weights": [], "state": [], "lazy": []}
+    ]
+    assert engine_seed(inprocess_engine, client_model, tmp_path, "after") == 4321 != started
+    run(inprocess_engine, switch("nnqueue_verify_state", args=(started,)))  # as the module's other tests found it
