@@ -120,7 +120,7 @@ def test_a_seed_the_warnings_filters_and_nnsights_configuration_are_put_back(gua
     found = guard.check()
     assert state_guard._SEEDS in found.strict and "nnsight.CONFIG.APP" in found.strict, found
     assert "warnings.filters" in found.lazy, found
-    assert torch.initial_seed() == seed and nnsight.CONFIG.APP.DEBUG == debug and warnings.filters == filters
+    assert (torch.initial_seed(), nnsight.CONFIG.APP.DEBUG, warnings.filters) == (seed, debug, filters)
     with pytest.warns(UserWarning):
         warnings.warn("a warning, not an error, once the filter is gone", stacklevel=1)
 
