@@ -86,7 +86,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nnqueue.enginecore import protected, state_guard
+from nnqueue.enginecore import kv_clearing, protected, state_guard
 
 if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
     from vllm.v1.worker.worker_base import WorkerBase as _Worker
@@ -395,6 +395,7 @@ class WeightsGuardWorker(_Worker):
     _nnqueue_guard_off = False
     _nnqueue_traced: tuple[Any, ...] = ()  # this step's requests that carry a trace (nnsight's Request)
     _nnqueue_full_check_at = 0.0  # time.monotonic() of the next periodic full check
+    _nnqueue_trace_ids: set[str]  # the runner's requests that carry a trace (kv_clearing), set with the guard
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         compiled = super().compile_or_warm_up_model(*args, **kwargs)
@@ -415,11 +416,15 @@ class WeightsGuardWorker(_Worker):
         if self._nnqueue_guard is not None:
             requests = self.model_runner.nnsight_requests.requests
             step = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-            self._nnqueue_traced = tuple(
-                request
+            traced = {
+                request_id: request
                 for request_id in step
                 if (request := requests.get(request_id)) is not None and request.mediator is not None
-            )
+            }
+            self._nnqueue_traced = tuple(traced.values())
+            # Finished requests leave the runner at the step after they finish: those ids leave this set with them.
+            self._nnqueue_trace_ids.difference_update(getattr(scheduler_output, "finished_req_ids", None) or ())
+            self._nnqueue_trace_ids.update(traced)
             if output is not None:  # no sample_tokens follows: the step ends here
                 self._nnqueue_step_ended()
         return output
@@ -455,13 +460,19 @@ class WeightsGuardWorker(_Worker):
         """Verify and restore everything the guards hold, reading every tensor in full (what a trust-domain switch
         calls, with nothing in flight): ``{"weights": [...], "state": [...], "lazy": [...]}``, the names put back.
         ``seed``: torch's generators are then seeded with it (the switch's fresh seed, the same on every rank:
-        `StateGuard.reseed`). An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``) answers with
+        `StateGuard.reseed`). Then the KV cache's blocks that no harvest or steering request holds are zeroed
+        (:mod:`nnqueue.enginecore.kv_clearing`). An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``) answers with
         ``"off": ["guards"]``."""
         if self._nnqueue_guard is None:
             return {"weights": [], "state": [], "lazy": [], "off": ["guards"]}
         verified = self._nnqueue_verify(True, state=True)
         if seed is not None and self._nnqueue_state is not None:
             self._nnqueue_state.reseed(seed)
+        runner = self.model_runner
+        cleared = kv_clearing.clear_free_blocks(
+            runner, self._nnqueue_trace_ids, bool(self.vllm_config.cache_config.enable_prefix_caching)
+        )
+        log.info("trust-domain switch: %s KV cache blocks zeroed, of %d", cleared, runner.kv_cache_config.num_blocks)
         if verified:
             log.error("verification put back %s", (verified.weights + verified.state + verified.lazy)[:20])
         return {"weights": verified.weights, "state": verified.state, "lazy": verified.lazy}
@@ -495,6 +506,7 @@ class WeightsGuardWorker(_Worker):
         if not enabled():
             self._nnqueue_guard_off = True
             return
+        self._nnqueue_trace_ids = set()
         model = self.model_runner.get_model()
         kv_caches = getattr(self.model_runner, "kv_caches", None) or []
         self._nnqueue_guard = WeightsGuard(model, skipped=map(_storage_pointer, kv_caches))
