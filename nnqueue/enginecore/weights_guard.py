@@ -461,8 +461,8 @@ class WeightsGuardWorker(_Worker):
         calls, with nothing in flight): ``{"weights": [...], "state": [...], "lazy": [...]}``, the names put back.
         ``seed``: torch's generators are then seeded with it (the switch's fresh seed, the same on every rank:
         `StateGuard.reseed`). Then the KV cache's blocks that no harvest or steering request holds are zeroed
-        (:mod:`nnqueue.enginecore.kv_clearing`). An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``) answers with
-        ``"off": ["guards"]``."""
+        (:mod:`nnqueue.enginecore.kv_clearing`). An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``)
+        answers with ``"off": ["guards"]``."""
         if self._nnqueue_guard is None:
             return {"weights": [], "state": [], "lazy": [], "off": ["guards"]}
         verified = self._nnqueue_verify(True, state=True)
