@@ -25,6 +25,7 @@ LAYERS = {
     "metrics": 0,
     "libc": 0,
     "timeline": 0,
+    "probe_memo": 0,
     "isolation": 1,
     "netns": 1,
     "mountns": 1,
