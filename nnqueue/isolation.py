@@ -342,7 +342,8 @@ class Containment:
     ``seccomp``: None when the seccomp filter applies, else why not; ``network_note`` and ``filesystem_note``:
     their network (:mod:`nnqueue.netns`) and filesystem (:mod:`nnqueue.mountns`), isolated and private or not;
     ``operators``: the owners whose traces the worker still runs when its containment is degraded
-    (``NNQUEUE_OPERATOR_OWNERS``; ``*``: every owner's)."""
+    (``NNQUEUE_OPERATOR_OWNERS``; ``*``: every owner's); ``probe``: the key of the passed probe the decision
+    rests on (:mod:`nnqueue.probe_memo`), forgotten if the engine then fails to start."""
 
     engine_user: str | None
     note: str
@@ -352,6 +353,7 @@ class Containment:
     filesystem_private: bool = False
     filesystem_note: str = ""
     operators: tuple[str, ...] = ()
+    probe: str | None = None
 
     def degradations(self) -> list[str]:
         """Why users' code in the engine could reach more than the engine's own (empty: it cannot)."""
@@ -715,9 +717,12 @@ def plan_containment(
             f" engine an account of its own: leave NNQUEUE_ENGINE_USER unset (the dedicated {DEFAULT_ENGINE_USER!r})"
             " or name an account nothing else uses"
         )
-    problems = _probe_unless_remembered(account, modules, files, python, contained, memo, where)
+    modules, files = list(modules), list(files)
+    key = probe_memo.question(python, account.uid, account.gid, modules, files, where)
+    problems = _probe_unless_remembered(account, modules, files, python, contained, memo, key)
     if not problems:
-        return Containment(account.name, f"engine processes switch to {account.name!r} once they are up", seccomp)
+        switched = f"engine processes switch to {account.name!r} once they are up"
+        return Containment(account.name, switched, seccomp, probe=key if memo is not None else None)
     paths = None if python == sys.executable else [Path(os.path.realpath(python))]
     message = what_to_change(account, problems, paths)
     if required:
@@ -727,15 +732,13 @@ def plan_containment(
 
 def _probe_unless_remembered(
     account: EngineUser,
-    modules: Iterable[str],
-    files: Iterable[Path],
+    modules: list[str],
+    files: list[Path],
     python: str,
     contained: Contained | None,
     memo: Path | None,
-    where: str,
+    key: str,
 ) -> list[str]:
-    modules, files = list(modules), list(files)
-    key = probe_memo.question(python, account.uid, account.gid, modules, files, where)
     if memo is not None and probe_memo.passed(memo, key):
         log.info("the engine user's probe passed before and nothing it read has changed: not run again")
         return []

@@ -11,7 +11,7 @@ modules, files, view, ``PYTHON*``/``LD_*`` variables) and the same stat of every
 without the probe; anything else probes again.
 
 Only a pass is remembered, so a stale record can only fail closed: the engine switches to the engine user, and
-if that user cannot use Python after all the engine fails to start, and the worker forgets every record
+if that user cannot use Python after all the engine fails to start, and the worker forgets that record
 (:func:`forget`) before it exits, so that its restart probes again. The records live in a folder only root may
 enter (``/var/cache/nnqueue/probes`` by default): the engine user can neither read nor plant one.
 """
@@ -22,7 +22,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import stat
 from collections.abc import Iterable
 from pathlib import Path
@@ -79,10 +78,10 @@ def remember(folder: Path, key: str, read: Iterable[str]) -> None:
         log.warning("not remembering the probe in %s: %s", folder, error)
 
 
-def forget(folder: Path) -> None:
-    """Drop every remembered probe (an engine failed to start: the next start probes again)."""
+def forget(folder: Path, key: str) -> None:
+    """Drop a remembered probe (the engine it let switch users failed to start: the next start probes again)."""
     if _private(folder):
-        shutil.rmtree(folder, ignore_errors=True)
+        (folder / f"{key}.json").unlink(missing_ok=True)
 
 
 def _private(folder: Path) -> bool:

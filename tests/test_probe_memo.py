@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nnqueue import probe_memo
-from nnqueue.isolation import EngineUser, EngineUserError, plan_containment, probe
+from nnqueue.isolation import Containment, EngineUser, EngineUserError, plan_containment, probe
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="running a probe as another user needs root")
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's, readable by every user
@@ -55,8 +55,9 @@ def test_a_passed_probe_is_remembered_until_a_file_it_read_changes(
     module.parent.chmod(0o755)
 
     probe_memo.remember(memo, key, probe(account, ["probed_here"], [], python=SYSTEM_PYTHON).read)
-    probe_memo.forget(memo)  # an engine failed to start
-    assert not memo.exists() and not probe_memo.passed(memo, key)
+    probe_memo.remember(memo, other, probe(account, ["probed_here", "json"], [], python=SYSTEM_PYTHON).read)
+    probe_memo.forget(memo, key)  # the engine it let switch users failed to start
+    assert not probe_memo.passed(memo, key) and probe_memo.passed(memo, other)
 
 
 def test_records_count_only_in_a_folder_of_roots_alone(tmp_path: Path) -> None:
@@ -80,15 +81,16 @@ def test_records_count_only_in_a_folder_of_roots_alone(tmp_path: Path) -> None:
 def test_a_workers_plan_skips_the_probe_it_remembers(
     spare_engine_account: EngineUser, memo: Path, module: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    def plan() -> str | None:
+    def plan() -> Containment:
         return plan_containment(
             spare_engine_account.name, True, None, ["probed_here"], SYSTEM_PYTHON, memo=memo, where="host"
-        ).engine_user
+        )
 
     caplog.set_level(logging.INFO, logger="nnqueue.isolation")
-    assert plan() == spare_engine_account.name
+    first = plan()
+    assert first.engine_user == spare_engine_account.name and first.probe is not None
     assert "not run again" not in caplog.text
-    assert plan() == spare_engine_account.name
+    assert plan() == first
     assert "not run again" in caplog.text
 
     module.chmod(0o600)  # a failed probe is never remembered, and the change is seen

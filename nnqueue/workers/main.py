@@ -142,7 +142,8 @@ def run_worker(
             _start_executor(engine_kind, model, engine_kwargs, settings, sessions, store, sinks, containment, view)
         )
     except BaseException:
-        probe_memo.forget(probe_memo.DEFAULT_FOLDER)  # if a remembered probe misled us, the next start probes
+        if containment.probe is not None:  # if a remembered probe misled us, the next start probes
+            probe_memo.forget(probe_memo.DEFAULT_FOLDER, containment.probe)
         raise
     log.info("%s engine for %s ready in %.1f s", engine_kind.value, model, time.monotonic() - started)
     freeze_startup_heap()
