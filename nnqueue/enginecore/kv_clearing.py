@@ -34,30 +34,33 @@ def clear_free_blocks(runner: Any, traced: Iterable[str], prefix_caching: bool) 
         log.warning("prefix caching is on: the KV cache's free blocks keep earlier requests' keys and values")
         return None
     skipped = set(traced)
-    kept = {
-        block
-        for request_id, request in runner.requests.items()
-        if request_id not in skipped
-        for group in request.block_ids
-        for block in group
-    }
     num_blocks = int(runner.kv_cache_config.num_blocks)
-    cleared = [block for block in range(num_blocks) if block not in kept]
+    free = torch.ones(num_blocks, dtype=torch.bool)
+    for request_id, request in runner.requests.items():
+        if request_id not in skipped:
+            for group in request.block_ids:
+                free[group] = False
+    blocks = free.nonzero().flatten()
+    indices: dict[tuple[torch.device, int], torch.Tensor] = {}  # built once per device and kernel blocks per block
     for kv in runner.kv_caches:
-        if isinstance(kv, torch.Tensor) and not _zero_blocks(kv, cleared, num_blocks):
+        if not isinstance(kv, torch.Tensor):
+            continue
+        dim = _blocks_dim(kv, num_blocks)
+        if dim is None:
             log.warning(
                 "KV cache tensor of shape %s has no dimension of its %d blocks: not cleared", kv.shape, num_blocks
             )
-    return len(cleared)
+            continue
+        ratio = kv.shape[dim] // num_blocks
+        if (kv.device, ratio) not in indices:
+            indices[kv.device, ratio] = (blocks[:, None] * ratio + torch.arange(ratio)).flatten().to(kv.device)
+        kv.index_fill_(dim, indices[kv.device, ratio], 0)
+    return len(blocks)
 
 
-def _zero_blocks(kv: torch.Tensor, blocks: list[int], num_blocks: int) -> bool:
-    """Zero ``blocks`` of ``kv`` along its blocks' dimension (see the module doc); False when it has none."""
+def _blocks_dim(kv: torch.Tensor, num_blocks: int) -> int | None:
+    """The dimension of ``kv`` that indexes the blocks (see the module doc), or None."""
     for dim in range(min(2, kv.ndim)):
         if kv.shape[dim] >= num_blocks and kv.shape[dim] % num_blocks == 0:
-            ratio = kv.shape[dim] // num_blocks
-            first = torch.tensor(blocks, dtype=torch.int64, device=kv.device) * ratio
-            index = (first[:, None] + torch.arange(ratio, device=kv.device)).flatten()
-            kv.index_fill_(dim, index, 0)
-            return True
-    return False
+            return dim
+    return None
