@@ -493,11 +493,18 @@ class WeightsGuardWorker(_Worker):
             self._nnqueue_state.accept_hooks()
 
     def nnqueue_restore_weights(self) -> bool:
-        """Put back the weights the guard holds (a weights update that failed midway); False without a guard."""
+        """Put back the weights the guard holds (a weights update that failed midway), and the model's state the
+        state guard holds (vLLM's in-place reload sets attributes of its own on the model); False without a
+        weights guard. Left to the next trace's check, the state was blamed on that trace (``StateModified``)."""
         if self._nnqueue_guard is None:
             return False
         restored = self._nnqueue_guard.check()
-        log.warning("weights update rolled back: %d parameters put back", len(restored))
+        changed = self._nnqueue_state.check() if self._nnqueue_state is not None else None
+        log.warning(
+            "weights update rolled back: %d parameters put back%s",
+            len(restored),
+            f", and the model's state ({', '.join(changed.strict + changed.lazy)})" if changed else "",
+        )
         return True
 
     def _nnqueue_build_guard(self) -> None:

@@ -49,22 +49,27 @@ def checkpoint_names(files: list[str]) -> dict[str, str]:
     return names
 
 
-def read_checkpoint(files: list[str], tensors: list[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The ``(name, tensor)`` pairs to load: every tensor of ``files``, or the named ``tensors`` (all checked to
-    exist before the first is read, so a typo loads nothing)."""
+def checkpoint_plan(files: list[str], tensors: list[str] | None) -> dict[str, str]:
+    """The tensors to load, each with its file: every tensor of ``files``, or the named ``tensors``; raises
+    :class:`WeightsLoadError` for a named tensor the files lack, before anything is loaded."""
+    where = checkpoint_names(files)
+    if tensors is None:
+        return where
+    missing = sorted(set(tensors) - set(where))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise WeightsLoadError(f"the checkpoint has no tensor {shown}")
+    return {name: where[name] for name in dict.fromkeys(tensors)}
+
+
+def read_checkpoint(plan: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs of ``plan`` (:func:`checkpoint_plan`), file by file."""
     from safetensors import safe_open
 
-    where = checkpoint_names(files)
-    if tensors is not None:
-        missing = sorted(set(tensors) - set(where))
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise WeightsLoadError(f"the checkpoint has no tensor {shown}")
-    wanted = list(where) if tensors is None else list(dict.fromkeys(tensors))
-    for file in files:
+    for file in dict.fromkeys(plan.values()):
         with safe_open(file, framework="pt", device="cpu") as handle:
-            for name in wanted:
-                if where[name] == file:
+            for name, found in plan.items():
+                if found == file:
                     yield name, handle.get_tensor(name)
 
 
@@ -77,22 +82,33 @@ def load_checkpoint(model_runner: Any, files: list[str], tensors: list[str] | No
     backend's packed GEMM weights, quantized kernels) are rebuilt, and copies the result into the same storage).
     A layer is processed from what this load gave it, so a partial checkpoint must hold every tensor of each layer
     it touches (``q_proj``, ``k_proj`` and ``v_proj`` together, say). Older vLLM: the model's ``load_weights``
-    (unquantized models on a GPU, where weights are used as loaded)."""
-    count = 0
+    (unquantized models on a GPU, where weights are used as loaded).
 
-    def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal count
-        for pair in read_checkpoint(files, tensors):
-            count += 1
-            yield pair
-
+    The files and names are checked before the reload begins: vLLM's reload first moves every layer's parameters
+    to the meta device and puts them back only when it finishes (``finalize_layerwise_reload``), so a load that
+    raised inside it left the model on meta parameters: the next load failed on them (``Attempted to load weight
+    ... into parameter (torch.Size([0]))``), whatever the worker restored. A load that fails inside it all the same
+    (a tensor of the wrong shape) is finished there, which puts the layers' own tensors back, before the caller
+    restores their values (:meth:`nnqueue.enginecore.rpc.NNqueueRPC.nnqueue_load_weights`)."""
+    plan = checkpoint_plan(files, tensors)
     reload = getattr(model_runner, "reload_weights", None)
     with torch.no_grad():
         if callable(reload) and "weights_iterator" in inspect.signature(reload).parameters:
-            reload(weights_iterator=counted(), is_checkpoint_format=True)
+            try:
+                reload(weights_iterator=read_checkpoint(plan), is_checkpoint_format=True)
+            except BaseException:
+                _finish_reload(model_runner)
+                raise
         else:
-            model_runner.get_model().load_weights(counted())
-    return count
+            model_runner.get_model().load_weights(read_checkpoint(plan))
+    return len(plan)
+
+
+def _finish_reload(model_runner: Any) -> None:
+    """Put back the tensors of the layers that vLLM's in-place reload moved to the meta device, after it raised."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model_runner.get_model(), model_runner.model_config)
 
 
 class TrainerChannel:

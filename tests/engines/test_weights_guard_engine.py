@@ -154,3 +154,27 @@ def test_a_write_past_the_version_counter_in_a_step_fails_and_is_put_back(
         assert_weights_modified(result["report"], "this trace changed")
         after = clean(inprocess_engine, outbox, client_model, f"guard-road-after-{index}")
         assert torch.equal(after, before), "a later job ran on the changed weights"
+
+
+def test_a_checkpoint_that_fails_inside_vllms_reload_leaves_the_weights_and_the_next_load_works(
+    inprocess_engine: InProcessEngine, outbox: OutboxPoller, client_model: VLLM, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A tensor of the wrong shape fails inside vLLM's in-place reload, which had moved every layer's parameters to
+    the meta device (nnqueue.enginecore.weights_update): the load fails saying so, the layers get their tensors back
+    and the guard their values, traces give the same logits, and the next load works (it used to fail on the
+    parameters left on the meta device)."""
+    from safetensors.torch import load_file, save_file
+
+    before = clean(inprocess_engine, outbox, client_model, "reload-before")
+    norm = load_file(tiny_model_path / "model.safetensors")["model.norm.weight"]
+    save_file({"model.norm.weight": torch.zeros(3)}, tmp_path / "bad.safetensors")
+    save_file({"model.norm.weight": norm}, tmp_path / "good.safetensors")
+    llm = inprocess_engine.model.vllm_entrypoint
+    for name, expected in (("bad", "error"), ("good", "loaded")):
+        answers = run(
+            inprocess_engine,
+            llm.collective_rpc("nnqueue_load_weights", args=([str(tmp_path / f"{name}.safetensors")], None)),
+        )
+        assert expected in answers[0] and answers[0].get("restored", True) is True, answers
+        assert torch.equal(clean(inprocess_engine, outbox, client_model, f"reload-{name}"), before), name
+    assert answers[0]["loaded"] == 1
