@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -269,12 +270,16 @@ class CheckpointUpdater:
 
 
 def _staged(file: Path, folder: Path) -> Path:
-    """``file`` in ``folder``: a hard link (same file system: no copy, the file's own mode), else a copy readable by
-    the engine user."""
+    """``file`` in ``folder``: a hard link where the engine user may read the file itself (same file system: no
+    copy), else a copy it may read (a hard link keeps the file's mode: a checkpoint saved 0600, as transformers'
+    ``save_pretrained`` saves one, was unreadable to the engine, which failed the update)."""
     target = folder / file.name
-    try:
-        os.link(file, target)
-    except OSError:
-        shutil.copyfile(file, target)
-        os.chmod(target, 0o644)
+    if file.stat().st_mode & stat.S_IROTH:
+        try:
+            os.link(file, target)
+            return target
+        except OSError:
+            pass  # another file system: copied
+    shutil.copyfile(file, target)
+    os.chmod(target, 0o644)
     return target

@@ -94,3 +94,18 @@ def test_a_local_checkpoint_reaches_an_engine_that_sees_only_its_own_view_throug
     for file in files:
         assert Path(file).read_bytes() == Path(file).name.encode()
         assert Path(file).stat().st_ino == (checkpoint / Path(file).name).stat().st_ino  # linked, not copied
+
+
+def test_a_local_checkpoint_only_its_owner_may_read_is_copied_for_the_engine_user(tmp_path: Path) -> None:
+    """A hard link keeps the file's mode: a checkpoint saved 0600 (transformers' ``save_pretrained``) linked into the
+    engine's folder was unreadable to the engine user, whose load then failed."""
+    checkpoint = tmp_path / "model.safetensors"
+    checkpoint.write_bytes(b"weights")
+    checkpoint.chmod(0o600)
+    none: Any = None
+    updater = CheckpointUpdater(none, none, none, none, "m", "w", tmp_path / "downloads", staged=True)
+    (tmp_path / "downloads").mkdir()
+    files, _ = updater._fetch(WeightsUpdate(id=8, source=str(checkpoint)))
+    staged = Path(files[0])
+    assert staged.read_bytes() == b"weights" and staged.stat().st_ino != checkpoint.stat().st_ino
+    assert staged.stat().st_mode & 0o777 == 0o644
