@@ -28,6 +28,7 @@ and a live worker requeues the chunk.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
 import time
@@ -96,7 +97,7 @@ class ChunkRunner:
         """Claim the model's fairest QUEUED chunk and run it (what a bulk token asks for). Returns once the chunk no
         longer needs its slot: ``HANDED_OFF`` when its shard is written and its upload goes on in the chunk's task,
         else how the chunk ended."""
-        if self.health is not None and self.health.dead.is_set():
+        if self.health is not None and self.health.dead.is_set() and not await self.health.restarted():
             await asyncio.to_thread(send_chunk_tokens, self.app, self.model_key)  # for another worker
             return Outcome.SKIPPED
         version = self.weights.version if self.weights is not None else None
@@ -113,6 +114,7 @@ class ChunkRunner:
         """The chunk from its claim to its end; ``slot`` gets ``HANDED_OFF`` when its upload starts, or its end."""
         started = time.monotonic()
         outcome = Outcome.CANCELLED
+        generation = self.health.generation if self.health is not None else 0  # the engine it runs on
         try:
             outcome = await self._run(chunk, slot)
         except asyncio.CancelledError:
@@ -121,9 +123,10 @@ class ChunkRunner:
             log.info("chunk %s of harvest %s aborted: cancelled or taken over", chunk.index, chunk.harvest_id)
         except Exception as error:
             if self.health is not None and self.health.caused_by_death(error):
-                # Not the chunk's fault: it stays RUNNING here until this worker has deregistered, then a
-                # live worker's heartbeat requeues it (as for a killed worker's chunk).
-                await self.health.engine_died()
+                # Not the chunk's fault: it stays RUNNING here until the worker hands it back before it starts a
+                # fresh engine, or deregisters; then a live worker's heartbeat requeues it (as a killed worker's).
+                with contextlib.suppress(asyncio.CancelledError):  # reaped meanwhile: handed back already
+                    await self.health.engine_died(generation)
                 outcome = Outcome.SKIPPED
                 return outcome
             log.exception("chunk %s of harvest %s failed", chunk.index, chunk.harvest_id)

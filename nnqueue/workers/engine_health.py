@@ -1,4 +1,4 @@
-"""A dead engine heals: the job that killed it fails, the others run again, the worker restarts.
+"""A dead engine heals: the job that killed it fails, the others run again, a fresh engine serves.
 
 When vLLM's engine core dies (an exception in a forward that no request could absorb, the process
 killed), every request on it ends with ``EngineDeadError`` and the engine never serves again. The
@@ -16,8 +16,14 @@ first job to see that calls :meth:`EngineHealth.engine_died`, which, once for th
    (:class:`EngineGate`) and, if it is the culprit, is the only job in the step it kills. A job that has crashed an engine :data:`MAX_ENGINE_CRASHES` times fails whatever the
    report says (an engine killed without a report, by the OOM killer say, names no step). Jobs that
    were not in the fatal step are requeued as they were;
-4. deregisters the worker and stops the process (a warm Celery shutdown), which then exits with
-   :data:`EXIT_ENGINE_DIED`: the supervisor (:mod:`nnqueue.workers.supervisor`) starts a fresh one.
+4. starts a fresh engine in this worker process (``restart``: :mod:`nnqueue.workers.engine_restart`): the jobs
+   that come meanwhile wait for it (:meth:`EngineHealth.restarted`) and then run on it. A worker with no in-process
+   restart (the transformers engine, a TRL trainer's), or whose restart fails, deregisters and stops instead (a warm
+   Celery shutdown), which then exits with :data:`EXIT_ENGINE_DIED`: the supervisor
+   (:mod:`nnqueue.workers.supervisor`) starts a fresh worker.
+
+Each engine is a generation (:attr:`EngineHealth.generation`): a job that started on an engine that has since been
+replaced and only now sees its death was settled with that engine's jobs, and starts nothing.
 
 The same replay names the culprit when the engine survived: a step of several traces in which one changed the
 engine's state, or failed on a malformed intervention, fails each of them with ``StateModifiedInSharedStep``
@@ -28,6 +34,7 @@ engine's state, or failed on a malformed intervention, fails each of them with `
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -35,7 +42,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,8 +175,11 @@ class EngineHealth:
     engine_errored: Callable[[], bool] = field(default=lambda: False)
     # Called once the jobs are settled, to stop the process (default: a warm shutdown, SIGTERM).
     stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    # Called once the jobs are settled, to start a fresh engine in this process; None, or when it raises: ``stop``.
+    restart: Callable[[], Awaitable[None]] | None = None
     gate: EngineGate = field(default_factory=EngineGate)
     dead: threading.Event = field(default_factory=threading.Event)
+    generation: int = 0  # the engine serving now: how many have been replaced before it
     _healed: asyncio.Future[None] | None = None
 
     def caused_by_death(self, error: BaseException) -> bool:
@@ -180,14 +190,39 @@ class EngineHealth:
         """A token this dead worker must not act on: send it again for another worker."""
         send_job_tokens(self.app, self.model_key)
 
-    async def engine_died(self) -> None:
-        """Settle every job this worker holds, once (all its jobs' runs call this); see the module doc."""
+    async def engine_died(self, generation: int | None = None) -> None:
+        """Settle every job this worker holds and replace the engine, once (all its jobs' runs call this); see the
+        module doc. ``generation``: the engine the caller ran on (None: the current one); an earlier one's death
+        was healed already."""
+        if generation is not None and generation != self.generation:
+            return
         if self._healed is None:
             self.dead.set()
-            self._healed = asyncio.ensure_future(asyncio.to_thread(self._heal))
+            # The worker's, not the calling job's: its records carry no job id (nnqueue.logs' job context).
+            self._healed = asyncio.get_running_loop().create_task(self._recover(), context=contextvars.Context())
         await asyncio.shield(self._healed)
 
-    def _heal(self) -> None:
+    async def restarted(self) -> bool:
+        """Wait while a fresh engine starts; whether one serves (False: this worker stops, hand the work back)."""
+        if self._healed is not None:
+            await asyncio.shield(self._healed)
+        return not self.dead.is_set()
+
+    async def _recover(self) -> None:
+        await asyncio.to_thread(self._settle_jobs)
+        if self.restart is not None:
+            try:
+                await self.restart()
+            except Exception:  # the supervisor's fresh worker is the way out
+                log.exception("a fresh engine could not be started in this worker; the worker restarts")
+            else:
+                self.generation += 1
+                self._healed = None
+                self.dead.clear()
+                return
+        await asyncio.to_thread(self._stop_worker)
+
+    def _settle_jobs(self) -> None:
         report = read_crash_report(self.crash_dir)
         log.error("the engine died (%s); settling this worker's jobs", report.error if report else "no crash report")
         with self.sessions() as session:
@@ -202,6 +237,8 @@ class EngineHealth:
                 continue  # cancelled or taken over meanwhile
             except Exception:  # one job's bookkeeping must not keep the others from being settled
                 log.exception("could not settle job %s after the engine died", job_id)
+
+    def _stop_worker(self) -> None:
         registry.mark_stopped(self.sessions, self.worker_id)
         self.stop()
 

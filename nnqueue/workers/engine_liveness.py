@@ -6,12 +6,15 @@ engine loop, :func:`keep_probing` makes a round trip to the engine core (``Async
 the core answers between two steps) and then sets ``nnqueue_worker_engine_responded_timestamp_seconds`` to now. A
 stuck core, or an engine loop that no longer runs, stops the gauge; the worker's liveness probe
 (deploy/kubernetes/base/worker.yaml) fails once it is older than its threshold, which leaves the longest step
-many times over. On the transformers engine, which has no core process, the round trip is the loop's alone.
+many times over. On the transformers engine, which has no core process, the round trip is the loop's alone. A vLLM
+engine that refuses the round trip has died: the probe heals the worker (:mod:`nnqueue.workers.engine_health`) as a
+job that finds the engine dead does, so an idle worker's dead engine is replaced within :data:`INTERVAL_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import prometheus_client
@@ -24,11 +27,24 @@ RESPONDED = prometheus_client.Gauge(
 )
 
 
-async def keep_probing(model_key: str, entrypoint: Any | None, interval_s: float = INTERVAL_S) -> None:
-    """Until cancelled: ask ``entrypoint`` (a vLLM ``AsyncLLM``; None: the loop alone) and mark the answer's time."""
+async def keep_probing(
+    model_key: str,
+    entrypoint: Callable[[], Any] | None,
+    died: Callable[[], Awaitable[None]] | None = None,
+    interval_s: float = INTERVAL_S,
+) -> None:
+    """Until cancelled: ask the engine (``entrypoint()``: the vLLM ``AsyncLLM`` serving now; None: the loop alone)
+    and mark the answer's time. An engine that refuses has died: ``died()`` heals the worker (it starts a fresh
+    engine, whose answers mark again, or stops the worker), so an engine that died with no job on it (the OOM
+    killer's) is replaced without waiting for a job to find it dead."""
     gauge = RESPONDED.labels(model_key)
     while True:
-        if entrypoint is not None:
-            await entrypoint.is_sleeping()
-        gauge.set_to_current_time()
+        try:
+            if entrypoint is not None:
+                await entrypoint().is_sleeping()
+        except Exception:  # noqa: BLE001 - the engine died, or the call failed: the engine says which
+            if died is not None and entrypoint is not None and entrypoint().errored:  # the one serving now
+                await died()
+        else:
+            gauge.set_to_current_time()
         await asyncio.sleep(interval_s)

@@ -152,7 +152,7 @@ class JobRunner:
 
     async def _claim_and_run(self) -> Outcome:
         while True:
-            if self.health is not None and self.health.dead.is_set():
+            if self.health is not None and self.health.dead.is_set() and not await self.health.restarted():
                 await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
                 return Outcome.SKIPPED
             job = await self._claims(None)
@@ -178,6 +178,7 @@ class JobRunner:
         task = asyncio.current_task()
         assert task is not None
         self._running[job_id] = task
+        generation = self.health.generation if self.health is not None else 0  # the engine it runs on
         try:
             if refusal is not None:  # in here: the finally ends the domain turn its claim began
                 return await self._fail(job_id, JobFailure("EngineNotIsolated", refusal))
@@ -230,7 +231,10 @@ class JobRunner:
             return await self._fail(job_id, failure)
         except Exception as error:  # our side failed (object store, engine): say so, don't hang
             if self.health is not None and self.health.caused_by_death(error):
-                await self.health.engine_died()  # fails or requeues this job with the others
+                # Fails or requeues this job with the others; a cancel meanwhile (the worker reaps the jobs it no
+                # longer holds before it starts a fresh engine) changes nothing of that.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.health.engine_died(generation)
                 return Outcome.SKIPPED
             log.exception("job %s failed in the worker", job_id)
             return await self._fail(job_id, JobFailure(type(error).__name__, str(error), traceback.format_exc()))

@@ -7,8 +7,9 @@ so a trace never waits for a slot behind long chunks. Each heartbeat also aborts
 running here, requeues the model's work that a dead worker left RUNNING (:mod:`nnqueue.scheduler.recovery`,
 :func:`nnqueue.scheduler.chunks.requeue_orphan_chunks`) and, every ``NNQUEUE_RECONCILE_INTERVAL_S``, re-sends
 the tokens the broker lost (:mod:`nnqueue.scheduler.reconciler`). If the engine dies, the worker settles its
-jobs and exits with EXIT_ENGINE_DIED (:mod:`nnqueue.workers.engine_health`); ``nnqueue worker`` runs this
-under a supervisor that starts it again (:mod:`nnqueue.workers.supervisor`). SIGTERM is a warm shutdown whose wait
+jobs and starts a fresh engine (:mod:`nnqueue.workers.engine_health`, :mod:`nnqueue.workers.engine_restart`);
+where it cannot, it exits with EXIT_ENGINE_DIED, and ``nnqueue worker`` runs this under a supervisor that starts it
+again (:mod:`nnqueue.workers.supervisor`). SIGTERM is a warm shutdown whose wait
 for running work is bounded by ``NNQUEUE_WORKER_DRAIN_S``; what is still held then goes back to the queue
 (:mod:`nnqueue.workers.drain`).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import importlib
 import logging
@@ -65,6 +67,7 @@ from nnqueue.workers.containment import engine_core_kwargs, engine_view, isolate
 from nnqueue.workers.drain import Drain
 from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
+from nnqueue.workers.engine_restart import EngineRestart
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
@@ -157,9 +160,15 @@ def run_worker(
     worker_id = registry.new_worker_id()
     # Whether the vLLM engine has died (its AsyncLLM's ``errored``); never, on the transformers engine.
     health = EngineHealth(
-        sessions, app, worker_id, model_key, crash_dir, lambda: entrypoint is not None and bool(entrypoint.errored)
+        sessions,
+        app,
+        worker_id,
+        model_key,
+        crash_dir,
+        lambda: vllm_executor is not None and bool(vllm_executor.model.vllm_entrypoint.errored),
     )
-    gate = WeightsGate(*base_version(model, engine_kwargs.get("revision")))
+    base = base_version(model, engine_kwargs.get("revision"))
+    gate = WeightsGate(*base)
     turns = DomainTurns(settings.domain_hold_s)
     runner = JobRunner(sessions, executor, model_key, worker_id, health, gate, containment, turns)
     register_run_job(app, host, runner)
@@ -218,9 +227,9 @@ def run_worker(
     report_ready()  # the supervisor's healthy interval starts
     warn_if_degraded(containment)  # again, below the engine's start-up lines
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
-    asyncio.run_coroutine_threadsafe(
-        engine_liveness.keep_probing(model_key, entrypoint), host.loop
-    )  # host.stop ends it
+    serving = (lambda: vllm_executor.model.vllm_entrypoint) if vllm_executor is not None else None
+    probe = engine_liveness.keep_probing(model_key, serving, health.engine_died if serving is not None else None)
+    asyncio.run_coroutine_threadsafe(probe, host.loop)  # host.stop ends it
     trainer = None
     if settings.trainer_port is not None and vllm_executor is not None:
         trainer = host.call(
@@ -265,6 +274,9 @@ def run_worker(
         hand_back=hand_back,
     )
     drain.connect()
+    if vllm_executor is not None and chunks is not None and updater is not None and trainer is None:
+        load = functools.partial(_load_vllm, model, engine_kwargs, containment, view)
+        health.restart = EngineRestart(load, vllm_executor, chunks, updater, base, crash_dir, hand_back)
 
     next_reconcile = 0.0
 
@@ -384,14 +396,23 @@ async def _start_executor(
     builders_ready = await builders.launch()
     try:
         # vLLM's import, begun beside the containment's probe (_import_vllm), ends here if it has not yet.
-        from nnqueue.engines.platform import load_engine
         from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
-        with spawning.engine_core_contained(network=containment.network_isolated, view=view):
-            vllm = load_engine(model, **engine_core_kwargs(engine_kwargs))  # blocks this loop; builders load aside
+        vllm = _load_vllm(model, engine_kwargs, containment, view)  # blocks this loop; builders load aside
         await builders_ready
     except BaseException:
         await builders.close()
         raise
     # The engine's one poller, shared with harvest chunks.
     return VLLMTraceExecutor(sessions, store, vllm, sinks, poller(vllm.vllm_entrypoint), builders)
+
+
+def _load_vllm(
+    model: str, engine_kwargs: dict[str, Any], containment: isolation.Containment, view: mountns.View | None
+) -> Any:
+    """A dispatched async nnsight ``VLLM`` of ``model``, its engine core spawned in the engine's network namespace
+    and filesystem ``view`` (:mod:`nnqueue.enginecore.spawning`); on the engine loop."""
+    from nnqueue.engines.platform import load_engine
+
+    with spawning.engine_core_contained(network=containment.network_isolated, view=view):
+        return load_engine(model, **engine_core_kwargs(engine_kwargs))

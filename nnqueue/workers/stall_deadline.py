@@ -9,7 +9,7 @@ engine processes has been in one intervention's code for longer than the stall t
 exception's chance to land), seen at two polls in a row, it writes the engine's crash report (cause ``"stall"``, the request whose code it was) and
 kills that engine process (SIGKILL). The engine's death then takes the usual path
 (:mod:`nnqueue.workers.engine_health`): the job whose code it was fails with ``InterventionStalled``, the other
-jobs on the engine are requeued as they were, and the supervisor starts a fresh worker.
+jobs on the engine are requeued as they were, and a fresh engine serves them.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ STALL_CAUSE = "stall"
 
 
 class StallDeadline(threading.Thread):
-    """See the module doc; ``crash_dir``: the engine's crash report directory. Stops after it has killed once
-    (the worker then stops: its engine is dead)."""
+    """See the module doc; ``crash_dir``: the engine's crash report directory. Watches every engine the worker
+    starts there (a fresh one replaces a killed one: :mod:`nnqueue.workers.engine_restart`), each switch at most
+    once."""
 
     def __init__(self, crash_dir: Path, stall_timeout_s: float) -> None:
         super().__init__(name="nnqueue-stall-deadline", daemon=True)
@@ -44,6 +45,7 @@ class StallDeadline(threading.Thread):
 
     def run(self) -> None:
         overdue: set[InUserCode] = set()
+        stopped: set[InUserCode] = set()  # its process may linger a moment, its beacon until the engine's restart
         while True:
             time.sleep(POLL_S)
             now = time.monotonic()
@@ -51,11 +53,11 @@ class StallDeadline(threading.Thread):
                 each
                 for each in read_all(self.crash_dir)
                 if now - each.started > self.deadline_s and descends_from(each.pid, os.getpid())
-            }
+            } - stopped
             for each in seen & overdue:  # the same switch at two polls: not a torn read
                 self.stop(each, now)
-                return
-            overdue = seen
+                stopped.add(each)
+            overdue = seen - stopped
 
     def stop(self, stalled: InUserCode, now: float) -> None:
         """Report ``stalled``'s request as the engine's crash and kill its engine process."""

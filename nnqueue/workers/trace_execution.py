@@ -31,7 +31,7 @@ from nnqueue.db.models import Job, JobKind
 from nnqueue.enginecore.child_process import ChildError
 from nnqueue.engines import prebuilt, sessions, trace_runner
 from nnqueue.engines.builders import BuilderPool
-from nnqueue.engines.outbox import OutboxPoller
+from nnqueue.engines.outbox import OutboxPoller, poller
 from nnqueue.engines.trace_report import TraceReport, parse_report
 from nnqueue.scheduler.trust_domains import own_domain
 from nnqueue.storage.object_store import ObjectStore
@@ -152,6 +152,11 @@ class VLLMTraceExecutor:
     async def close(self) -> None:
         await self.builders.close()
         self.model.vllm_entrypoint.shutdown()
+
+    def use_engine(self, model: Any) -> None:
+        """Run jobs on ``model`` (a dispatched VLLM that replaced a dead one: :mod:`nnqueue.workers.engine_restart`)
+        from now on; the trace builders stay."""
+        self.model, self.outbox = model, poller(model.vllm_entrypoint)
 
     async def verify_engine_state(self) -> list[str]:
         """Before the engine serves another trust domain (:mod:`nnqueue.scheduler.domain_turns`): every rank's

@@ -203,6 +203,18 @@ class CheckpointUpdater:
             log.info("replaying %d weights update(s) of %s before serving", len(pending), self.model_key)
             await self.apply(pending, report=False)
 
+    async def replay_onto(self, llm: Any, base: tuple[str, dict[str, Any]]) -> None:
+        """A fresh engine (``llm``, an ``AsyncLLM``) replaced this worker's dead one and serves the checkpoint
+        (``base``: its version and source): apply every update of the model to it, as a worker starting after them
+        does, and say in the worker's row which version it serves."""
+        if self._task is not None:  # an update that was under way on the dead engine ends first (it failed there)
+            await asyncio.gather(self._task, return_exceptions=True)
+        self.llm, self.applied = llm, 0
+        self.gate.version, self.gate.source = base
+        self._task = asyncio.ensure_future(self.catch_up())  # the heartbeat's poll starts nothing meanwhile
+        await self._task
+        await asyncio.to_thread(self._report, self.gate.version, self.gate.source)
+
     def _pending(self) -> list[WeightsUpdate]:
         with self.sessions() as session:
             return updates_after(session, self.model_key, self.applied)

@@ -1,11 +1,16 @@
 """What a job alone in the step that crashed the engine is failed with, from the engine's own crash report
-(written by nnqueue.enginecore.crash_report, read and settled by nnqueue.workers.engine_health), on both databases."""
+(written by nnqueue.enginecore.crash_report, read and settled by nnqueue.workers.engine_health), on both databases;
+and what the worker does next: start a fresh engine, or stop when it cannot (a real engine's restart:
+tests/workers/test_engine_crash.py)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import make_engine, session_factory
@@ -14,20 +19,27 @@ from nnqueue.workers.engine_health import EngineHealth
 from tests.utils.queued import claim_next_job, queue_job
 
 
-def crash_alone(database: str, crash_dir: Path, error: BaseException, monkeypatch: pytest.MonkeyPatch) -> Job:
+def crash_alone(
+    database: str,
+    crash_dir: Path,
+    error: BaseException,
+    monkeypatch: pytest.MonkeyPatch,
+    restart: Callable[[], Awaitable[None]] | None = None,
+) -> tuple[Job, EngineHealth, list[bool]]:
+    """A job claimed by worker w1, alone in the step that raised ``error``; the engine's death, healed. Returns the
+    job as healed, the worker's health and whether it stopped."""
     sessions = session_factory(make_engine(database))
     job_id = queue_job(sessions, "m")
     assert claim_next_job(sessions, "m", "w1") is not None
     monkeypatch.setenv(CRASH_DIR_ENV, str(crash_dir))
     write_report([f"{job_id}-1-0"], error)  # as the engine writes it when the step raises
     stopped: list[bool] = []
-    health = EngineHealth(sessions, None, "w1", "m", crash_dir, stop=lambda: stopped.append(True))  # type: ignore[arg-type]
-    health._heal()
-    assert stopped == [True]
+    health = EngineHealth(sessions, None, "w1", "m", crash_dir, stop=lambda: stopped.append(True), restart=restart)  # type: ignore[arg-type]
+    asyncio.run(health.engine_died())
     with sessions() as session:
         job = session.get(Job, job_id)
         assert job is not None
-        return job
+        return job, health, stopped
 
 
 def test_a_host_problem_is_not_held_against_the_job(
@@ -35,7 +47,10 @@ def test_a_host_problem_is_not_held_against_the_job(
 ) -> None:
     """A file the engine user may not read is the host's set-up: not an EngineCrash (which the crash cool-down
     counts against the job's key), and the message says whose problem it is."""
-    job = crash_alone(any_database, tmp_path, PermissionError(13, "Permission denied", "/root/.pyenv"), monkeypatch)
+    job, _, stopped = crash_alone(
+        any_database, tmp_path, PermissionError(13, "Permission denied", "/root/.pyenv"), monkeypatch
+    )
+    assert stopped == [True]  # no fresh engine to start: the worker stops
     assert job.status is JobStatus.FAILED and job.error_type == "EngineHostError", job.error_type
     assert "host's set-up, not in this job's code" in (job.error_message or "")
 
@@ -43,6 +58,39 @@ def test_a_host_problem_is_not_held_against_the_job(
 def test_an_error_of_the_engine_on_the_jobs_input_is_an_engine_crash(
     any_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job = crash_alone(any_database, tmp_path, RuntimeError("shape mismatch in the forward"), monkeypatch)
+    job, _, _ = crash_alone(any_database, tmp_path, RuntimeError("shape mismatch in the forward"), monkeypatch)
     assert job.status is JobStatus.FAILED and job.error_type == "EngineCrash", job.error_type
     assert "shape mismatch" in (job.error_message or "")
+
+
+def test_a_fresh_engine_serves_once_the_jobs_are_settled_and_a_late_death_of_the_old_one_changes_nothing(
+    any_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sessions = session_factory(make_engine(any_database))
+    started: list[JobStatus] = []
+
+    async def restart() -> None:  # the worker's EngineRestart; a real one: tests/workers/test_engine_crash.py
+        with sessions() as session:
+            started.extend(session.scalars(select(Job.status)))  # the dead engine's jobs are settled first
+
+    job, health, stopped = crash_alone(any_database, tmp_path, RuntimeError("boom"), monkeypatch, restart)
+    assert job.status is JobStatus.FAILED and started == [JobStatus.FAILED]
+    assert stopped == [] and not health.dead.is_set() and health.generation == 1
+
+    async def later() -> bool:
+        await health.engine_died(generation=0)  # a job of the dead engine that saw its death only now
+        return await health.restarted()
+
+    assert asyncio.run(later()) is True
+    assert started == [JobStatus.FAILED] and stopped == [] and health.generation == 1  # nothing started again
+
+
+def test_a_worker_whose_fresh_engine_does_not_start_stops_and_hands_its_work_back(
+    any_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def restart() -> None:
+        raise RuntimeError("no memory for a second engine")
+
+    _, health, stopped = crash_alone(any_database, tmp_path, RuntimeError("boom"), monkeypatch, restart)
+    assert stopped == [True] and health.dead.is_set()
+    assert asyncio.run(health.restarted()) is False  # a token that comes now is handed back

@@ -216,3 +216,27 @@ def test_a_load_that_fails_leaves_the_engine_on_its_version_and_says_why(
         time.sleep(0.2)
     assert row.weights_version == served
     assert "model.no_such.weight" in row.weights_source["error"]  # type: ignore[index]
+
+
+def test_a_fresh_engine_in_place_of_a_dead_one_serves_the_swapped_weights(
+    services: Services, worker: WorkerProcess, admin: httpx.Client, client_model: Any, new_checkpoint: Path
+) -> None:
+    """The worker starts a fresh engine in place of one that died (nnqueue.workers.engine_restart), on the
+    checkpoint: it replays the model's updates onto it before it serves, so traces keep the swapped weights'
+    values and version, never the checkpoint's."""
+    version = update(admin, {"source": str(new_checkpoint / "model.safetensors")})  # read by the engine itself
+    registered = wait_version(services, worker, version)
+    payload = two_invoke_payload(client_model)
+    before = saves_of(services, services.submit(payload).id)
+    cores = [process for process in worker.children() if process.name().startswith("VLLM::EngineCor")]
+    assert len(cores) == 1, [process.name() for process in worker.children()]
+    cores[0].kill()  # as the OOM killer would: no crash report
+    worker.wait_log("a fresh engine serves", timeout=300)
+    assert wait_version(services, worker, version).id == registered.id  # the same worker, replayed
+    after = services.submit(payload).id
+    assert services.wait_for(after, {S.COMPLETED, S.FAILED}, timeout=300).weights_version == version
+    saves = saves_of(services, after)
+    assert set(saves) == set(before)
+    for name, value in before.items():
+        assert torch.equal(saves[name], value), name
+    assert "replaying" in worker.log() and "starting it again" not in worker.log()

@@ -1,0 +1,74 @@
+"""A dead vLLM engine replaced inside its live worker.
+
+When the engine core dies (a trace crashed it, or the stall deadline killed it: :mod:`nnqueue.workers.engine_health`
+settles its jobs), only the engine core is lost, so only it is started again. The worker used to exit and its
+supervisor to start a fresh one: vLLM's import again (14-16 s of CPU), the trace builders' zygote and its meta
+model (15 s), the broker, the registration. The process keeps all of that now, and its containment: the fresh
+core is spawned as the first one was, in the engine's network namespace and filesystem view, and switches to the
+engine user. Its registration stays too, so the model keeps a live worker and no job is refused meanwhile; jobs
+that come wait for the fresh engine (:meth:`~nnqueue.workers.engine_health.EngineHealth.restarted`).
+
+Before the fresh engine starts, the worker hands back what the dead one held (its harvest chunks; its jobs are
+settled already) and clears its crash reports and stall beacons, which describe the dead engine only. The fresh
+engine serves the checkpoint: the model's weights updates are replayed onto it before it serves
+(:meth:`~nnqueue.workers.weights.CheckpointUpdater.replay_onto`), as a worker starting after them does. A worker
+with a TRL trainer's server keeps the old way (its NCCL group is bound to the engine): it exits, and its supervisor
+starts a fresh worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nnqueue.enginecore import stall_beacon
+from nnqueue.workers.chunk_execution import ChunkRunner
+from nnqueue.workers.weights import CheckpointUpdater
+
+if TYPE_CHECKING:  # imports vLLM
+    from nnqueue.workers.trace_execution import VLLMTraceExecutor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineRestart:
+    """Start a fresh engine in place of the dead one; the worker's ``EngineHealth.restart``."""
+
+    start: Callable[[], Any]  # a fresh dispatched nnsight VLLM, its core contained as the first one's
+    executor: VLLMTraceExecutor
+    chunks: ChunkRunner
+    updater: CheckpointUpdater
+    base: tuple[str, dict[str, Any]]  # the checkpoint's weights version and source
+    crash_dir: Path
+    hand_back: Callable[[str], None]  # requeue what the worker holds and abort its runs here
+
+    async def __call__(self) -> None:
+        began = time.monotonic()
+        await asyncio.to_thread(self.hand_back, "its engine died")
+        self.executor.model.vllm_entrypoint.shutdown()  # the dead core's client: its sockets, its process reaped
+        clear_reports(self.crash_dir)
+        engine = self.start()  # on the engine loop, as the first engine was (vLLM's AsyncLLM binds to it)
+        self.executor.use_engine(engine)
+        self.chunks.model = engine
+        await self.updater.replay_onto(engine.vllm_entrypoint, self.base)
+        # The dead engine's client and meta model were frozen with the start-up heap (main.freeze_startup_heap),
+        # where the collector never frees them: collect them now, and freeze the fresh engine's.
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        log.info("a fresh engine serves, %.1f s after the engine died", time.monotonic() - began)
+
+
+def clear_reports(crash_dir: Path) -> None:
+    """Remove the dead engine's crash reports and stall beacons (:mod:`nnqueue.enginecore.crash_report`,
+    :mod:`nnqueue.enginecore.stall_beacon`): the next death must be read from the fresh engine's."""
+    for pattern in ("crash-*", f"{stall_beacon.PREFIX}*"):
+        for path in crash_dir.glob(pattern):
+            path.unlink(missing_ok=True)
