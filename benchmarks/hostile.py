@@ -5,7 +5,7 @@ One supervised ``nnqueue worker`` of the tiny Llama (this tree, its defaults but
 ``--stall-timeout-s``), on the real servers of ``queue_stack.py``. The innocent owner submits a one-step trace every
 ``--every`` seconds from the start to the end; first a quiet phase, then each case in turn, by owners of their own
 (a case's owner is cooled down by the crashes it causes, so no case inherits another's cool-down); a case that
-killed the engine ends when the restarted worker serves again:
+killed the engine ends when the worker serves again on a fresh engine (``--cases``: only those named):
 
 * ``sleep``: ``time.sleep(600)`` inside the intervention: in C, only the hard step deadline stops it;
 * ``regex``: catastrophic backtracking, in C and holding the GIL;
@@ -19,7 +19,8 @@ killed the engine ends when the restarted worker serves again:
 Printed per case: the attacker's jobs by status and error type; the innocent's jobs submitted during the case,
 their latency p50/p90/max (submission to end), how many did not complete and how many completed with logits other
 than the quiet phase's; engine kills and deaths, the restarted engines' load times (the worker's log) and the
-memory of the worker's processes after the case. ``--json`` also keeps the worker's log beside it.
+memory of the worker's processes after the case, and the engine restarts' times (from the engine's death to the
+fresh engine serving). ``--json`` also keeps the worker's log beside it.
 The innocent's quiet latency is the floor.
 
     .venv/bin/python benchmarks/hostile.py [--every 1 --quiet-s 20 --flood 64 --stall-timeout-s 5]
@@ -49,6 +50,7 @@ MODEL_KEY = "hostile"
 INNOCENT = "innocent"
 KILLED, DIED = "killing engine process", "the engine died"  # the stall deadline's and the engine watch's log lines
 READY = re.compile(r"engine for .* ready in ([0-9.]+) s")  # a (re)started worker's engine load
+RESTARTED = re.compile(r"a fresh engine serves, ([0-9.]+) s after the engine died")  # nnqueue.workers.engine_restart
 
 
 def traced(build: Callable[[Any, PrebuiltBackend], None]) -> Callable[[Any], bytes]:
@@ -183,6 +185,11 @@ def innocent_report(stack: QueueStack, jobs: list[Job], reference: torch.Tensor 
     }
 
 
+def restarting(during: str) -> bool:
+    """Whether the worker's log of a case says that an engine died and no fresh one serves yet."""
+    return during.count(DIED) > len(RESTARTED.findall(during))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--every", type=float, default=1.0, help="seconds between the innocent's submissions")
@@ -191,6 +198,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="the worker's --max-concurrent-jobs")
     parser.add_argument("--stall-timeout-s", type=float, default=5.0, help="NNQUEUE_ENGINE_STALL_TIMEOUT_S")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="run only these cases")
     args = parser.parse_args()
 
     stack = QueueStack()
@@ -202,7 +210,7 @@ def main() -> None:
         worker = stack.worker(
             MODEL_KEY, args.concurrency, env={"NNQUEUE_ENGINE_STALL_TIMEOUT_S": str(args.stall_timeout_s)}
         )
-        attacks = cases(stack.client, args.flood)
+        attacks = {name: built for name, built in cases(stack.client, args.flood).items() if name in args.cases}
         innocent = Innocent(stack, one_step_payload(stack.client, PROMPTS[0]), args.every)
         innocent.start()
         time.sleep(args.quiet_s)
@@ -210,8 +218,8 @@ def main() -> None:
             innocent.phase = name
             before, serving = worker.log(), worker.wait_registered().id
             hostile = stack.ended([stack.submit(payload, f"hostile-{name}", MODEL_KEY) for payload in payloads])
-            while worker.wait_registered(timeout=1800).id == serving and DIED in worker.log()[len(before) :]:
-                time.sleep(0.5)  # the engine died: the next case starts once the restarted worker serves
+            while restarting(worker.log()[len(before) :]) and worker.wait_registered(timeout=1800).id == serving:
+                time.sleep(0.5)  # the engine died: the next case starts once a fresh engine (or worker) serves
             time.sleep(2 * args.every)  # the innocent's jobs just after the case count to it too
             statuses = collections.Counter(f"{job.status.value} {job.error_type or ''}".strip() for job in hostile)
             during = worker.log()[len(before) :]  # what the worker logged in this case
@@ -220,6 +228,7 @@ def main() -> None:
                 "engine_kills": during.count(KILLED),
                 "engine_deaths": during.count(DIED),
                 "engine_loads_s": [float(found) for found in READY.findall(during)],
+                "engine_restarts_s": [float(found) for found in RESTARTED.findall(during)],
                 "engine_rss_mb": engine_rss_mb(worker),
             }
             log(f"{name}: {dict(statuses)}")
@@ -243,11 +252,11 @@ def main() -> None:
     )
     print(
         f"{'case':<11} {'innocent':>8} {'failed':>6} {'wrong':>5} {'p50 s':>6} {'p90 s':>6} {'max s':>6} "
-        f"{'kills':>5} {'deaths':>6} {'loads s':>10} {'RSS MB':>7}  the attacker's jobs"
+        f"{'kills':>5} {'deaths':>6} {'restarts s':>10} {'RSS MB':>7}  the attacker's jobs"
     )
     for name, case in report["cases"].items():
         found = case["innocent"]
-        loads = ",".join(f"{load:.0f}" for load in case.get("engine_loads_s", [])) or "-"
+        loads = ",".join(f"{load:.0f}" for load in case.get("engine_restarts_s", [])) or "-"
         print(
             f"{name:<11} {found['jobs']:>8} {found['not_completed']:>6} {found['wrong']:>5} {found['p50_s']:>6.2f} "
             f"{found['p90_s']:>6.2f} {found['max_s']:>6.2f} {case.get('engine_kills', 0):>5} "
