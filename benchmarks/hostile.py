@@ -48,7 +48,8 @@ from tests.utils.payloads import PROMPTS, PrebuiltBackend, slow_payload
 
 MODEL_KEY = "hostile"
 INNOCENT = "innocent"
-KILLED, DIED = "killing engine process", "the engine died"  # the stall deadline's and the engine watch's log lines
+# The stall deadline's log line, and the engine health's when an engine died.
+KILLED, DIED = "killing engine process", "settling this worker's jobs"
 READY = re.compile(r"engine for .* ready in ([0-9.]+) s")  # a (re)started worker's engine load
 RESTARTED = re.compile(r"a fresh engine serves, ([0-9.]+) s after the engine died")  # nnqueue.workers.engine_restart
 
