@@ -1,27 +1,33 @@
 """Trace payloads built the way clients build them: a meta ``VLLM`` traces the block and a backend builds the
-payload instead of running it: prebuilt as the nnqueue client sends it, or raw as nnsight's own clients do."""
+payload instead of running it: prebuilt as the nnqueue client sends it, or raw as nnsight's own clients do.
+
+The backends are not subclasses of nnsight's ``Backend``: a tracer only calls its backend with itself when its block
+ends (``Tracer.__exit__``), and nothing checks the class, so this module, which test modules import at their top,
+does not import nnsight (6 s of collecting the tests: docs/development.md)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from nnsight.schema.request import RequestModel
-from nnsight.tracing.backend import Backend
-
 PROMPTS = ["The Eiffel Tower is in", "A job queue runs many traces"]
+# A trace's backend as nnsight uses one: called with the tracer, in place of running the block.
+TraceBackend = Callable[[Any], None]
 
 
-class PayloadBackend(Backend):
+class PayloadBackend:
     """Serialize the trace instead of running it, as nnsight's own remote clients do (a raw payload)."""
 
     payload: bytes
 
     def __call__(self, tracer: Any) -> None:
+        from nnsight.schema.request import RequestModel
+
         self.payload = RequestModel.serialize(tracer)
 
 
-class PrebuiltBackend(Backend):
+class PrebuiltBackend:
     """Build the trace's requests instead of running them, as the nnqueue client does (a prebuilt payload)."""
 
     payload: bytes
@@ -32,7 +38,7 @@ class PrebuiltBackend(Backend):
         self.payload = build_payload(tracer)
 
 
-def two_invoke_trace(client: Any, backend: Backend) -> None:
+def two_invoke_trace(client: Any, backend: TraceBackend) -> None:
     """One trace, an invoke per prompt of PROMPTS, saving layer 0's output (HF's hidden state) and the logits."""
     with client.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
         with tracer.invoke(PROMPTS[0]):

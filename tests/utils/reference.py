@@ -7,14 +7,14 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from nnsight.tracing.backend import Backend
-
 if TYPE_CHECKING:
     from tests.utils.engines import InProcessEngine
+    from tests.utils.payloads import TraceBackend
 
 
-class InProcessBackend(Backend):
-    """Run the trace on the session's in-process engine the way nnsight runs one on its own engine.
+class InProcessBackend:
+    """Run the trace on the session's in-process engine the way nnsight runs one on its own engine (a backend as
+    ``tests.utils.payloads``' are: called with the tracer, no subclass of nnsight's ``Backend``).
 
     nnsight's synchronous path, step for step (``VLLMTracer.execute`` around ``VLLM._call``): build the
     mediators and attach them to the requests, generate (final outputs only, as vLLM's ``LLM.generate``
@@ -69,7 +69,7 @@ async def _generate_and_collect(engine: Any, prompts: list[Any], params: list[An
     return list(await asyncio.gather(*(one(*request) for request in zip(prompts, params, loras, strict=True))))
 
 
-def reference_saves(client: Any, engine: InProcessEngine, trace: Callable[[Any, Backend], None]) -> dict[str, Any]:
+def reference_saves(client: Any, engine: InProcessEngine, trace: Callable[[Any, TraceBackend], None]) -> dict[str, Any]:
     """What ``trace(client, backend)`` saves when nnsight runs it on the in-process engine."""
     backend = InProcessBackend(engine)
     trace(client, backend)
