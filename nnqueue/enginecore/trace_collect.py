@@ -21,9 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nnsight.modeling.vllm.collect import merge_shared_saves
-from nnsight.tracing.tracer import _saves
-
 from nnqueue.enginecore.taps import unwind_untapped
 
 
@@ -49,6 +46,8 @@ def collect_trace(runner: Any, request_ids: list[str], outputs: dict[str, Any] |
     ``runner`` is nnsight's model runner; ``outputs`` maps request id to its finished ``RequestOutput``
     (for ``tracer.result``). Every request named must have finished.
     """
+    from nnsight.modeling.vllm.collect import merge_shared_saves
+
     invokes = _take(runner, request_ids, outputs)
     per_request: list[dict[str, Any]] = []
     values: dict[str, list[Any]] = {}
@@ -84,6 +83,8 @@ def _failed(invoke: _Invoke | None) -> bool:
 
 def release(runner: Any, request_ids: list[str]) -> None:
     """Free the runner state of requests that will never be collected (aborted, cancelled, timed out)."""
+    from nnsight.tracing.tracer import _saves
+
     requests = runner.nnsight_requests
     wanted = set(request_ids)
     requests.harvest(wanted)
@@ -101,6 +102,8 @@ def release(runner: Any, request_ids: list[str]) -> None:
 
 def _take(runner: Any, request_ids: list[str], outputs: dict[str, Any] | None) -> dict[str, _Invoke]:
     """Each named request's saves per sequence, mediators and error (collect_nnsight's loop, unpickled)."""
+    from nnsight.tracing.tracer import _saves
+
     requests = runner.nnsight_requests
     wanted = set(request_ids)
     # Registered blocks' copies end with their request (nnqueue installs none; this only unwinds them).
