@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import nnsight
 import pytest
 import torch
 import yaml
@@ -35,7 +34,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # end to end: a real
 
 PROMPT = "The Eiffel Tower is in"
 ROOT = Path(__file__).resolve().parents[2]
-CLIENT = {"nnsight": nnsight.__version__, "python": platform.python_version()}
+
+
+def client_versions() -> dict[str, str]:
+    """What a client submitting from this process declares: its nnsight's and Python's versions."""
+    import nnsight
+
+    return {"nnsight": nnsight.__version__, "python": platform.python_version()}
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +70,7 @@ def payload(client_model: Any) -> bytes:
 
 @pytest.fixture(scope="module")
 def completed(api: Api, worker: WorkerProcess, alice: dict[str, str], payload: bytes) -> dict[str, Any]:
-    job = api.submit_ok(alice, payload, model_key=MODEL_KEY, timeout_s=120, client=CLIENT, safetensors=True)
+    job = api.submit_ok(alice, payload, model_key=MODEL_KEY, timeout_s=120, client=client_versions(), safetensors=True)
     done = wait_ended(api, alice, job["id"])
     assert done["status"] == "completed", done["error"]
     return done
@@ -176,7 +181,7 @@ def test_an_error_in_user_code_is_reported_on_the_job(
     with client_model.trace(PROMPT, temperature=0.0, max_tokens=1, backend=backend):
         hidden = client_model.model.layers[0].output[0]
         raise ValueError(f"user code broke on shape {tuple(hidden.shape)}")
-    job = api.submit_ok(alice, backend.payload, model_key=MODEL_KEY, client=CLIENT)
+    job = api.submit_ok(alice, backend.payload, model_key=MODEL_KEY, client=client_versions())
 
     failed = wait_ended(api, alice, job["id"])
     assert failed["status"] == "failed" and failed["result"] is None

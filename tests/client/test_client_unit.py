@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from nnsight.intervention.errors import raise_deferred
 
 from nnqueue.client import (
     APIConnectionError,
@@ -263,6 +262,8 @@ def test_names_the_client_cannot_raise_are_plain_job_failed(type_name: str) -> N
 
 @pytest.mark.parametrize("type_name", ["ValueError", "KeyError", "RuntimeError", "OutOfOrderError", "Stalled"])
 def test_deferred_errors_read_as_nnsights_raise_deferred_for_a_local_vllm_run(type_name: str) -> None:
+    from nnsight.intervention.errors import raise_deferred
+
     failure = JobFailed.from_job(failed_job(type_name, TRACEBACK), deferred=True)
     with pytest.raises(RuntimeError) as nnsight_way:
         raise_deferred({"type_name": type_name, "message": "it broke", "traceback": TRACEBACK})

@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import nnsight
 import pytest
 import torch
 
@@ -108,6 +107,8 @@ def logit_lens(model: Any, backend: Any) -> dict[str, Any]:
 
 @feature
 def module_inputs(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(P0, temperature=0.0, max_tokens=1, backend=backend):
         args, _ = model.model.layers[1].inputs
         positions = nnsight.save(args[0])
@@ -118,6 +119,8 @@ def module_inputs(model: Any, backend: Any) -> dict[str, Any]:
 
 @feature
 def python_values_and_scalars(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(P0, temperature=0.0, max_tokens=1, backend=backend):
         shape = nnsight.save(tuple(model.model.layers[0].output[0].shape))
         top = nnsight.save(model.logits.argmax(-1).item())
@@ -189,6 +192,8 @@ def same_name_in_several_invokes(model: Any, backend: Any) -> dict[str, Any]:
 
 @feature
 def trace_level_list_appended_in_two_invokes(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
         rows = nnsight.save(list())
         with tracer.invoke(P0):
@@ -200,6 +205,8 @@ def trace_level_list_appended_in_two_invokes(model: Any, backend: Any) -> dict[s
 
 @feature
 def trace_level_slots_filled_per_invoke(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
         slots = nnsight.save([None, None])
         with tracer.invoke(P0):
@@ -211,6 +218,8 @@ def trace_level_slots_filled_per_invoke(model: Any, backend: Any) -> dict[str, A
 
 @feature
 def trace_level_dict_filled_per_invoke(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
         by_prompt = nnsight.save({})
         with tracer.invoke(P0):
@@ -222,6 +231,8 @@ def trace_level_dict_filled_per_invoke(model: Any, backend: Any) -> dict[str, An
 
 @feature
 def per_invoke_sampling_overrides_the_trace(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(temperature=0.0, max_tokens=3, ignore_eos=True, backend=backend) as tracer:
         with tracer.invoke(P0, max_tokens=1):
             short = nnsight.save(list(tracer.result.outputs[0].token_ids))
@@ -235,6 +246,8 @@ def per_invoke_sampling_overrides_the_trace(model: Any, backend: Any) -> dict[st
 
 @feature
 def logits_per_generated_step(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(P0, temperature=0.0, max_tokens=4, ignore_eos=True, backend=backend) as tracer:
         steps = nnsight.save(list())
         for _ in tracer.iter[:]:
@@ -244,6 +257,8 @@ def logits_per_generated_step(model: Any, backend: Any) -> dict[str, Any]:
 
 @feature
 def samples_per_step(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(P1, temperature=0.0, max_tokens=4, ignore_eos=True, backend=backend) as tracer:
         samples = nnsight.save(list())
         for _ in tracer.iter[:]:
@@ -253,6 +268,8 @@ def samples_per_step(model: Any, backend: Any) -> dict[str, Any]:
 
 @feature
 def steering_over_generated_steps(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(P0, temperature=0.0, max_tokens=5, ignore_eos=True, backend=backend) as tracer:
         direction = model.model.embed_tokens.weight[7] - model.model.embed_tokens.weight[9]
         for _ in tracer.iter[:5]:
@@ -264,6 +281,8 @@ def steering_over_generated_steps(model: Any, backend: Any) -> dict[str, Any]:
 
 @feature
 def a_slice_of_steps(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(P0, temperature=0.0, max_tokens=5, ignore_eos=True, backend=backend) as tracer:
         late = nnsight.save(list())
         for step in tracer.iter[2:4]:
@@ -338,6 +357,8 @@ def edit_the_logits(model: Any, backend: Any) -> dict[str, Any]:
 
 @feature
 def force_the_samples(model: Any, backend: Any) -> dict[str, Any]:
+    import nnsight
+
     with model.trace(P0, temperature=0.0, max_tokens=3, ignore_eos=True, backend=backend) as tracer:
         for _ in tracer.iter[:3]:
             model.samples = torch.full_like(model.samples, 11)
@@ -624,6 +645,8 @@ def test_errors_from_the_queue_are_also_their_original_type(client_model: Any, q
 
 def test_traces_inside_a_session_can_each_be_a_job(client_model: Any, queue_backend: Any) -> None:
     """The traces of a local session, each a job of its own (a session as one job: tests/engines/test_sessions.py)."""
+    import nnsight
+
     with client_model.session():
         with client_model.trace(P0, temperature=0.0, max_tokens=1, backend=queue_backend):
             top = nnsight.save(client_model.logits.argmax(-1))

@@ -12,16 +12,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
-from nnsight.modeling.vllm import VLLM
 from sqlalchemy import select
 
 from nnqueue.db.models import JobEvent, JobStatus, Worker
 from tests.utils.payloads import slow_payload
 from tests.utils.services import ENGINE_ARGS, MODEL_KEY, Services, WorkerProcess
 from tests.workers.test_harvest import check_every_prompt_once, chunks_of, harvest, prompts, wait_chunk, wait_harvest
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 pytestmark = pytest.mark.slow  # worker processes
 

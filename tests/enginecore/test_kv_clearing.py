@@ -5,12 +5,13 @@ trace read them in a red-team round, and a request still running keeps its own."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-from nnsight.modeling.vllm import VLLM
+from typing import TYPE_CHECKING, Any
 
 from tests.utils.engines import InProcessEngine, run, run_prebuilt
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 
 def kv_written(engine: InProcessEngine, client: VLLM, tmp_path: Path, name: str) -> int:

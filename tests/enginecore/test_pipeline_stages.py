@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pickle
 
-import nnsight
 import pytest
 import torch
 
@@ -103,6 +102,8 @@ def llama(stage: int, tied: bool) -> torch.nn.Module:
 def test_every_module_another_stage_runs_is_served_there(tied: bool) -> None:
     """A tied ``embed_tokens`` is real on the last stage (for ``lm_head``) but runs on the first only: a read of
     it there is served a placeholder before the forward, as for the layers of the first stage."""
+    import nnsight
+
     last = StageLayout.of(nnsight.NNsight(llama(1, tied)), first=False, last=True)
     assert set(last.earlier) == {"model.model.embed_tokens", "model.model.layers.0", "model.model.layers.1"}
     assert last.later == () and last.decoder_layers == {"model.model.layers.0", "model.model.layers.1"}

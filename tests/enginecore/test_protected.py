@@ -13,7 +13,6 @@ from typing import Any
 import cloudpickle
 import pytest
 import torch
-from nnsight.intervention.serialization import dumps
 
 from nnqueue.enginecore import protected
 from nnqueue.enginecore.protected import ProtectedEnvironmentError, RestrictedUnpickler
@@ -93,12 +92,16 @@ class _System:
     ],
 )
 def test_payloads_referencing_other_globals_are_refused(payload: Any, named: str) -> None:
+    from nnsight.intervention.serialization import dumps
+
     data = payload if isinstance(payload, bytes) else dumps(payload)
     with pytest.raises(ProtectedEnvironmentError, match=named):
         load(data)
 
 
 def test_bytecode_functions_are_refused_and_sourced_ones_get_the_protected_builtins() -> None:
+    from nnsight.intervention.serialization import dumps
+
     with pytest.raises(ProtectedEnvironmentError, match="bytecode"):
         load(cloudpickle.dumps(types.FunctionType(compile("0", "<none>", "eval"), {})))
 
@@ -118,11 +121,15 @@ def test_module_attributes_come_from_the_module() -> None:
 
 
 def test_a_protected_module_is_sent_on_as_a_module() -> None:
+    from nnsight.intervention.serialization import dumps
+
     scope = run("import torch.nn.functional as F")
     assert isinstance(load(dumps(scope["F"])), protected.ProtectedModule)
 
 
 def test_tensors_and_plain_data_load() -> None:
+    from nnsight.intervention.serialization import dumps
+
     value = load(dumps({"t": torch.arange(3), "x": [1, 2.5, "s"]}))
     assert torch.equal(value["t"], torch.arange(3)) and value["x"] == [1, 2.5, "s"]
 

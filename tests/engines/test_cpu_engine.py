@@ -15,20 +15,22 @@ import tempfile
 import time
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import nnsight
 import pytest
 import torch
-from nnsight.modeling.vllm import VLLM
 
 from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
-from nnqueue.engines.platform import EngineVLLM
 from nnqueue.engines.trace_report import TraceReport
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend, two_invoke_payload
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
+
+    from nnqueue.engines.platform import EngineVLLM
 
 T = TypeVar("T")
 
@@ -109,6 +111,8 @@ async def run_prebuilt(engine: EngineVLLM, outbox: OutboxPoller, payload: bytes,
 def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
     """A trace that records, from inside the engine's prefill forward, how many tokens that
     forward carried: all requests in the step, nnsight's or not (engine-side batching evidence)."""
+    import nnsight
+
     backend = PrebuiltBackend()
     with client.trace(prompt, temperature=0.0, backend=backend, **sampling):
         client.model.layers[0].output
@@ -161,6 +165,8 @@ def test_two_traces_share_an_engine_step(loop, engine, client, outbox) -> None:
 
 def mark_payload(client: VLLM) -> bytes:
     """A trace that saves the mark it finds on an envoy of its tree, then marks it."""
+    import nnsight
+
     backend = PrebuiltBackend()
     with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
         layer = client.model.layers[0]

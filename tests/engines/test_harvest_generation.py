@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nnsight
 import pytest
 import torch
 
@@ -67,6 +66,8 @@ def on_cpu(engine: InProcessEngine) -> bool:
 
 def trace_payload_of(client_model: Any, ids: list[int], generation: Generation) -> bytes:
     """A trace job generating from ``ids`` as ``generation`` says, saving every step's values and the tokens."""
+    import nnsight
+
     backend = PrebuiltBackend()
     with client_model.trace(
         ids,

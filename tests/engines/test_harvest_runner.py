@@ -16,7 +16,6 @@ from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import nnsight
 import pytest
 import torch
 from safetensors import safe_open
@@ -208,6 +207,8 @@ def test_every_selection_matches_transformers(inprocess_engine, tmp_path, prompt
 
 
 def test_trace_and_harvest_share_a_step(inprocess_engine, client_model, tmp_path, prompts, reference) -> None:
+    import nnsight
+
     from nnqueue.engines.prebuilt import to_requests  # imports vLLM: only when a test runs (fast collection)
     from nnqueue.engines.trace_runner import run_trace
 

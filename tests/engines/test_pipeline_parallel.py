@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nnsight
 import pytest
 import torch
 
@@ -87,6 +86,8 @@ def test_captures_on_two_stages_are_refused(pipeline_engine, tmp_path, prompts) 
 
 
 def test_a_trace_across_stages_equals_one_stage(inprocess_engine, pipeline_engine, client_model, tmp_path) -> None:
+    import nnsight
+
     backend = PrebuiltBackend()
     model = client_model
     with model.trace("The Eiffel Tower is in", temperature=0.0, max_tokens=3, backend=backend):

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nnsight
 import pytest
 import torch
 
@@ -39,6 +38,8 @@ def patching(model: Any, session_backend: Any, trace_backend: Any) -> dict[str, 
     """Activation patching in three traces: the clean run's layer-0 output, the corrupted run, and the corrupted
     prompt with the clean output patched in at the last token. Only the session carries ``backend``: its traces
     run where it runs."""
+    import nnsight
+
     kwargs = {"temperature": 0.0, "max_tokens": 1}
     if trace_backend is not None:
         kwargs["backend"] = trace_backend

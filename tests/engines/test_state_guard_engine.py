@@ -12,15 +12,17 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from nnsight.modeling.vllm import VLLM
 
 from tests.utils.engines import InProcessEngine, run, run_prebuilt, running_engine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import nnsight
 import pytest
 import torch
 
@@ -59,6 +58,8 @@ def steer(prompt_ids: list[list[int]], edits: list[Edit], vectors: dict[str, tor
 
 def nnsight_steered(engine: InProcessEngine, client: Any, tmp_path: Any, ids: list[int], vector: torch.Tensor) -> Any:
     """The steering as an nnsight trace on the same engine: the step logits of a greedy generation."""
+    import nnsight
+
     backend = PrebuiltBackend()
     with client.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True, backend=backend) as tracer:
         logits = nnsight.save(list())
@@ -159,6 +160,8 @@ STEERED = "model.layers.1.mlp.down_proj"  # no other test steers it: a harvest's
 
 def nnsight_down_proj(engine: InProcessEngine, client: Any, tmp_path: Any, ids: list[int], vector: torch.Tensor) -> Any:
     """The steering at ``STEERED`` as an nnsight trace that saves the steered output at every step, and the tokens."""
+    import nnsight
+
     backend = PrebuiltBackend()
     with client.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True, backend=backend) as tracer:
         values = nnsight.save(list())

@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from nnsight.modeling.vllm import VLLM
 
 from nnqueue import trace_payload
 from nnqueue.engines.trace_report import TraceReport
 from tests.utils.engines import InProcessEngine, run, run_prebuilt
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 
 def wrong_skip(client: VLLM) -> bytes:

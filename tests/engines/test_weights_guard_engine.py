@@ -12,11 +12,10 @@ import asyncio
 import tempfile
 from collections.abc import Awaitable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 import torch
-from nnsight.modeling.vllm import VLLM
 
 from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
@@ -24,6 +23,9 @@ from nnqueue.engines.trace_report import TraceReport
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 T = TypeVar("T")
 

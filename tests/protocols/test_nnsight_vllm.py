@@ -23,7 +23,6 @@ import httpx
 import pytest
 import torch
 import websocket
-from nnsight.intervention.backends.remote import AsyncRemoteBackend, RemoteBackend, RemoteError
 
 from nnqueue.client import Client
 from nnqueue.db.models import Job, JobStatus
@@ -118,6 +117,8 @@ def test_a_two_invoke_remote_trace(ndif: Any, worker: WorkerProcess, client: Cli
 def test_a_user_error_is_raised_with_its_type_and_traceback(
     ndif: Any, worker: WorkerProcess, client_model: Any
 ) -> None:
+    from nnsight.intervention.backends.remote import RemoteError
+
     model = client_model
     with pytest.raises(RemoteError) as caught:
         with model.trace(PROMPT, remote=True, max_tokens=1, temperature=0.0):
@@ -131,6 +132,8 @@ def test_a_user_error_is_raised_with_its_type_and_traceback(
 def test_a_non_blocking_remote_trace_is_polled_until_its_result(
     ndif: Any, worker: WorkerProcess, client: Client, client_model: Any
 ) -> None:
+    from nnsight.intervention.backends.remote import RemoteBackend
+
     model = client_model
     backend = RemoteBackend(model.to_model_key(), blocking=False)
     with model.trace(PROMPT, backend=backend, max_tokens=2, temperature=0.0):
@@ -152,6 +155,8 @@ def test_a_non_blocking_remote_trace_is_polled_until_its_result(
 def test_the_async_backend_awaits_the_result(
     ndif: Any, worker: WorkerProcess, client: Client, client_model: Any
 ) -> None:
+    from nnsight.intervention.backends.remote import AsyncRemoteBackend
+
     model = client_model
     backend = AsyncRemoteBackend(model.to_model_key())
     with model.trace(PROMPT, backend=backend, max_tokens=2, temperature=0.0):
@@ -169,6 +174,8 @@ def test_the_async_backend_awaits_the_result(
 def test_a_bad_key_an_unserved_model_and_a_language_model_are_refused_with_reasons(
     ndif: Any, secret: str, worker: WorkerProcess, client_model: Any, tiny_model_path: Path
 ) -> None:
+    from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
+
     model = client_model
     ndif.API.APIKEY = "nnq_not-a-key"
     # Refused at the subscription's handshake, before the trace is sent; the client shows the server's reason.
@@ -214,6 +221,8 @@ def test_a_remote_session_runs_as_one_job_equal_to_the_local_session(
 def test_a_payload_over_the_limit_is_refused_even_when_it_compresses_under_it(
     ndif: Any, services: Services, worker: WorkerProcess, client_model: Any
 ) -> None:
+    from nnsight.intervention.backends.remote import RemoteError
+
     small = ApiServer(Settings(_env_file=None, **{**services.settings.model_dump(), "max_payload_bytes": 4096}))
     try:
         ndif.API.HOST = f"{small.url}/ndif"
@@ -244,6 +253,8 @@ def slow_trace(model: Any, **kwargs: Any) -> None:
 def test_a_cancelled_job_ends_its_subscription_with_an_error(
     ndif: Any, worker: WorkerProcess, client: Client, client_model: Any
 ) -> None:
+    from nnsight.intervention.backends.remote import RemoteError
+
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -274,6 +285,8 @@ def wait_for_running(client: Client, timeout: float = 60) -> Any:
 def test_a_client_that_leaves_cancels_its_job(
     ndif: Any, worker: WorkerProcess, client: Client, client_model: Any
 ) -> None:
+    from nnsight.intervention.backends.remote import AsyncRemoteBackend
+
     backend = AsyncRemoteBackend(client_model.to_model_key())
     slow_trace(client_model, backend=backend)  # submitted; nobody awaits it
     job = wait_for_running(client)
@@ -287,6 +300,8 @@ def test_a_client_that_leaves_cancels_its_job(
 def test_a_subscription_ends_when_its_models_workers_are_gone(
     ndif: Any, services: Services, worker: WorkerProcess, client: Client, client_model: Any
 ) -> None:
+    from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
+
     # A worker row nobody keeps fresh: the model is served at submit, then its heartbeat goes stale (3 s); an API
     # that waits 10 s for a restarted worker (NNQUEUE_WORKER_RESTART_GRACE_S) then cancels the job.
     impatient = ApiServer(Settings(_env_file=None, **{**services.settings.model_dump(), "worker_restart_grace_s": 10}))
@@ -380,6 +395,8 @@ def test_serve_refuses_a_bad_key_and_engine_wide_edits_and_reports_health(
 
 
 def test_the_subscription_streams_nnqueues_job_states(ndif: Any, worker: WorkerProcess, client_model: Any) -> None:
+    from nnsight.intervention.backends.remote import AsyncRemoteBackend
+
     backend = AsyncRemoteBackend(client_model.to_model_key())
     with client_model.trace(PROMPT, temperature=0.0, max_tokens=30, ignore_eos=True, backend=backend) as tracer:
         first = client_model.logits.save()

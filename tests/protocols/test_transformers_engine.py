@@ -10,10 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import nnsight
 import pytest
 import torch
-from nnsight.intervention.backends.remote import RemoteError
 
 from nnqueue.client import Client, JobFailed
 from nnqueue.scheduler import registry
@@ -115,6 +113,8 @@ def test_language_model_traces_and_sessions_through_nnsights_remote_equal_a_loca
 def test_a_user_error_fails_the_job_with_its_type_and_the_engine_goes_on(
     client: Client, ndif: Any, worker: WorkerProcess, models: tuple[Any, Any]
 ) -> None:
+    from nnsight.intervention.backends.remote import RemoteError
+
     meta, local = models
     with pytest.raises(JobFailed) as caught:
         with meta.trace(PROMPT, backend=client.backend(progress=False)):
@@ -164,7 +164,7 @@ def test_an_endless_loop_is_stopped_by_the_stall_watchdog_and_the_engine_goes_on
 def test_vllm_traces_are_refused_for_a_transformers_model_and_engines_do_not_share_a_key(
     ndif: Any, services: Services, worker: WorkerProcess, client_model: Any, tiny_model_path: Path
 ) -> None:
-    from nnsight.intervention.backends.remote import RemoteBackend
+    from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
     key = f"nnsight.modeling.vllm.vllm.VLLM:{tiny_model_path}"
     with pytest.raises(RemoteError, match="served here by a transformers engine, which cannot run nnsight VLLM"):
@@ -190,6 +190,8 @@ def test_vllm_traces_are_refused_for_a_transformers_model_and_engines_do_not_sha
 def test_an_import_of_os_in_a_language_model_trace_fails_the_job_naming_it(
     client: Client, worker: WorkerProcess, models: tuple[Any, Any]
 ) -> None:
+    import nnsight
+
     meta, local = models
     with pytest.raises(JobFailed, match="module 'os' is not allowed in intervention code"):
         with meta.trace(PROMPT, backend=client.backend(progress=False)):
@@ -203,6 +205,8 @@ def test_an_import_of_os_in_a_language_model_trace_fails_the_job_naming_it(
 def test_a_root_workers_transformers_engine_runs_as_the_engine_user_without_the_workers_secrets(
     client: Client, services: Services, start_worker: Callable[..., WorkerProcess], models: tuple[Any, Any]
 ) -> None:
+    import nnsight
+
     # Without the protected environment, the trace runs arbitrary code, as a sandbox escape would.
     worker = start_worker(model_key="tiny-hf-root", engine="transformers", env=UNPROTECTED)
     meta, _ = models

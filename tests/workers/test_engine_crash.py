@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from nnsight.modeling.vllm import VLLM
 
 from nnqueue.api import auth
 from nnqueue.db.models import JobStatus
@@ -21,6 +21,9 @@ from nnqueue.scheduler.crash_cooldown import CrashCooldown
 from nnqueue.scheduler.submission import submit_job
 from tests.utils.payloads import PayloadBackend, slow_payload, two_invoke_payload
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 pytestmark = pytest.mark.slow  # a real worker process whose engine dies twice
 

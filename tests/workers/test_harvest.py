@@ -10,11 +10,10 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
-from nnsight.modeling.vllm import VLLM
 from safetensors.torch import load
 from sqlalchemy import select
 
@@ -27,6 +26,9 @@ from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_generation import trace_payload_of
 from tests.utils.payloads import two_invoke_payload
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 pytestmark = pytest.mark.slow  # end to end: worker processes, one of them killed
 

@@ -27,13 +27,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import nnsight
 import psutil
 import pytest
-from nnsight.modeling.vllm import VLLM
 
 from nnqueue import isolation
 from nnqueue.db.models import JobStatus
@@ -42,12 +40,17 @@ from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
 from tests.utils.services import Services, WorkerProcess
 from tests.utils.snooping import UNPROTECTED, assert_no_secret, engine_uid, pwd_uid
 
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
+
 pytestmark = pytest.mark.slow  # real worker processes, one as root and one as nobody
 
 
 def snooping_payload(client: VLLM, worker_pid: int, env_file: str, redis_port: int) -> bytes:
     """A trace that collects the environment, its parent's and the worker's /proc environ and memory, .env, and
     tries to signal and trace the worker, to start a program and to open a TCP connection to the broker."""
+    import nnsight
+
     backend = PayloadBackend()
     with client.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
         import ctypes
@@ -166,6 +169,8 @@ def test_a_root_workers_engine_sees_no_secret_and_cannot_reach_the_worker_or_the
 def test_trace_level_code_of_a_raw_payload_runs_without_the_workers_secrets(
     services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
 ) -> None:
+    import nnsight
+
     backend = PayloadBackend()
     with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
         # Trace-level code: rebuilt (run) by the worker's builder process, not the engine. (Opened, not
@@ -336,6 +341,8 @@ def test_a_trace_without_the_protected_environment_reaches_nothing_outside_the_e
     request: pytest.FixtureRequest,
     layout: str,
 ) -> None:
+    import nnsight
+
     if layout == "workstation":
         worker, _ = request.getfixturevalue("root_worker")
         model_key = "tiny-root"
@@ -428,6 +435,8 @@ def service_addresses(services: Services) -> dict[str, tuple[str, int]]:
 def test_a_trace_cannot_reach_the_services_while_its_job_completes(
     services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
 ) -> None:
+    import nnsight
+
     worker, _ = root_worker
     addresses = service_addresses(services)
     backend = PayloadBackend()
@@ -472,6 +481,8 @@ def test_a_trace_cannot_reach_the_services_while_its_job_completes(
 def test_the_engine_cannot_replace_a_finished_jobs_result(
     services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
 ) -> None:
+    import nnsight
+
     victim = services.submit(two_invoke_payload(client_model), owner="bob", model_key="tiny-root")
     victim = services.wait_for(victim.id, {JobStatus.COMPLETED, JobStatus.FAILED})
     assert victim.status is JobStatus.COMPLETED and victim.result_key is not None

@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from nnsight.modeling.vllm import VLLM
 from sqlalchemy import delete
 
 from nnqueue.db.models import DomainMember, JobStatus
@@ -17,6 +16,9 @@ from nnqueue.db.session import transaction
 from nnqueue.storage.results import load_result
 from tests.utils.payloads import PayloadBackend, PrebuiltBackend
 from tests.utils.services import Services, WorkerProcess
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # a real worker process (the shared one)
 

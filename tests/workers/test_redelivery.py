@@ -4,15 +4,18 @@ waiting for the broker's visibility timeout) and completes it exactly once."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import psutil
 import pytest
-from nnsight.modeling.vllm import VLLM
 from sqlalchemy import select
 
 from nnqueue.db.models import JobEvent, JobStatus
 from tests.utils.payloads import slow_payload
 from tests.utils.services import Services, WorkerProcess
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 pytestmark = pytest.mark.slow  # crash and redelivery: kills a worker process and starts another
 

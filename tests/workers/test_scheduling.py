@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
-from nnsight.modeling.vllm import VLLM
 
 from nnqueue.db.models import JobStatus
 from nnqueue.scheduler import registry
@@ -17,6 +17,9 @@ from nnqueue.settings import S3Settings
 from tests.utils import servers
 from tests.utils.payloads import slow_payload, two_invoke_payload
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 pytestmark = pytest.mark.slow  # end to end: a real worker process, Redis restarted under it
 

@@ -12,15 +12,18 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from nnsight.modeling.vllm import VLLM
 
 from nnqueue.db.models import JobStatus
 from nnqueue.workers.engine_health import read_crash_report
 from nnqueue.workers.stall_deadline import StallDeadline
 from tests.utils.payloads import PROMPTS, PrebuiltBackend, slow_payload
 from tests.utils.services import Services, WorkerProcess
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 S = JobStatus
 

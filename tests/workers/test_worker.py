@@ -18,13 +18,10 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import nnsight
 import pytest
 import torch
-from nnsight.modeling.vllm import VLLM
-from nnsight.tracing.globals import BLOCKS, SOURCES
 from sqlalchemy import select
 
 from nnqueue import trace_payload
@@ -45,6 +42,9 @@ from tests.utils.payloads import (
 )
 from tests.utils.reference import reference_saves
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
+
+if TYPE_CHECKING:
+    from nnsight.modeling.vllm import VLLM
 
 pytestmark = pytest.mark.slow  # end to end: a real worker process
 
@@ -78,6 +78,8 @@ def result_of(services: Services, job_id: uuid.UUID) -> dict[str, Any]:
 def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
     """Saves the logits and, from inside the engine's forward, how many tokens that forward carried
     across all requests in the step (engine-side evidence of batching)."""
+    import nnsight
+
     backend = PrebuiltBackend()
     with client.trace(prompt, temperature=0.0, backend=backend, **sampling):
         client.model.layers[0].output
@@ -140,6 +142,8 @@ def raw_payload_of(script: Path, body: str, client: VLLM) -> bytes:
     import sys
     import types
 
+    from nnsight.tracing.globals import BLOCKS, SOURCES
+
     script.write_text(SCRIPT.format(body=body))
     backend = PayloadBackend()
     module = types.ModuleType("nnqueue_test_model")
@@ -173,6 +177,8 @@ def test_raw_traces_from_the_same_file_each_run_their_own_code(
 def test_trace_level_code_of_a_raw_payload_runs_in_the_protected_environment(
     services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
+    import nnsight
+
     # What it could reach without it (no secret, the engine user) and a builder that dies: test_isolation.py.
     backend = PayloadBackend()
     with client_model.trace(temperature=0.0, max_tokens=1, backend=backend) as tracer:
@@ -287,6 +293,8 @@ def test_a_result_over_the_limit_fails_its_job_naming_the_limit(
 def test_undeserializable_payload_fails_clearly_naming_both_sides_versions(
     services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
+    import nnsight
+
     server = f"server nnsight {nnsight.__version__} / python {platform.python_version()}"
     old_client = {"nnsight": "0.7.2", "python": "3.10.4"}
     # What each format looks like from a client whose nnsight this server cannot read: bytes that are
