@@ -4,36 +4,47 @@ calls may be made this way, and the answer carries the outbox's completions."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from nnqueue.enginecore import outbox, rpc
+from nnqueue.enginecore import outbox
 from nnqueue.enginecore.outbox import CALL_FAILED
 
+if TYPE_CHECKING:
+    from nnqueue.enginecore.rpc import NNqueueRPC
 
-class Worker(rpc.NNqueueRPC):
-    def __init__(self) -> None:
-        self.ran: list[tuple[str, tuple[Any, ...]]] = []
 
-    def nnqueue_finish_trace(self, *args: Any) -> bool:  # type: ignore[override]
-        self.ran.append(("finish", args))
-        return True
+def new_worker() -> NNqueueRPC:
+    """An engine worker whose calls note that they ran (beginning a steer raises)."""
+    from nnqueue.enginecore import rpc
 
-    def nnqueue_steer_begin(self, spec: dict[str, Any]) -> dict[str, Any]:
-        self.ran.append(("begin", (spec,)))
-        raise KeyError("edits")
+    class Worker(rpc.NNqueueRPC):
+        def __init__(self) -> None:
+            self.ran: list[tuple[str, tuple[Any, ...]]] = []
 
-    def nnqueue_load_weights(self, *args: Any) -> dict[str, Any]:  # type: ignore[override]
-        self.ran.append(("load", args))
-        return {"loaded": 1}
+        def nnqueue_finish_trace(self, *args: Any) -> bool:  # type: ignore[override]
+            self.ran.append(("finish", args))
+            return True
+
+        def nnqueue_steer_begin(self, spec: dict[str, Any]) -> dict[str, Any]:
+            self.ran.append(("begin", (spec,)))
+            raise KeyError("edits")
+
+        def nnqueue_load_weights(self, *args: Any) -> dict[str, Any]:  # type: ignore[override]
+            self.ran.append(("load", args))
+            return {"loaded": 1}
+
+    return Worker()
 
 
 def test_calls_run_in_order_each_answered_and_the_outbox_comes_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nnqueue.enginecore import rpc
+
     monkeypatch.setattr(rpc, "stage_reporting", lambda: True)
     outbox.drain()
     outbox.post({"id": "t-0", "kind": "trace_result"})
-    worker = Worker()
+    worker = new_worker()
     answer = worker.nnqueue_calls(
         [
             ("nnqueue_finish_trace", ["t-1", ["r-1"]]),
@@ -53,9 +64,11 @@ def test_calls_run_in_order_each_answered_and_the_outbox_comes_back(monkeypatch:
 
 
 def test_ranks_that_do_not_report_bring_no_outbox(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nnqueue.enginecore import rpc
+
     monkeypatch.setattr(rpc, "stage_reporting", lambda: False)
     outbox.post({"id": "t-0", "kind": "trace_result"})
     try:
-        assert Worker().nnqueue_calls([]) == {"answers": [], "outbox": None}
+        assert new_worker().nnqueue_calls([]) == {"answers": [], "outbox": None}
     finally:
         outbox.drain()

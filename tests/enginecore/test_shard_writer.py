@@ -7,20 +7,27 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import load_file
 
-from nnqueue.enginecore.shard_writer import Block, Cancelled, ShardJob, write_shard
 from nnqueue.outliers import Outliers
+
+if TYPE_CHECKING:
+    import torch
+
+    from nnqueue.enginecore.shard_writer import Block, ShardJob
 
 LENGTHS = {1: 3, 3: 2, 5: 1, 9: 4}  # each prompt's length: positions from it on are generated tokens
 
 
 def block(prompt: list[int], position: list[int], width: int = 3, counts: list[int] | None = None) -> Block:
     """Rows whose values encode (prompt, position), so any misplacement shows."""
+    import torch
+
+    from nnqueue.enginecore.shard_writer import Block
+
     values = torch.tensor(
         [[p * 100.0 + q + 0.5 * k for k in range(width)] for p, q in zip(prompt, position, strict=True)]
     )
@@ -39,13 +46,18 @@ def job(
     blocks: list[Block],
     name: str,
     mean: bool = False,
-    dtype=torch.float32,
+    dtype: torch.dtype | None = None,
     outliers: Outliers | None = None,
 ) -> ShardJob:
+    """A chunk's shard of ``blocks`` (float32 unless ``dtype``)."""
+    import torch
+
+    from nnqueue.enginecore.shard_writer import ShardJob
+
     return ShardJob(
         chunk=name,
         keys=["b", "a"],
-        dtype=dtype,
+        dtype=torch.float32 if dtype is None else dtype,
         mean=mean,
         prompts=[1, 3, 5, 9],  # 9 has no rows (e.g. a position selection it is too short for)
         tokens=42,
@@ -58,6 +70,11 @@ def job(
 
 
 def test_rows_grouped_by_prompt_whatever_the_step_order(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from nnqueue.enginecore.shard_writer import write_shard
+
     steps = [block([5, 1, 1], [0, 2, 3]), block([3, 3], [0, 1]), block([1, 1], [0, 1])]  # prompt 1 over two steps
     entry = write_shard(job(tmp_path, steps, "one"))
     path = tmp_path / "one.safetensors"
@@ -81,6 +98,11 @@ def test_rows_grouped_by_prompt_whatever_the_step_order(tmp_path: Path) -> None:
 
 
 def test_partial_means_are_combined(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from nnqueue.enginecore.shard_writer import Block, write_shard
+
     # mean rows: float32 sums over `counts` tokens; prompt 1 was prefilled over two steps.
     first = Block(np.array([1, 3]), np.array([-1, -1]), np.array([-1, -1]), np.array([3, 2]), np.array([2, 4]))
     first.values = {"a": torch.tensor([[2.0, 4.0], [8.0, 8.0]]), "b": torch.tensor([[1.0], [1.0]])}
@@ -99,6 +121,10 @@ def test_partial_means_are_combined(tmp_path: Path) -> None:
 def outlying_steps() -> tuple[list[Block], torch.Tensor]:
     """Two steps of 40 rows of norm about 1 (capture "a"; "b" is its negation), three of them (rows 5, 17 and 33)
     scaled to norms 30 to 60; the rows in shard order."""
+    import torch
+
+    from nnqueue.enginecore.shard_writer import Block
+
     generator = torch.Generator().manual_seed(1)
     values = torch.randn(40, 4, generator=generator)
     values /= values.norm(dim=1, keepdim=True)
@@ -114,6 +140,11 @@ def outlying_steps() -> tuple[list[Block], torch.Tensor]:
 
 
 def test_outlier_rows_are_dropped_from_every_capture_and_counted(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from nnqueue.enginecore.shard_writer import write_shard
+
     steps, values = outlying_steps()
     entry = write_shard(job(tmp_path, steps, "drop", outliers=Outliers("drop", times_median=10)))
     shard = load_file(tmp_path / "drop.safetensors")
@@ -129,6 +160,11 @@ def test_outlier_rows_are_dropped_from_every_capture_and_counted(tmp_path: Path)
 
 
 def test_outlier_rows_are_clipped_to_the_limit(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from nnqueue.enginecore.shard_writer import write_shard
+
     steps, values = outlying_steps()
     entry = write_shard(job(tmp_path, steps, "clip", outliers=Outliers("clip", max_norm=40.0)))
     shard = load_file(tmp_path / "clip.safetensors")
@@ -141,6 +177,8 @@ def test_outlier_rows_are_clipped_to_the_limit(tmp_path: Path) -> None:
 
 
 def test_cancelled_write_leaves_nothing(tmp_path: Path) -> None:
+    from nnqueue.enginecore.shard_writer import Cancelled, write_shard
+
     cancelled = job(tmp_path, [block([1], [0])], "cancelled")
     cancelled.cancelled.set()
     with pytest.raises(Cancelled):
@@ -149,7 +187,10 @@ def test_cancelled_write_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_statistics_add_up_across_shards_and_leave_out_nonfinite_rows(tmp_path: Path) -> None:
+    import torch
+
     from nnqueue.enginecore.harvest_stats import check, merge, summarize
+    from nnqueue.enginecore.shard_writer import Block, write_shard
 
     generator = torch.Generator().manual_seed(0)
     first = torch.randn(300, 4, generator=generator) * torch.tensor([1.0, 2.0, 3.0, 4.0]) + 5
@@ -197,6 +238,8 @@ def test_reported_statistics_are_checked() -> None:
 
 
 def write_stats_entry() -> dict:
+    import torch
+
     from nnqueue.enginecore.shard_stats import Accumulator
 
     accumulator = Accumulator(2)

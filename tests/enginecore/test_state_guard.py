@@ -5,38 +5,49 @@ work is not blamed; the worker mixin fails a trace alone in its step and has tra
 
 from __future__ import annotations
 
+import importlib
 import sys
 import time
 import types
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
-from nnqueue.enginecore import protected, state_guard, trace_results, weights_guard
-from nnqueue.enginecore.state_guard import StateGuard
-from nnqueue.enginecore.weights_guard import Verified, WeightsGuard, fail_step
+from nnqueue.enginecore import protected
 
+if TYPE_CHECKING:
+    import torch
 
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(8)
-        self.head = torch.nn.Linear(8, 4)
-        self.register_buffer("cache", torch.arange(8.0), persistent=False)
-        self.scale = 0.5
-        self.sizes = [8, 4]
+    from nnqueue.enginecore.state_guard import StateGuard
 
 
 @pytest.fixture
-def model() -> Tiny:
+def model() -> torch.nn.Module:
+    """A small module with a buffer and plain attributes (a number, a list)."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(8)
+            self.head = torch.nn.Linear(8, 4)
+            self.register_buffer("cache", torch.arange(8.0), persistent=False)
+            self.scale = 0.5
+            self.sizes = [8, 4]
+
     return Tiny()
 
 
 @pytest.fixture
-def guard(model: Tiny) -> Iterator[StateGuard]:
+def guard(model: torch.nn.Module) -> Iterator[StateGuard]:
+    from nnqueue.enginecore.state_guard import StateGuard
+
+    # The guard holds what is loaded when it is made: nnsight, as an engine has it, and the engine's modules these
+    # tests change (which collecting the tests does not load).
+    for name in ("nnsight", "nnqueue.enginecore.trace_results", "nnqueue.enginecore.weights_guard"):
+        importlib.import_module(name)
     guard = StateGuard(model)
     yield guard
     guard.check()  # whatever a failed test left is put back for the next
@@ -52,7 +63,7 @@ def test_an_unchanged_state_passes_and_a_check_is_cheap(guard: StateGuard) -> No
     assert entries > 10_000  # the engine's code is held, not only the module
 
 
-def test_a_rebound_attribute_is_put_back(model: Tiny, guard: StateGuard) -> None:
+def test_a_rebound_attribute_is_put_back(model: torch.nn.Module, guard: StateGuard) -> None:
     epsilon, scale = model.norm.eps, model.scale
     model.norm.eps = 1e4  # issue 33: model.model.norm._module.variance_epsilon = 1e4
     model.scale = 2.0
@@ -62,7 +73,9 @@ def test_a_rebound_attribute_is_put_back(model: Tiny, guard: StateGuard) -> None
     assert (model.norm.eps, model.scale, model.sizes) == (epsilon, scale, [8, 4])
 
 
-def test_hooks_left_behind_are_removed(model: Tiny, guard: StateGuard) -> None:
+def test_hooks_left_behind_are_removed(model: torch.nn.Module, guard: StateGuard) -> None:
+    import torch
+
     calls: list[int] = []
     model.norm.register_forward_hook(lambda *_: calls.append(1))
     torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: calls.append(2))
@@ -73,12 +86,15 @@ def test_hooks_left_behind_are_removed(model: Tiny, guard: StateGuard) -> None:
     assert calls == []
 
 
-def test_torch_modes_left_active_are_put_back(model: Tiny, guard: StateGuard) -> None:
+def test_torch_modes_left_active_are_put_back(model: torch.nn.Module, guard: StateGuard) -> None:
     """A red-team round's finding: a ``TorchFunctionMode`` entered and left active in a trace saw every later torch
     call on the engine's thread, other owners' steps included (it rewrote their logits and collected their token
     ids), and ``torch.device("meta")`` entered so broke the next step. The guard held neither."""
+    import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from nnqueue.enginecore import state_guard
 
     seen: list[str] = []
 
@@ -111,6 +127,9 @@ def test_a_seed_the_warnings_filters_and_nnsights_configuration_are_put_back(gua
     import warnings
 
     import nnsight
+    import torch
+
+    from nnqueue.enginecore import state_guard
 
     guard.accept_current()  # with nnsight loaded
     seed, debug, filters = torch.initial_seed(), nnsight.CONFIG.APP.DEBUG, list(warnings.filters)
@@ -129,7 +148,9 @@ def test_a_seed_the_warnings_filters_and_nnsights_configuration_are_put_back(gua
     guard.reseed(seed)
 
 
-def test_a_replaced_class_method_and_a_swapped_class_are_put_back(model: Tiny, guard: StateGuard) -> None:
+def test_a_replaced_class_method_and_a_swapped_class_are_put_back(model: torch.nn.Module, guard: StateGuard) -> None:
+    import torch
+
     forward = torch.nn.LayerNorm.forward
     torch.nn.LayerNorm.forward = lambda self, x: x * 0  # type: ignore[method-assign]
     model.norm.__class__ = type("Evil", (torch.nn.LayerNorm,), {})
@@ -141,6 +162,11 @@ def test_a_replaced_class_method_and_a_swapped_class_are_put_back(model: Tiny, g
 def test_the_engines_own_code_is_put_back(guard: StateGuard) -> None:
     """What issue 33's trace did once it had escaped: the result writer wrapped, the weights guard's check replaced,
     the audit hook told to watch nothing, the protected builtins given ``open``, its switch set on this thread."""
+    import torch
+
+    from nnqueue.enginecore import state_guard, trace_results
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
     write_saves, check, events = trace_results.write_saves, WeightsGuard.check, protected._WATCHED_EVENTS
     try:
         trace_results.write_saves = lambda saves, sinks: write_saves({"x": torch.tensor(42.0)}, sinks)
@@ -163,7 +189,8 @@ def test_the_engines_own_code_is_put_back(guard: StateGuard) -> None:
     assert not getattr(protected._auditing, "active", False)
 
 
-def test_the_interpreters_and_nnsights_own_lazy_work_is_not_blamed(model: Tiny, guard: StateGuard) -> None:
+def test_the_interpreters_and_nnsights_own_lazy_work_is_not_blamed(model: torch.nn.Module, guard: StateGuard) -> None:
+    import torch
     from nnsight import NNsight
     from nnsight.intervention import source
     from nnsight.intervention.serialization import dumps
@@ -190,7 +217,11 @@ def test_the_interpreters_and_nnsights_own_lazy_work_is_not_blamed(model: Tiny, 
     guard.accept_current()
 
 
-def test_buffers_and_tensor_attributes_are_kept_as_parameters_are(model: Tiny) -> None:
+def test_buffers_and_tensor_attributes_are_kept_as_parameters_are(model: torch.nn.Module) -> None:
+    import torch
+
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
     model.lookup = torch.ones(3)  # a tensor held as a plain attribute (an attention layer's scales)
     tensors = WeightsGuard(model)
     before = model.cache.clone()
@@ -205,6 +236,9 @@ def request(trace: str) -> Any:
 
 
 def test_a_trace_alone_fails_for_a_change_and_traces_sharing_a_step_run_again() -> None:
+    from nnqueue.enginecore import weights_guard
+    from nnqueue.enginecore.weights_guard import Verified, fail_step
+
     alone = [request("job-a"), request("job-a")]  # two invokes of one trace
     fail_step(alone, Verified(state=["model.norm"]))
     assert [each.error["type_name"] for each in alone] == ["StateModified", "StateModified"]

@@ -9,12 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from nnqueue.enginecore import outbox
-from nnqueue.enginecore.trace_collect import CollectedTrace
-from nnqueue.enginecore.trace_results import HostCopies, ResultWriter, snapshot, write_saves
 from nnqueue.storage.results import load_result
 
 Pair = namedtuple("Pair", "first second")
@@ -30,8 +26,13 @@ class Plain:
         self.value = value
 
 
-@pytest.mark.parametrize("copies", [None, HostCopies()], ids=["blocking", "host-copies"])
-def test_a_snapshot_copies_every_tensor_once_and_compacts_views(copies: HostCopies | None) -> None:
+@pytest.mark.parametrize("host_copies", [False, True], ids=["blocking", "host-copies"])
+def test_a_snapshot_copies_every_tensor_once_and_compacts_views(host_copies: bool) -> None:
+    import torch
+
+    from nnqueue.enginecore.trace_results import HostCopies, snapshot
+
+    copies = HostCopies() if host_copies else None
     buffer = torch.arange(12.0).reshape(3, 4)  # a step's buffer that the next step overwrites
     row = buffer[1]
     saves = {
@@ -62,6 +63,11 @@ def handoff(directory: Path) -> dict[str, dict[str, str]]:
 
 
 def test_tensors_only_are_written_as_torch_and_safetensors(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from nnqueue.enginecore.trace_results import write_saves
+
     shared = torch.ones(2)
     hidden = torch.arange(6.0).reshape(2, 3)
     saves = {"a": shared, "b": shared, "c": torch.arange(3), "hidden": hidden, "last": hidden[-1]}
@@ -76,6 +82,10 @@ def test_tensors_only_are_written_as_torch_and_safetensors(tmp_path: Path) -> No
 
 
 def test_other_values_are_written_as_torch_only(tmp_path: Path) -> None:
+    import torch
+
+    from nnqueue.enginecore.trace_results import write_saves
+
     written = write_saves({"tokens": [1, 2, 3], "logits": torch.ones(2)}, handoff(tmp_path))
     assert set(written) == {"torch"} and not (tmp_path / "safetensors").exists()
     assert load_result((tmp_path / "torch").read_bytes())["tokens"] == [1, 2, 3]
@@ -90,6 +100,11 @@ def wait_for_entry(trace_id: str, seen: dict[str, dict[str, Any]], timeout: floa
 
 
 def test_each_result_is_reported_and_a_failed_write_fails_only_its_own(tmp_path: Path) -> None:
+    import torch
+
+    from nnqueue.enginecore.trace_collect import CollectedTrace
+    from nnqueue.enginecore.trace_results import ResultWriter
+
     writer, seen = ResultWriter(threads=2), {}
     missing = {"torch": {"kind": "handoff", "path": str(tmp_path / "gone" / "saves.pt")}}
     writer.submit("broken", CollectedTrace({"h": torch.ones(4)}, None, False), missing)
@@ -103,6 +118,10 @@ def test_each_result_is_reported_and_a_failed_write_fails_only_its_own(tmp_path:
 def test_a_saved_value_of_a_class_the_trace_defined_is_refused() -> None:
     """Its pickling would run the trace's code in a writer thread (a dict subclass's ``items``), outside the steps
     the engine's guards check."""
+
+    import torch
+
+    from nnqueue.enginecore.trace_results import snapshot
 
     class Saved(dict):  # type: ignore[type-arg]
         def items(self):  # type: ignore[no-untyped-def,override]

@@ -7,23 +7,31 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from nnqueue.enginecore import protected
-from nnqueue.enginecore.weights_guard import Verified, WeightsGuard, WeightsGuardWorker, error, shared_error
+
+if TYPE_CHECKING:
+    import torch
 
 
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(32, 8)
-        self.norm = torch.nn.LayerNorm(8)
-        self.head = torch.nn.Linear(8, 32, bias=False)
-        self.head.weight = self.embed.weight  # tied, as many language models' are
-        for parameter in self.parameters():
-            parameter.requires_grad_(False)  # as vLLM's are
+def tiny() -> torch.nn.Module:
+    """A small model whose head is tied to its embedding, as many language models' are."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 8)
+            self.norm = torch.nn.LayerNorm(8)
+            self.head = torch.nn.Linear(8, 32, bias=False)
+            self.head.weight = self.embed.weight  # tied, as many language models' are
+            for parameter in self.parameters():
+                parameter.requires_grad_(False)  # as vLLM's are
+
+    return Tiny()
 
 
 def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -31,6 +39,8 @@ def state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def assert_as_before(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> None:
+    import torch
+
     now = module.state_dict()
     assert set(now) == set(before)
     for name, value in before.items():
@@ -74,6 +84,7 @@ ROAD_WRITES = {
 
 def write(module: torch.nn.Module, source: str) -> None:
     import numpy
+    import torch
 
     with torch.inference_mode():  # where a trace's code runs
         exec(source, {"m": module, "torch": torch, "numpy": numpy})
@@ -81,7 +92,11 @@ def write(module: torch.nn.Module, source: str) -> None:
 
 @pytest.mark.parametrize("name", list(COUNTED_WRITES))
 def test_a_counted_write_is_put_back_without_reading_the_weights(name: str) -> None:
-    module = Tiny()
+    import torch
+
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
+    module = tiny()
     before = state(module)
     guard = WeightsGuard(module)
     assert guard.check(content=False) == []
@@ -96,9 +111,11 @@ def test_a_counted_write_is_put_back_without_reading_the_weights(name: str) -> N
 
 @pytest.mark.parametrize("name", list(ROAD_WRITES))
 def test_a_write_past_the_version_counter_is_noted_and_put_back_by_the_content_check(name: str) -> None:
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
     source = ROAD_WRITES[name]
     assert protected.check_code(compile(source, "<trace>", "exec")), f"the protected environment misses {source}"
-    module = Tiny()
+    module = tiny()
     before = state(module)
     guard = WeightsGuard(module)
     write(module, source)
@@ -110,7 +127,9 @@ def test_a_write_past_the_version_counter_is_noted_and_put_back_by_the_content_c
 
 def test_a_write_that_keeps_every_element_is_not_a_change() -> None:
     """vLLM's own writes (or a trace's) that leave the values as they were fail nobody."""
-    module = Tiny()
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
+    module = tiny()
     guard = WeightsGuard(module)
     write(module, "m.norm.weight.copy_(m.norm.weight.clone())")
     assert guard.check(content=False) == []
@@ -123,6 +142,8 @@ def test_code_that_names_no_road_is_not_noted() -> None:
 
 
 def test_a_road_reached_through_getattr_or_import_is_noted() -> None:
+    import torch
+
     protected.take_roads_reached()
     protected.guarded_getattr(torch.zeros(1), "shape")
     assert not protected.take_roads_reached()
@@ -134,7 +155,11 @@ def test_a_road_reached_through_getattr_or_import_is_noted() -> None:
 
 
 def test_accept_current_takes_a_legitimate_update_for_the_reference() -> None:
-    module = Tiny()
+    import torch
+
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
+    module = tiny()
     guard = WeightsGuard(module)
     with torch.no_grad():
         module.norm.weight.fill_(3.0)
@@ -147,14 +172,20 @@ def test_accept_current_takes_a_legitimate_update_for_the_reference() -> None:
 
 
 def test_only_the_changed_parameters_are_named() -> None:
-    module = Tiny()
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
+    module = tiny()
     guard = WeightsGuard(module)
     module.norm.bias.data[0] += 1
     assert guard.check() == ["norm.bias"]
 
 
 def test_gradients_and_requires_grad_left_by_a_job_are_dropped() -> None:
-    module = Tiny()
+    import torch
+
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
+    module = tiny()
     guard = WeightsGuard(module)
     module.norm.weight.requires_grad_(True)
     module.norm(torch.ones(2, 8)).sum().backward()
@@ -164,6 +195,8 @@ def test_gradients_and_requires_grad_left_by_a_job_are_dropped() -> None:
 
 
 def test_the_error_says_whether_the_job_is_known_to_have_written() -> None:
+    from nnqueue.enginecore.weights_guard import Verified, error, shared_error
+
     alone = error(["model.norm.weight"], [])
     state = error([], ["model.norm"])
     shared = shared_error(Verified(["model.norm.weight"]), 3)
@@ -177,6 +210,10 @@ def test_the_error_says_whether_the_job_is_known_to_have_written() -> None:
 def test_cost_of_a_check_on_the_cpu() -> None:
     """About 135M float32 parameters (SmolLM2-135M's count) in 30 tensors: the time of a clean check, with and
     without reading the weights."""
+    import torch
+
+    from nnqueue.enginecore.weights_guard import WeightsGuard
+
     module = torch.nn.ModuleList([torch.nn.Linear(2048, 2200, bias=False) for _ in range(30)])
     start = time.perf_counter()
     guard = WeightsGuard(module)
@@ -210,8 +247,12 @@ class Runner:
 def test_a_write_no_trace_named_is_put_back_by_the_periodic_full_check(monkeypatch: pytest.MonkeyPatch) -> None:
     """An alias made by an earlier trace and written by an unmarked one: the version counter misses it, the
     periodic full check puts it back and fails that step's traces."""
+    import torch
+
+    from nnqueue.enginecore.weights_guard import WeightsGuardWorker
+
     monkeypatch.setattr(protected, "_done", [True])  # as in an engine: roads are noted
-    module = Tiny()
+    module = tiny()
     before = state(module)
     worker = WeightsGuardWorker()
     worker.model_runner = Runner(module)
@@ -231,8 +272,10 @@ def test_a_write_no_trace_named_is_put_back_by_the_periodic_full_check(monkeypat
 
 
 def test_a_step_of_a_marked_trace_reads_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nnqueue.enginecore.weights_guard import WeightsGuardWorker
+
     monkeypatch.setattr(protected, "_done", [True])
-    module = Tiny()
+    module = tiny()
     before = state(module)
     worker = WeightsGuardWorker()
     worker.model_runner = Runner(module)
