@@ -14,19 +14,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
 from nnqueue import trace_payload
-from nnqueue.engines.harvest_runner import Capture, ChunkWork, Generation, Selection, run_chunk
+from nnqueue.enginecore.harvest_spec import Capture, Generation, Selection
 from nnqueue.engines.outbox import poller
 from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_runner import batched, load, stats
 from tests.utils.engines import InProcessEngine, run, running_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+
+if TYPE_CHECKING:
+    from nnqueue.engines.harvest_runner import ChunkWork
 
 LENGTHS = [4, 9, 17]
 GENERATION = Generation(max_tokens=7, temperature=0.9, seed=1234, ignore_eos=True)
@@ -47,6 +49,8 @@ SELECTIONS = {
 def engine(request: pytest.FixtureRequest, tiny_model_path: Path) -> Iterator[InProcessEngine]:
     """The session's engine on CPU; on a GPU one of its own in eager mode (hooks do not run in replayed CUDA
     graphs), where vLLM's async scheduling leaves the decode tokens' ids on the device only."""
+    import torch
+
     if not torch.cuda.is_available():
         yield request.getfixturevalue("inprocess_engine")
         return
@@ -56,6 +60,8 @@ def engine(request: pytest.FixtureRequest, tiny_model_path: Path) -> Iterator[In
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
+    import torch
+
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in LENGTHS]
 
@@ -98,6 +104,7 @@ def traced_and_harvested(
     generation: Generation = GENERATION,
 ) -> tuple[list[dict[str, Any]], ChunkWork, Any]:
     """Run a trace per prompt and the harvest chunk together; the traces' saves, the chunk and its result."""
+    from nnqueue.engines.harvest_runner import ChunkWork, run_chunk
     from nnqueue.engines.prebuilt import to_requests  # imports vLLM: only when a test runs (fast collection)
     from nnqueue.engines.trace_runner import run_trace
 
@@ -135,6 +142,8 @@ def traced_and_harvested(
 
 def expected(save: dict[str, Any], ids: list[int], selection: Selection) -> tuple[list[int], list[int], dict[str, Any]]:
     """The rows ``selection`` takes of one traced sequence: positions, token ids, values per capture."""
+    import torch
+
     values = {
         "model.layers.0.output": torch.cat(save["residual"]),
         "model.layers.1.mlp.down_proj.output": torch.cat(save["mlp"]),
@@ -161,6 +170,8 @@ def expected(save: dict[str, Any], ids: list[int], selection: Selection) -> tupl
 
 @pytest.mark.parametrize("name", list(SELECTIONS))
 def test_generation_matches_traces_bit_for_bit(engine, client_model, tmp_path, prompts, name) -> None:
+    import torch
+
     selection = SELECTIONS[name]
     saves, chunk, result = traced_and_harvested(engine, client_model, tmp_path, prompts, selection, name)
     shard = load(Path(chunk.sink["path"]))
@@ -195,6 +206,8 @@ def test_generation_matches_traces_bit_for_bit(engine, client_model, tmp_path, p
 def test_generation_that_ends_early(engine, tmp_path) -> None:
     """A sequence that reaches the engine's length limit ends before max_tokens: its last rows are where it
     ended, the chunk completes once the engine reports the request finished."""
+    from nnqueue.engines.harvest_runner import ChunkWork, run_chunk
+
     llm = engine.model.vllm_entrypoint
     limit = llm.model_config.max_model_len
     ids = [[5 + i % 400 for i in range(limit - 4)], [7, 8, 9]]
@@ -218,11 +231,15 @@ def test_generation_that_ends_early(engine, tmp_path) -> None:
 
 
 def test_generated_selection_needs_generation() -> None:
+    from nnqueue.engines.harvest_runner import ChunkWork
+
     with pytest.raises(ValueError, match="needs 'generate'"):
         ChunkWork("x", [0], [[1, 2]], [Capture("model.layers.0")], Selection(tokens="generated"), "float32", {})
 
 
 def test_aborted_generation_frees_everything(engine, tmp_path, prompts) -> None:
+    from nnqueue.engines.harvest_runner import ChunkWork, run_chunk
+
     llm = engine.model.vllm_entrypoint
     chunk = ChunkWork(
         chunk_id="aborted",

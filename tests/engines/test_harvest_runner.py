@@ -14,28 +14,24 @@ import asyncio
 import hashlib
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
-import torch
 from safetensors import safe_open
 
 from nnqueue import trace_payload
-from nnqueue.engines.harvest_runner import (
-    Capture,
-    ChunkResult,
-    ChunkWork,
-    HarvestError,
-    Selection,
-    capture_points,
-    run_chunk,
-)
+from nnqueue.enginecore.harvest_spec import Capture, Selection
 from nnqueue.engines.outbox import poller
 from nnqueue.outliers import Outliers
 from nnqueue.storage.results import load_result
 from tests.utils.engines import InProcessEngine, run, running_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+
+if TYPE_CHECKING:
+    import torch
+
+    from nnqueue.engines.harvest_runner import ChunkResult, ChunkWork
 
 T = TypeVar("T")
 EMPTY = {"chunks": 0, "requests": 0, "buffered_bytes": 0, "writing": 0, "hooked_points": 0}
@@ -68,6 +64,8 @@ SELECTIONS = {
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
+    import torch
+
     generator = torch.Generator().manual_seed(3)
     return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in LENGTHS]
 
@@ -75,6 +73,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def reference(tiny_model_path: Path, prompts: list[list[int]]) -> list[dict[str, torch.Tensor]]:
     """Each capture's value at every token, from transformers on the same weights (float32)."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
@@ -117,6 +116,8 @@ def work(
     captures: list[Capture] = CAPTURES,
     **kw: Any,
 ) -> ChunkWork:
+    from nnqueue.engines.harvest_runner import ChunkWork
+
     return ChunkWork(
         chunk_id=name,
         prompt_indices=[100 + 7 * i for i in range(len(prompts))],
@@ -174,6 +175,8 @@ def check_shard(
     chunk: ChunkWork, result: ChunkResult, prompts: list[list[int]], reference: list[dict[str, Any]]
 ) -> None:
     """The shard is what ``result`` says (size, checksum, rows) and holds transformers' values, rows and ids."""
+    import torch
+
     path = Path(chunk.sink["path"])
     assert result.bytes == path.stat().st_size
     assert result.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
@@ -198,6 +201,8 @@ def check_shard(
 
 @pytest.mark.parametrize("name", list(SELECTIONS))
 def test_every_selection_matches_transformers(inprocess_engine, tmp_path, prompts, reference, name) -> None:
+    from nnqueue.engines.harvest_runner import run_chunk
+
     llm = inprocess_engine.model.vllm_entrypoint
     chunk = work(tmp_path, prompts, SELECTIONS[name], name)
     (result,) = run(inprocess_engine, batched(llm, run_chunk(llm, chunk), requests=len(prompts)))
@@ -208,7 +213,9 @@ def test_every_selection_matches_transformers(inprocess_engine, tmp_path, prompt
 
 def test_trace_and_harvest_share_a_step(inprocess_engine, client_model, tmp_path, prompts, reference) -> None:
     import nnsight
+    import torch
 
+    from nnqueue.engines.harvest_runner import run_chunk
     from nnqueue.engines.prebuilt import to_requests  # imports vLLM: only when a test runs (fast collection)
     from nnqueue.engines.trace_runner import run_trace
 
@@ -238,6 +245,10 @@ def test_trace_and_harvest_share_a_step(inprocess_engine, client_model, tmp_path
 def test_outlier_rows_are_left_out_on_the_engine(inprocess_engine, tmp_path, prompts, reference) -> None:
     """A chunk with the spec's outliers option: rows over twice the chunk's median norm (of any capture) are not in
     the shard; the rest are transformers' values, and the counts say what was left out."""
+    import torch
+
+    from nnqueue.engines.harvest_runner import run_chunk
+
     llm = inprocess_engine.model.vllm_entrypoint
     captures = [Capture("model.layers.0"), Capture("model.layers.0", io="input")]
     outliers = Outliers("drop", times_median=2.0)
@@ -263,6 +274,10 @@ def test_outlier_rows_are_left_out_on_the_engine(inprocess_engine, tmp_path, pro
 def test_outlier_rows_are_clipped_on_the_engine(inprocess_engine, tmp_path, prompts, reference) -> None:
     """Clipping scales the engine's own (inference-mode) host rows in place: rows over the norm limit come out at
     it, in their direction; the others as transformers computes them."""
+    import torch
+
+    from nnqueue.engines.harvest_runner import run_chunk
+
     llm = inprocess_engine.model.vllm_entrypoint
     key = "model.layers.0.output"
     values = torch.cat([r[key] for r in reference])
@@ -287,6 +302,10 @@ def test_outlier_rows_are_clipped_on_the_engine(inprocess_engine, tmp_path, prom
 
 
 def test_rerun_writes_identical_bytes(inprocess_engine, tmp_path, prompts) -> None:
+    import torch
+
+    from nnqueue.engines.harvest_runner import run_chunk
+
     llm = inprocess_engine.model.vllm_entrypoint
     digests = set()
     for attempt in range(2):
@@ -307,6 +326,8 @@ def test_aborted_chunk_frees_everything(inprocess_engine, tmp_path, prompts) -> 
     """A chunk dropped with rows buffered (one of its prompts never came), and a cancelled `run_chunk`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from nnqueue.engines.harvest_runner import run_chunk
 
     llm = inprocess_engine.model.vllm_entrypoint
     sink = {"kind": "handoff", "path": str(tmp_path / "partial.safetensors")}
@@ -354,6 +375,8 @@ def test_aborted_chunk_frees_everything(inprocess_engine, tmp_path, prompts) -> 
 
 
 def test_engine_refuses_unknown_captures(inprocess_engine, tmp_path, prompts) -> None:
+    from nnqueue.engines.harvest_runner import HarvestError, run_chunk
+
     llm = inprocess_engine.model.vllm_entrypoint
     chunk = work(tmp_path, prompts, SELECTIONS["all"], "refused", captures=[Capture("model.layers.9")])
     with pytest.raises(HarvestError, match=r"model\.layers\.9.*capturable modules: \[.*'model\.layers\.0'"):
@@ -362,6 +385,8 @@ def test_engine_refuses_unknown_captures(inprocess_engine, tmp_path, prompts) ->
 
 
 def test_capture_points_of_the_model(inprocess_engine) -> None:
+    from nnqueue.engines.harvest_runner import capture_points
+
     points = run(inprocess_engine, capture_points(inprocess_engine.model.vllm_entrypoint))
     offered = {(p["module"], p["io"]): p["parts"] for p in points}
     assert offered[("model.layers.0", "output")] == ["residual_stream", "hidden", "residual"]
@@ -376,6 +401,8 @@ def test_capture_points_of_the_model(inprocess_engine) -> None:
 
 
 def test_a_failed_write_fails_the_chunk(inprocess_engine, tmp_path, prompts) -> None:
+    from nnqueue.engines.harvest_runner import HarvestError, run_chunk
+
     llm = inprocess_engine.model.vllm_entrypoint
     chunk = work(tmp_path / "missing-dir", prompts, SELECTIONS["last"], "unwritable")
     with pytest.raises(HarvestError, match="failed on the engine: writing the shard failed"):
@@ -393,6 +420,8 @@ def chunked_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
 
 @pytest.mark.parametrize("name", ["all", "mean", "last4", "positions", "all_skip1", "mean_skip6"])
 def test_chunked_prefill(chunked_engine, tmp_path, prompts, reference, name) -> None:
+    from nnqueue.engines.harvest_runner import run_chunk
+
     llm = chunked_engine.model.vllm_entrypoint
     chunk = work(tmp_path, prompts, SELECTIONS[name], f"chunked-{name}")
     result = run(chunked_engine, run_chunk(llm, chunk))

@@ -11,24 +11,19 @@ computes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
-from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
-from nnqueue.engines.steer_runner import (
-    Edit,
-    Sampling,
-    SteerCapture,
-    SteerError,
-    SteerWork,
-    run_steering,
-    run_steering_captured,
-)
+from nnqueue.enginecore.steer_spec import Edit
 from tests.engines.test_harvest_runner import batched, load, stats
 from tests.utils.engines import InProcessEngine, run, run_prebuilt
 from tests.utils.payloads import PrebuiltBackend
+
+if TYPE_CHECKING:
+    import torch
+
+    from nnqueue.engines.steer_runner import SteerWork
 
 STEPS = 6
 COEF = 4.0
@@ -37,16 +32,22 @@ WIDTH = 128  # the tiny model's hidden size
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
+    import torch
+
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (7, 19, 11)]
 
 
 @pytest.fixture(scope="module")
 def vector() -> torch.Tensor:
+    import torch
+
     return torch.randn(WIDTH, generator=torch.Generator().manual_seed(9))
 
 
 def steer(prompt_ids: list[list[int]], edits: list[Edit], vectors: dict[str, torch.Tensor]) -> SteerWork:
+    from nnqueue.engines.steer_runner import Sampling, SteerWork
+
     return SteerWork(
         job_id="test",
         token_ids=prompt_ids,
@@ -59,6 +60,7 @@ def steer(prompt_ids: list[list[int]], edits: list[Edit], vectors: dict[str, tor
 def nnsight_steered(engine: InProcessEngine, client: Any, tmp_path: Any, ids: list[int], vector: torch.Tensor) -> Any:
     """The steering as an nnsight trace on the same engine: the step logits of a greedy generation."""
     import nnsight
+    import torch
 
     backend = PrebuiltBackend()
     with client.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True, backend=backend) as tracer:
@@ -72,6 +74,10 @@ def nnsight_steered(engine: InProcessEngine, client: Any, tmp_path: Any, ids: li
 
 
 def test_add_matches_nnsight(inprocess_engine, client_model, tmp_path, prompts, vector) -> None:
+    import torch
+
+    from nnqueue.engines.steer_runner import run_steering
+
     llm = inprocess_engine.model.vllm_entrypoint
     edit = Edit("model.layers.1", op="add", coefficient=COEF, vector="v")
     (steered, *_) = run(inprocess_engine, run_steering(llm, steer(prompts[:1], [edit], {"v": vector})))
@@ -112,6 +118,8 @@ def plain_generation(engine: InProcessEngine, ids: list[int]) -> Any:
 def test_mixed_batch_leaves_unsteered_requests_alone(inprocess_engine, prompts, vector, edit) -> None:
     """Two unsteered generations share every step with a steered job: they equal a plain run's, token and
     log-probability; the steered one differs."""
+    from nnqueue.engines.steer_runner import run_steering
+
     llm = inprocess_engine.model.vllm_entrypoint
     plain = [plain_generation(inprocess_engine, ids) for ids in prompts]
 
@@ -143,6 +151,8 @@ def test_mixed_batch_leaves_unsteered_requests_alone(inprocess_engine, prompts, 
 
 
 def test_engine_refuses_wrong_widths_and_unknown_modules(inprocess_engine, prompts, vector) -> None:
+    from nnqueue.engines.steer_runner import SteerError, run_steering
+
     llm = inprocess_engine.model.vllm_entrypoint
     with pytest.raises(SteerError, match="has 32 values"):
         run(
@@ -161,6 +171,7 @@ STEERED = "model.layers.1.mlp.down_proj"  # no other test steers it: a harvest's
 def nnsight_down_proj(engine: InProcessEngine, client: Any, tmp_path: Any, ids: list[int], vector: torch.Tensor) -> Any:
     """The steering at ``STEERED`` as an nnsight trace that saves the steered output at every step, and the tokens."""
     import nnsight
+    import torch
 
     backend = PrebuiltBackend()
     with client.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True, backend=backend) as tracer:
@@ -179,6 +190,11 @@ def nnsight_down_proj(engine: InProcessEngine, client: Any, tmp_path: Any, ids: 
 def test_captures_record_the_steered_pass(inprocess_engine, client_model, tmp_path, prompts, vector) -> None:
     """Captures at the steered point equal nnsight's own steered values, step by step; at an earlier (unsteered)
     layer they equal an unsteered prefill of the same tokens; rows, positions and token ids are a harvest's."""
+    import torch
+
+    from nnqueue.engines.harvest_runner import Capture, ChunkWork, Selection, run_chunk
+    from nnqueue.engines.steer_runner import SteerCapture, run_steering_captured
+
     llm = inprocess_engine.model.vllm_entrypoint
     work = steer(prompts[:2], [Edit(STEERED, op="add", coefficient=COEF, vector="v")], {"v": vector})
     capture = SteerCapture(
