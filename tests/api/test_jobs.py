@@ -13,7 +13,6 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-import torch
 from sqlalchemy import select, update
 
 from nnqueue import trace_payload
@@ -297,6 +296,8 @@ def test_a_broker_that_is_down_is_503_and_the_job_is_marked_failed(services: Ser
 
 
 def test_another_owners_job_is_404_everywhere(api: Api, services: Services) -> None:
+    import torch
+
     alice, bob = api.new_key("alice"), api.new_key("bob")
     queued = api.submit_ok(bob)["id"]
     completed = api.submit_ok(bob)["id"]
@@ -362,6 +363,8 @@ def test_listing_filters_by_status_and_model(api: Api, services: Services) -> No
 
 
 def test_cancel_a_queued_job_and_409_once_it_has_ended(api: Api, services: Services) -> None:
+    import torch
+
     alice = api.new_key("alice")
     job_id = api.submit_ok(alice)["id"]
 
@@ -386,6 +389,8 @@ def test_cancel_a_queued_job_and_409_once_it_has_ended(api: Api, services: Servi
 
 
 def test_a_result_is_409_until_the_job_completes(api: Api, services: Services) -> None:
+    import torch
+
     alice = api.new_key("alice")
     job_id = api.submit_ok(alice, safetensors=True)["id"]
     early = api.http.get(f"/v1/jobs/{job_id}/result", headers=alice)
@@ -401,6 +406,8 @@ def test_a_result_is_409_until_the_job_completes(api: Api, services: Services) -
 
 def test_a_copy_recorded_before_its_size_was_is_still_served(api: Api, services: Services) -> None:
     """A job finished before migration 0009 has the copy in its format only (no size, no sha256)."""
+    import torch
+
     alice = api.new_key("alice")
     job_id = api.submit_ok(alice, safetensors=True)["id"]
     complete(services, job_id, {"h": torch.ones(2)}, result_safetensors_size=None, result_safetensors_sha256=None)
@@ -409,6 +416,8 @@ def test_a_copy_recorded_before_its_size_was_is_still_served(api: Api, services:
 
 
 def test_a_purged_jobs_result_is_410_and_the_job_says_when(api: Api, services: Services) -> None:
+    import torch
+
     alice = api.new_key("alice")
     job_id = api.submit_ok(alice)["id"]
     complete(services, job_id, {"x": torch.ones(1)})
@@ -450,6 +459,8 @@ def test_a_zstd_compressed_nnsight_trace_is_accepted(api: Api) -> None:
 
 
 def test_a_failed_trace_that_saved_values_serves_them(api: Api, services: Services) -> None:
+    import torch
+
     alice = api.new_key("alice")
     job_id = api.submit_ok(alice)["id"]
     job_uuid = uuid.UUID(job_id)

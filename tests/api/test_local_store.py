@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from nnqueue.db import migrate
 from nnqueue.db.lifecycle import transition
@@ -44,6 +43,8 @@ def local_api(services: Services, tmp_path: Path) -> Iterator[Api]:
 
 
 def test_sqlite_and_a_local_store_serve_jobs_and_stream_results(local_api: Api) -> None:
+    import torch
+
     api = local_api
     assert isinstance(api.resources.store, LocalObjectStore)
     alice = api.new_key("alice")

@@ -11,7 +11,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-import torch
 import zstandard
 
 from nnqueue.api import nnsight_protocol as protocol
@@ -81,6 +80,8 @@ def test_result_urls_are_signed_per_job_and_expire() -> None:
 
 
 def test_the_serve_reply_wraps_the_stored_saves_and_the_error(tmp_path: Path) -> None:
+    import torch
+
     store = LocalObjectStore(tmp_path)
     base = torch.arange(6.0).reshape(2, 3)
     saves = {"h": base, "view": base[0], "nested": [1, "a", (base, {"k": None})], "n": 3}

@@ -17,9 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 import yaml
-from safetensors.torch import load as safetensors_load
 
 from nnqueue.storage.results import load_result
 from nnqueue.workers.engine_liveness import INTERVAL_S
@@ -106,6 +104,9 @@ def test_models_shows_the_running_worker(api: Api, worker: WorkerProcess, alice:
 def test_the_presigned_download_equals_an_in_process_run(
     api: Api, alice: dict[str, str], completed: dict[str, Any], client_model: Any, inprocess_engine: Any
 ) -> None:
+    import torch
+    from safetensors.torch import load as safetensors_load
+
     assert completed["result"]["format"] == "torch+safetensors"
     assert completed["progress"] == {"done": 1, "total": 1} and completed["attempts"] == 1
     assert completed["started_at"] <= completed["finished_at"] and completed["queue_position"] is None

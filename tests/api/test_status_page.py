@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from nnqueue.api import auth
 from nnqueue.db.lifecycle import transition
@@ -68,6 +67,8 @@ def server(services: Services) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def jobs(server: str, services: Services) -> dict[str, Any]:
     """Alice's jobs in every state, bob's one queued job, and their keys."""
+    import torch
+
     worker = register_worker(services.sessions, capacity=4, weights=("base-3f2a1c", {"kind": "checkpoint"}))
     registry.set_domain(services.sessions, worker, "owner:alice")  # its engine runs alice's traces now
     alice, bob = (create_secret(services.sessions, owner, ("trace", "harvest")) for owner in ("alice", "bob"))
@@ -137,6 +138,8 @@ def sign_in(browser: Any, server: str, secret: str) -> Any:
 def test_a_user_sees_their_jobs_with_progress_errors_and_downloads(
     browser: Any, server: str, jobs: dict[str, Any]
 ) -> None:
+    import torch
+
     page = sign_in(browser, server, jobs["alice"])
     assert page.url == f"{server}/status"
     assert "alice" in page.inner_text("#viewer") and "admin" not in page.inner_text("#viewer")

@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from nnqueue.client import (
     APIConnectionError,
@@ -71,6 +70,8 @@ def scripted(handler: Callable[[httpx.Request], httpx.Response]) -> Client:
 
 
 def saves_bytes(saves: dict[str, Any]) -> bytes:
+    import torch
+
     buffer = io.BytesIO()
     torch.save(saves, buffer)
     return buffer.getvalue()
@@ -303,6 +304,8 @@ def test_a_cancelled_job_raises() -> None:
 
 
 def test_results_follow_the_redirect_without_the_api_key_and_load_the_saves(tmp_path: Any) -> None:
+    import torch
+
     data = saves_bytes({"logits": torch.arange(4.0), "tokens": [1, 2]})
     completed = job_json("completed", result={"size": len(data), "format": "torch"})
     presigned: list[httpx.Request] = []
@@ -346,6 +349,8 @@ def test_a_short_download_is_an_error_and_leaves_no_file(tmp_path: Any) -> None:
 
 
 def test_bytes_other_than_the_recorded_sha256_are_an_error_and_are_never_loaded(tmp_path: Any) -> None:
+    import torch
+
     genuine, forged = saves_bytes({"x": torch.ones(2)}), saves_bytes({"x": torch.zeros(2)})
     assert len(genuine) == len(forged)
     recorded = {"size": len(genuine), "format": "torch", "sha256": hashlib.sha256(genuine).hexdigest()}
@@ -365,6 +370,8 @@ def test_bytes_other_than_the_recorded_sha256_are_an_error_and_are_never_loaded(
 
 
 def test_without_a_recorded_sha256_the_digest_header_is_checked() -> None:
+    import torch
+
     genuine, forged = saves_bytes({"x": torch.ones(2)}), saves_bytes({"x": torch.zeros(2)})
     header = "sha-256=" + base64.b64encode(hashlib.sha256(genuine).digest()).decode()
 

@@ -31,10 +31,9 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
 from nnqueue.client import Client
 from nnqueue.embedded import ApiServer
@@ -43,6 +42,9 @@ from tests.utils.engines import InProcessEngine
 from tests.utils.reference import InProcessBackend
 from tests.utils.services import WorkerProcess
 from tests.utils.tiny_model import TAPS, TINY_ENGINE_KWARGS
+
+if TYPE_CHECKING:
+    import torch
 
 # End to end: a real worker process behind a real API server: the shared one.
 pytestmark = [pytest.mark.slow, pytest.mark.shared_worker]
@@ -95,6 +97,8 @@ def logits_and_samples(model: Any, backend: Any) -> dict[str, Any]:
 
 @feature
 def logit_lens(model: Any, backend: Any) -> dict[str, Any]:
+    import torch
+
     with model.trace(P0, temperature=0.0, max_tokens=1, backend=backend):
         residuals = []
         for layer in model.model.layers:
@@ -358,6 +362,7 @@ def edit_the_logits(model: Any, backend: Any) -> dict[str, Any]:
 @feature
 def force_the_samples(model: Any, backend: Any) -> dict[str, Any]:
     import nnsight
+    import torch
 
     with model.trace(P0, temperature=0.0, max_tokens=3, ignore_eos=True, backend=backend) as tracer:
         for _ in tracer.iter[:3]:
@@ -483,6 +488,8 @@ ERROR_FEATURES = {
 
 def assert_same(queued: Any, local: Any, where: str, taps: list[str] | None = None) -> None:
     """``taps``: the worker's (full locations); nnsight's message for a location outside them becomes nnqueue's."""
+    import torch
+
     if isinstance(local, BaseException):
         assert isinstance(queued, type(local)), f"{where}: {queued!r} is not a {type(local).__name__}"
         assert _normalized(str(queued)) == _normalized(_served(str(local), taps)), where

@@ -8,7 +8,6 @@ from typing import Any
 
 import psutil
 import pytest
-import torch
 from sqlalchemy import create_engine, text
 
 from nnqueue.client import Client
@@ -24,6 +23,8 @@ PROMPT = "The Eiffel Tower is in"
 def test_the_embedded_stack_runs_a_trace_and_stops_everything(
     tmp_path: Path, tiny_model_path: Path, client_model: Any, inprocess_engine: Any
 ) -> None:
+    import torch
+
     stack = EmbeddedStack(tmp_path / "data", tiny_model_path, "tiny-embedded", TINY_ENGINE_KWARGS)
     try:
         stack.start_services()

@@ -15,7 +15,6 @@ import uuid
 from typing import Any
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
@@ -45,6 +44,8 @@ PROMPT = "The Eiffel Tower is in"
 def test_the_issue_snippet_gives_the_in_process_values_in_the_callers_variables(
     client: Client, worker: WorkerProcess, client_model: Any, inprocess_engine: Any
 ) -> None:
+    import torch
+
     model = client_model
     with model.trace(PROMPT, backend=client.backend(model_key=MODEL_KEY), max_tokens=3, temperature=0.0):
         hidden = model.model.layers[-1].output.save()
@@ -127,6 +128,8 @@ def test_an_index_error_in_a_trace_surfaces_as_an_index_error(
 def test_the_non_blocking_backend_returns_the_job(
     client: Client, worker: WorkerProcess, client_model: Any, inprocess_engine: Any
 ) -> None:
+    import torch
+
     model = client_model
     backend = client.backend(model_key=MODEL_KEY, blocking=False)
     with model.trace(PROMPT, backend=backend, max_tokens=1, temperature=0.0):
@@ -310,6 +313,8 @@ def test_submit_queues_a_scripts_traces_and_the_other_commands_follow_them(
     client_model: Any,
     tmp_path: Any,
 ) -> None:
+    import torch
+
     script = tmp_path / "trace_two_prompts.py"
     script.write_text(SCRIPT)
 

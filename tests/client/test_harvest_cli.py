@@ -13,9 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import yaml
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
@@ -54,6 +52,9 @@ def cli(args: list[str], url: str, secret: str, exit_code: int = 0, env: dict[st
 def test_a_harvest_from_a_yaml_spec_runs_and_its_shards_download_and_load(
     api_server: ApiServer, harvester: str, services: Services, worker: WorkerProcess, tmp_path: Path
 ) -> None:
+    import torch
+    from safetensors.torch import load_file
+
     (tmp_path / "spec.yaml").write_text(SPEC)
     (tmp_path / "texts.txt").write_text("one two three\nfour five\nsix\nseven eight nine ten\neleven\n")
     submitted = cli(
@@ -161,8 +162,10 @@ def test_the_training_page_runs_as_printed(
     and layer put in), its commands (the export sized for the test model) and its Python blocks as printed, in a
     directory laid out as the worker's (the model's folder at the path the manifest gives), then what the export
     holds against the shards themselves."""
+    import torch
     from datasets import load_from_disk
     from sae_lens import StandardTrainingSAE
+    from safetensors.torch import load_file
 
     login = (api_server.url, harvester)
     monkeypatch.chdir(tmp_path)

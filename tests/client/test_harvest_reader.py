@@ -8,17 +8,15 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
-from safetensors.torch import save
-from torch.utils.data import DataLoader
 
-import nnqueue.harvest
-from nnqueue.harvest import HarvestDataset, ShardCorrupt, ShardRef
 from nnqueue.outliers import Outliers
 from tests.utils.services import Services
+
+if TYPE_CHECKING:
+    from nnqueue.harvest import HarvestDataset, ShardRef
 
 KEY = "model.layers.0.output"
 ROWS = [50, 75, 64, 110, 1, 93, 70]  # per shard
@@ -26,6 +24,9 @@ ROWS = [50, 75, 64, 110, 1, 93, 70]  # per shard
 
 def shard(first_row: int, rows: int, labels: bool = True) -> bytes:
     """Rows whose values name them: row r is [r, r, r, r] (its norm 2r); prompts of 10 rows, the last 3 generated."""
+    import torch
+    from safetensors.torch import save
+
     ids = torch.arange(first_row, first_row + rows)
     columns = {"prompt_length": torch.full((rows,), 7), "generated": ids % 10 >= 7} if labels else {}
     return save(
@@ -47,6 +48,8 @@ def shards() -> list[bytes]:
 
 @pytest.fixture(scope="module")
 def stored(services: Services, shards: list[bytes]) -> list[ShardRef]:
+    from nnqueue.harvest import ShardRef
+
     refs = []
     for index, data in enumerate(shards):
         key = f"harvests/reader-test/shard-{index:05d}.safetensors"
@@ -57,12 +60,16 @@ def stored(services: Services, shards: list[bytes]) -> list[ShardRef]:
 
 
 def dataset(refs: list[ShardRef], **options: Any) -> HarvestDataset:
+    from nnqueue.harvest import HarvestDataset
+
     settings: dict[str, Any] = {"batch_size": 16, "shuffle_buffer": 0, "seed": 0, "epoch": 0, "prefetch": 2}
     settings |= {"drop_last": False, "rank": 0, "world_size": 1, "resume": {}}
     return HarvestDataset(refs, [KEY], **(settings | options))
 
 
 def rows_of(batches: Any) -> list[int]:
+    import torch
+
     seen = []
     for batch in batches:
         assert torch.equal(batch[KEY][:, 0], batch["token_id"].float())  # values travel with their ids
@@ -72,6 +79,8 @@ def rows_of(batches: Any) -> list[int]:
 
 @pytest.mark.parametrize("shuffle_buffer", [0, 64])
 def test_every_row_once_across_workers_and_ranks(stored: list[ShardRef], shuffle_buffer: int) -> None:
+    from torch.utils.data import DataLoader
+
     seen = []
     for rank in range(2):
         reader = dataset(stored, rank=rank, world_size=2, shuffle_buffer=shuffle_buffer)
@@ -100,6 +109,8 @@ def test_a_resumed_stream_goes_on_where_it_stopped(stored: list[ShardRef], shuff
 
 
 def test_a_corrupt_shard_is_refused(stored: list[ShardRef]) -> None:
+    from nnqueue.harvest import ShardCorrupt, ShardRef
+
     bad = [*stored[:2], ShardRef(stored[2].name, stored[2].rows, "0" * 64, stored[2].url)]
     with pytest.raises(ShardCorrupt, match="shard-00002"):
         list(dataset(bad))
@@ -109,6 +120,8 @@ def test_a_corrupt_shard_is_refused(stored: list[ShardRef]) -> None:
 def test_ranged_reads_give_every_row_once_and_check_each_shard(
     stored: list[ShardRef], shards: list[bytes], range_bytes: int
 ) -> None:
+    from nnqueue.harvest import ShardCorrupt, ShardRef
+
     # With their sizes the shards are read in Range GETs (a shard's ranges and the next shards' in flight
     # together), into one buffer each, hashed as the ranges arrive in order.
     sized = [ShardRef(r.name, r.rows, r.sha256, r.url, len(data)) for r, data in zip(stored, shards, strict=True)]
@@ -140,6 +153,10 @@ def downloaded(folder: Path, shards: list[bytes], manifest_format: str = "nnqueu
 
 
 def test_open_reads_a_downloaded_harvest_by_its_manifest(tmp_path: Path, shards: list[bytes]) -> None:
+    import torch
+
+    import nnqueue.harvest
+
     reader = nnqueue.harvest.open(downloaded(tmp_path, shards), batch_size=100)
     assert reader.rows == sum(ROWS)
     batches = list(reader)
@@ -158,6 +175,10 @@ def test_open_reads_a_downloaded_harvest_by_its_manifest(tmp_path: Path, shards:
 
 
 def test_outlier_rows_are_dropped_or_clipped_as_they_arrive(tmp_path: Path, shards: list[bytes]) -> None:
+    import torch
+
+    import nnqueue.harvest
+
     manifest = downloaded(tmp_path, shards)
     # 4x the median norm (100): rows over 400, the rows r > 200, are left out; the others come once each.
     dropping = nnqueue.harvest.open(manifest, batch_size=64, outliers={"action": "drop", "times_median": 4})

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.utils.reference import InProcessBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
@@ -103,6 +102,8 @@ def assert_same_steps(got: list[Any], want: list[Any]) -> None:
 def test_the_embedded_stack_serves_logprobs_and_remote_traces_from_a_private_checkout(
     private_checkout: Path, tiny_model_path: Path, client_model: Any, inprocess_engine: Any
 ) -> None:
+    import torch
+
     env = {name: value for name, value in os.environ.items() if not name.startswith(("NNQUEUE_", "NDIF_"))}
     env["PYTHONPATH"] = str(private_checkout)
     script = private_checkout / "run_embedded.py"

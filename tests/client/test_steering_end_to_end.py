@@ -13,8 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from nnqueue.cli import app
@@ -48,6 +46,8 @@ def spec(edit: dict[str, Any]) -> dict[str, Any]:
 def test_a_harvest_key_steers_generation(
     api_server: ApiServer, steerer: str, worker: WorkerProcess, tmp_path: Path
 ) -> None:
+    import torch
+
     vector = torch.randn(WIDTH, generator=torch.Generator().manual_seed(0)) * 8
     with Client(api_server.url, steerer) as client:
         identity = client.steer(spec({"module": "model.layers.1", "op": "scale", "coefficient": 1.0}))
@@ -87,6 +87,9 @@ def test_captures_come_back_beside_the_generations(
     """The same addition at layer 1, with coefficient 4 and 0, capturing layers 0 and 1: at the prompt's tokens
     (which both jobs share) layer 0 is the same and layer 1 differs by exactly the addition, so the capture sees
     the edited value; rows, token ids and the file's sha256 are what the job recorded."""
+    import torch
+    from safetensors.torch import load_file
+
     vector = torch.randn(WIDTH, generator=torch.Generator().manual_seed(1))
     captures = {"captures": [{"module": "model.layers.0"}, {"module": "model.layers.1"}]}
     edit = {"module": "model.layers.1", "op": "add", "vector": "v"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nnqueue.enginecore.harvest_capture import selected
 from nnqueue.enginecore.harvest_spec import Selection, SpecError
 
 SELECTIONS = [
@@ -30,6 +29,8 @@ def reference(selection: Selection, length: int) -> list[int]:
 
 @pytest.mark.parametrize("selection", SELECTIONS, ids=lambda s: f"{s.kind}{s.n}")
 def test_selection_over_a_step(selection: Selection) -> None:
+    from nnqueue.enginecore.harvest_capture import selected
+
     # Three prompts in one step; the second is the tail of a chunked prefill (positions 6..9 of 10).
     lengths, starts, counts = np.array([1, 10, 7]), np.array([0, 6, 0]), np.array([1, 4, 7])
     owner = np.repeat(np.arange(3), counts)
@@ -53,6 +54,8 @@ GENERATED = [
 
 @pytest.mark.parametrize("selection", GENERATED, ids=lambda s: f"{s.tokens}-{s.kind}{s.n}")
 def test_generated_selections_keep_candidates_until_the_sequence_ends(selection: Selection) -> None:
+    from nnqueue.enginecore.harvest_capture import selected
+
     # A 5-token prompt that ran 6 generated tokens (positions 0..10); while generating, the range's end is only
     # bounded (by 5 + 9, max_tokens 10): what depends on where it ends keeps every candidate, then is settled.
     prompt, ran, bound = 5, 11, 14

@@ -12,7 +12,6 @@ from typing import Any
 
 import cloudpickle
 import pytest
-import torch
 
 from nnqueue.enginecore import protected
 from nnqueue.enginecore.protected import ProtectedEnvironmentError, RestrictedUnpickler
@@ -128,6 +127,7 @@ def test_a_protected_module_is_sent_on_as_a_module() -> None:
 
 
 def test_tensors_and_plain_data_load() -> None:
+    import torch
     from nnsight.intervention.serialization import dumps
 
     value = load(dumps({"t": torch.arange(3), "x": [1, 2.5, "s"]}))
@@ -280,6 +280,8 @@ STRICT_GADGETS = {
 
 @pytest.mark.parametrize("gadget", sorted(GADGETS))
 def test_payload_gadgets_of_allowed_globals_are_refused_by_both_unpicklers(gadget: str) -> None:
+    import torch
+
     for loader in (load, strict):
         with pytest.raises(ProtectedEnvironmentError):
             loader(GADGETS[gadget])
@@ -288,6 +290,8 @@ def test_payload_gadgets_of_allowed_globals_are_refused_by_both_unpicklers(gadge
 
 @pytest.mark.parametrize("gadget", sorted(STRICT_GADGETS))
 def test_the_strict_unpickler_refuses_calls_and_changes_by_opcode(gadget: str) -> None:
+    import torch
+
     hooks: dict[str, Any] = {}
     with pytest.raises(ProtectedEnvironmentError):
         strict(STRICT_GADGETS[gadget], {"hooks": hooks})

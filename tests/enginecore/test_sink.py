@@ -8,10 +8,8 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from nnqueue.enginecore import sink
-from nnqueue.enginecore.trace_results import write_saves
 
 MiB = 1 << 20
 
@@ -60,6 +58,10 @@ def test_a_stream_to_a_handoff_file_is_hashed_and_renamed_whole(tmp_path: Path, 
 
 
 def test_saves_are_hashed_as_written_and_safetensors_only_when_asked_and_possible(tmp_path: Path) -> None:
+    import torch
+
+    from nnqueue.enginecore.trace_results import write_saves
+
     saves = {"logits": torch.randn(3, 7), "ids": torch.arange(5)}
     sinks = {name: {"kind": "handoff", "path": str(tmp_path / name)} for name in ("torch", "safetensors")}
     written = write_saves(saves, sinks)

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 import pytest
 
 from nnqueue.enginecore.harvest_spec import SpecError
-from nnqueue.enginecore.steering import Steering
 
 POINTS = [
     {"module": f"model.layers.{n}", "io": io, "width": 8, "parts": None} for n in range(3) for io in ("input", "output")
@@ -16,6 +15,8 @@ POINTS = [
 
 
 def expand(names: list[str]) -> list[str]:
+    from nnqueue.enginecore.steering import Steering
+
     return Steering._expand(SimpleNamespace(points=POINTS), names)  # type: ignore[arg-type]
 
 

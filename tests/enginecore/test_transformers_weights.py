@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from nnqueue.enginecore.transformers_engine import Engine, load_model
 from nnqueue.storage.results import load_result
 from tests.utils.payloads import PayloadBackend
@@ -24,6 +22,7 @@ def run(engine: Engine, payload: bytes, directory: Path, name: str) -> dict[str,
 
 
 def test_a_jobs_weight_edit_lasts_for_that_job_only(tiny_model_path: Path, tmp_path: Path) -> None:
+    import torch
     from nnsight import LanguageModel
 
     engine = Engine(load_model(str(tiny_model_path), {}))
@@ -49,6 +48,7 @@ def test_a_jobs_weight_edit_lasts_for_that_job_only(tiny_model_path: Path, tmp_p
 def test_a_jobs_change_to_a_modules_attribute_or_hooks_lasts_for_that_job_only(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:
+    import torch
     from nnsight import LanguageModel
 
     engine = Engine(load_model(str(tiny_model_path), {}))

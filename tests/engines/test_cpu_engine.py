@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
-import torch
 
 from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
@@ -28,6 +27,7 @@ from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend, two_invoke_payload
 
 if TYPE_CHECKING:
+    import torch
     from nnsight.modeling.vllm import VLLM
 
     from nnqueue.engines.platform import EngineVLLM
@@ -59,6 +59,7 @@ def outbox(engine: EngineVLLM) -> OutboxPoller:
 @pytest.fixture(scope="module")
 def reference(tiny_model_path: Path) -> list[dict[str, torch.Tensor]]:
     """transformers' layer-0 output and last-position logits for each prompt."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -121,6 +122,8 @@ def probe_payload(client: VLLM, prompt: str, **sampling: Any) -> bytes:
 
 
 def test_direct_trace_matches_transformers(loop, engine, reference) -> None:
+    import torch
+
     for prompt, expected in zip(PROMPTS, reference, strict=True):
         saves = direct_trace(loop, engine, prompt)
         assert saves["h"].shape == expected["h"].shape
@@ -130,6 +133,8 @@ def test_direct_trace_matches_transformers(loop, engine, reference) -> None:
 
 
 def test_prebuilt_trace_matches_direct(loop, engine, client, outbox, reference) -> None:
+    import torch
+
     direct = [direct_trace(loop, engine, prompt) for prompt in PROMPTS]
     result = run(loop, run_prebuilt(engine, outbox, two_invoke_payload(client), "prebuilt"))
     report: TraceReport = result["report"]

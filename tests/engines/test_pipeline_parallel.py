@@ -12,16 +12,17 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
-from nnqueue.engines.harvest_runner import ChunkWork, HarvestError, capture_points, run_chunk
 from tests.engines.test_harvest_runner import SELECTIONS, Capture, batched, load, run, work
 from tests.utils.engines import InProcessEngine, run_prebuilt, running_pipeline_engine
 from tests.utils.payloads import PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
+
+if TYPE_CHECKING:
+    from nnqueue.engines.harvest_runner import ChunkWork
 
 # vLLM's CPU workers pin their OpenMP threads; one core per stage (its "auto" needs a core per rank and NUMA node).
 
@@ -34,11 +35,15 @@ def pipeline_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
+    import torch
+
     generator = torch.Generator().manual_seed(5)
     return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (4, 9, 17)]
 
 
 def harvest(engine: InProcessEngine, chunk: ChunkWork) -> bytes:
+    from nnqueue.engines.harvest_runner import run_chunk
+
     llm = engine.model.vllm_entrypoint
     (result,) = run(engine, batched(llm, run_chunk(llm, chunk), requests=len(chunk.token_ids)))
     data = Path(chunk.sink["path"]).read_bytes()
@@ -47,6 +52,8 @@ def harvest(engine: InProcessEngine, chunk: ChunkWork) -> bytes:
 
 
 def test_every_stage_publishes_its_points(inprocess_engine, pipeline_engine) -> None:
+    from nnqueue.engines.harvest_runner import capture_points
+
     one = run(inprocess_engine, capture_points(inprocess_engine.model.vllm_entrypoint))
     staged = run(pipeline_engine, capture_points(pipeline_engine.model.vllm_entrypoint))
     stage = {(p["module"], p["io"]): p.pop("stage") for p in staged}
@@ -77,6 +84,8 @@ def test_a_harvest_on_either_stage_equals_one_stage(
 
 
 def test_captures_on_two_stages_are_refused(pipeline_engine, tmp_path, prompts) -> None:
+    from nnqueue.engines.harvest_runner import HarvestError, run_chunk
+
     llm = pipeline_engine.model.vllm_entrypoint
     chunk = work(tmp_path, prompts, SELECTIONS["last"], "both", [Capture("model.layers.0"), Capture("model.layers.1")])
     with pytest.raises(HarvestError, match=r"must live on one stage"):
@@ -111,6 +120,8 @@ def test_a_trace_across_stages_equals_one_stage(inprocess_engine, pipeline_engin
 
 def same(a: Any, b: Any) -> bool:
     """Equal bit for bit, through lists and tuples (a norm called with a residual returns a pair)."""
+    import torch
+
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)

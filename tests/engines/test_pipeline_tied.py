@@ -11,8 +11,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file, save_file
 
 from tests.utils.engines import InProcessEngine, run_prebuilt, running_pipeline_engine
 from tests.utils.payloads import PrebuiltBackend
@@ -21,6 +19,8 @@ from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 @pytest.fixture(scope="module")
 def tied_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from safetensors.torch import load_file, save_file
+
     path = tmp_path_factory.mktemp("tied") / "tiny-llama-tied"
     shutil.copytree(tiny_model_path, path)
     config = json.loads((path / "config.json").read_text())
@@ -38,6 +38,9 @@ def tied_engine(tied_model_path: Path) -> Iterator[InProcessEngine]:
 
 
 def test_a_trace_of_the_embeddings_and_both_stages_completes(tied_engine, tied_model_path, client_model, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
     ids = [7, 42, 99, 300, 5]
     backend = PrebuiltBackend()
     with client_model.trace(ids, temperature=0.0, max_tokens=1, backend=backend):

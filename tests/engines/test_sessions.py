@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from nnqueue.client import Client
 from nnqueue.client.errors import JobFailed
@@ -65,6 +64,8 @@ def patching(model: Any, session_backend: Any, trace_backend: Any) -> dict[str, 
 def test_a_three_trace_patching_session_is_one_job_equal_to_the_local_session(
     client: Client, client_model: Any, backend: Any, inprocess_engine: InProcessEngine
 ) -> None:
+    import torch
+
     before = len(list(client.jobs()))
     queued = patching(client_model, backend, None)
     assert len(list(client.jobs())) == before + 1  # one job for the three traces

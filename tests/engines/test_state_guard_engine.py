@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
 from tests.utils.engines import InProcessEngine, run, run_prebuilt, running_engine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
 if TYPE_CHECKING:
+    import torch
     from nnsight.modeling.vllm import VLLM
 
 
@@ -36,6 +36,8 @@ def unprotected_engine(tiny_model_path: Path) -> Iterator[InProcessEngine]:
 
 def innocent(engine: InProcessEngine, client: VLLM, tmp_path: Path, name: str) -> torch.Tensor:
     """The innocent user's job: the logits of three decoded tokens (a hook or an attribute changes them)."""
+    import torch
+
     backend = PrebuiltBackend()
     with client.trace(PROMPTS[1], temperature=0.0, max_tokens=3, ignore_eos=True, backend=backend) as tracer:
         logits = list().save()
@@ -116,6 +118,8 @@ def seed(client: VLLM) -> bytes:
 def test_a_change_without_escape_fails_its_trace_and_the_next_job_is_untouched(
     inprocess_engine: InProcessEngine, client_model: VLLM, tmp_path: Path, hostile: Any, named: str
 ) -> None:
+    import torch
+
     before = innocent(inprocess_engine, client_model, tmp_path, "before")
     report, _ = run_prebuilt(inprocess_engine, hostile(client_model), tmp_path, "hostile")
     assert report.error is not None and report.error["type_name"] == "StateModified", report.error
@@ -127,6 +131,8 @@ def test_a_change_without_escape_fails_its_trace_and_the_next_job_is_untouched(
 def test_after_an_escape_the_result_writer_wrapped_is_put_back(
     unprotected_engine: InProcessEngine, client_model: VLLM, tmp_path: Path
 ) -> None:
+    import torch
+
     before = innocent(unprotected_engine, client_model, tmp_path, "before")
 
     backend = PrebuiltBackend()
@@ -147,6 +153,8 @@ def test_after_an_escape_the_result_writer_wrapped_is_put_back(
 def test_after_an_escape_a_replaced_weights_check_and_a_zeroed_weight_are_both_put_back(
     unprotected_engine: InProcessEngine, client_model: VLLM, tmp_path: Path
 ) -> None:
+    import torch
+
     before = innocent(unprotected_engine, client_model, tmp_path, "before")
 
     backend = PrebuiltBackend()

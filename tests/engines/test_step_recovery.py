@@ -9,8 +9,6 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from nnqueue import trace_payload
 from nnqueue.engines.trace_report import TraceReport
 from tests.utils.engines import InProcessEngine, run, run_prebuilt
@@ -22,6 +20,8 @@ if TYPE_CHECKING:
 
 def wrong_skip(client: VLLM) -> bytes:
     """Issue 34's: layer 0 skipped with a value of the wrong shape, which vLLM's next layer fails on."""
+    import torch
+
     backend = PrebuiltBackend()
     with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
         client.model.layers[0].skip((torch.zeros(6, 6), torch.zeros(6, 6)))
@@ -41,6 +41,8 @@ def decoding(client: VLLM, steps: int) -> bytes:
 def test_a_wrong_shape_skip_alone_fails_its_job_and_the_engine_serves_on(
     inprocess_engine: InProcessEngine, client_model: VLLM, tmp_path: Path
 ) -> None:
+    import torch
+
     clean = decoding(client_model, 3)
     report, before = run_prebuilt(inprocess_engine, clean, tmp_path, "recovery-before")
     assert report.error is None, report.error

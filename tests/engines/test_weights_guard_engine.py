@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
-import torch
 
 from nnqueue import trace_payload
 from nnqueue.engines.outbox import OutboxPoller
@@ -25,6 +24,7 @@ from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend
 
 if TYPE_CHECKING:
+    import torch
     from nnsight.modeling.vllm import VLLM
 
 T = TypeVar("T")
@@ -90,6 +90,8 @@ def test_a_trace_that_zeroes_a_weight_fails_and_the_next_job_runs_on_the_origina
     taps_engine: InProcessEngine,
     client_model: VLLM,
 ) -> None:
+    import torch
+
     if served == "eager":
         engine = inprocess_engine
     else:
@@ -105,6 +107,8 @@ def test_a_trace_that_zeroes_a_weight_fails_and_the_next_job_runs_on_the_origina
 def test_a_write_made_while_the_trace_is_finished_is_put_back(
     inprocess_engine: InProcessEngine, outbox: OutboxPoller, client_model: VLLM
 ) -> None:
+    import torch
+
     before = clean(inprocess_engine, outbox, client_model, "guard-finish-before")
     backend = PrebuiltBackend()
     with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend) as tracer:
@@ -118,6 +122,8 @@ def test_a_write_made_while_the_trace_is_finished_is_put_back(
 def test_in_a_step_shared_by_two_traces_both_are_to_run_again_alone(
     inprocess_engine: InProcessEngine, outbox: OutboxPoller, client_model: VLLM
 ) -> None:
+    import torch
+
     before = clean(inprocess_engine, outbox, client_model, "guard-shared-before")
     backend = PrebuiltBackend()
     with client_model.trace(PROMPTS[1], temperature=0.0, max_tokens=24, ignore_eos=True, backend=backend):
@@ -143,6 +149,8 @@ def test_in_a_step_shared_by_two_traces_both_are_to_run_again_alone(
 def test_a_write_past_the_version_counter_in_a_step_fails_and_is_put_back(
     inprocess_engine: InProcessEngine, outbox: OutboxPoller, client_model: VLLM
 ) -> None:
+    import torch
+
     before = clean(inprocess_engine, outbox, client_model, "guard-road-before")
     named, reached = PrebuiltBackend(), PrebuiltBackend()
     with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=named):

@@ -21,7 +21,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 import websocket
 
 from nnqueue.client import Client
@@ -62,6 +61,8 @@ def nnqueue_saves(client: Client, model: Any, two_invokes: bool = False) -> dict
 
 
 def assert_same(got: Any, want: Any) -> None:
+    import torch
+
     if isinstance(want, tuple):
         assert isinstance(got, tuple) and len(got) == len(want)
         for got_item, want_item in zip(got, want, strict=True):
@@ -102,6 +103,8 @@ def test_a_blocking_remote_trace_gives_the_queued_values_in_the_callers_variable
 
 
 def test_a_two_invoke_remote_trace(ndif: Any, worker: WorkerProcess, client: Client, client_model: Any) -> None:
+    import torch
+
     model = client_model
     with model.trace(temperature=0.0, max_tokens=1, remote=True) as tracer:
         with tracer.invoke(PROMPTS[0]):
@@ -203,6 +206,8 @@ def test_a_remote_session_runs_as_one_job_equal_to_the_local_session(
 ) -> None:
     """``model.session(remote=True)`` (compressed, as nnsight sends by default): its traces pass a value on the
     server, as the same session passes it on nnsight's own engine (tests/engines/test_sessions.py: the rest)."""
+    import torch
+
     model = client_model
     results = []
     for backend in (None, InProcessBackend(inprocess_engine)):

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from nnqueue.client import Client, JobFailed
 from nnqueue.scheduler import registry
@@ -63,6 +62,8 @@ def two_invokes(model: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 def assert_equal_saves(got: dict[str, Any], want: dict[str, Any]) -> None:
+    import torch
+
     assert set(got) == set(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=0, rtol=0)
@@ -259,6 +260,8 @@ print("server modules imported:", sorted(name for name in sys.modules if name.sp
 def test_a_client_install_writes_submits_waits_for_and_downloads_a_language_model_trace(
     api_server: Any, secret: str, worker: WorkerProcess, models: tuple[Any, Any], tiny_model_path: Path, tmp_path: Path
 ) -> None:
+    import torch
+
     from tests.utils.light_client import run_light
 
     _, local = models

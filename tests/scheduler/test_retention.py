@@ -9,7 +9,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner
@@ -29,6 +28,8 @@ S = JobStatus
 
 def add_job(sessions: sessionmaker[Session], store: LocalObjectStore, ended: S | None, days_ago: float) -> uuid.UUID:
     """A job with its payload stored, ended with ``ended`` (and a result when completed) ``days_ago`` days ago."""
+    import torch
+
     job_id = uuid.uuid4()
     store.put_bytes(payload_key(job_id), b"trace")
     with transaction(sessions) as session:

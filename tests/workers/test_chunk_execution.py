@@ -14,11 +14,8 @@ from pathlib import Path
 
 from nnqueue.broker import queue_name
 from nnqueue.db.models import HarvestChunk, JobStatus
-from nnqueue.engines.harvest_runner import capture_points
 from nnqueue.scheduler import registry
 from nnqueue.storage.s3 import S3ObjectStore
-from nnqueue.workers.chunk_execution import ChunkRunner
-from nnqueue.workers.job_execution import Outcome
 from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.upload_budget import UploadBudget
 from tests.storage.test_object_store import take_the_part_thread
@@ -54,6 +51,10 @@ def the_chunk(services: Services, harvest_id: uuid.UUID) -> HarvestChunk:
 def test_an_upload_that_fails_after_the_slot_was_freed_sends_the_chunk_back_and_stores_nothing(
     inprocess_engine: InProcessEngine, services: Services, tmp_path: Path
 ) -> None:
+    from nnqueue.engines.harvest_runner import capture_points
+    from nnqueue.workers.chunk_execution import ChunkRunner
+    from nnqueue.workers.job_execution import Outcome
+
     worker_id = registry.new_worker_id()
     points = run(inprocess_engine, capture_points(inprocess_engine.model.vllm_entrypoint))
     registry.register(services.sessions, worker_id, MODEL_KEY, queue_name(MODEL_KEY), 1, capture_points=points)

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
-import torch
 
 from nnqueue.api import auth
 from nnqueue.db.models import JobStatus
@@ -34,6 +33,8 @@ def engine_killing_payload(client: VLLM) -> bytes:
     """Replaces the storage of layer 0's KV cache (which no guard keeps: every step writes it): vLLM's own forward
     then fails in the engine core, also when the step runs again without the trace (a malformed intervention such
     as a wrong-shape ``.skip()`` no longer kills the engine: tests/engines/test_step_recovery.py)."""
+    import torch
+
     backend = PayloadBackend()
     with client.trace("The Eiffel Tower is in", temperature=0.0, max_tokens=1, backend=backend):
         client.model.layers[0].self_attn.attn.kv_cache.set_(torch.zeros(1))

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
-from safetensors.torch import load
 from sqlalchemy import select
 
 from nnqueue.db.models import Harvest, HarvestChunk, JobStatus
@@ -94,6 +92,8 @@ def wait_chunk(services: Services, harvest_id: uuid.UUID, found: Callable[[Harve
 
 
 def check_every_prompt_once(services: Services, done: Harvest, token_ids: list[list[int]]) -> None:
+    from safetensors.torch import load
+
     manifest = json.loads(services.store.get_bytes(done.manifest_key or ""))
     assert manifest["dataset"]["sha256"] == done.dataset_digest and len(manifest["shards"]) == done.chunks_total
     seen: list[int] = []
@@ -180,6 +180,9 @@ def test_cancel_aborts_the_running_chunk_and_frees_the_engine(
 def test_a_generating_harvest_through_the_queue_equals_a_trace_job_of_the_same_generation(
     services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
+    import torch
+    from safetensors.torch import load
+
     from nnqueue.enginecore.harvest_spec import Generation
 
     generation = Generation(max_tokens=6, temperature=0.8, seed=77, ignore_eos=True)

@@ -12,9 +12,8 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import torch
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -29,11 +28,13 @@ from nnqueue.storage.keys import payload_key
 from nnqueue.storage.local import LocalObjectStore
 from nnqueue.storage.results import load_result
 from nnqueue.timeline import POINTS, Timelines
-from nnqueue.workers.job_execution import JobRunner, Outcome
 from nnqueue.workers.sinks import ResultSinks
 from tests.utils.engines import InProcessEngine
 from tests.utils.payloads import PROMPTS, PrebuiltBackend, slow_payload, two_invoke_payload
 from tests.utils.queued import queue_job
+
+if TYPE_CHECKING:
+    from nnqueue.workers.job_execution import JobRunner, Outcome
 
 S = JobStatus
 
@@ -41,6 +42,8 @@ S = JobStatus
 def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
     inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
 ) -> None:
+    from nnqueue.workers.job_execution import Outcome
+
     sessions = session_factory(make_engine(database_factory()))
     store = LocalObjectStore(tmp_path)
     [job_id] = _queue(sessions, store, [slow_payload(client_model, steps=50)])  # about 5 s
@@ -68,6 +71,8 @@ def test_a_job_taken_from_a_running_worker_is_aborted_and_not_finished(
 def test_tokens_that_arrive_together_claim_their_jobs_in_one_transaction(
     inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
 ) -> None:
+    from nnqueue.workers.job_execution import Outcome
+
     sessions = session_factory(make_engine(database_factory()))
     store = LocalObjectStore(tmp_path)
     job_ids = _queue(sessions, store, [two_invoke_payload(client_model)] * 12)
@@ -97,6 +102,8 @@ def test_tokens_that_arrive_together_claim_their_jobs_in_one_transaction(
 def test_two_domains_traces_never_share_the_engine_and_waiting_tokens_are_kept(
     inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
 ) -> None:
+    from nnqueue.workers.job_execution import Outcome
+
     sessions = session_factory(make_engine(database_factory()))
     store = LocalObjectStore(tmp_path)
     payload = slow_payload(client_model, steps=5)  # about 0.5 s each: the turns overlap unless kept apart
@@ -126,6 +133,10 @@ def test_a_switch_puts_back_weights_the_previous_domain_left_changed(
     step); her third writes through it, which the per-step check (version counters) does not see: it reads the
     weights only where a trace names a road past the counters, or every 30 s. That write is hers to keep in her
     own domain, but not bob's to run on: the switch reads all the weights before bob's trace."""
+    import torch
+
+    from nnqueue.workers.job_execution import Outcome
+
     sessions = session_factory(make_engine(database_factory()))
     store = LocalObjectStore(tmp_path)
     steps = [logits_payload(client_model), stash_payload(client_model), write_through_stash_payload(client_model)]
@@ -174,6 +185,8 @@ def write_through_stash_payload(client: Any) -> bytes:
 def test_each_jobs_timeline_passes_every_point_of_its_run_in_order(
     inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
 ) -> None:
+    from nnqueue.workers.job_execution import Outcome
+
     sessions = session_factory(make_engine(database_factory()))
     store = LocalObjectStore(tmp_path)
     _queue(sessions, store, [two_invoke_payload(client_model)] * 3)
@@ -193,6 +206,8 @@ def test_each_jobs_timeline_passes_every_point_of_its_run_in_order(
 
 
 def test_one_jobs_bad_end_does_not_fail_the_others_that_ended_with_it(database_factory: Callable[..., str]) -> None:
+    from nnqueue.workers.job_execution import JobRunner
+
     sessions = session_factory(make_engine(database_factory()))
     good, bad = (queue_job(sessions, "tiny") for _ in range(2))
     with transaction(sessions) as session:
@@ -215,6 +230,8 @@ def test_one_jobs_bad_end_does_not_fail_the_others_that_ended_with_it(database_f
 def test_a_worker_whose_engine_is_not_isolated_runs_only_its_operators_traces(
     inprocess_engine: InProcessEngine, client_model: Any, database_factory: Callable[..., str], tmp_path: Path
 ) -> None:
+    from nnqueue.workers.job_execution import Outcome
+
     sessions = session_factory(make_engine(database_factory()))
     store = LocalObjectStore(tmp_path)
     payload = two_invoke_payload(client_model)
@@ -267,6 +284,7 @@ def _queue(
 def _runner(
     sessions: sessionmaker[Session], store: LocalObjectStore, engine: InProcessEngine, tmp_path: Path, worker_id: str
 ) -> JobRunner:
+    from nnqueue.workers.job_execution import JobRunner
     from nnqueue.workers.trace_execution import VLLMTraceExecutor  # imports vLLM: only when a test runs
 
     model = engine.model

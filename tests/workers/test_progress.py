@@ -14,7 +14,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue.db.lifecycle import transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import make_engine, session_factory, transaction
-from nnqueue.workers.job_execution import ProgressBook
 from tests.utils.queued import queue_job
 
 S = JobStatus
@@ -51,6 +50,8 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
 def test_every_running_jobs_progress_is_written_in_one_statement_after_the_first_delay(
     sessions: sessionmaker[Session],
 ) -> None:
+    from nnqueue.workers.job_execution import ProgressBook
+
     ids = running_jobs(sessions, 20)
     updates: list[str] = []
     event.listen(
@@ -78,6 +79,8 @@ def test_every_running_jobs_progress_is_written_in_one_statement_after_the_first
 
 
 def test_no_progress_is_written_for_a_job_that_ended_or_left_this_worker(sessions: sessionmaker[Session]) -> None:
+    from nnqueue.workers.job_execution import ProgressBook
+
     ended, taken, forgotten = running_jobs(sessions, 3)
     book = ProgressBook(sessions, "w", first_s=FIRST_S, every_s=EVERY_S)
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from nnqueue.db.models import JobStatus, Worker
 from nnqueue.embedded import ApiServer
@@ -41,6 +40,7 @@ CHECKPOINT_KEY = "checkpoints/tiny-llama-step-2.safetensors"
 @pytest.fixture(scope="module")
 def new_checkpoint(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with every parameter changed (seeded), saved as a full model folder (tokenizer too)."""
+    import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     folder = tmp_path_factory.mktemp("tiny-llama-step-2")
@@ -102,6 +102,8 @@ def test_a_checkpoint_swap_between_two_traces_gives_a_fresh_engines_values_and_n
     client_model: Any,
     new_checkpoint: Path,
 ) -> None:
+    import torch
+
     base = worker_row(services, worker)
     assert base.weights_version is not None and base.weights_version.startswith("base-")
     listed = admin.get("/v1/models").json()["models"]

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 from sqlalchemy import select
 
 from nnqueue import trace_payload
@@ -97,6 +96,7 @@ def test_two_invoke_trace_matches_transformers_and_an_in_process_run(
     inprocess_engine: Any,
     raw: bool,
 ) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     job_id = services.submit(two_invoke_payload(client_model, raw=raw), wants_safetensors=True).id
@@ -162,6 +162,8 @@ def raw_payload_of(script: Path, body: str, client: VLLM) -> bytes:
 def test_raw_traces_from_the_same_file_each_run_their_own_code(
     services: Services, worker: WorkerProcess, client_model: VLLM, tmp_path: Path
 ) -> None:
+    import torch
+
     script = tmp_path / "experiment.py"
     versions = [raw_payload_of(script, SCALED.format(scale=scale), client_model) for scale in ("1.0", "2.0")]
     other = raw_payload_of(script, TWO_INVOKES, client_model)
@@ -214,6 +216,8 @@ def test_progress_is_written_as_invokes_finish(services: Services, worker: Worke
 def test_jobs_from_two_owners_are_batched_in_the_same_engine_steps(
     services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
+    import torch
+
     # Each job decodes for a while, so the jobs submitted together overlap on the engine.
     payloads = {prompt: probe_payload(client_model, prompt, max_tokens=32, ignore_eos=True) for prompt in PROMPTS}
     jobs = [(prompt, submit(services, payloads[prompt], owner)) for owner in ("alice", "bob") for prompt in PROMPTS * 2]
@@ -277,6 +281,8 @@ def test_failing_jobs_fail_alone_while_a_good_job_completes(
 def test_a_result_over_the_limit_fails_its_job_naming_the_limit(
     services: Services, worker: WorkerProcess, client_model: VLLM
 ) -> None:
+    import torch
+
     backend = PrebuiltBackend()
     with client_model.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
         client_model.model.layers[0].output
