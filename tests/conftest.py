@@ -467,7 +467,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 # What collecting the tests imported of the packages that take seconds to import (tests/test_collection.py).
-SLOW_IMPORTS = ("vllm", "trl", "torch._inductor")
+SLOW_IMPORTS = ("vllm", "trl", "nnsight", "transformers", "torch")
 COLLECTION_IMPORTED = pytest.StashKey[list[str]]()
 
 
