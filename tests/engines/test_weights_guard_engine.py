@@ -173,6 +173,7 @@ def test_a_checkpoint_that_fails_inside_vllms_reload_leaves_the_weights_and_the_
     the meta device (nnqueue.enginecore.weights_update): the load fails saying so, the layers get their tensors back
     and the guard their values, traces give the same logits, and the next load works (it used to fail on the
     parameters left on the meta device)."""
+    import torch
     from safetensors.torch import load_file, save_file
 
     before = clean(inprocess_engine, outbox, client_model, "reload-before")

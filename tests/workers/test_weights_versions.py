@@ -226,6 +226,8 @@ def test_a_fresh_engine_in_place_of_a_dead_one_serves_the_swapped_weights(
     """The worker starts a fresh engine in place of one that died (nnqueue.workers.engine_restart), on the
     checkpoint: it replays the model's updates onto it before it serves, so traces keep the swapped weights'
     values and version, never the checkpoint's."""
+    import torch
+
     version = update(admin, {"source": str(new_checkpoint / "model.safetensors")})  # read by the engine itself
     registered = wait_version(services, worker, version)
     payload = two_invoke_payload(client_model)
