@@ -36,6 +36,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import prometheus_client
@@ -106,39 +107,40 @@ def run_worker(
     engine's ``max_num_seqs`` once it is up (one job at a time on the transformers engine)."""
     settings = Settings()
     bulk_slots = bulk_slots or settings.worker_bulk_slots
-    if engine_kind is EngineKind.VLLM:
-        # vLLM's import (8-12 s of one core) runs beside the containment's probe, a subprocess (8-9 s).
-        threading.Thread(target=_import_vllm, name="nnqueue-import-vllm", daemon=True).start()
-    containment = isolate(
-        settings,
-        model,
-        engine_kwargs,
-        ray=engine_kwargs.get("distributed_executor_backend") == "ray",
-        nccl=settings.trainer_port is not None and settings.trainer_nccl_port is not None,
-    )
-    sessions = session_factory(make_engine(settings.resolved_database_url))
-    store = object_store_from_settings(settings)
-    log_store(settings, log)
-    queue = queue_name(model_key)
+    # vLLM's import (8-12 s of one core) runs beside the containment's probe, a subprocess (8-9 s).
+    with _vllm_imported_aside(engine_kind is EngineKind.VLLM):
+        containment = isolate(
+            settings,
+            model,
+            engine_kwargs,
+            ray=engine_kwargs.get("distributed_executor_backend") == "ray",
+            nccl=settings.trainer_port is not None and settings.trainer_nccl_port is not None,
+        )
+        sessions = session_factory(make_engine(settings.resolved_database_url))
+        store = object_store_from_settings(settings)
+        log_store(settings, log)
+        queue = queue_name(model_key)
 
-    if settings.worker_metrics_port is not None:
-        # Before the engine loads (minutes): a taken port fails the worker at once. vLLM's AsyncLLM adds its
-        # own series (vllm:generation_tokens_total, ...) to the same default registry when it starts.
-        prometheus_client.start_http_server(settings.worker_metrics_port)
-        log.info("serving metrics on port %d", settings.worker_metrics_port)
-    # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
-    os.environ[WORKER_PID_ENV] = str(os.getpid())
-    crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
-    os.environ[CRASH_DIR_ENV] = str(crash_dir)
-    sinks = ResultSinks(
-        store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir, settings.max_result_bytes
-    )
-    view = (
-        engine_view(model, engine_kwargs, [crash_dir, sinks.handoff_dir()]) if containment.filesystem_private else None
-    )
-    host = EngineHost(blocking_threads=min(2 * ((max_concurrent_jobs or 32) + bulk_slots) + 2, 64))
-    with sessions() as session:  # fail before loading a model that would then not register
-        registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
+        if settings.worker_metrics_port is not None:
+            # Before the engine loads (minutes): a taken port fails the worker at once. vLLM's AsyncLLM adds its
+            # own series (vllm:generation_tokens_total, ...) to the same default registry when it starts.
+            prometheus_client.start_http_server(settings.worker_metrics_port)
+            log.info("serving metrics on port %d", settings.worker_metrics_port)
+        # The engine's processes watch this pid and exit with us, even if we are SIGKILLed.
+        os.environ[WORKER_PID_ENV] = str(os.getpid())
+        crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
+        os.environ[CRASH_DIR_ENV] = str(crash_dir)
+        sinks = ResultSinks(
+            store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir, settings.max_result_bytes
+        )
+        view = (
+            engine_view(model, engine_kwargs, [crash_dir, sinks.handoff_dir()])
+            if containment.filesystem_private
+            else None
+        )
+        host = EngineHost(blocking_threads=min(2 * ((max_concurrent_jobs or 32) + bulk_slots) + 2, 64))
+        with sessions() as session:  # fail before loading a model that would then not register
+            registry.check_engine(session, model_key, engine_kind, settings.worker_stale_after_s)
     started = time.monotonic()
     try:
         executor = host.call(
@@ -356,6 +358,22 @@ def freeze_startup_heap() -> None:
     0.5-0.7 s in each run of 256 one-prompt jobs (tiny model on a 2-core CPU machine), 0.03-0.15 s frozen."""
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def _vllm_imported_aside(enabled: bool) -> Iterator[None]:
+    """Import vLLM on a thread (:func:`_import_vllm`) while the body runs. A body that raises waits for the import
+    first: a worker that exited while the import ran in torch's C++ code aborted (glibc's "FATAL: exception not
+    rethrown", status -6), which its supervisor restarts, where a refused start (status 2) is final."""
+    importing = threading.Thread(target=_import_vllm, name="nnqueue-import-vllm", daemon=True)
+    if enabled:
+        importing.start()
+    try:
+        yield
+    except BaseException:
+        if enabled:
+            importing.join()
+        raise
 
 
 def _import_vllm() -> None:
