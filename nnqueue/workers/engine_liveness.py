@@ -14,10 +14,12 @@ job that finds the engine dead does, so an idle worker's dead engine is replaced
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import prometheus_client
+
+from nnqueue.workers.engine_health import EngineHealth
 
 INTERVAL_S = 10.0
 RESPONDED = prometheus_client.Gauge(
@@ -30,21 +32,22 @@ RESPONDED = prometheus_client.Gauge(
 async def keep_probing(
     model_key: str,
     entrypoint: Callable[[], Any] | None,
-    died: Callable[[], Awaitable[None]] | None = None,
+    health: EngineHealth | None = None,
     interval_s: float = INTERVAL_S,
 ) -> None:
     """Until cancelled: ask the engine (``entrypoint()``: the vLLM ``AsyncLLM`` serving now; None: the loop alone)
-    and mark the answer's time. An engine that refuses has died: ``died()`` heals the worker (it starts a fresh
-    engine, whose answers mark again, or stops the worker), so an engine that died with no job on it (the OOM
-    killer's) is replaced without waiting for a job to find it dead."""
+    and mark the answer's time. A refusal that says the engine died heals the worker through ``health``, as a job's
+    does (it starts a fresh engine, whose answers mark again, or stops the worker), so an engine that died with no
+    job on it (the OOM killer's) is replaced without waiting for a job to find it dead."""
     gauge = RESPONDED.labels(model_key)
     while True:
+        generation = health.generation if health is not None else 0  # the engine asked
         try:
             if entrypoint is not None:
                 await entrypoint().is_sleeping()
-        except Exception:  # noqa: BLE001 - the engine died, or the call failed: the engine says which
-            if died is not None and entrypoint is not None and entrypoint().errored:  # the one serving now
-                await died()
+        except Exception as error:  # noqa: BLE001 - a death is healed; any other failure only leaves the gauge
+            if health is not None and health.caused_by_death(error):
+                await health.engine_died(generation)
         else:
             gauge.set_to_current_time()
         await asyncio.sleep(interval_s)

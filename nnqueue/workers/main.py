@@ -154,6 +154,8 @@ def run_worker(
     freeze_startup_heap()
     vllm_executor = cast("VLLMTraceExecutor", executor) if engine_kind is EngineKind.VLLM else None
     entrypoint = vllm_executor.model.vllm_entrypoint if vllm_executor is not None else None  # vLLM's AsyncLLM
+    # The AsyncLLM serving now: a fresh engine replaces a dead one (nnqueue.workers.engine_restart).
+    serving = (lambda: vllm_executor.model.vllm_entrypoint) if vllm_executor is not None else None
     if max_concurrent_jobs is None:
         max_concurrent_jobs = default_concurrency(entrypoint)
     log.info("running up to %d jobs at once", max_concurrent_jobs)
@@ -167,7 +169,7 @@ def run_worker(
         worker_id,
         model_key,
         crash_dir,
-        lambda: vllm_executor is not None and bool(vllm_executor.model.vllm_entrypoint.errored),
+        lambda: serving is not None and bool(serving().errored),
     )
     base = base_version(model, engine_kwargs.get("revision"))
     gate = WeightsGate(*base)
@@ -229,8 +231,7 @@ def run_worker(
     report_ready()  # the supervisor's healthy interval starts
     warn_if_degraded(containment)  # again, below the engine's start-up lines
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
-    serving = (lambda: vllm_executor.model.vllm_entrypoint) if vllm_executor is not None else None
-    probe = engine_liveness.keep_probing(model_key, serving, health.engine_died if serving is not None else None)
+    probe = engine_liveness.keep_probing(model_key, serving, health if serving is not None else None)
     asyncio.run_coroutine_threadsafe(probe, host.loop)  # host.stop ends it
     trainer = None
     if settings.trainer_port is not None and vllm_executor is not None:
