@@ -448,9 +448,10 @@ def foreign_processes(account: EngineUser) -> list[str]:
 
     A process of ours is one whose nearest ancestor not running as ``account`` is an ``nnqueue worker``: by
     its command line, or (a serving worker's title is Celery's) by being the worker that the process's
-    environment names (``NNQUEUE_ENGINE_SANDBOX``, which engine and builder processes inherit), or that worker's
-    child naming it too (the builders' zygote). Engine cores are the worker's children, builders its zygote's,
-    vLLM's model-runner processes the engine core's. This tells a shared account (a database server, another
+    environment names (``NNQUEUE_ENGINE_SANDBOX``, which engine and builder processes inherit), or a
+    descendant of that worker's naming it too (the builders' zygote, and its server of engine cores). Builders are
+    the zygote's children, engine cores the core server's (or the worker's, where it spawned them), vLLM's
+    model-runner processes the engine core's. This tells a shared account (a database server, another
     service's daemon) from engines; it is not a defence against the account's own processes, which control their
     command lines and environments."""
     found = []
@@ -518,8 +519,12 @@ def _ours(pid: int, uid: int) -> bool:
     if "worker" in argv and any(Path(part).name == "nnqueue" for part in argv[:3]):
         return True
     worker = _sandbox_of(process)
-    # The worker itself, or the zygote it forks its trace builders from (nnqueue.enginecore.zygote: its child).
-    return worker is not None and (pid == worker or (_ppid(pid) == worker and _sandbox_of(pid) == worker))
+    # The worker itself, or the zygote it forks its trace builders from (nnqueue.enginecore.zygote: its child), or
+    # the zygote's server of engine cores (nnqueue.enginecore.core_forks: its child), each naming the worker.
+    while worker is not None and pid != worker and pid > 1 and pid not in seen and _sandbox_of(pid) == worker:
+        seen.add(pid)
+        pid = _ppid(pid)
+    return worker is not None and pid == worker
 
 
 def _sandbox_of(pid: int) -> int | None:

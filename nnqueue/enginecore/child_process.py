@@ -35,13 +35,16 @@ import sys
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from nnqueue import isolation
 from nnqueue.enginecore import spawning
 from nnqueue.enginecore.lifetime import exit_with_worker
 from nnqueue.enginecore.zygote import ForkedChild, Zygote
 from nnqueue.errors import NNqueueError
+
+if TYPE_CHECKING:
+    from nnqueue.enginecore.core_forks import CoreForks
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -192,10 +195,14 @@ class ChildPool:
         max_answer_bytes: int,
         answer_timeout_s: float | None = None,
         zygote: bool = False,
+        core_forks: bool = False,
     ) -> None:
         self.name, self.command = name, command
         # ``zygote``: ``command`` runs once, as a zygote (nnqueue.enginecore.zygote); the children are forked from it.
-        self._zygote = Zygote(name, command, scrubbed_environment, STREAM_LIMIT) if zygote else None
+        # ``core_forks``: the zygote serves engine cores too (nnqueue.enginecore.core_forks).
+        self._zygote = (
+            Zygote(name, command, scrubbed_environment, STREAM_LIMIT, core_forks=core_forks) if zygote else None
+        )
         self.ready_timeout_s, self.max_answer_bytes = ready_timeout_s, max_answer_bytes
         self.answer_timeout_s = answer_timeout_s
         self.size = size
@@ -204,6 +211,11 @@ class ChildPool:
         self._all: set[Child] = set()
         self._domains: dict[Child, str] = {}  # whose code each child has run
         self._settling: set[asyncio.Task[None]] = set()  # `retire_domains`' replacements (asyncio holds tasks weakly)
+
+    @property
+    def core_forks(self) -> CoreForks | None:
+        """The current zygote's server of engine cores (None: none serves)."""
+        return self._zygote.core_forks if self._zygote is not None else None
 
     async def start(self) -> None:
         """Start a child now (rather than at the first request) and wait until it is ready."""

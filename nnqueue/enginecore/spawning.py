@@ -23,15 +23,20 @@ shows the calling thread's network namespace) to cover them.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 from multiprocessing.context import SpawnProcess
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from nnqueue import mountns, netns
 
+if TYPE_CHECKING:
+    from nnqueue.enginecore.core_forks import CoreForks
+
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def contained(call: Callable[[], T], *, network: bool, view: mountns.View | None) -> T:
@@ -50,10 +55,13 @@ def contained(call: Callable[[], T], *, network: bool, view: mountns.View | None
 
 
 @contextlib.contextmanager
-def engine_core_contained(*, network: bool, view: mountns.View | None) -> Iterator[None]:
+def engine_core_contained(
+    *, network: bool, view: mountns.View | None, forks: CoreForks | None = None
+) -> Iterator[None]:
     """While the body builds a vLLM engine on this thread, the spawn-context processes this thread starts (the
-    engine core) are started by a contained thread (:func:`contained`); other threads' spawns are left alone."""
-    if not network and view is None:
+    engine core) are forked by ``forks`` (:mod:`nnqueue.enginecore.core_forks`: the child enters the namespaces
+    itself) or else started by a contained thread (:func:`contained`); other threads' spawns are left alone."""
+    if not network and view is None and forks is None:
         yield
         return
     owner = threading.get_ident()
@@ -65,6 +73,14 @@ def engine_core_contained(*, network: bool, view: mountns.View | None) -> Iterat
         # multiprocessing's resource tracker (a process of its own, started by the first spawn) is the worker's:
         # started here, it would be born in the engine's namespaces and clean up in the engine's /dev/shm.
         resource_tracker.ensure_running()
+        if forks is not None:
+            try:
+                popen = forks.popen(process_obj)
+            except ConnectionError as error:
+                log.warning("%s: the engine core is spawned", error)
+            else:
+                log.info("the engine core (pid %d) is forked by the trace builders' zygote", popen.pid)
+                return popen
         return contained(lambda: original(process_obj), network=network, view=view)
 
     SpawnProcess._Popen = staticmethod(popen)  # type: ignore[method-assign]

@@ -29,8 +29,13 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nnqueue.enginecore.core_forks import CoreForks
 
 ZYGOTE_FD_ENV = "NNQUEUE_ZYGOTE_FD"
+CORE_FORKS_FD_ENV = "NNQUEUE_CORE_FORKS_FD"
 REAP_INTERVAL_S = 0.05
 MESSAGE_BYTES = 256
 
@@ -52,7 +57,7 @@ def serve_forks(worker: socket.socket) -> None:
     descriptor of the zygote's beyond stderr."""
     worker.send(b"ready")
     while True:
-        for pid, code in _reaped():
+        for pid, code in reaped():
             worker.send(f"exited {pid} {code}".encode())
         if not select.select([worker], [], [], REAP_INTERVAL_S)[0]:
             continue
@@ -79,7 +84,7 @@ def _become_child(stdin: int, stdout: int) -> None:
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the worker's socket, the pipes just copied, anything else
 
 
-def _reaped() -> list[tuple[int, int]]:
+def reaped() -> list[tuple[int, int]]:
     """The children that ended since the last call: pid and exit code (minus the signal that killed one)."""
     ended: list[tuple[int, int]] = []
     while True:
@@ -138,8 +143,19 @@ class Zygote:
     """The worker's zygote running ``command`` (its environment ``environment()``, called at each start); use it on
     one event loop only."""
 
-    def __init__(self, name: str, command: list[str], environment: Callable[[], dict[str, str]], limit: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: list[str],
+        environment: Callable[[], dict[str, str]],
+        limit: int,
+        *,
+        core_forks: bool = False,
+    ) -> None:
         self.name, self.command, self.environment, self.limit = name, command, environment, limit
+        # ``core_forks``: each zygote process also forks a server of engine cores (nnqueue.enginecore.core_forks).
+        self._serves_cores = core_forks
+        self.core_forks: CoreForks | None = None  # the current zygote's core server
         self._process: asyncio.subprocess.Process | None = None
         self._socket: socket.socket | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -154,19 +170,32 @@ class Zygote:
         if self._reader is not None and not self._reader.done():
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cores, their_cores = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        environment = {**self.environment(), ZYGOTE_FD_ENV: str(theirs.fileno())}
+        if self._serves_cores:
+            environment[CORE_FORKS_FD_ENV] = str(their_cores.fileno())
         try:
             self._process = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=sys.stderr.fileno(),  # what loading prints goes to the log
-                env={**self.environment(), ZYGOTE_FD_ENV: str(theirs.fileno())},
-                pass_fds=(theirs.fileno(),),
+                env=environment,
+                pass_fds=(theirs.fileno(), their_cores.fileno()) if self._serves_cores else (theirs.fileno(),),
             )
         except BaseException:
             ours.close()
+            cores.close()
             raise
         finally:
             theirs.close()
+            their_cores.close()
+        self._close_core_forks()
+        if self._serves_cores:
+            from nnqueue.enginecore.core_forks import CoreForks  # which imports this module
+
+            self.core_forks = CoreForks(cores)
+        else:
+            cores.close()
         ours.setblocking(False)
         self._socket = ours
         self._ready = asyncio.get_running_loop().create_future()
@@ -204,11 +233,18 @@ class Zygote:
             return child
 
     async def close(self) -> None:
-        """Stop the zygote; its children with it."""
+        """Stop the zygote; its children with it (its engine cores' server ends after them)."""
+        self._close_core_forks()
         if self._process is not None and self._process.returncode is None:
             self._process.kill()
         if self._reader is not None:
             await self._reader  # it waits for the process and ends the children
+
+    def _close_core_forks(self) -> None:
+        """Let the last zygote's core server go: it forks no more, and exits once its engine cores have ended."""
+        if self.core_forks is not None:
+            self.core_forks.close()
+            self.core_forks = None
 
     async def _streams(self, stdin: int, stdout: int) -> tuple[asyncio.StreamWriter, asyncio.StreamReader]:
         loop = asyncio.get_running_loop()

@@ -37,12 +37,22 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nnqueue.enginecore.child_process import ChildError, ChildFailed, ChildPool, ChildTimedOut
 from nnqueue.engines import sessions
 
+if TYPE_CHECKING:
+    from nnqueue.enginecore.core_forks import CoreForks
+
 READY_TIMEOUT_S = 900.0
+
+
+def _cpu_engine() -> bool:
+    """Whether this worker's engine runs on vLLM's CPU platform, whose cores the builders' zygote forks."""
+    from nnqueue.engines.platform import is_cpu
+
+    return is_cpu()
 
 
 class BuilderPool:
@@ -70,7 +80,13 @@ class BuilderPool:
             max_answer_bytes=max_output_bytes,
             answer_timeout_s=timeout_s,
             zygote=True,
+            core_forks=_cpu_engine(),
         )
+
+    @property
+    def core_forks(self) -> CoreForks | None:
+        """Where the engine core starts when its zygote serves one (:mod:`nnqueue.enginecore.core_forks`)."""
+        return self._pool.core_forks
 
     async def launch(self) -> asyncio.Task[None]:
         """Start every builder now; returns the task that waits until they are ready (:meth:`ChildPool.launch`: they

@@ -35,16 +35,20 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import importlib
 import json
 import linecache
 from typing import Any
 
 from nnqueue import trace_payload
-from nnqueue.enginecore import child_process, envoy_trees, protected, zygote
+from nnqueue.enginecore import child_process, core_forks, envoy_trees, protected, zygote
 from nnqueue.enginecore.payload_scope import deserialize, payload_scope
 from nnqueue.enginecore.sandbox import enter_child_sandbox
 from nnqueue.engines import sessions
 from nnqueue.errors import NNqueueError
+
+# What a CPU engine core imports beyond the meta model's modules (the zygote forks the worker's engine cores).
+CORE_MODULES = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "nnqueue.enginecore.cpu_worker")
 
 
 class MediatorRejected(NNqueueError):
@@ -106,6 +110,15 @@ def _build(model: Any, payload: bytes) -> bytes:
         )
 
 
+def preload_engine_core() -> None:
+    """Import what a CPU engine core runs that the meta model does not, before the core server is forked."""
+    from nnqueue.engines.platform import prepare_process
+
+    prepare_process()
+    for name in CORE_MODULES:
+        importlib.import_module(name)
+
+
 def load_meta_model(model: str, engine_kwargs: dict[str, Any]) -> Any:
     """A meta ``VLLM`` of the worker's model, as a client builds one (no weights, no engine)."""
     from nnsight.modeling.vllm import VLLM
@@ -125,6 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-kwargs", default="{}")
     args = parser.parse_args(argv)
     forks = zygote.channel()
+    if (cores := core_forks.channel()) is not None:  # the worker's engine cores are forked aside, before the meta model
+        preload_engine_core()
+        core_forks.serve_aside(cores, forks)
     model = load_meta_model(args.model, json.loads(args.engine_kwargs))
     zygote.serve_forks(forks)  # returns in each builder the worker asks for: the rest is the builder's
     protocol = child_process.open_protocol()

@@ -82,6 +82,8 @@ if TYPE_CHECKING:  # imported where vLLM may be (_start_executor): a transformer
     from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
 log = logging.getLogger(__name__)
+# How long the engine's start waits for the builders' zygote to have imported what its engine core runs.
+CORE_FORKS_READY_S = 120.0
 RUNNING_JOBS = prometheus_client.Gauge("nnqueue_worker_running_jobs", "Jobs this worker is running now.", ["model"])
 RUNNING_CHUNKS = prometheus_client.Gauge(
     "nnqueue_worker_running_chunks", "Harvest chunks this worker is running now.", ["model"]
@@ -278,7 +280,7 @@ def run_worker(
     )
     drain.connect()
     if vllm_executor is not None and chunks is not None and updater is not None and trainer is None:
-        load = functools.partial(_load_vllm, model, engine_kwargs, containment, view)
+        load = functools.partial(_load_vllm, model, engine_kwargs, containment, view, vllm_executor.builders)
         health.restart = EngineRestart(load, vllm_executor, chunks, updater, base, crash_dir, hand_back)
 
     next_reconcile = 0.0
@@ -417,7 +419,7 @@ async def _start_executor(
         # vLLM's import, begun beside the containment's probe (_import_vllm), ends here if it has not yet.
         from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
-        vllm = _load_vllm(model, engine_kwargs, containment, view)  # blocks this loop; builders load aside
+        vllm = _load_vllm(model, engine_kwargs, containment, view, builders)  # blocks this loop; builders load aside
         await builders_ready
     except BaseException:
         await builders.close()
@@ -427,11 +429,23 @@ async def _start_executor(
 
 
 def _load_vllm(
-    model: str, engine_kwargs: dict[str, Any], containment: isolation.Containment, view: mountns.View | None
+    model: str,
+    engine_kwargs: dict[str, Any],
+    containment: isolation.Containment,
+    view: mountns.View | None,
+    builders: BuilderPool,
 ) -> Any:
-    """A dispatched async nnsight ``VLLM`` of ``model``, its engine core spawned in the engine's network namespace
-    and filesystem ``view`` (:mod:`nnqueue.enginecore.spawning`); on the engine loop."""
+    """A dispatched async nnsight ``VLLM`` of ``model``, its engine core forked by the builders' zygote
+    (:mod:`nnqueue.enginecore.core_forks`) or else spawned, in the engine's network namespace and filesystem
+    ``view`` (:mod:`nnqueue.enginecore.spawning`); on the engine loop."""
     from nnqueue.engines.platform import load_engine
 
-    with spawning.engine_core_contained(network=containment.network_isolated, view=view):
+    forks = builders.core_forks
+    if forks is not None and not forks.ready(CORE_FORKS_READY_S):
+        log.warning(
+            "the trace builders' zygote serves no engine core (not loaded in %.0f s, or ended): spawned",
+            CORE_FORKS_READY_S,
+        )
+        forks = None
+    with spawning.engine_core_contained(network=containment.network_isolated, view=view, forks=forks):
         return load_engine(model, **engine_core_kwargs(engine_kwargs))

@@ -64,6 +64,16 @@ def test_default_concurrency_follows_the_engines_max_num_seqs(worker: WorkerProc
     worker.wait_log("running up to 5 jobs at once")
 
 
+def test_the_engine_core_is_forked_by_the_builders_zygote(worker: WorkerProcess) -> None:
+    """Not spawned: vLLM's import is paid once, by the zygote (nnqueue.enginecore.core_forks)."""
+    [core] = [process for process in worker.children() if process.name().startswith("VLLM::EngineCor")]
+    server = core.parent()
+    zygote = server.parent()
+    assert "nnqueue.engines.trace_builder" in zygote.cmdline()
+    assert zygote.parent().parent().pid == worker.process.pid  # the zygote of the supervised worker
+    worker.wait_log(f"the engine core (pid {core.pid}) is forked by the trace builders' zygote")
+
+
 def submit(services: Services, payload: bytes, owner: str = "alice", timeout_s: float = 120) -> uuid.UUID:
     return services.submit(payload, owner=owner, timeout_s=timeout_s).id
 
