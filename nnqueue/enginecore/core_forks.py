@@ -3,7 +3,7 @@
 vLLM starts its engine core as a spawn-context process (``CoreEngineProcManager`` in ``vllm.v1.engine.utils``): a
 fresh interpreter that imports vLLM, torch and transformers again, 13-15 s of CPU on a 2-core machine, at every start
 and every in-place restart of a worker's engine. The builders' zygote (:mod:`nnqueue.enginecore.zygote`) has imported
-all of it already (``nnqueue.engines.trace_builder.preload_engine_core`` adds what only a core imports). So, right
+all of it already (``nnqueue.engines.trace_builder.serve_engine_cores`` adds what only a core imports). So, right
 after its imports and before it loads its meta model, it forks a *core server* (:func:`serve_aside`), which runs no
 user code and only forks engine cores on the worker's request, and the worker starts its engine core there
 (:class:`CoreForks`, used by :func:`nnqueue.enginecore.spawning.engine_core_contained`).
@@ -22,8 +22,8 @@ the scrubbed environment and has loaded only modules.
 
 The server outlives a zygote that dies (its engine cores are not the builders': they keep serving) and exits once the
 worker closed its socket and its last engine core has ended. Where it is not there (no builders; a zygote that did
-not load), the worker spawns the core as before. CPU platform only: the zygote prepares the CPU platform for its meta
-model (``prepare_process``), which a GPU engine core must not inherit, so a GPU worker spawns.
+not load), the worker spawns the core as before. CPU platform only: on a GPU the zygote declines (closes the socket)
+and the worker spawns; forking a CUDA engine core from the zygote was never tried on a GPU.
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ class CoreForks:
         self._ready = False
 
     def ready(self, timeout_s: float) -> bool:
-        """Whether the server is up, waiting up to ``timeout_s`` for its ``ready`` (the zygote's imports)."""
+        """Whether the server is up, waiting up to ``timeout_s`` for its ``ready`` (the zygote's imports); False when
+        the zygote declined (not the CPU platform), ended, or did not load in time."""
         if self._ready or self._socket.fileno() < 0:
             return self._ready
         if select.select([self._socket], [], [], timeout_s)[0]:

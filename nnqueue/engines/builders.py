@@ -48,13 +48,6 @@ if TYPE_CHECKING:
 READY_TIMEOUT_S = 900.0
 
 
-def _cpu_engine() -> bool:
-    """Whether this worker's engine runs on vLLM's CPU platform, whose cores the builders' zygote forks."""
-    from nnqueue.engines.platform import is_cpu
-
-    return is_cpu()
-
-
 class BuilderPool:
     """Up to ``size`` builder processes for ``model``; use it only on one event loop."""
 
@@ -80,7 +73,7 @@ class BuilderPool:
             max_answer_bytes=max_output_bytes,
             answer_timeout_s=timeout_s,
             zygote=True,
-            core_forks=_cpu_engine(),
+            core_forks=True,
         )
 
     @property

@@ -38,6 +38,7 @@ import functools
 import importlib
 import json
 import linecache
+import socket
 from typing import Any
 
 from nnqueue import trace_payload
@@ -110,13 +111,20 @@ def _build(model: Any, payload: bytes) -> bytes:
         )
 
 
-def preload_engine_core() -> None:
-    """Import what a CPU engine core runs that the meta model does not, before the core server is forked."""
-    from nnqueue.engines.platform import prepare_process
+def serve_engine_cores(cores: socket.socket, pool: socket.socket) -> None:
+    """On vLLM's CPU platform, import what an engine core runs that the meta model does not and fork the core server
+    (:mod:`nnqueue.enginecore.core_forks`); elsewhere decline (the worker spawns its engine core: forking one for a GPU
+    was never tried on a GPU). The worker asks every zygote: which platform vLLM runs on is known once vLLM is
+    imported, and a worker imports it in a thread that another import beside it can break."""
+    from nnqueue.engines.platform import is_cpu, prepare_process
 
+    if not is_cpu():
+        cores.close()
+        return
     prepare_process()
     for name in CORE_MODULES:
         importlib.import_module(name)
+    core_forks.serve_aside(cores, pool)
 
 
 def load_meta_model(model: str, engine_kwargs: dict[str, Any]) -> Any:
@@ -139,8 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     forks = zygote.channel()
     if (cores := core_forks.channel()) is not None:  # the worker's engine cores are forked aside, before the meta model
-        preload_engine_core()
-        core_forks.serve_aside(cores, forks)
+        serve_engine_cores(cores, forks)
     model = load_meta_model(args.model, json.loads(args.engine_kwargs))
     zygote.serve_forks(forks)  # returns in each builder the worker asks for: the rest is the builder's
     protocol = child_process.open_protocol()
