@@ -113,9 +113,9 @@ def _build(model: Any, payload: bytes) -> bytes:
 
 def serve_engine_cores(cores: socket.socket, pool: socket.socket) -> None:
     """On vLLM's CPU platform, import what an engine core runs that the meta model does not and fork the core server
-    (:mod:`nnqueue.enginecore.core_forks`); elsewhere decline (the worker spawns its engine core: forking one for a GPU
-    was never tried on a GPU). The worker asks every zygote: which platform vLLM runs on is known once vLLM is
-    imported, and a worker imports it in a thread that another import beside it can break."""
+    (:mod:`nnqueue.enginecore.core_forks`); elsewhere decline, and the worker spawns its engine core (a CUDA engine
+    core forked from the zygote was never tried: no GPU time). The worker asks every zygote: which platform vLLM runs
+    on is known once vLLM is imported, and a worker imports it in a thread that another import beside it can break."""
     from nnqueue.engines.platform import is_cpu, prepare_process
 
     if not is_cpu():
