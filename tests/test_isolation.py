@@ -197,7 +197,8 @@ def test_a_serving_workers_engine_processes_are_not_taken_for_other_users_of_the
     engine_account: EngineUser,
 ) -> None:
     """Once a worker serves, its title is Celery's, not ``nnqueue worker``: its engine and builder processes are
-    told apart by the worker their environment names (a second worker on the host must not refuse to start)."""
+    told apart by the worker their environment names, up the line of its processes (a second worker on the host
+    must not refuse to start)."""
     named = {"ours": str(os.getpid()), "theirs": "1"}  # this process stands in for the worker
     started = {
         who: subprocess.Popen(
@@ -219,17 +220,28 @@ def test_a_serving_workers_engine_processes_are_not_taken_for_other_users_of_the
         )
         for who, worker in named.items()
     }
+    # An engine core is the child of the zygote's core server (root, the zygote's child: nnqueue.enginecore.core_forks).
+    server = "import subprocess, sys; subprocess.run([sys.executable, '-c', *sys.argv[1:]])"
+    servers = {
+        who: subprocess.Popen(
+            [sys.executable, "-c", server, zygote, str(engine_account.uid), str(engine_account.gid)],
+            env={**os.environ, "NNQUEUE_ENGINE_SANDBOX": worker},
+        )
+        for who, worker in named.items()
+    }
     try:
         builders = {who: wait_for_child(process.pid) for who, process in zygotes.items()}
+        cores = {who: wait_for_child(wait_for_child(process.pid)) for who, process in servers.items()}
         foreign = {entry.split(" ", 1)[0] for entry in foreign_processes(engine_account)}
     finally:
-        for process in [*started.values(), *zygotes.values()]:
-            for child in psutil.Process(process.pid).children():
+        for process in [*started.values(), *zygotes.values(), *servers.values()]:
+            for child in psutil.Process(process.pid).children(recursive=True):
                 child.kill()
             process.kill()
             process.wait()
     assert str(started["ours"].pid) not in foreign and str(started["theirs"].pid) in foreign
     assert str(builders["ours"]) not in foreign and str(builders["theirs"]) in foreign
+    assert str(cores["ours"]) not in foreign and str(cores["theirs"]) in foreign
 
 
 def wait_for_child(pid: int) -> int:
