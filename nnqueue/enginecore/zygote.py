@@ -170,32 +170,34 @@ class Zygote:
         if self._reader is not None and not self._reader.done():
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        cores, their_cores = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         environment = {**self.environment(), ZYGOTE_FD_ENV: str(theirs.fileno())}
+        passed = [theirs]
+        cores = None
         if self._serves_cores:
+            cores, their_cores = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             environment[CORE_FORKS_FD_ENV] = str(their_cores.fileno())
+            passed.append(their_cores)
         try:
             self._process = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=sys.stderr.fileno(),  # what loading prints goes to the log
                 env=environment,
-                pass_fds=(theirs.fileno(), their_cores.fileno()) if self._serves_cores else (theirs.fileno(),),
+                pass_fds=[end.fileno() for end in passed],
             )
         except BaseException:
-            ours.close()
-            cores.close()
+            for end in (ours, cores):
+                if end is not None:
+                    end.close()
             raise
         finally:
-            theirs.close()
-            their_cores.close()
+            for end in passed:
+                end.close()
         self._close_core_forks()
-        if self._serves_cores:
+        if cores is not None:
             from nnqueue.enginecore.core_forks import CoreForks  # which imports this module
 
             self.core_forks = CoreForks(cores)
-        else:
-            cores.close()
         ours.setblocking(False)
         self._socket = ours
         self._ready = asyncio.get_running_loop().create_future()
