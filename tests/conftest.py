@@ -419,15 +419,19 @@ def path_worker(shared_path_worker: WorkerProcess) -> WorkerProcess:
 
 def marked_shared(item: pytest.Item) -> bool:
     """Whether ``item``'s module is marked ``shared_worker`` (the mark is a module's: ``services`` reads it there)."""
+    return module_marked(item, "shared_worker")
+
+
+def module_marked(item: pytest.Item, mark: str) -> bool:
     module = item.getparent(pytest.Module)
-    return module is not None and module.get_closest_marker("shared_worker") is not None
+    return module is not None and module.get_closest_marker(mark) is not None
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Refuse a shared worker to a module not marked ``shared_worker`` (its jobs would never reach it), or a mark that
-    pytest-xdist's scheduler cannot read; run the marked modules one after another (first under xdist); note the
-    last module that uses each of RELEASED_EARLY."""
+    pytest-xdist's scheduler cannot read; run the marked modules one after another (first under xdist), then the
+    modules marked ``slow``; note the last module that uses each of RELEASED_EARLY."""
     from tests.utils.scheduling import declared_shared
 
     for item in items:
@@ -444,14 +448,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 " where pytest-xdist's scheduler reads it (tests/utils/scheduling.py)"
             )
     shared = [item for item in items if marked_shared(item)]
-    rest = [item for item in items if not marked_shared(item)]
-    # Where the first of them was; under xdist first: they are one unit (tests/utils/scheduling.py), the longest,
-    # which one process starts with while the other takes the remaining modules.
-    first = 0 if hasattr(config, "workerinput") or not shared else items.index(shared[0])
-    # The modules of the path-keyed worker first, so that the two shared workers seldom run at once.
+    # The modules marked slow (their own workers or stacks: 60-300 s each) before the others, so that the two
+    # processes end on short modules together instead of one waiting out the other's last worker start.
+    rest = sorted((item for item in items if not marked_shared(item)), key=lambda item: not module_marked(item, "slow"))
+    # The marked ones first: under xdist they are one unit (tests/utils/scheduling.py), the longest, which one
+    # process starts with while the other takes the remaining modules. Among them, the modules of the path-keyed
+    # worker first, so that the two shared workers seldom run at once.
     by_path = {module_of(item) for item in shared if "shared_path_worker" in item.fixturenames}
     shared.sort(key=lambda item: module_of(item) not in by_path)
-    items[:] = rest[:first] + shared + rest[first:]
+    items[:] = shared + rest
     config.stash[LAST_USER] = {
         name: str(module_of(item)) for item in items for name in RELEASED_EARLY if name in item.fixturenames
     }

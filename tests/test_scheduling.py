@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
+import pytest
+
+from tests.conftest import module_marked, module_of
 from tests.utils.scheduling import SHARED_UNIT, ModuleScheduling, declared_shared
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,3 +37,20 @@ def test_a_mark_in_a_docstring_or_on_a_test_does_not_make_a_module_shared(tmp_pa
     assert not declared_shared(module)
     module.write_text("import pytest\n\npytestmark = [pytest.mark.slow, pytest.mark.shared_worker]  # why\n")
     assert declared_shared.__wrapped__(module)
+
+
+def test_the_session_runs_the_shared_unit_then_the_slow_modules_then_the_rest_each_module_in_one_piece(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The order this session collected (tests/conftest.py), which xdist's units follow: the slow modules (their own
+    workers) early, so that the processes end together on short ones; a module split in two would start its fixtures
+    twice."""
+    items = request.session.items
+    runs = [module for module, _ in itertools.groupby(items, key=module_of)]
+    assert len(runs) == len(set(runs)), "a module's tests are not together"
+    first = {module_of(item): item for item in reversed(items)}
+    kinds = [
+        0 if module_marked(first[module], "shared_worker") else 1 if module_marked(first[module], "slow") else 2
+        for module in runs
+    ]
+    assert kinds == sorted(kinds), list(zip(runs, kinds, strict=True))

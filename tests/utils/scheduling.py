@@ -3,9 +3,9 @@
 
 A module's tests stay in one process, so its module-scoped workers and stacks start once. The marked modules
 all run in the process that takes them first, where the session's shared workers then start once (a second
-process would start its own: another 40 s of two cores). Units go out in collection order, so each process runs
-a subsequence of the collected items: the early release of session fixtures after their last module
-(tests/conftest.py) stays right in every process.
+process would start its own: another 40 s of two cores). Units go out in collection order (tests/conftest.py puts
+the marked unit first, then the modules marked ``slow``), so each process runs a subsequence of the collected items:
+the early release of session fixtures after their last module (tests/conftest.py) stays right in every process.
 
 xdist's controller collects nothing: it sees node ids only, so it reads the mark from the module's source
 (``pytestmark = pytest.mark.shared_worker``, or a list holding it), and the collection in each process checks that
