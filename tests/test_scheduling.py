@@ -26,7 +26,7 @@ def test_the_modules_marked_shared_worker_are_one_unit_and_every_other_module_it
     assert (
         scope("tests/test_settings.py::test_a") == scope("tests/test_settings.py::test_b") == "tests/test_settings.py"
     )
-    assert scope("tests/workers/test_engine_crash.py::test_c[x::y]") == "tests/workers/test_engine_crash.py"
+    assert scope("tests/workers/test_engine_restart.py::test_c[x::y]") == "tests/workers/test_engine_restart.py"
 
 
 def test_a_mark_in_a_docstring_or_on_a_test_does_not_make_a_module_shared(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ A model whose last worker stopped less than NNQUEUE_WORKER_RESTART_GRACE_S ago s
 the restarted worker), where it used to answer 400; an owner whose traces crashed engines
 NNQUEUE_ENGINE_CRASH_LIMIT times within the window gets 429 with Retry-After for its new traces, on every key. The workers
 here are real registry rows; the crashed jobs are rows ended as a worker ends them (nnqueue.workers.engine_health),
-and tests/workers/test_engine_crash.py does both with a real engine crash.
+and tests/workers/test_engine_restart.py does both with a real engine crash.
 """
 
 from __future__ import annotations

@@ -158,9 +158,10 @@ class WorkerProcess:
             time.sleep(0.5)
         raise AssertionError(f"worker did not register in {timeout} s:\n{self.log()[-5000:]}")
 
-    def wait_log(self, text: str, timeout: float = 60) -> None:
+    def wait_log(self, text: str, timeout: float = 60, after: int = 0) -> None:
+        """Until ``text`` is in the log past its first ``after`` characters."""
         deadline = time.monotonic() + timeout
-        while text not in self.log():
+        while text not in self.log()[after:]:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{text!r} not in the worker log after {timeout} s:\n{self.log()[-5000:]}")
             time.sleep(0.2)

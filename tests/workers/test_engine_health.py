@@ -1,7 +1,7 @@
 """What a job alone in the step that crashed the engine is failed with, from the engine's own crash report
 (written by nnqueue.enginecore.crash_report, read and settled by nnqueue.workers.engine_health), on both databases;
 and what the worker does next: start a fresh engine, or stop when it cannot (a real engine's restart:
-tests/workers/test_engine_crash.py)."""
+tests/workers/test_engine_restart.py)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_a_fresh_engine_serves_once_the_jobs_are_settled_and_a_late_death_of_the
     sessions = session_factory(make_engine(any_database))
     started: list[JobStatus] = []
 
-    async def restart() -> None:  # the worker's EngineRestart; a real one: tests/workers/test_engine_crash.py
+    async def restart() -> None:  # the worker's EngineRestart; a real one: tests/workers/test_engine_restart.py
         with sessions() as session:
             started.extend(session.scalars(select(Job.status)))  # the dead engine's jobs are settled first
 
