@@ -14,7 +14,9 @@ ENGINE_LIKE = textwrap.dedent(
     import ctypes, errno, json, os, socket, subprocess, sys, threading
     from nnqueue import seccomp_filter
 
-    worker = subprocess.Popen(["sleep", "60"])  # stands in for the worker, which the filter protects
+    # Stands in for the worker, which the filter protects (and outlives this process: not on its output pipes,
+    # which the test reads to their end).
+    worker = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started, go, from_thread = threading.Event(), threading.Event(), {}
 
     def attempt(action):
