@@ -38,13 +38,16 @@ async def keep_probing(
     """Until cancelled: ask the engine (``entrypoint()``: the vLLM ``AsyncLLM`` serving now; None: the loop alone)
     and mark the answer's time. A refusal that says the engine died heals the worker through ``health``, as a job's
     does (it starts a fresh engine, whose answers mark again, or stops the worker), so an engine that died with no
-    job on it (the OOM killer's) is replaced without waiting for a job to find it dead."""
+    job on it (the OOM killer's) is replaced without waiting for a job to find it dead. A round trip waits at most
+    ``interval_s``: one pending when the engine died is never answered (vLLM 0.32's client fails a dead engine's
+    requests, not its utility calls), and the probe would otherwise wait on it for good, blind to every later death;
+    one that times out on a live engine (a long step) only leaves the gauge, and the next round asks again."""
     gauge = RESPONDED.labels(model_key)
     while True:
         generation = health.generation if health is not None else 0  # the engine asked
         try:
             if entrypoint is not None:
-                await entrypoint().is_sleeping()
+                await asyncio.wait_for(entrypoint().is_sleeping(), interval_s)
         except Exception as error:  # noqa: BLE001 - a death is healed; any other failure only leaves the gauge
             if health is not None and health.caused_by_death(error):
                 await health.engine_died(generation)
