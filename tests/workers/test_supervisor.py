@@ -12,6 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # `nnqueue worker` processes that import the engine's libraries, then fail
+
 ROOT = Path(__file__).resolve().parents[2]  # the checkout whose nnqueue the supervisor runs
 SUPERVISE = "import sys; from nnqueue.workers.supervisor import Supervisor; sys.exit(Supervisor(sys.argv[1:], 0.5).run())"  # a worker that served 0.5 s is healthy
 
