@@ -234,7 +234,7 @@ def run_worker(
     warn_if_degraded(containment)  # again, below the engine's start-up lines
     RUNNING_JOBS.labels(model_key).set_function(lambda: len(runner.running_jobs()))
     probe = engine_liveness.keep_probing(model_key, serving, health if serving is not None else None)
-    asyncio.run_coroutine_threadsafe(probe, host.loop)  # host.stop ends it
+    probing = asyncio.run_coroutine_threadsafe(probe, host.loop)
     trainer = None
     if settings.trainer_port is not None and vllm_executor is not None:
         trainer = host.call(
@@ -324,6 +324,7 @@ def run_worker(
             bulk.stop()
         beat.stop()
         registry.mark_stopped(sessions, worker_id)
+        probing.cancel()  # before the engine's shutdown, which it would take for a death to heal
         host.call(executor.close())
         host.stop()
         shutil.rmtree(crash_dir, ignore_errors=True)
