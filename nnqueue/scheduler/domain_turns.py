@@ -57,6 +57,7 @@ class DomainTurns:
     _last_turn: dict[str, float] = field(default_factory=dict)  # when each domain's last turn here ended
     _switch: Switch | None = None  # the switch whose verification has not finished
     _wait_after_switch = False  # whether other domains than the one chosen to switch to wait too
+    _deferred = False  # whether the last choice left other domains' traces waiting for the current turn
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def choose(self, waiting: Mapping[str, datetime]) -> str | None:
@@ -70,6 +71,7 @@ class DomainTurns:
             elif self._others_since is None:
                 self._others_since = now
             yielding = self._others_since is not None and now - self._others_since >= self.hold_s
+            self._deferred = bool(others)  # unless another domain is chosen below
             if self.in_flight:
                 return None if yielding else self.current
             if self.current in waiting and not yielding:
@@ -78,6 +80,7 @@ class DomainTurns:
                 return self.current if self.current in waiting else None
             chosen = min(others, key=lambda domain: (self._last_turn.get(domain, -math.inf), waiting[domain]))
             self._wait_after_switch = len(waiting) > 1  # the others wait from the new turn's start
+            self._deferred = False
             return chosen
 
     def claimed(self, domain: str | None, traces: int) -> Switch | None:
@@ -104,10 +107,12 @@ class DomainTurns:
             return self.in_flight == 0
 
     def others_wait(self) -> bool:
-        """Whether, at the last claim, traces this worker could take only after its current turn were waiting (and
-        traces of the turn are still in flight): a token that found no job then waits for the turn to end."""
+        """Whether the last claim left traces of other domains waiting, which this worker takes once its current
+        turn ends: a token that found no job then waits for that end (or claims again at once, should the turn's
+        last trace have ended meanwhile) instead of being dropped, which would leave those traces to the
+        reconciler."""
         with self._lock:
-            return self.in_flight > 0 and self._others_since is not None
+            return self._deferred
 
     def unverified(self) -> Switch | None:
         """The switch whose verification has not finished (traces of its domain wait for it), if any."""

@@ -155,13 +155,14 @@ class JobRunner:
             if self.health is not None and self.health.dead.is_set() and not await self.health.restarted():
                 await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
                 return Outcome.SKIPPED
+            turn_over = self._turn_over  # set when the turn this claim sees ends, even before the wait below
             job = await self._claims(None)
             if job is not None or not self.turns.others_wait():
                 break
             # Traces that this engine runs only after its domain's turn wait: keep the token until the turn ends
             # (a dropped one would leave them waiting for the reconciler). Checked again at least every hold.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._turn_over.wait(), timeout=max(self.turns.hold_s, 1.0))
+                await asyncio.wait_for(turn_over.wait(), timeout=max(self.turns.hold_s, 1.0))
         if job is None:
             log.info("a token for %s found no queued job; dropped", self.model_key)
             return Outcome.NO_WORK

@@ -72,6 +72,22 @@ def test_a_switch_waits_for_the_turn_to_end_and_then_for_its_verification() -> N
     assert turns.unverified() is None and turns.current == "b"
 
 
+def test_a_token_that_found_nothing_waits_although_the_turn_ended_since_its_claim() -> None:
+    # The claim saw a's last trace in flight and the hold over; that trace ended before the token asked whether to
+    # keep waiting: b's traces still wait for this worker, so the token must not be dropped (it was: b's trace then
+    # waited ~28 s for the reconciler in benchmarks/trust_domains.py).
+    now = [0.0]
+    turns = DomainTurns(hold_s=1, clock=lambda: now[0])
+    assert turns.choose(waiting("a", "b")) == "a"
+    turns.claimed("a", 1)
+    now[0] = 2
+    assert turns.choose(waiting("a", "b")) is None
+    assert turns.ended()
+    assert turns.others_wait()
+    assert turns.choose(waiting("b")) == "b"  # the claim again: b's turn, and nothing is left waiting
+    assert not turns.others_wait()
+
+
 def test_a_claim_of_nothing_switches_nothing() -> None:
     turns = DomainTurns()
     assert turns.choose(waiting("a")) == "a"
