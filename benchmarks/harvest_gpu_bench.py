@@ -139,6 +139,14 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     P, L, layer = args.prompts, args.tokens, args.layer
     from nnqueue.workers.main import engine_max_num_seqs
 
+    postgres = None  # started first: --contained then points the temp folder at the engine user's own
+    if args.postgres:
+        from tests.utils.servers import start_postgres
+
+        postgres = start_postgres()
+        report_db = "postgres"
+    else:
+        report_db = "sqlite"
     handoff = None  # --handoff-dir: made before the engine starts, so that a contained engine's view holds it
     if args.s3 and args.handoff_dir:
         handoff = Path(tempfile.mkdtemp(prefix="harvest-bench-handoff-", dir=args.handoff_dir))
@@ -149,14 +157,6 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # engine's filesystem view holds (`benchmarks.common.start`); `work` is not in that view.
     shards = Path(tempfile.mkdtemp(prefix="harvest-bench-shards-"))
     num_layers = SHAPES[shape]["num_hidden_layers"]
-    postgres = None
-    if args.postgres:
-        from tests.utils.servers import start_postgres
-
-        postgres = start_postgres()
-        report_db = "postgres"
-    else:
-        report_db = "sqlite"
     if args.db_pool:
         import nnqueue.db.session
 

