@@ -91,6 +91,10 @@ def create_celery_app(settings: Settings, *, prefetch: int = 1) -> Celery:
         result_backend=None,
         task_ignore_result=True,
         worker_hijack_root_logger=False,
+        # sys.stdout stays the process's own (the worker's log file): vLLM 0.24, the GPU build, calls
+        # sys.stdout.fileno() whenever an engine starts, and Celery's LoggingProxy has none, so an engine restarted
+        # in a running worker failed on a GPU (and the whole worker restarted instead: a minute more).
+        worker_redirect_stdouts=False,
         # No remote control: a worker would otherwise obey any broker client's broadcast (``shutdown``,
         # ``pool_restart``, ...), and nnqueue never sends one. With mingle and gossip off too
         # (nnqueue.workers.main), a worker reads nothing from the broker but its own queues.
