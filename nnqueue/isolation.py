@@ -89,6 +89,15 @@ def without_secrets(environ: dict[str, str], extra: Iterable[str] = ()) -> dict[
     return {name: value for name, value in environ.items() if not is_secret(name, extra)}
 
 
+def anchor_python_path() -> None:
+    """Make ``PYTHONPATH``'s relative entries absolute, against this process's working folder (where its own
+    imports found them): the engine's processes and the containment's probe start elsewhere (the probe in ``/``),
+    and ``PYTHONPATH=.`` from a checkout made the engine user's imports of nnqueue fail there, which refused
+    every trace (seen on a GPU machine)."""
+    if entries := os.environ.get("PYTHONPATH"):
+        os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(entry) for entry in entries.split(os.pathsep))
+
+
 def scrub_environment(extra: Iterable[str] = ()) -> list[str]:
     """Remove every variable matching a secret pattern from ``os.environ``, and blank them in the environment
     block this process started with (:func:`blank_initial_environment`); returns the names removed."""

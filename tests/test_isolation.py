@@ -122,6 +122,23 @@ def test_the_probe_names_what_the_engine_user_cannot_import_or_read(
 
 
 @needs_root
+@pytest.mark.skipif(not Path(SYSTEM_PYTHON).exists(), reason="no system Python to probe with")
+def test_a_relative_python_path_is_anchored_where_the_worker_found_its_modules(
+    engine_account: EngineUser, reachable: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PYTHONPATH=. from a checkout: the probe (and the engine) start elsewhere, where "." is another folder.
+    (reachable / "checkout").mkdir()
+    (reachable / "checkout" / "nnqueue_probe_target.py").write_text("")
+    monkeypatch.chdir(reachable)
+    monkeypatch.setenv("PYTHONPATH", f"checkout{os.pathsep}/usr/lib")
+    missed = probe(engine_account, ["nnqueue_probe_target"], [], python=SYSTEM_PYTHON).problems
+    assert [problem.split(":")[0] for problem in missed] == ["import nnqueue_probe_target"]
+    isolation.anchor_python_path()
+    assert os.environ["PYTHONPATH"] == f"{reachable / 'checkout'}{os.pathsep}/usr/lib"
+    assert probe(engine_account, ["nnqueue_probe_target"], [], python=SYSTEM_PYTHON).problems == []
+
+
+@needs_root
 def test_an_engine_user_that_cannot_reach_python_keeps_the_engine_root_or_refuses_saying_what_to_change(
     engine_account: EngineUser, hidden_python: Path
 ) -> None:

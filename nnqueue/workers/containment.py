@@ -58,6 +58,7 @@ def isolate(
     if nccl and network == netns.ISOLATED:
         network, network_why = netns.HOST, "a trainer's NCCL group (NNQUEUE_TRAINER_NCCL_PORT) needs the host's network"
     isolated = network == netns.ISOLATED
+    isolation.anchor_python_path()
     probe_view = mountns.plan(
         engine_reads(model, engine_kwargs), [], home=Path.home(), sockets_kept=None, workdir=Path.cwd()
     )
