@@ -32,10 +32,17 @@ model() { python3 -c "from pathlib import Path; from benchmarks.common import bu
 print(b(Path('/tmp/models'), '8b', False))"; }
 ENGINE=(--engine-arg=--dtype=bfloat16 --engine-arg=--load-format=dummy --engine-arg=--max-model-len=2048)
 # A step's run ends within the call's 600 s (LIMIT), so that its log comes back whatever happens.
-run() { local name=$1; shift; timeout -k 5 "${LIMIT:-540}" "$@" > "$out/$name.log" 2>&1 || { tail -40 "$out/$name.log"; return 1; }; }
+run() {
+  local name=$1; shift
+  timeout -k 5 "${LIMIT:-540}" "$@" > "$out/$name.log" 2>&1 || { tail -40 "$out/$name.log"; return 1; }
+}
 
 # What an earlier step that ran out of time left behind (its worker's engine holds the GPU's memory).
-clean() { pkill -9 -f "nnqueue (worker|supervise)|weed mini|redis-server|postgres -D" || true; pkill -9 -u nnqueue-engine || true; sleep 2; }
+clean() {
+  pkill -9 -f "nnqueue (worker|supervise)|weed mini|redis-server|postgres -D" || true
+  pkill -9 -u nnqueue-engine || true
+  sleep 2
+}
 
 case $step in
 parts1)
@@ -53,8 +60,8 @@ stores)
 guard)
   clean
   for guard in on off; do
-    LIMIT=${LIMIT:-270} run "guard-$guard" python3 benchmarks/harvest_gpu.py --postgres --contained --trace-only --reps "${REPS:-3}" \
-      --weights-guard "$guard" --out "$out/guard-$guard"
+    LIMIT=${LIMIT:-270} run "guard-$guard" python3 benchmarks/harvest_gpu.py --postgres --contained --trace-only \
+      --reps "${REPS:-3}" --weights-guard "$guard" --out "$out/guard-$guard"
     echo "guard $guard"; grep -m1 -A13 '"ratios_vs_a"' "$out/guard-$guard.log"
   done ;;
 hostile)
@@ -65,7 +72,8 @@ hostile)
 domains)
   clean
   run domains python3 benchmarks/trust_domains.py --model "$(model)" "${ENGINE[@]}" \
-    --jobs "${JOBS:-512}" --concurrency "${CONCURRENCY:-256}" --rounds "${ROUNDS:-2}" --json "$out/domains-h200.json"
+    --jobs "${JOBS:-512}" --concurrency "${CONCURRENCY:-256}" --rounds "${ROUNDS:-2}" --device "one NVIDIA H200" \
+    --json "$out/domains-h200.json"
   tail -8 "$out/domains.log" ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac

