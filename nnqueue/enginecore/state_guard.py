@@ -14,6 +14,9 @@ a trace holds them (nnsight hands it the real modules; ``type()`` hands it their
   ``torch.Tensor``;
 * torch's modes active on the engine's thread (a ``TorchFunctionMode`` or ``TorchDispatchMode`` entered and left
   active, ``torch.device("meta")`` entered: each sees every later torch call there, other owners' steps too);
+* torch's global settings that change other jobs' numbers or fail their steps (matmul precision, reduced-precision
+  reductions, cuDNN's and oneDNN's switches, deterministic algorithms, the default dtype, autocast on the engine's
+  thread), and flush-to-zero of denormals (``torch.set_flush_denormal``, which has no getter: set back every time);
 * torch's random seeds (``torch.manual_seed``: vLLM samples the requests without a seed of their own from the
   default generators), put back to the seed they had; a trust-domain switch seeds them afresh (`StateGuard.reseed`);
 * the warnings filters and the ``warnings`` module's globals (lazy: ``catch_warnings`` rebinds them for a while),
@@ -187,6 +190,7 @@ class StateGuard:
             container.saved = _read(container)
         self._modes = _torch_modes()
         self._seeds = _seeds()
+        self._settings = _torch_settings()
         self._freeze()
 
     def reseed(self, seed: int) -> None:
@@ -251,6 +255,7 @@ class StateGuard:
     def check(self) -> Changes:
         """What changed since the reference, each container put back as it was (see the module doc)."""
         found = Changes()
+        torch.set_flush_denormal(False)  # no getter: always put back (the engine never sets it)
         if self._unchanged():
             return found
         if not _switches_off():
@@ -262,6 +267,8 @@ class StateGuard:
         if _seeds() != self._seeds:
             _put_back_seeds(self._seeds)
             found.strict.append(_SEEDS)
+        if changed_settings := _put_back_settings(self._settings):
+            found.strict.append(f"{_SETTINGS} ({', '.join(changed_settings)})")
         for container in self.containers:
             obj, cls = container.owner, container.owner_class
             if obj is not None and cls is not None and type(obj) is not cls:
@@ -288,6 +295,7 @@ class StateGuard:
                 and _switches_off()
                 and _same_modes(self._modes)
                 and _seeds() == self._seeds
+                and _torch_settings() == self._settings
             )
         except Exception:  # noqa: BLE001 - an unset slot, a container of the wrong type: the slow path says which
             return False
@@ -449,6 +457,73 @@ def _put_back_modes(saved: tuple[tuple[Any, ...], ...]) -> None:
             torch._C._unset_dispatch_mode(key)
             if mode is not None:
                 torch._C._set_dispatch_mode(mode)
+
+
+_SETTINGS = "torch's global settings"
+# torch's settings that change other jobs' numbers or make their steps fail, each read and written back through
+# torch's own functions: matmul precision (TF32, or bfloat16 on CPUs with AMX, for float32 models), reduced-precision
+# reductions, cuDNN's and oneDNN's switches, deterministic algorithms (a step whose op has none then raises), the
+# default dtype, and autocast, which is per thread (the engine's) and recasts every later op. Performance settings
+# (threads) and anomaly detection (autograd only: the engine runs under inference mode) are left out.
+_SETTING_NAMES = (
+    "float32_matmul_precision",
+    "cuda.matmul.allow_tf32",
+    "cuda.matmul.allow_fp16_reduced_precision_reduction",
+    "cuda.matmul.allow_bf16_reduced_precision_reduction",
+    "cudnn.enabled",
+    "cudnn.allow_tf32",
+    "cudnn.deterministic",
+    "cudnn.benchmark",
+    "mkldnn.enabled",
+    "deterministic_algorithms",
+    "default_dtype",
+    "autocast",
+)
+
+
+def _torch_settings() -> tuple[Any, ...]:
+    """The values of `_SETTING_NAMES`, in that order."""
+    backends = torch.backends
+    return (
+        torch.get_float32_matmul_precision(),
+        backends.cuda.matmul.allow_tf32,
+        backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        backends.cudnn.enabled,
+        backends.cudnn.allow_tf32,
+        backends.cudnn.deterministic,
+        backends.cudnn.benchmark,
+        backends.mkldnn.enabled,
+        (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        torch.get_default_dtype(),
+        tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_DEVICES),
+    )
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _put_back_settings(saved: tuple[Any, ...]) -> list[str]:
+    """Write back each of torch's settings that differs from ``saved``; their names."""
+    now = _torch_settings()
+    changed = [name for name, was, is_ in zip(_SETTING_NAMES, saved, now, strict=True) if was != is_]
+    if not changed:
+        return changed
+    (precision, tf32, fp16, bf16, cudnn, cudnn_tf32, cudnn_det, cudnn_bench, mkldnn, det, dtype, autocast) = saved
+    torch.set_float32_matmul_precision(precision)
+    backends = torch.backends
+    backends.cuda.matmul.allow_tf32 = tf32
+    backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fp16
+    backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16
+    backends.cudnn.enabled, backends.cudnn.allow_tf32 = cudnn, cudnn_tf32
+    backends.cudnn.deterministic, backends.cudnn.benchmark = cudnn_det, cudnn_bench
+    backends.mkldnn.enabled = mkldnn
+    torch.use_deterministic_algorithms(det[0], warn_only=det[1])
+    torch.set_default_dtype(dtype)
+    for kind, (enabled, autocast_dtype) in zip(_AUTOCAST_DEVICES, autocast, strict=True):
+        torch.set_autocast_enabled(kind, enabled)
+        torch.set_autocast_dtype(kind, autocast_dtype)
+    return changed
 
 
 _SEEDS = "torch's random seed (torch.manual_seed: the sampling of other jobs without a seed of their own)"

@@ -148,6 +148,29 @@ def test_a_seed_the_warnings_filters_and_nnsights_configuration_are_put_back(gua
     guard.reseed(seed)
 
 
+def test_torch_settings_that_change_other_jobs_numbers_are_put_back(guard: StateGuard) -> None:
+    """Settings a trace can change without an escape, which no module attribute holds: a float32 model's matmuls in
+    TF32 or bfloat16, deterministic algorithms (later steps whose ops have none raise), autocast left on (every later
+    op recast), the default dtype; flush-to-zero of denormals (no getter) is set back on every check."""
+    import torch
+
+    before = (torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled())
+    torch.set_float32_matmul_precision("medium")
+    torch.use_deterministic_algorithms(True)
+    torch.set_autocast_enabled("cpu", True)
+    torch.set_default_dtype(torch.float64)
+    changes = guard.check()
+    assert len(changes.strict) == 1 and changes.strict[0].startswith("torch's global settings (")
+    for name in ("float32_matmul_precision", "deterministic_algorithms", "default_dtype", "autocast"):
+        assert name in changes.strict[0]
+    assert (torch.get_float32_matmul_precision(), torch.are_deterministic_algorithms_enabled()) == before
+    assert not torch.is_autocast_enabled("cpu") and torch.get_default_dtype() is torch.float32
+    if torch.set_flush_denormal(True):  # False where the CPU cannot
+        assert torch.tensor([1e-39]).item() == 0.0
+        assert not guard.check()
+        assert torch.tensor([1e-39]).item() != 0.0
+
+
 def test_a_replaced_class_method_and_a_swapped_class_are_put_back(model: torch.nn.Module, guard: StateGuard) -> None:
     import torch
 

@@ -105,6 +105,19 @@ def seed(client: VLLM) -> bytes:
     return backend.payload
 
 
+def matmul_precision(client: VLLM) -> bytes:
+    """A red-team round's finding: torch's global settings outlive the trace: a float32 model's later matmuls in TF32
+    (GPUs) or bfloat16 (CPUs with AMX); deterministic algorithms would fail later steps whose ops have none."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        import torch as t
+
+        t.set_float32_matmul_precision("medium")
+        t.use_deterministic_algorithms(True)
+        logits = client.logits.save()
+    return backend.payload
+
+
 @pytest.mark.parametrize(
     ("hostile", "named"),
     [
@@ -113,6 +126,7 @@ def seed(client: VLLM) -> bytes:
         (hook, "model.norm._forward_hooks"),
         (torch_mode, "torch's function and dispatch modes on the engine's thread"),
         (seed, "torch's random seed (torch.manual_seed"),
+        (matmul_precision, "torch's global settings (float32_matmul_precision, cuda.matmul.allow_tf32, deterministic"),
     ],
 )
 def test_a_change_without_escape_fails_its_trace_and_the_next_job_is_untouched(
