@@ -31,8 +31,9 @@ a trace holds them (nnsight hands it the real modules; ``type()`` hands it their
 a hook table, a class's dict, an object's slots, a list or set) with a shallow copy of its entries. A check
 (`StateGuard.check`) compares every entry by identity, never by ``==`` (a value's own ``__eq__`` is code a
 trace could have written), in a few C-level passes over all containers at once (``map(operator.is_, ...)``
-over ``itertools.chain``): a few hundred microseconds for a Llama-3-8B-shaped engine (``benchmarks/state_guard.py``),
-paid only after a step or finish in which a trace's code ran. A container that differs is put back entry by
+over ``itertools.chain``), paid only after a step or finish in which a trace's code ran: on one H200, the trace
+rows of ``benchmarks/harvest_gpu.py`` (a Llama-3-8B shape) with the guards and without them differ by less than
+their run-to-run spread (``benchmarks/results/h200-bench-tp1-v9-trace-guard-{on,off}.json``). A container that differs is put back entry by
 entry (a rebound or deleted entry restored, an added one removed), and its name is reported.
 
 Some changes may be the engine's own work that a trace triggered, not the trace's doing: nnsight's
