@@ -27,14 +27,14 @@ a trace holds them (nnsight hands it the real modules; ``type()`` hands it their
   configuration (``protected._WATCHED_EVENTS``, ``SAFE_BUILTINS``, the allow-lists, the audit hook's per-thread
   switches).
 
-`StateGuard` takes all of that once, when the engine is up (`accept_current`): each container (a ``__dict__``,
-a hook table, a class's dict, an object's slots, a list or set) with a shallow copy of its entries. A check
-(`StateGuard.check`) compares every entry by identity, never by ``==`` (a value's own ``__eq__`` is code a
-trace could have written), in a few C-level passes over all containers at once (``map(operator.is_, ...)``
-over ``itertools.chain``), paid only after a step or finish in which a trace's code ran: on one H200, the trace
-rows of ``benchmarks/harvest_gpu.py`` (a Llama-3-8B shape) with the guards and without them differ by less than
-their run-to-run spread (``benchmarks/results/h200-bench-tp1-v9-trace-guard-{on,off}.json``). A container that differs is put back entry by
-entry (a rebound or deleted entry restored, an added one removed), and its name is reported.
+`StateGuard` takes all of that once, when the engine is up (`accept_current`): each container (a ``__dict__``, a
+hook table, a class's dict, an object's slots, a list or set) with a shallow copy of its entries. A check
+(`StateGuard.check`) compares every entry by identity, never by ``==`` (a value's own ``__eq__`` is code a trace
+could have written), in a few C-level passes over all containers at once (``map(operator.is_, ...)`` over
+``itertools.chain``), paid only after a step or finish in which a trace's code ran: on one H200, the trace rows of
+``benchmarks/harvest_gpu.py`` (a Llama-3-8B shape) with the guards and without them differ by less than their
+run-to-run spread (``benchmarks/results/h200-bench-tp1-v9-trace-guard-{on,off}.json``). A container that differs is
+put back entry by entry (a rebound or deleted entry restored, an added one removed), and its name is reported.
 
 Some changes may be the engine's own work that a trace triggered, not the trace's doing: nnsight's
 ``.source`` instruments a module's forward on first use (its ``State``, the ``FORWARD_CACHE`` memo), a lazily
