@@ -71,7 +71,7 @@ class DomainTurns:
             elif self._others_since is None:
                 self._others_since = now
             yielding = self._others_since is not None and now - self._others_since >= self.hold_s
-            self._deferred = bool(others)  # unless another domain is chosen below
+            self._deferred = bool(others)
             if self.in_flight:
                 return None if yielding else self.current
             if self.current in waiting and not yielding:
@@ -79,8 +79,9 @@ class DomainTurns:
             if not others:
                 return self.current if self.current in waiting else None
             chosen = min(others, key=lambda domain: (self._last_turn.get(domain, -math.inf), waiting[domain]))
-            self._wait_after_switch = len(waiting) > 1  # the others wait from the new turn's start
-            self._deferred = False
+            # The others wait from the new turn's start (and a token of this claim that finds none of its traces
+            # waits for that turn to end).
+            self._wait_after_switch = self._deferred = len(waiting) > 1
             return chosen
 
     def claimed(self, domain: str | None, traces: int) -> Switch | None:

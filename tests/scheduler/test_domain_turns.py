@@ -88,6 +88,14 @@ def test_a_token_that_found_nothing_waits_although_the_turn_ended_since_its_clai
     assert not turns.others_wait()
 
 
+def test_a_claim_that_chose_one_of_several_waiting_domains_keeps_the_tokens_it_could_not_serve() -> None:
+    # Four tokens claim together, two traces of a and two of b queued: a's turn takes two; the other two tokens
+    # wait for it to end (b's traces), as they did before the change above (caught by the suite's job test).
+    turns = DomainTurns(hold_s=1, clock=lambda: 0.0)
+    assert turns.choose(waiting("a", "b")) == "a"
+    assert turns.others_wait()
+
+
 def test_a_claim_of_nothing_switches_nothing() -> None:
     turns = DomainTurns()
     assert turns.choose(waiting("a")) == "a"
