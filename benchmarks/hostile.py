@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from queue_stack import QueueStack, latency_s, log, one_step_payload
 
+from benchmarks.harvest_throughput import relative_error
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.storage.results import load_result
 from tests.utils.payloads import PROMPTS, PrebuiltBackend, slow_payload
@@ -166,12 +167,6 @@ def engine_rss_mb(worker: Any) -> float:
 def logits(stack: QueueStack, job: Job) -> torch.Tensor:
     assert job.result_key is not None
     return load_result(stack.services.store.get_bytes(job.result_key))["logits"]
-
-
-def relative_error(found: torch.Tensor, reference: torch.Tensor) -> float:
-    """‖found − reference‖ / ‖reference‖, in float32."""
-    reference = reference.float()
-    return float((found.float() - reference).norm() / reference.norm())
 
 
 def innocent_report(stack: QueueStack, jobs: list[Job], reference: torch.Tensor | None) -> dict[str, Any]:
