@@ -62,7 +62,7 @@ import operator
 import sys
 import types
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -461,70 +461,75 @@ def _put_back_modes(saved: tuple[tuple[Any, ...], ...]) -> None:
 
 
 _SETTINGS = "torch's global settings"
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def _flag(holder: Any, attribute: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """Read and write ``holder.attribute`` (torch.backends' switches)."""
+    return (lambda: getattr(holder, attribute)), (lambda value: setattr(holder, attribute, value))
+
+
+def _autocast() -> tuple[tuple[bool, torch.dtype], ...]:
+    return tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_DEVICES)
+
+
+def _set_autocast(saved: tuple[tuple[bool, torch.dtype], ...]) -> None:
+    for kind, (enabled, dtype) in zip(_AUTOCAST_DEVICES, saved, strict=True):
+        torch.set_autocast_enabled(kind, enabled)
+        torch.set_autocast_dtype(kind, dtype)
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _set_deterministic(saved: tuple[bool, bool]) -> None:
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+
+
 # torch's settings that change other jobs' numbers or make their steps fail, each read and written back through
 # torch's own functions: matmul precision (TF32, or bfloat16 on CPUs with AMX, for float32 models), reduced-precision
 # reductions, cuDNN's and oneDNN's switches, deterministic algorithms (a step whose op has none then raises), the
 # default dtype, and autocast, which is per thread (the engine's) and recasts every later op. Performance settings
 # (threads) and anomaly detection (autograd only: the engine runs under inference mode) are left out.
-_SETTING_NAMES = (
-    "float32_matmul_precision",
-    "cuda.matmul.allow_tf32",
-    "cuda.matmul.allow_fp16_reduced_precision_reduction",
-    "cuda.matmul.allow_bf16_reduced_precision_reduction",
-    "cudnn.enabled",
-    "cudnn.allow_tf32",
-    "cudnn.deterministic",
-    "cudnn.benchmark",
-    "mkldnn.enabled",
-    "deterministic_algorithms",
-    "default_dtype",
-    "autocast",
+# Each: its name, how to read it, how to write it back.
+_SETTING_ACCESS: tuple[tuple[str, Callable[[], Any], Callable[[Any], None]], ...] = (
+    ("float32_matmul_precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    *(
+        (f"{path}.{attribute}", *_flag(holder, attribute))
+        for path, holder, attributes in (
+            (
+                "cuda.matmul",
+                torch.backends.cuda.matmul,
+                ("allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction"),
+            ),
+            ("cudnn", torch.backends.cudnn, ("enabled", "allow_tf32", "deterministic", "benchmark")),
+            ("mkldnn", torch.backends.mkldnn, ("enabled",)),
+        )
+        for attribute in attributes
+    ),
+    ("deterministic_algorithms", _deterministic, _set_deterministic),
+    ("default_dtype", torch.get_default_dtype, torch.set_default_dtype),
+    ("autocast", _autocast, _set_autocast),
 )
 
 
 def _torch_settings() -> tuple[Any, ...]:
-    """The values of `_SETTING_NAMES`, in that order."""
-    backends = torch.backends
-    return (
-        torch.get_float32_matmul_precision(),
-        backends.cuda.matmul.allow_tf32,
-        backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        backends.cudnn.enabled,
-        backends.cudnn.allow_tf32,
-        backends.cudnn.deterministic,
-        backends.cudnn.benchmark,
-        backends.mkldnn.enabled,
-        (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
-        torch.get_default_dtype(),
-        tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in _AUTOCAST_DEVICES),
-    )
-
-
-_AUTOCAST_DEVICES = ("cpu", "cuda")
+    """The values of `_SETTING_ACCESS`, in its order."""
+    return tuple(read() for _, read, _ in _SETTING_ACCESS)
 
 
 def _put_back_settings(saved: tuple[Any, ...]) -> list[str]:
-    """Write back each of torch's settings that differs from ``saved``; their names."""
+    """Write back each of torch's settings that differs from ``saved`` (all compared first: matmul precision
+    moves ``allow_tf32`` with it); their names."""
     now = _torch_settings()
-    changed = [name for name, was, is_ in zip(_SETTING_NAMES, saved, now, strict=True) if was != is_]
-    if not changed:
-        return changed
-    (precision, tf32, fp16, bf16, cudnn, cudnn_tf32, cudnn_det, cudnn_bench, mkldnn, det, dtype, autocast) = saved
-    torch.set_float32_matmul_precision(precision)
-    backends = torch.backends
-    backends.cuda.matmul.allow_tf32 = tf32
-    backends.cuda.matmul.allow_fp16_reduced_precision_reduction = fp16
-    backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16
-    backends.cudnn.enabled, backends.cudnn.allow_tf32 = cudnn, cudnn_tf32
-    backends.cudnn.deterministic, backends.cudnn.benchmark = cudnn_det, cudnn_bench
-    backends.mkldnn.enabled = mkldnn
-    torch.use_deterministic_algorithms(det[0], warn_only=det[1])
-    torch.set_default_dtype(dtype)
-    for kind, (enabled, autocast_dtype) in zip(_AUTOCAST_DEVICES, autocast, strict=True):
-        torch.set_autocast_enabled(kind, enabled)
-        torch.set_autocast_dtype(kind, autocast_dtype)
-    return changed
+    changed = [
+        (name, write, was) for (name, _, write), was, is_ in zip(_SETTING_ACCESS, saved, now, strict=True) if was != is_
+    ]
+    for _, write, was in changed:
+        write(was)
+    return [name for name, _, _ in changed]
 
 
 _SEEDS = "torch's random seed (torch.manual_seed: the sampling of other jobs without a seed of their own)"
