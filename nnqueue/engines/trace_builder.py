@@ -39,6 +39,7 @@ import importlib
 import json
 import linecache
 import socket
+import sys
 from typing import Any
 
 from nnqueue import trace_payload
@@ -48,8 +49,10 @@ from nnqueue.enginecore.sandbox import enter_child_sandbox
 from nnqueue.engines import sessions
 from nnqueue.errors import NNqueueError
 
-# What a CPU engine core imports beyond the meta model's modules (the zygote forks the worker's engine cores).
-CORE_MODULES = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor", "nnqueue.enginecore.cpu_worker")
+# What an engine core imports beyond the meta model's modules, by platform (the zygote forks the worker's engine cores).
+CORE_MODULES = ("vllm.v1.engine.core", "vllm.v1.executor.uniproc_executor")
+CPU_CORE_MODULES = (*CORE_MODULES, "nnqueue.enginecore.cpu_worker")
+GPU_CORE_MODULES = (*CORE_MODULES, "nnqueue.enginecore.gpu_worker")
 
 
 class MediatorRejected(NNqueueError):
@@ -112,30 +115,39 @@ def _build(model: Any, payload: bytes) -> bytes:
 
 
 def serve_engine_cores(cores: socket.socket, pool: socket.socket) -> None:
-    """On vLLM's CPU platform, import what an engine core runs that the meta model does not and fork the core server
-    (:mod:`nnqueue.enginecore.core_forks`); elsewhere decline, and the worker spawns its engine core (a CUDA engine
-    core forked from the zygote was never tried: no GPU time). The worker asks every zygote: which platform vLLM runs
-    on is known once vLLM is imported, and a worker imports it in a thread that another import beside it can break."""
+    """Import what an engine core runs that the meta model does not and fork the core server
+    (:mod:`nnqueue.enginecore.core_forks`). On a GPU only while no CUDA context exists here (a context does not survive
+    a fork: each forked core creates its own); should an import have made one, decline, and the worker spawns its
+    engine core. The worker asks every zygote: which platform vLLM runs on is known once vLLM is imported, and a worker
+    imports it in a thread that another import beside it can break."""
+    import torch
+
     from nnqueue.engines.platform import is_cpu, prepare_process
 
-    if not is_cpu():
+    cpu = is_cpu()
+    prepare_process()
+    modules = CPU_CORE_MODULES if cpu else GPU_CORE_MODULES
+    for name in modules:
+        importlib.import_module(name)
+    _hash_compiler_sources(cpu)
+    if torch.cuda.is_initialized():
+        print(f"engine cores are spawned: importing {', '.join(modules)} created a CUDA context", file=sys.stderr)
         cores.close()
         return
-    prepare_process()
-    for name in CORE_MODULES:
-        importlib.import_module(name)
-    _hash_compiler_sources()
     core_forks.serve_aside(cores, pool)
 
 
-def _hash_compiler_sources() -> None:
+def _hash_compiler_sources(cpu: bool) -> None:
     """What every engine core computes before its first compile (the logprobs kernel it builds at start): inductor's
     cache keys, hashes of torch's and Triton's sources (1.7 s of its 8 s of CPU, tiny model, two cores). Computed once
-    here, each core forked from the server inherits them (``functools`` caches of ``torch._inductor.codecache``)."""
+    here, each core forked from the server inherits them (``functools`` caches of ``torch._inductor.codecache``). The
+    system's key only on the CPU: it reads the current CUDA device, which would create the context a fork cannot
+    carry."""
     from torch._inductor.codecache import CacheBase, torch_key
 
     torch_key()
-    CacheBase.get_system()
+    if cpu:
+        CacheBase.get_system()
 
 
 def load_meta_model(model: str, engine_kwargs: dict[str, Any]) -> Any:

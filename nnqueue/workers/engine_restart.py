@@ -4,8 +4,10 @@ When the engine core dies (a trace crashed it, or the stall deadline killed it: 
 settles its jobs), only the engine core is lost, so only it is started again. The worker used to exit and its
 supervisor to start a fresh one: vLLM's import again (14-16 s of CPU), the trace builders' zygote and its meta
 model (15 s), the broker, the registration. The process keeps all of that now, and its containment: the fresh
-core is spawned as the first one was, in the engine's network namespace and filesystem view, and switches to the
-engine user. Its registration stays too, so the model keeps a live worker and no job is refused meanwhile; jobs
+core starts as the first one did, in the engine's network namespace and filesystem view, and switches to the
+engine user (forked by the builders' zygote where it serves engine cores: :mod:`nnqueue.enginecore.core_forks`;
+12-13 s from the death to the fresh engine serving on one H200 with a Llama-3-8B shape, 32-33 s spawned). Its
+registration stays too, so the model keeps a live worker and no job is refused meanwhile; jobs
 that come wait for the fresh engine (:meth:`~nnqueue.workers.engine_health.EngineHealth.restarted`).
 
 Before the fresh engine starts, the worker hands back what the dead one held (its harvest chunks; its jobs are

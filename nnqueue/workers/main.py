@@ -443,7 +443,7 @@ def _load_vllm(
 
     forks = builders.core_forks
     if forks is not None and not forks.ready(CORE_FORKS_READY_S):
-        log.info("the engine core is spawned: the trace builders' zygote forks none (a GPU, or it did not load)")
+        log.info("the engine core is spawned: the trace builders' zygote forks none (it did not load or declined)")
         forks = None
     with spawning.engine_core_contained(network=containment.network_isolated, view=view, forks=forks):
         return load_engine(model, **engine_core_kwargs(engine_kwargs))
