@@ -157,6 +157,58 @@ class _Container:
     module: str | None = None  # a module's globals: its name (a submodule appearing is the import system's)
     owner: Any = None  # the object whose __dict__ this is (its class is checked too: ``obj.__class__ = X``)
     owner_class: type | None = None
+    registry: bool = False  # entries the installation's code adds are kept (`REGISTRIES`)
+
+
+# Values an object's step may rebind (a flag, the step's mediators, a rebuilt index): only their type is kept.
+_REBOUND = (bool, int, float, str, type(None), list, set, dict)
+
+
+@dataclass
+class _Shape:
+    """An object every step changes by rebinding its attributes (nnsight's interleaver: ``mediators``, ``busy``,
+    ``parked``): its attribute names are fixed, a value of `_REBOUND` keeps its exact type (a trace's ``dict``
+    subclass, or its function bound over a method, ``il.handle = f``, is neither), and any other value its
+    identity (the interleaver's batcher, its fragments)."""
+
+    name: str
+    target: Any
+    fixed: dict[str, Any]
+    rebound: dict[str, Any]  # name: the value at the reference (a copy, for a container), put back as a copy
+
+    @classmethod
+    def of(cls, obj: Any) -> _Shape:
+        attributes = vars(obj)
+        rebound = {key: _copy(value) for key, value in attributes.items() if type(value) in _REBOUND}
+        fixed = {key: value for key, value in attributes.items() if key not in rebound}
+        return cls(f"{type(obj).__module__}.{type(obj).__qualname__} (the engine's)", obj, fixed, rebound)
+
+    def holds(self) -> bool:
+        attributes = vars(self.target)
+        return (
+            len(attributes) == len(self.fixed) + len(self.rebound)
+            and all(attributes.get(key, _MISSING) is value for key, value in self.fixed.items())
+            and all(type(attributes.get(key, _MISSING)) is type(value) for key, value in self.rebound.items())
+        )
+
+    def put_back(self) -> bool:
+        """Whether it had changed; it holds again."""
+        if self.holds():
+            return False
+        attributes = vars(self.target)
+        for key in [key for key in attributes if key not in self.fixed and key not in self.rebound]:
+            log.warning("%s: %r was added; removed", self.name, key)
+            del attributes[key]
+        attributes.update(self.fixed)
+        for key, value in self.rebound.items():
+            if type(attributes.get(key, _MISSING)) is not type(value):
+                log.warning("%s: %r was replaced by another type; put back", self.name, key)
+                attributes[key] = _copy(value)
+        return True
+
+
+def _copy(value: Any) -> Any:
+    return type(value)(value) if isinstance(value, (list, set, dict)) else value
 
 
 class StateGuard:
@@ -165,11 +217,19 @@ class StateGuard:
     ``exclude``: objects never to walk into (the weights guard's tensors are compared there, the KV cache is
     written by every step)."""
 
-    def __init__(self, model: torch.nn.Module, roots: Iterable[Any] = (), modules: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        roots: Iterable[Any] = (),
+        modules: Iterable[str] = (),
+        shaped: Iterable[Any] = (),
+    ) -> None:
         self.model = model
         self.roots = list(roots)  # objects of the engine whose classes (and their modules) are watched too
         self.extra_modules = list(modules)
+        self.shaped = list(shaped)  # objects whose attributes every step rebinds (`_Shape`)
         self.containers: list[_Container] = []
+        self.shapes: list[_Shape] = []
         self.accept_current()
 
     # --------------------------------------------------------------------------------------- reference
@@ -189,6 +249,7 @@ class StateGuard:
         self.containers = list(_Walk(self.model, self.roots, self.extra_modules).containers())
         for container in self.containers:
             container.saved = _read(container)
+        self.shapes = [_Shape.of(obj) for obj in self.shaped]
         self._modes = _torch_modes()
         self._seeds = _seeds()
         self._settings = _torch_settings()
@@ -275,6 +336,7 @@ class StateGuard:
             if obj is not None and cls is not None and type(obj) is not cls:
                 _restore_class(obj, cls)
                 found.strict.append(f"the class of {type(obj).__qualname__} object")
+        found.strict.extend(shape.name for shape in self.shapes if shape.put_back())
         for container in self.containers:
             if _read_matches(container):
                 continue
@@ -293,6 +355,7 @@ class StateGuard:
             return (
                 lengths == self._lengths
                 and self._saved.same(self._now())
+                and all(map(_Shape.holds, self.shapes))
                 and _switches_off()
                 and _same_modes(self._modes)
                 and _seeds() == self._seeds
@@ -304,6 +367,8 @@ class StateGuard:
     def _restore(self, container: _Container) -> _Restored:
         """Put ``container`` back; what was different (see `_Restored`)."""
         saved, target = container.saved, container.target
+        if container.registry and _library_additions(container):
+            return _Restored.NOTHING
         if container.kind is Kind.DICT:
             level = logging.DEBUG if container.lazy else logging.WARNING
             return _restore_dict(target, saved, container.module, container.name, level)
@@ -396,6 +461,36 @@ def _restore_dict(
     if changed or (added and module is None):
         return _Restored.CHANGED
     return _Restored.ADDED_GLOBALS if added else _Restored.NOTHING
+
+
+def _library_additions(container: _Container) -> bool:
+    """Whether all that changed in a registry are entries added by the installation's code (a library imported
+    meanwhile); if so they are kept."""
+    saved, now = container.saved, _read(container)
+    if isinstance(saved, dict):
+        if any(now.get(key, _MISSING) is not value for key, value in saved.items()):
+            return False
+        added = [(key, value) for key, value in now.items() if key not in saved]
+    else:
+        kept = {id(item) for item in now}
+        if any(id(item) not in kept for item in saved):
+            return False
+        before = {id(item) for item in saved}
+        added = [item for item in now if id(item) not in before]
+    if not all(map(_library_code, added)):
+        return False
+    container.saved = now
+    return True
+
+
+def _library_code(entry: Any) -> bool:
+    """Whether ``entry`` (a registry's key and value, or its item) holds no function but the installation's (a
+    builtin, a class, a Python function whose source is under the installation's folders)."""
+    if isinstance(entry, tuple):
+        return all(map(_library_code, entry))
+    if isinstance(entry, types.FunctionType):
+        return protected.is_installed_code(entry.__code__.co_filename)
+    return isinstance(entry, (types.BuiltinFunctionType, type, int, str))
 
 
 def _serializer_tag(name: str, value: Any) -> bool:
@@ -609,6 +704,16 @@ WATCHED_CONTAINERS = (
         )
     ),
 )
+# Registries that every pickler (``torch.save`` in the result writers' threads, outside any step) and ``copy``
+# consult before an object's own ``__reduce_ex__`` (an entry added for ``torch.Tensor`` would rewrite every later
+# result, other domains' too), and the location taggers ``torch.save`` calls for every storage. A library imported
+# for the first time during a step adds its own entries (sympy's, when torch first compiles): an entry whose
+# functions are the installation's code is kept, any other is a trace's.
+REGISTRIES = (
+    *(("copyreg", name) for name in ("dispatch_table", "_extension_registry", "_inverted_registry")),
+    ("copy", "_deepcopy_dispatch"),
+    ("torch.serialization", "_package_registry"),
+)
 # Memos a trace's legitimate use fills (nnsight's instrumented forwards, built on a module's first ``.source``).
 # The warnings filters too: a trace's ``warnings.simplefilter("error")`` makes every warning of another job's code
 # an exception, and a module imported for the first time during a step may add its own filters.
@@ -715,12 +820,13 @@ class _Walk:
         for module_name, attribute in WATCHED_OBJECTS:
             if (value := getattr(sys.modules.get(module_name), attribute, None)) is not None:
                 yield from self._object(f"{module_name}.{attribute}", value, 0)
-        for module_name, attribute in (*WATCHED_CONTAINERS, *LAZY_CONTAINERS):
+        for module_name, attribute in (*WATCHED_CONTAINERS, *LAZY_CONTAINERS, *REGISTRIES):
             value = getattr(sys.modules.get(module_name), attribute, None)
             if isinstance(value, (dict, list, set)):
                 kind = Kind.DICT if isinstance(value, dict) else Kind.SEQUENCE
                 lazy = (module_name, attribute) in LAZY_CONTAINERS
-                yield _Container(f"{module_name}.{attribute}", kind, value, lazy=lazy)
+                registry = (module_name, attribute) in REGISTRIES
+                yield _Container(f"{module_name}.{attribute}", kind, value, lazy=lazy, registry=registry)
         self._note_class(torch.nn.Parameter)  # and so torch.Tensor
         for cls in self.classes.values():
             if _mutable_class(cls):

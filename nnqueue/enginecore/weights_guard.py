@@ -408,7 +408,12 @@ class WeightsGuardWorker(_Worker):
         if self._nnqueue_state is None and self._nnqueue_guard is not None:
             # The state is taken at the first step, before any payload loads: vLLM finishes its configuration
             # (the KV cache's size) after the warm-up, and the sandbox locks the process down at this step.
-            self._nnqueue_state = state_guard.StateGuard(self.model_runner.get_model(), roots=(self, self.model_runner))
+            interleaver = self.model_runner.nnsight_model.interleaver
+            self._nnqueue_state = state_guard.StateGuard(
+                self.model_runner.get_model(),
+                roots=(self, self.model_runner),
+                shaped=(interleaver, interleaver.batcher, interleaver.fragments),
+            )
             log.info("state guard: %d containers", len(self._nnqueue_state.containers))
             # A step run again without its failed traces (nnqueue.enginecore.step_recovery) runs on this state.
             self.model_runner.nnqueue_restore_state = lambda: self._nnqueue_verify(True)

@@ -271,3 +271,53 @@ def test_a_trace_alone_fails_for_a_change_and_traces_sharing_a_step_run_again() 
     shared = [request("job-c"), request("job-d")]
     fail_step(shared, Verified(lazy=["nnsight.intervention.source.FORWARD_CACHE"]))
     assert {each.error["type_name"] for each in shared} == {weights_guard.SHARED_STEP_ERROR}
+
+
+def test_a_reducer_a_trace_registers_is_removed_and_a_librarys_is_kept(guard: StateGuard) -> None:
+    """Red team, issue 33 (E3): ``copy.dispatch_table[torch.Tensor] = f`` made every later ``torch.save`` of a
+    result, other domains' too, call the trace's function (it read and replaced them); a library imported during a
+    step registers its own reducers, which stay."""
+    import copy
+    import copyreg
+    import fractions
+
+    import torch
+
+    copy.dispatch_table[torch.Tensor] = lambda tensor: (torch.zeros, (tuple(tensor.shape),))
+    found = guard.check()
+    assert found.strict == ["copyreg.dispatch_table"], found
+    assert torch.Tensor not in copyreg.dispatch_table
+
+    copyreg.pickle(fractions.Fraction, fractions.Fraction.__reduce__)  # a builtin-free library function: kept
+    try:
+        assert not guard.check()
+        assert fractions.Fraction in copyreg.dispatch_table
+    finally:
+        del copyreg.dispatch_table[fractions.Fraction]
+        guard.accept_current()
+
+
+def test_an_object_the_engine_rebinds_keeps_its_attributes_and_their_kinds(model: torch.nn.Module) -> None:
+    """Red team, issue 33 (E2): ``client.interleaver.handle = f`` (an instance attribute over nnsight's method) ran
+    the trace's function at every module of every later request, other domains' too, and a stash attribute carried
+    what it read to the trace's next job. The engine's interleaver keeps its attribute names, the types of what each
+    step rebinds and the identity of the rest."""
+    from nnsight.intervention.interleaver import Interleaver
+
+    from nnqueue.enginecore.state_guard import StateGuard
+
+    interleaver = Interleaver()
+    guard = StateGuard(model, shaped=(interleaver,))
+    interleaver.mediators = [object()]  # what a step does: rebound, same kinds
+    interleaver.busy = True
+    assert not guard.check()
+
+    handle = interleaver.handle
+    interleaver.handle = lambda provider, value: value
+    interleaver.stash = []
+    interleaver.counts = type("Counts", (dict,), {})()
+    found = guard.check()
+    assert found.strict == ["nnsight.intervention.interleaver.Interleaver (the engine's)"], found
+    assert "handle" not in vars(interleaver) and "stash" not in vars(interleaver)
+    assert interleaver.handle == handle and type(interleaver.counts) is dict
+    assert not guard.check()
