@@ -53,6 +53,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dis
+import functools
 import io
 import os
 import pickle
@@ -558,6 +559,8 @@ def refuse_unsafe(value: Any) -> None:
     a payload's global, ``Envoy.get``)."""
     if not callable(value):
         return
+    if isinstance(value, type) and issubclass(value, type):
+        raise refused(f"the metaclass {value.__qualname__} (it makes classes past their checks)")
     kind = _unsafe_values().get(_identity(value))
     if kind is None:
         return
@@ -701,8 +704,56 @@ def guarded_delattr(obj: Any, name: str) -> None:
     delattr(obj, name)
 
 
+# Attributes of a class that intervention code makes, however it makes it (a class statement, ``type()``, enum's
+# functional API, a class sent by value), when they are the trace's own functions: numpy and torch find an
+# object's array interface (raw memory by address) through ``__getattr__`` too, and the interpreter calls
+# finalizers and reducers outside the step (the garbage collector, the result writers' pickling). Refused
+# attributes (``__array_interface__``) are refused whatever their value.
+CLASS_PROTOCOLS = frozenset(
+    {"__getattr__", "__getattribute__", "__del__", "__reduce__", "__reduce_ex__", "__getstate__", "__dlpack__"}
+)
+
+
+_CLASS_SLOTS = frozenset({"__dict__", "__weakref__"})  # the interpreter's descriptors in every class's dict
+
+
+def check_class(cls: type) -> type:
+    """``cls``, unless it has an attribute that intervention code may not give a class (see `CLASS_PROTOCOLS`)."""
+    for name, value in list(vars(cls).items()):
+        if not isinstance(name, str) or (name in _CLASS_SLOTS and isinstance(value, types.GetSetDescriptorType)):
+            continue
+        if is_refused_attribute(name) or (name in CLASS_PROTOCOLS and not _library_function(value)):
+            raise refused(f"a class with the attribute {name!r}")
+    return cls
+
+
+def _library_function(value: Any) -> bool:
+    code = getattr(value, "__code__", None)
+    return isinstance(value, types.BuiltinFunctionType) or (
+        isinstance(code, types.CodeType) and is_installed_code(code.co_filename)
+    )
+
+
+def guarded_type(*args: Any, **kwargs: Any) -> Any:
+    """``type(x)``, but not of a class (its metaclass would make classes unchecked), and ``type(name, bases,
+    namespace)`` checked as a class statement's class is (`check_class`)."""
+    if len(args) == 1 and not kwargs:
+        found = type(args[0])
+        if issubclass(found, type):
+            raise refused("type() of a class (its metaclass makes classes)")
+        return found
+    return check_class(type(*args, **kwargs))
+
+
+def guarded_build_class(*args: Any, **kwargs: Any) -> Any:
+    """The ``class`` statement, its class checked (`check_class`)."""
+    return check_class(builtins.__build_class__(*args, **kwargs))
+
+
 SAFE_BUILTINS: dict[str, Any] = {
     **{name: value for name, value in vars(builtins).items() if name in ALLOWED_BUILTINS},
+    "type": guarded_type,
+    "__build_class__": guarded_build_class,
     "__import__": guarded_import,
     "getattr": guarded_getattr,
     "hasattr": guarded_hasattr,
@@ -817,9 +868,11 @@ def _guarded_skeleton_class(
     an earlier payload's class (cloudpickle's class tracker, whose ids a payload chooses, is not consulted)."""
     from cloudpickle.cloudpickle import _make_skeleton_class
 
+    if type_constructor is guarded_type:  # builtins.type, as a payload names it
+        type_constructor = type
     if not (isinstance(type_constructor, type) and issubclass(type_constructor, type)):
         raise refused(f"a class built by {type(type_constructor).__name__} (only metaclasses build classes)")
-    made = _make_skeleton_class(type_constructor, name, bases, type_kwargs, None, extra)
+    made = check_class(_make_skeleton_class(type_constructor, name, bases, type_kwargs, None, extra))
     _made_here(made)
     return made
 
@@ -842,7 +895,7 @@ def _guarded_class_setstate(obj: Any, state: Any) -> Any:
     from cloudpickle.cloudpickle import _class_setstate
 
     _require_made_here(obj, "cloudpickle's _class_setstate")
-    return _class_setstate(obj, state)
+    return check_class(_class_setstate(obj, state))
 
 
 def _tensor_rebuilders() -> frozenset[int]:
@@ -1313,6 +1366,7 @@ def install(extra_modules: Iterable[str] = ()) -> None:
 
         Mediator._run = checked_run
         _guard_envoy_get()
+        _guard_enum_api()
         _unsafe_values()  # built now, so that the engine's state guard takes them for its reference
         _reconstructor_ids()
         _code_roots.extend(_installation_folders())
@@ -1350,6 +1404,16 @@ def _installation_folders() -> list[str]:
     return sorted({os.path.realpath(folder) for folder in folders})
 
 
+def is_installed_code(filename: str) -> bool:
+    """Whether ``filename`` (a code object's) is under the Python installation's folders (a library's source)."""
+    return _under(os.path.realpath(filename), _installation_roots())
+
+
+@functools.cache
+def _installation_roots() -> tuple[str, ...]:
+    return tuple(_installation_folders())
+
+
 def _guard_envoy_get() -> None:
     """nnsight's ``Envoy.get(path)`` walks a dotted path with the real ``getattr``
     (``model.get("__class__.__init__.__globals__")``): each step goes through :func:`guarded_getattr` instead."""
@@ -1363,6 +1427,19 @@ def _guard_envoy_get() -> None:
 
     get.__doc__ = Envoy.get.__doc__
     Envoy.get = get
+
+
+def _guard_enum_api() -> None:
+    """enum's functional API (``Enum("E", [("__array_interface__", d)])``) makes dunder names class attributes:
+    its classes are checked as a class statement's are (`check_class`)."""
+    import enum
+
+    create = getattr(enum.EnumType, "_create_")  # noqa: B009 - private to enum, not in its stubs
+
+    def _create_(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return check_class(create(cls, *args, **kwargs))
+
+    setattr(enum.EnumType, "_create_", _create_)  # noqa: B010
 
 
 def _guard_threads() -> None:

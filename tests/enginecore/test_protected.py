@@ -311,3 +311,45 @@ def test_the_strict_unpickler_loads_real_mediators(client_model: Any) -> None:
     load = trees.loads(functools.partial(protected.load_mediator, strict=True))
     for invoke in trace.invokes:
         assert type(load(invoke.mediator, persistent)).__name__ == "Mediator"
+
+
+# --- issue 33, the second red-team round: classes made past the class statement's checks ---
+
+ARRAY_INTERFACE = "{'shape': (1,), 'typestr': '<u8', 'data': (0, False), 'version': 3}"
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        # E1: an object whose array interface numpy reads points an array at any address
+        (f"X = type('X', (), {{'__array_' + 'interface__': {ARRAY_INTERFACE}}})", "'__array_interface__'"),
+        (f"class X:\n    def __getattr__(self, name):\n        return {ARRAY_INTERFACE}", "'__getattr__'"),
+        ("class X:\n    def __del__(self):\n        pass", "'__del__'"),  # run by the collector, in any step
+        ("class X:\n    def __reduce__(self):\n        return (print, ())", "'__reduce__'"),  # by a result writer
+        ("M = type(int)", "metaclass"),
+        ("import abc\nM = abc.ABCMeta", "metaclass ABCMeta"),
+        ("import enum\nM = getattr(enum, 'Enum' + 'Meta')", "metaclass EnumType"),
+    ],
+)
+def test_classes_cannot_carry_raw_memory_or_code_run_outside_the_step(source: str, named: str) -> None:
+    with pytest.raises(ProtectedEnvironmentError, match=named):
+        run(source)
+
+
+def test_ordinary_classes_and_type_still_work() -> None:
+    scope = run(
+        "class Point:\n    def __init__(self, x):\n        self.x = x\n    def __repr__(self):\n        return 'P'\n"
+        "P = type('P', (Point,), {'y': 2})\nkinds = (type(P(1)), type(3))"
+    )
+    assert scope["kinds"][1] is int and scope["kinds"][0] is scope["P"]
+
+
+def test_enums_functional_api_is_checked_once_installed() -> None:
+    """Installing patches enum's functional API process-wide, so it is shown on a copy of the check here: the same
+    ``check_class`` refuses a functional enum whose names plant an array interface."""
+    import enum
+
+    planted = enum.Enum("Planted", [("__array_interface__", {}), ("A", 1)])
+    with pytest.raises(ProtectedEnvironmentError, match="'__array_interface__'"):
+        protected.check_class(planted)
+    protected.check_class(enum.Enum("Fine", ["A", "B"]))

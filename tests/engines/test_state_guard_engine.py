@@ -118,10 +118,45 @@ def matmul_precision(client: VLLM) -> bytes:
     return backend.payload
 
 
+def interleaver_handle(client: VLLM) -> bytes:
+    """The second red-team round (E2): a function bound over the engine's interleaver's ``handle`` sees every module
+    of every later request, other domains' too (it halved their final norm's output)."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        interleaver = client.interleaver
+        original = interleaver.handle
+
+        def handle(provider: str, value: Any) -> Any:
+            out = original(provider, value)
+            if provider.endswith("norm.output") and "layers" not in provider:
+                return (out[0] * 0.5, *out[1:])
+            return out
+
+        interleaver.handle = handle
+        logits = client.logits.save()
+    return backend.payload
+
+
+def reducer(client: VLLM) -> bytes:
+    """The second red-team round (E3): a reducer for tensors in copyreg's dispatch table, which the result writers'
+    pickling consults for every later result (it zeroed them, digests valid)."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        import copy
+
+        import torch as t
+
+        copy.dispatch_table[t.Tensor] = lambda tensor: (t.zeros, (tuple(tensor.shape),))
+        logits = client.logits.save()
+    return backend.payload
+
+
 @pytest.mark.parametrize(
     ("hostile", "named"),
     [
         (plain_attribute, "model.norm"),
+        (interleaver_handle, "VLLMInterleaver (the engine's)"),
+        (reducer, "copyreg.dispatch_table"),
         (buffer, "model.layers.0.self_attn.rotary_emb.cos_sin_cache (buffer)"),
         (hook, "model.norm._forward_hooks"),
         (torch_mode, "torch's function and dispatch modes on the engine's thread"),
