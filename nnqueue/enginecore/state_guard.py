@@ -19,6 +19,11 @@ a trace holds them (nnsight hands it the real modules; ``type()`` hands it their
   thread), and flush-to-zero of denormals (``torch.set_flush_denormal``, which has no getter: set back every time);
 * torch's random seeds (``torch.manual_seed``: vLLM samples the requests without a seed of their own from the
   default generators), put back to the seed they had; a trust-domain switch seeds them afresh (`StateGuard.reseed`);
+* nnsight's interleaver, which every request reaches (``client.interleaver``), and its batcher and fragments: their
+  attribute names, the types of what each step rebinds (``mediators``, ``busy``) and the identity of the rest
+  (``il.handle = f`` saw every later request's modules, other domains' too: `_Shape`);
+* pickling's registries (``copyreg.dispatch_table``, ``copy``'s, torch's location taggers), which the result
+  writers consult for every later result (`REGISTRIES`);
 * the warnings filters and the ``warnings`` module's globals (lazy: ``catch_warnings`` rebinds them for a while),
   and libraries' configuration objects (``nnsight.CONFIG``, walked as a module's attributes are);
 * the engine's own code that results pass through: the module globals and classes of nnqueue's engine package
