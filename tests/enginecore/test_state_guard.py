@@ -288,7 +288,7 @@ def test_a_reducer_a_trace_registers_is_removed_and_a_librarys_is_kept(guard: St
     assert found.strict == ["copyreg.dispatch_table"], found
     assert torch.Tensor not in copyreg.dispatch_table
 
-    copyreg.pickle(fractions.Fraction, fractions.Fraction.__reduce__)  # a builtin-free library function: kept
+    copyreg.pickle(fractions.Fraction, fractions.Fraction.__reduce__)  # a library's own function: kept
     try:
         assert not guard.check()
         assert fractions.Fraction in copyreg.dispatch_table
