@@ -165,6 +165,7 @@ class _Container:
     registry: bool = False  # entries the installation's code adds are kept (`REGISTRIES`)
 
 
+_TAG, INTERLEAVER_TAG = "_persistent_id", "Interleaver"
 # Values an object's step may rebind (a flag, the step's mediators, a rebuilt index): only their type is kept.
 _REBOUND = (bool, int, float, str, type(None), list, set, dict)
 
@@ -197,10 +198,13 @@ class _Shape:
         )
 
     def put_back(self) -> bool:
-        """Whether it had changed; it holds again."""
+        """Whether it had changed; it holds again. The tag nnsight's serializer puts on the interleaver of an envoy
+        it pickles (``_persistent_id = "Interleaver"``: a result that holds envoys) is kept."""
+        attributes = vars(self.target)
+        if attributes.get(_TAG) == INTERLEAVER_TAG:
+            self.fixed[_TAG] = attributes[_TAG]
         if self.holds():
             return False
-        attributes = vars(self.target)
         for key in [key for key in attributes if key not in self.fixed and key not in self.rebound]:
             log.warning("%s: %r was added; removed", self.name, key)
             del attributes[key]
