@@ -704,14 +704,12 @@ def guarded_delattr(obj: Any, name: str) -> None:
     delattr(obj, name)
 
 
-# Attributes of a class that intervention code makes, however it makes it (a class statement, ``type()``, enum's
-# functional API, a class sent by value), when they are the trace's own functions: numpy and torch find an
-# object's array interface (raw memory by address) through ``__getattr__`` too, and the interpreter calls
-# finalizers and reducers outside the step (the garbage collector, the result writers' pickling). Refused
-# attributes (``__array_interface__``) are refused whatever their value.
-CLASS_PROTOCOLS = frozenset(
-    {"__getattr__", "__getattribute__", "__del__", "__reduce__", "__reduce_ex__", "__getstate__", "__dlpack__"}
-)
+# A class that intervention code makes, however it makes it (a class statement, ``type()``, enum's functional API, a
+# class sent by value), may not carry a refused attribute, whatever its value: ``__array_interface__`` (raw memory by
+# address), ``__getattr__`` (through which numpy finds it too), reducers (run by the result writers' pickling,
+# outside the step). Nor these, when they are the trace's own functions: a finalizer (run by the garbage collector,
+# in any step) and DLPack's export.
+CLASS_PROTOCOLS = frozenset({"__del__", "__dlpack__"})
 
 
 _CLASS_SLOTS = frozenset({"__dict__", "__weakref__"})  # the interpreter's descriptors in every class's dict
@@ -722,15 +720,16 @@ def check_class(cls: type) -> type:
     for name, value in list(vars(cls).items()):
         if not isinstance(name, str) or (name in _CLASS_SLOTS and isinstance(value, types.GetSetDescriptorType)):
             continue
-        if is_refused_attribute(name) or (name in CLASS_PROTOCOLS and not _library_function(value)):
+        if is_refused_attribute(name) or (name in CLASS_PROTOCOLS and not is_library_function(value)):
             raise refused(f"a class with the attribute {name!r}")
     return cls
 
 
-def _library_function(value: Any) -> bool:
+def is_library_function(value: Any) -> bool:
+    """Whether ``value`` is a builtin or a function whose source is the installation's (not intervention code's)."""
     code = getattr(value, "__code__", None)
     return isinstance(value, types.BuiltinFunctionType) or (
-        isinstance(code, types.CodeType) and is_installed_code(code.co_filename)
+        isinstance(code, types.CodeType) and _is_installed_code(code.co_filename)
     )
 
 
@@ -1404,7 +1403,7 @@ def _installation_folders() -> list[str]:
     return sorted({os.path.realpath(folder) for folder in folders})
 
 
-def is_installed_code(filename: str) -> bool:
+def _is_installed_code(filename: str) -> bool:
     """Whether ``filename`` (a code object's) is under the Python installation's folders (a library's source)."""
     return _under(os.path.realpath(filename), _installation_roots())
 

@@ -497,9 +497,9 @@ def _library_code(entry: Any) -> bool:
     builtin, a class, a Python function whose source is under the installation's folders)."""
     if isinstance(entry, tuple):
         return all(map(_library_code, entry))
-    if isinstance(entry, types.FunctionType):
-        return protected.is_installed_code(entry.__code__.co_filename)
-    return isinstance(entry, (types.BuiltinFunctionType, type, int, str))
+    if isinstance(entry, (types.FunctionType, types.BuiltinFunctionType)):
+        return protected.is_library_function(entry)
+    return isinstance(entry, (type, int, str))
 
 
 def _serializer_tag(name: str, value: Any) -> bool:
