@@ -4,9 +4,10 @@ vLLM starts its engine core as a spawn-context process (``CoreEngineProcManager`
 fresh interpreter that imports vLLM, torch and transformers again (13-15 s of CPU on a 2-core machine, 16 s on a GPU
 host) at every start and every in-place restart of a worker's engine. The builders' zygote
 (:mod:`nnqueue.enginecore.zygote`) has imported all of it already (``nnqueue.engines.trace_builder.serve_engine_cores``
-adds what only a core imports). So, right after its imports and before it loads its meta model, it forks a *core server* (:func:`serve_aside`), which runs no
-user code and only forks engine cores on the worker's request, and the worker starts its engine core there
-(:class:`CoreForks`, used by :func:`nnqueue.enginecore.spawning.engine_core_contained`).
+adds what only a core imports). So, right after its imports and before it loads its meta model, it forks a *core
+server* (:func:`serve_aside`), which runs no user code and only forks engine cores on the worker's request, and the
+worker starts its engine core there (:class:`CoreForks`, used by
+:func:`nnqueue.enginecore.spawning.engine_core_contained`).
 
 The start is multiprocessing's forkserver start with this server in place of the global one:
 :class:`ForkedCorePopen` is ``multiprocessing.popen_forkserver.Popen`` (the process object and its preparation data

@@ -165,7 +165,7 @@ class _Container:
     registry: bool = False  # entries the installation's code adds are kept (`REGISTRIES`)
 
 
-_TAG, INTERLEAVER_TAG = "_persistent_id", "Interleaver"
+_TAG, _INTERLEAVER_TAG = "_persistent_id", "Interleaver"
 # Values an object's step may rebind (a flag, the step's mediators, a rebuilt index): only their type is kept.
 _REBOUND = (bool, int, float, str, type(None), list, set, dict)
 
@@ -201,7 +201,7 @@ class _Shape:
         """Whether it had changed; it holds again. The tag nnsight's serializer puts on the interleaver of an envoy
         it pickles (``_persistent_id = "Interleaver"``: a result that holds envoys) is kept."""
         attributes = vars(self.target)
-        if attributes.get(_TAG) == INTERLEAVER_TAG:
+        if attributes.get(_TAG) == _INTERLEAVER_TAG:
             self.fixed[_TAG] = attributes[_TAG]
         if self.holds():
             return False
