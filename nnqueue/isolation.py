@@ -322,13 +322,6 @@ def engine_needs_network() -> bool:
     return os.environ.get(SECCOMP_NETWORK_ENV) == "true"
 
 
-def worker_pids() -> list[int]:
-    """In an engine or builder process: its worker's pid and the worker's supervisor's (``nnqueue worker``
-    exports ``NNQUEUE_SUPERVISOR_PID``), which the seccomp filter keeps it from signalling."""
-    names = (SANDBOX_ENV, "NNQUEUE_SUPERVISOR_PID")
-    return [int(value) for name in names if (value := os.environ.get(name, "")).isdigit()]
-
-
 def mark_engine_sandbox() -> None:
     """In the worker: the engine and builder processes it starts from now on enter the sandbox."""
     os.environ[SANDBOX_ENV] = str(os.getpid())
@@ -551,6 +544,8 @@ def _sandbox_of(pid: int) -> int | None:
 # switch and reads the files inductor compiles against (its own Python.h among them); it prints, as one JSON
 # list, the problems and what it read (its modules' files, the files it mapped, the files it was asked to read).
 _PROBE = """
+import ctypes
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: an engine of the same user cannot read its memory
 import importlib, json, os, sys, sysconfig
 modules, files = json.loads(sys.argv[1])
 files.append(os.path.join(sysconfig.get_paths()["include"], "Python.h"))

@@ -13,8 +13,18 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
   runs (ZMQ's internal signalling uses socketpairs), and NCCL/Gloo open their TCP sockets when the
   process group is created, at start-up. Sockets already open stay usable (the netns layer confines
   them to the engine's own loopback);
-* ``ptrace``, ``process_vm_readv`` / ``process_vm_writev``: no reading or steering another process;
-* ``kill`` & co. and ``pidfd_open`` aimed at the worker or its supervisor, or at every process (``-1``);
+* ``ptrace``, ``process_vm_readv`` / ``process_vm_writev``, ``pidfd_getfd``, ``kcmp``, ``process_madvise``: no
+  reading or steering another process;
+* ``kill`` & co. and ``pidfd_open`` aimed at any process but itself (its worker, its supervisor, a process
+  group, every process: ``0``, ``-1``), and ``pidfd_send_signal`` (whose target, a pidfd or a ``/proc/<pid>``
+  folder, the filter cannot read); the stop signals (``SIGSTOP``, ``SIGTSTP``, ``SIGTTIN``, ``SIGTTOU``) even to
+  itself; ``prlimit64`` on another process and ``setpriority`` on anything but itself. The engine processes of
+  every worker on a host, and the trace builders that run every trust domain's code, share the engine user, and
+  the kernel lets a process signal, limit or renice any process of its own user: without this, code that took
+  one of them over could freeze another domain's builder or another worker's engine (a red-team round did:
+  ``SIGSTOP``), and a process that stopped itself would hold every job on its engine. None of them signals another
+  process once it runs users' code: a tensor-parallel engine core's workers exit when their death pipe closes
+  (vLLM's SIGTERM after a grace period is refused, and the worker, root, ends what is left);
 * what an escape could use to get around these or the kernel's other boundaries: ``io_uring_*`` (its
   ``IORING_OP_SOCKET`` makes sockets without ``socket()``), ``bpf``, ``userfaultfd``, ``keyctl`` /
   ``add_key`` / ``request_key``, ``unshare`` / ``setns`` / ``mount`` / ``umount2`` / ``pivot_root`` /
@@ -39,8 +49,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+import signal
 import socket
-from collections.abc import Iterable
 from types import ModuleType
 
 log = logging.getLogger(__name__)
@@ -54,6 +65,11 @@ REFUSED_SYSCALLS = (
     "ptrace",
     "process_vm_readv",
     "process_vm_writev",
+    "pidfd_getfd",
+    "pidfd_send_signal",
+    "kcmp",
+    "process_madvise",
+    "process_mrelease",
     "io_uring_setup",
     "io_uring_enter",
     "io_uring_register",
@@ -88,19 +104,27 @@ def _binding() -> ModuleType:
         return seccomp
 
 
-# Calls that name a process by their first argument: refused for the protected pids (and for -1, "every
-# process": kill(-1, ...)). pid_t is 32 bits wide, so the comparisons look at the low 32 bits only.
-SIGNALLING_SYSCALLS = ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
-_LOW_32 = 0xFFFFFFFF
+# Calls that name a process by their first argument, refused for any but the calling process (compared as the
+# register holds it: a pid with bits set above pid_t's 32, which the kernel would drop, is refused too), and the
+# argument that holds their signal.
+SIGNALLING_SYSCALLS = {
+    "kill": 1,
+    "tkill": 1,
+    "tgkill": 2,
+    "rt_sigqueueinfo": 1,
+    "rt_tgsigqueueinfo": 2,
+    "pidfd_open": None,
+}
+STOP_SIGNALS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
+_PRIO_PROCESS = 0
+_LOW_32 = 0xFFFFFFFF  # the kernel reads a signal as an int: what is above it must not hide a stop signal
 
 
 # Address families below AF_INET6 other than AF_UNIX and AF_INET; every family above AF_INET6 is refused too.
 _OTHER_LOW_FAMILIES = (0, 3, 4, 5, 6, 7, 8, 9)
 
 
-def _build(
-    binding: ModuleType, protected_pids: Iterable[int] = (), network: bool = False, exec_allowed: bool = False
-) -> object:
+def _build(binding: ModuleType, network: bool = False, exec_allowed: bool = False) -> object:
     refuse = binding.ERRNO(errno.EPERM)
     rules = binding.SyscallFilter(defaction=binding.ALLOW)
     rules.set_attr(binding.Attr.CTL_NNP, 1)
@@ -118,9 +142,13 @@ def _build(
             rules.add_rule(refuse, "socket", binding.Arg(0, binding.EQ, family))
     else:
         rules.add_rule(refuse, "socket", binding.Arg(0, binding.NE, socket.AF_UNIX))
-    for pid in {*protected_pids, -1}:
-        for name in SIGNALLING_SYSCALLS:
-            rules.add_rule(refuse, name, binding.Arg(0, binding.MASKED_EQ, _LOW_32, pid & _LOW_32))
+    for name, signal_arg in SIGNALLING_SYSCALLS.items():
+        rules.add_rule(refuse, name, binding.Arg(0, binding.NE, os.getpid()))
+        for stop in () if signal_arg is None else STOP_SIGNALS:
+            rules.add_rule(refuse, name, binding.Arg(signal_arg, binding.MASKED_EQ, _LOW_32, stop))
+    rules.add_rule(refuse, "prlimit64", binding.Arg(0, binding.NE, 0))  # 0: this process (glibc's setrlimit)
+    rules.add_rule(refuse, "setpriority", binding.Arg(0, binding.NE, _PRIO_PROCESS))
+    rules.add_rule(refuse, "setpriority", binding.Arg(1, binding.NE, 0))
     return rules
 
 
@@ -133,17 +161,17 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def install(protected_pids: Iterable[int] = (), network: bool = False, exec_allowed: bool = False) -> bool:
-    """Apply the filter (and ``no_new_privs``) to every thread of this process; irreversible.
+def install(network: bool = False, exec_allowed: bool = False) -> bool:
+    """Apply the filter (and ``no_new_privs``) to every thread of this process; irreversible. From then on it
+    signals nothing but itself: install it in the process it protects, after any fork that shares it.
 
-    ``protected_pids``: processes it may not signal (nor open a pidfd of): the worker and its supervisor,
-    which an engine that kept root could otherwise signal as their own user. ``network``: also allow
+    ``network``: also allow
     ``AF_INET``/``AF_INET6`` sockets, for an engine under vLLM's Ray executor (``NNQUEUE_ENGINE_SECCOMP_NETWORK``).
     ``exec_allowed``: leave ``execve`` and io_uring allowed, for a CUDA engine (:data:`CUDA_RUNTIME_SYSCALLS`).
     Returns False, after logging why, when it cannot be applied; never raises for that.
     """
     try:
-        rules = _build(_binding(), protected_pids, network, exec_allowed)
+        rules = _build(_binding(), network, exec_allowed)
         rules.load()  # type: ignore[attr-defined]
     except (ImportError, OSError, RuntimeError, AttributeError) as error:
         log.error("NOT applying the seccomp filter to process: %s: %s", type(error).__name__, error)

@@ -1,6 +1,7 @@
 """nnqueue.seccomp_filter in a process of its own (an engine-like one: threads already running, the filter applied
-after start-up): exec, non-unix sockets, ptrace and signals to the worker fail with EPERM in every thread; what
-the engine still needs (unix sockets, threads, signalling itself) works; without a binding nothing breaks."""
+after start-up): exec, non-unix sockets, ptrace, signals (or a limit, a priority) aimed at any other process, of its
+user too, and stop signals fail with EPERM in every thread; what the engine still needs (unix sockets, threads,
+signalling itself, its own limits) works; without a binding nothing breaks."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import textwrap
 
 ENGINE_LIKE = textwrap.dedent(
     """
-    import ctypes, errno, json, os, socket, subprocess, sys, threading
+    import ctypes, errno, json, os, resource, signal, socket, subprocess, sys, threading
     from nnqueue import seccomp_filter
 
-    # Stands in for the worker, which the filter protects (and outlives this process: not on its output pipes,
-    # which the test reads to their end).
-    worker = subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Stand in for the worker and for a process of the same user (another domain's trace builder, another worker's
+    # engine), which both outlive this process: not on its output pipes, which the test reads to their end.
+    worker, sibling = (
+        subprocess.Popen(["sleep", "60"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(2)
+    )
     started, go, from_thread = threading.Event(), threading.Event(), {}
 
     def attempt(action):
@@ -34,11 +37,19 @@ ENGINE_LIKE = textwrap.dedent(
     thread = threading.Thread(target=early_thread)
     thread.start()
     started.wait()
-    applied = seccomp_filter.install([worker.pid])
+    applied = seccomp_filter.install()
+    signal.signal(signal.SIGUSR1, lambda *_: None)
+    signal.signal(signal.SIGTSTP, lambda *_: None)  # were it delivered, the process would go on
     go.set()
     thread.join()
     libc = ctypes.CDLL(None, use_errno=True)
     ptrace = libc.ptrace(16, worker.pid, 0, 0)  # PTRACE_ATTACH
+    proc_dir = os.open(f"/proc/{sibling.pid}", os.O_DIRECTORY)  # a pidfd to pidfd_send_signal (nr 424)
+    pidfd_signal = libc.syscall(424, proc_dir, 0, None, 0)
+    pidfd_errno = errno.errorcode[ctypes.get_errno()] if pidfd_signal == -1 else "done"
+    high_pid = libc.syscall(62, (1 << 32) | sibling.pid, 0)  # kill: the kernel would read only the low 32 bits
+    high_errno = errno.errorcode[ctypes.get_errno()] if high_pid == -1 else "done"
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
     print(json.dumps({
         "applied": applied,
         "exec": attempt(lambda: os.execv("/bin/true", ["true"])),
@@ -48,10 +59,21 @@ ENGINE_LIKE = textwrap.dedent(
         "netlink": attempt(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW).close()),
         "ptrace": errno.errorcode[ctypes.get_errno()] if ptrace == -1 else "done",
         "signal_worker": attempt(lambda: os.kill(worker.pid, 0)),
+        "signal_sibling": attempt(lambda: os.kill(sibling.pid, 0)),
+        "signal_group": attempt(lambda: os.kill(0, 0)),
         "signal_everyone": attempt(lambda: os.kill(-1, 0)),
+        "signal_high_bits": high_errno,
+        "pidfd_signal": pidfd_errno,
+        "stop_self": attempt(lambda: os.kill(os.getpid(), signal.SIGTSTP)),
+        "stop_thread": attempt(lambda: signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)),
+        "limit_sibling": attempt(lambda: resource.prlimit(sibling.pid, resource.RLIMIT_NOFILE, (1, 1))),
+        "renice_user": attempt(lambda: os.setpriority(os.PRIO_USER, 0, 19)),
         "unix": attempt(lambda: socket.socket(socket.AF_UNIX).close()),
         "socketpair": attempt(lambda: [end.close() for end in socket.socketpair()]),
-        "signal_self": attempt(lambda: os.kill(os.getpid(), 0)),
+        "signal_self": attempt(lambda: os.kill(os.getpid(), signal.SIGUSR1)),
+        "signal_thread": attempt(lambda: signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)),
+        "limit_self": attempt(lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits)),
+        "renice_self": attempt(lambda: os.setpriority(os.PRIO_PROCESS, 0, 1)),
         "thread": attempt(lambda: threading.Thread(target=lambda: None).start()),
         "early_thread": from_thread["tcp"],
     }))
@@ -59,7 +81,7 @@ ENGINE_LIKE = textwrap.dedent(
 )
 
 
-def test_the_filter_refuses_exec_network_sockets_ptrace_and_signals_to_the_worker_in_every_thread() -> None:
+def test_the_filter_refuses_exec_network_sockets_ptrace_and_signals_to_any_other_process_in_every_thread() -> None:
     done = subprocess.run([sys.executable, "-c", ENGINE_LIKE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {
@@ -71,10 +93,21 @@ def test_the_filter_refuses_exec_network_sockets_ptrace_and_signals_to_the_worke
         "netlink": "EPERM",
         "ptrace": "EPERM",
         "signal_worker": "EPERM",
+        "signal_sibling": "EPERM",
+        "signal_group": "EPERM",
         "signal_everyone": "EPERM",
+        "signal_high_bits": "EPERM",
+        "pidfd_signal": "EPERM",
+        "stop_self": "EPERM",
+        "stop_thread": "EPERM",
+        "limit_sibling": "EPERM",
+        "renice_user": "EPERM",
         "unix": "done",
         "socketpair": "done",
         "signal_self": "done",
+        "signal_thread": "done",
+        "limit_self": "done",
+        "renice_self": "done",
         "thread": "done",
         "early_thread": "EPERM",
     }

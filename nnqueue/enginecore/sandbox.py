@@ -113,7 +113,7 @@ def enter_child_sandbox() -> EngineConfig:
     isolation.enter_sandbox()
     config = EngineConfig.from_environment()
     if config.seccomp and isolation.started_by_worker():
-        seccomp_filter.install(isolation.worker_pids(), isolation.engine_needs_network())
+        seccomp_filter.install(isolation.engine_needs_network())
     if config.protected_environment:
         protected.install(config.allowed_modules)
         protected.lock_down()
@@ -184,9 +184,7 @@ def enter_engine_sandbox(hand_over: list[Path], *, jit_compiler: bool, protected
         return
     config = EngineConfig.from_environment()
     isolation.enter_sandbox(hand_over=hand_over)
-    filtered = config.seccomp and seccomp_filter.install(
-        isolation.worker_pids(), isolation.engine_needs_network(), exec_allowed=jit_compiler
-    )
+    filtered = config.seccomp and seccomp_filter.install(isolation.engine_needs_network(), exec_allowed=jit_compiler)
     if protected_environment and config.protected_environment:
         protected.lock_down()
     log.info(
