@@ -158,6 +158,11 @@ class Settings(BaseSettings):
     # none of them, and switches when they have ended (nnqueue.scheduler.domain_turns). Longer: fewer switches
     # (each costs a drain and a check of the weights), longer waits for the other domain.
     domain_hold_s: float = Field(1.0, gt=0)
+    # What a worker does when its engine moves to another trust domain: "verify" puts back and verifies the engine's
+    # state in the live process (a read of the weights); "restart" first replaces the engine's process with a fresh
+    # one (seconds: set a longer domain_hold_s), so nothing a domain's code did inside the old process, seen by the
+    # guards or not, can reach the next domain.
+    domain_switch: Literal["verify", "restart"] = "verify"
     # The engine's network (nnqueue.netns): "isolated" (a namespace of its own, loopback only; needs a root
     # worker), "host", or "auto" (isolated when the worker is root and the executor is not Ray).
     engine_network: Literal["auto", "isolated", "host"] = "auto"

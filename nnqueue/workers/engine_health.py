@@ -202,14 +202,28 @@ class EngineHealth:
             self._healed = asyncio.get_running_loop().create_task(self._recover(), context=contextvars.Context())
         await asyncio.shield(self._healed)
 
+    async def replace(self, reason: str) -> bool:
+        """Start a fresh engine in place of the live one (a trust-domain switch, ``NNQUEUE_DOMAIN_SWITCH=restart``):
+        the jobs this worker holds go back to the queue as they were, none is blamed. False where the worker has no
+        in-place restart (the transformers engine, a TRL trainer's) or the fresh engine failed to start (the worker
+        then stops, as after a death)."""
+        if self.restart is None:
+            return False
+        if self._healed is None:
+            self.dead.set()
+            recovery = self._recover(replaced=reason)
+            self._healed = asyncio.get_running_loop().create_task(recovery, context=contextvars.Context())
+        await asyncio.shield(self._healed)
+        return not self.dead.is_set()
+
     async def restarted(self) -> bool:
         """Wait while a fresh engine starts; whether one serves (False: this worker stops, hand the work back)."""
         if self._healed is not None:
             await asyncio.shield(self._healed)
         return not self.dead.is_set()
 
-    async def _recover(self) -> None:
-        await asyncio.to_thread(self._settle_jobs)
+    async def _recover(self, replaced: str | None = None) -> None:
+        await asyncio.to_thread(self._settle_jobs, replaced)
         if self.restart is not None:
             try:
                 await self.restart()
@@ -222,16 +236,26 @@ class EngineHealth:
                 return
         await asyncio.to_thread(self._stop_worker)
 
-    def _settle_jobs(self) -> None:
-        report = read_crash_report(self.crash_dir)
-        log.error("the engine died (%s); settling this worker's jobs", report.error if report else "no crash report")
+    def _settle_jobs(self, replaced: str | None = None) -> None:
+        """Fail or requeue the jobs of a dead engine (see the module doc); ``replaced``: the live engine is being
+        replaced for that reason, and every job goes back to the queue as it was."""
+        report = None if replaced else read_crash_report(self.crash_dir)
+        if replaced:
+            log.info("replacing the engine (%s); this worker's jobs go back to the queue", replaced)
+        else:
+            log.error(
+                "the engine died (%s); settling this worker's jobs", report.error if report else "no crash report"
+            )
         with self.sessions() as session:
             held = session.execute(
                 select(Job.id, Job.meta).where(Job.status == JobStatus.RUNNING, Job.worker_id == self.worker_id)
             ).all()
-        in_step = {job_id for job_id, _ in held if report is None or job_id in report.jobs}
+        in_step = {job_id for job_id, _ in held if not replaced and (report is None or job_id in report.jobs)}
         for job_id, meta in held:
             try:
+                if replaced:
+                    self._requeue(job_id, dict(meta or {}), f"its engine was replaced: {replaced}")
+                    continue
                 self._settle(job_id, dict(meta or {}), in_step, report)
             except (InvalidTransition, JobNotFound):
                 continue  # cancelled or taken over meanwhile
@@ -247,7 +271,7 @@ class EngineHealth:
     ) -> None:
         error = report.error if report else "the engine process died without a report (killed?)"
         if job_id not in in_step:
-            self._requeue(job_id, meta, "the engine died during another job's step")
+            self._requeue(job_id, meta, "its engine died during another job's step")
             return
         crashes = int(meta.get("engine_crashes", 0)) + 1
         if len(in_step) == 1 and report is not None:
@@ -258,7 +282,9 @@ class EngineHealth:
                 why += f" (a problem of this host's set-up, not this job's code: {report.where})"
         else:
             self._requeue(
-                job_id, {**meta, "engine_crashes": crashes, "run_alone": True}, "in a step that crashed the engine"
+                job_id,
+                {**meta, "engine_crashes": crashes, "run_alone": True},
+                "it was in a step that crashed its engine",
             )
             return
         # A crash of the host's set-up is not held against the job's key (the crash cool-down counts EngineCrash).
@@ -297,7 +323,7 @@ class EngineHealth:
                 session,
                 job_id,
                 JobStatus.QUEUED,
-                detail={"reason": f"engine of worker {self.worker_id} died: {reason}"},
+                detail={"reason": f"worker {self.worker_id}: {reason}"},
                 held_by=self.worker_id,
                 meta=meta,
             )

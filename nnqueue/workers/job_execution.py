@@ -127,6 +127,8 @@ class JobRunner:
     containment: Containment | None = None
     # Which trust domain's traces the engine runs now, and when that may change.
     turns: DomainTurns = field(default_factory=DomainTurns)
+    # A trust-domain switch starts a fresh engine process before it verifies (NNQUEUE_DOMAIN_SWITCH=restart).
+    fresh_engine_at_switch: bool = False
     # Where each run's timeline is kept (nnqueue.timeline; the benchmarks'); None: no timelines.
     timelines: Timelines | None = None
     _running: dict[uuid.UUID, asyncio.Task[Any]] = field(default_factory=dict)
@@ -184,6 +186,11 @@ class JobRunner:
             if refusal is not None:  # in here: the finally ends the domain turn its claim began
                 return await self._fail(job_id, JobFailure("EngineNotIsolated", refusal))
             await self._enter_domain(job)
+            if self.health is not None and self.health.generation != generation:
+                # The switch replaced the engine it was claimed for: back to the queue, unless the switch put it there.
+                with contextlib.suppress(InvalidTransition):
+                    await asyncio.to_thread(self._hand_back, job_id, "its engine was replaced at a trust-domain switch")
+                return Outcome.SKIPPED
             running = self._on_weights(
                 job, self.executor.execute(job, functools.partial(self._progress.report, job_id))
             )
@@ -259,9 +266,16 @@ class JobRunner:
 
     async def _switch_domain(self, switch: Switch) -> None:
         """The engine moves to ``switch.domain``: nothing of the previous domain is in flight; its state is put back
-        and verified (`Executor.verify_engine_state`) before any trace of the new domain starts."""
+        and verified (`Executor.verify_engine_state`) before any trace of the new domain starts. With
+        ``fresh_engine_at_switch`` a fresh engine process replaces it first (:meth:`EngineHealth.replace`): nothing
+        the old domain's code did inside the engine's process, seen by the guards or not, reaches the new domain; the
+        jobs this worker held go back to the queue and are claimed again."""
         started = time.monotonic()
         if switch.previous is not None:
+            if self.fresh_engine_at_switch and self.health is not None:
+                why = f"a switch from trust domain {switch.previous!r} to {switch.domain!r}"
+                if not await self.health.replace(why):
+                    raise EngineStateUnverified(f"no fresh engine could be started for {why}")
             try:
                 restored = await self.executor.verify_engine_state()
             except Exception as error:
@@ -314,7 +328,8 @@ class JobRunner:
         return ran_again
 
     def _hand_back(self, job_id: uuid.UUID, reason: str) -> None:
-        """A pinned job that reached this engine after it moved to another version: back to the queue."""
+        """A job this engine must not run (a pinned job that reached it after it moved to another version, a trace
+        claimed for an engine that a switch replaced): back to the queue."""
         with transaction(self.sessions) as session:
             transition(session, job_id, S.QUEUED, detail={"reason": reason}, held_by=self.worker_id)
         if self.health is not None:  # a token for a worker serving its pin (the reconciler's otherwise)

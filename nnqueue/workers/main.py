@@ -177,6 +177,7 @@ def run_worker(
     gate = WeightsGate(*base)
     turns = DomainTurns(settings.domain_hold_s)
     runner = JobRunner(sessions, executor, model_key, worker_id, health, gate, containment, turns)
+    runner.fresh_engine_at_switch = settings.domain_switch == "restart"
     register_run_job(app, host, runner)
     chunks, points, updater, taps = None, None, None, ()
     if vllm_executor is not None:  # harvests run on vLLM engines (the in-engine capture path)

@@ -1,22 +1,24 @@
 """What a job alone in the step that crashed the engine is failed with, from the engine's own crash report
 (written by nnqueue.enginecore.crash_report, read and settled by nnqueue.workers.engine_health), on both databases;
 and what the worker does next: start a fresh engine, or stop when it cannot (a real engine's restart:
-tests/workers/test_engine_restart.py)."""
+tests/workers/test_engine_restart.py); and a live engine replaced at a trust-domain switch."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
-from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.models import Job, JobEvent, JobStatus
 from nnqueue.db.session import make_engine, session_factory
 from nnqueue.enginecore.crash_report import CRASH_DIR_ENV, write_report
 from nnqueue.workers.engine_health import EngineHealth
 from tests.utils.queued import claim_next_job, queue_job
+from tests.utils.services import Services
 
 
 def crash_alone(
@@ -94,3 +96,40 @@ def test_a_worker_whose_fresh_engine_does_not_start_stops_and_hands_its_work_bac
     _, health, stopped = crash_alone(any_database, tmp_path, RuntimeError("boom"), monkeypatch, restart)
     assert stopped == [True] and health.dead.is_set()
     assert asyncio.run(health.restarted()) is False  # a token that comes now is handed back
+
+
+def test_a_replaced_engine_sends_every_job_back_as_it_was_and_blames_none(
+    services: Services, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trust-domain switch with NNQUEUE_DOMAIN_SWITCH=restart (EngineHealth.replace): whatever crash report lies
+    around is not read, no job fails or counts a crash, every held job is QUEUED again saying why, and the fresh engine
+    is the next generation; a worker with no in-place restart replaces nothing."""
+    model_key = f"m-{uuid.uuid4().hex[:8]}"
+    jobs = [queue_job(services.sessions, model_key) for _ in range(2)]
+    for _ in jobs:
+        assert claim_next_job(services.sessions, model_key, "w1") is not None
+    monkeypatch.setenv(CRASH_DIR_ENV, str(tmp_path))
+    write_report([f"{jobs[0]}-1-0"], RuntimeError("an earlier step's report"))
+
+    def health(restart: Callable[[], Awaitable[None]] | None) -> EngineHealth:
+        return EngineHealth(services.sessions, services.celery, "w1", model_key, tmp_path, restart=restart)
+
+    assert asyncio.run(health(None).replace("a switch")) is False
+    statuses = [services.job(job_id).status for job_id in jobs]
+    assert statuses == [JobStatus.RUNNING] * 2  # nothing was settled
+
+    async def restart() -> None:
+        return None
+
+    replacing = health(restart)
+    assert asyncio.run(replacing.replace("a switch from trust domain 'a' to 'b'")) is True
+    assert replacing.generation == 1 and not replacing.dead.is_set()
+    for job_id in jobs:
+        job = services.job(job_id)
+        assert job.status is JobStatus.QUEUED and "engine_crashes" not in (job.meta or {}), (job.status, job.meta)
+    with services.sessions() as session:
+        reasons = session.scalars(
+            select(JobEvent.detail).where(JobEvent.job_id.in_(jobs), JobEvent.to_status == JobStatus.QUEUED)
+        ).all()
+    said = "its engine was replaced: a switch from trust domain 'a' to 'b'"
+    assert sum(said in detail.get("reason", "") for detail in reasons) == 2, reasons

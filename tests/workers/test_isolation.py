@@ -119,14 +119,19 @@ def run_snoop(
 def root_worker(
     services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[WorkerProcess, Path]]:
-    """A root worker without the protected environment (its builders bound to 20 s of a job's code), and the .env in
-    its working directory."""
+    """A root worker without the protected environment (its builders bound to 20 s of a job's code; a fresh engine at
+    each trust-domain switch), and the .env in its working directory."""
     # Settings read .env in the working directory: the worker's must not be readable by its engine.
     workdir = tmp_path_factory.mktemp("root-worker")
     env_file = workdir / ".env"
     env_file.write_text(f"NNQUEUE_S3__SECRET_ACCESS_KEY={services.env['NNQUEUE_S3__SECRET_ACCESS_KEY']}\n")
     env_file.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    env = {**UNPROTECTED, "NNQUEUE_TRACE_BUILDERS": "1", "NNQUEUE_TRACE_BUILDER_TIMEOUT_S": "20"}
+    env = {
+        **UNPROTECTED,
+        "NNQUEUE_TRACE_BUILDERS": "1",
+        "NNQUEUE_TRACE_BUILDER_TIMEOUT_S": "20",
+        "NNQUEUE_DOMAIN_SWITCH": "restart",
+    }
     worker = WorkerProcess(
         services, tiny_model_path, workdir / "worker.log", env=env, cwd=workdir, model_key="tiny-root"
     )
@@ -270,6 +275,18 @@ def privileged():
             held.append(task)
     return held
 
+def same_user():  # every other process of this user: the engine's and builders' of every domain, other engines
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            lines = open(f"/proc/{name}/status").read().splitlines() if name.isdigit() else []
+        except OSError:
+            continue
+        status = dict(line.split(":", 1) for line in lines)
+        if lines and int(name) != os.getpid() and str(os.getuid()) in status["Uid"].split():
+            found.append(int(name))
+    return found
+
 def parent():
     lines = open(f"/proc/{os.getppid()}/status").read().splitlines()
     status = dict(line.split(":", 1) for line in lines)
@@ -282,6 +299,7 @@ found = {
     "reads": {path: outcome(lambda path=path: read(path)) for path in targets["reads"]},
     "sockets": {path: outcome(lambda path=path: connect(path)) for path in targets["sockets"]},
     "writes": {path: outcome(lambda path=path: write(path)) for path in targets["writes"]},
+    "signals": {pid: outcome(lambda pid=pid: os.kill(pid, 0)) for pid in same_user()},
 }
 """
 
@@ -420,6 +438,8 @@ def test_a_trace_without_the_protected_environment_reaches_nothing_outside_the_e
         assert all(outcome != "done" for outcome in found["reads"].values()), (where, found["reads"])
         assert all(outcome != "done" for outcome in found["sockets"].values()), (where, found["sockets"])
         assert set(found["writes"]) == set(targets["writes"]), found["writes"]
+        # the builder sees the engine's processes and they see it: none may signal (stop, kill) another
+        assert found["signals"] and set(found["signals"].values()) == {"PermissionError"}, (where, found["signals"])
 
 
 def service_addresses(services: Services) -> dict[str, tuple[str, int]]:
@@ -510,6 +530,44 @@ def test_the_engine_cannot_replace_a_finished_jobs_result(
     assert load_result(services.store.get_bytes(done.result_key))["tried"]  # it did write those files
 
     assert services.store.get_bytes(victim.result_key) == original  # what was committed is the worker's copy
+
+
+def leaving_payload(client: VLLM, token: str | None) -> bytes:
+    """A trace whose code, in the engine, saves what a library module that no guard watches holds and the engine's
+    pid, then leaves ``token`` there (None: leaves nothing)."""
+    import nnsight
+
+    backend = PayloadBackend()
+    with client.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
+        import colorsys
+
+        found = nnsight.save({"left": getattr(colorsys, "nnqueue_left", None), "pid": os.getpid()})
+        if token is not None:
+            colorsys.nnqueue_left = token
+        client.logits
+    return backend.payload
+
+
+def test_a_domain_switch_starts_a_fresh_engine_so_what_a_domain_left_in_it_reaches_no_other(
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+) -> None:
+    """``NNQUEUE_DOMAIN_SWITCH=restart``: what a domain's code left in the engine's process, seen by no guard (as an
+    escape could), stays with that process; the next domain's traces run in a fresh one."""
+    worker, _ = root_worker
+    token = uuid.uuid4().hex
+
+    def run(owner: str, leave: str | None) -> dict[str, Any]:
+        job = services.submit(leaving_payload(client_model, leave), owner=owner, model_key="tiny-root")
+        done = services.wait_for(job.id, {JobStatus.COMPLETED, JobStatus.FAILED}, timeout=400)
+        assert done.status is JobStatus.COMPLETED, (done.error_type, done.error_message)
+        found: dict[str, Any] = load_result(services.store.get_bytes(done.result_key))["found"]
+        return found
+
+    planted, again = run("mallory", token), run("mallory", None)
+    assert again == {"left": token, "pid": planted["pid"]}  # it stays in the process: within a domain, no restart
+    other = run("alice", None)
+    assert other["left"] is None and other["pid"] != planted["pid"], other
+    assert "replacing the engine (a switch from trust domain 'owner:mallory' to 'owner:alice')" in worker.log()
 
 
 def runs_as(user: str) -> bool:
