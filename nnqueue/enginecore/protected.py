@@ -1364,7 +1364,7 @@ def install(extra_modules: Iterable[str] = ()) -> None:
             run(self)
 
         Mediator._run = checked_run
-        _guard_envoy_get()
+        _guard_envoy_lookups()
         _guard_enum_api()
         _unsafe_values()  # built now, so that the engine's state guard takes them for its reference
         _reconstructor_ids()
@@ -1413,9 +1413,10 @@ def _installation_roots() -> tuple[str, ...]:
     return tuple(_installation_folders())
 
 
-def _guard_envoy_get() -> None:
+def _guard_envoy_lookups() -> None:
     """nnsight's ``Envoy.get(path)`` walks a dotted path with the real ``getattr``
-    (``model.get("__class__.__init__.__globals__")``): each step goes through :func:`guarded_getattr` instead."""
+    (``model.get("__class__.__init__.__globals__")``), and ``Envoy.__getitem__`` looks a key up with it
+    (``model.norm["__class__"]``): each step goes through :func:`guarded_getattr` instead."""
     from nnsight.intervention.envoy import Envoy
 
     def get(self: Envoy, path: str) -> Any:
@@ -1424,8 +1425,18 @@ def _guard_envoy_get() -> None:
             value = guarded_getattr(value, part)
         return value
 
-    get.__doc__ = Envoy.get.__doc__
+    original_getitem = Envoy.__getitem__
+
+    def getitem(self: Envoy, key: Any) -> Any:
+        if isinstance(key, slice):
+            return original_getitem(self, key)
+        if isinstance(key, int) and key < 0:
+            key += len(self)
+        return guarded_getattr(self, str(key))
+
+    get.__doc__, getitem.__doc__ = Envoy.get.__doc__, original_getitem.__doc__
     Envoy.get = get
+    Envoy.__getitem__ = getitem
 
 
 def _guard_enum_api() -> None:

@@ -150,22 +150,26 @@ def _escape(client: VLLM, which: str) -> bytes:
     return backend.payload
 
 
-def _envoy_get(client: VLLM) -> bytes:
+def _envoy_lookup(client: VLLM, which: str) -> bytes:
     backend = PrebuiltBackend()
     with client.trace("Hello", temperature=0.0, max_tokens=1, backend=backend):
-        real = client.get("__class__.__init__.__globals__")["__builtins__"]
+        if which == "envoy_get":
+            real = client.get("__class__.__init__.__globals__")["__builtins__"]
+        else:
+            real = client.model.norm["__class__"]
         logits = client.logits.save()
     return backend.payload
 
 
-@pytest.mark.parametrize("which", ["audit", "exec", "from_file", "envoy_get"])
+@pytest.mark.parametrize("which", ["audit", "exec", "from_file", "envoy_get", "envoy_getitem"])
 def test_nnsights_import_and_attribute_helpers_lead_nowhere(
     services: Services, worker: WorkerProcess, client_model: VLLM, which: str
 ) -> None:
-    payload = _envoy_get(client_model) if which == "envoy_get" else _escape(client_model, which)
+    envoy = which.startswith("envoy")
+    payload = _envoy_lookup(client_model, which) if envoy else _escape(client_model, which)
     status, error, _ = run(services, payload)
     assert status is JobStatus.FAILED, error
-    expected = "'__class__' is not available" if which == "envoy_get" else "nnsight.util.from_import_path"
+    expected = "'__class__' is not available" if envoy else "nnsight.util.from_import_path"
     assert expected in error, error
 
 
