@@ -13,8 +13,8 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
   runs (ZMQ's internal signalling uses socketpairs), and NCCL/Gloo open their TCP sockets when the
   process group is created, at start-up. Sockets already open stay usable (the netns layer confines
   them to the engine's own loopback);
-* ``ptrace``, ``process_vm_readv`` / ``process_vm_writev``, ``pidfd_getfd``, ``kcmp``, ``process_madvise``: no
-  reading or steering another process;
+* ``ptrace``, ``process_vm_readv`` / ``process_vm_writev``, ``pidfd_getfd``, ``kcmp``, ``process_madvise`` /
+  ``process_mrelease``: no reading or steering another process;
 * ``kill`` & co. and ``pidfd_open`` aimed at any process but itself (its worker, its supervisor, a process
   group, every process: ``0``, ``-1``), and ``pidfd_send_signal`` (whose target, a pidfd or a ``/proc/<pid>``
   folder, the filter cannot read); the stop signals (``SIGSTOP``, ``SIGTSTP``, ``SIGTTIN``, ``SIGTTOU``) even to
@@ -165,8 +165,8 @@ def install(network: bool = False, exec_allowed: bool = False) -> bool:
     """Apply the filter (and ``no_new_privs``) to every thread of this process; irreversible. From then on it
     signals nothing but itself: install it in the process it protects, after any fork that shares it.
 
-    ``network``: also allow
-    ``AF_INET``/``AF_INET6`` sockets, for an engine under vLLM's Ray executor (``NNQUEUE_ENGINE_SECCOMP_NETWORK``).
+    ``network``: also allow ``AF_INET``/``AF_INET6`` sockets, for an engine under vLLM's Ray executor
+    (``NNQUEUE_ENGINE_SECCOMP_NETWORK``).
     ``exec_allowed``: leave ``execve`` and io_uring allowed, for a CUDA engine (:data:`CUDA_RUNTIME_SYSCALLS`).
     Returns False, after logging why, when it cannot be applied; never raises for that.
     """

@@ -25,6 +25,9 @@ first job to see that calls :meth:`EngineHealth.engine_died`, which, once for th
 Each engine is a generation (:attr:`EngineHealth.generation`): a job that started on an engine that has since been
 replaced and only now sees its death was settled with that engine's jobs, and starts nothing.
 
+A live engine is replaced the same way at a trust-domain switch under ``NNQUEUE_DOMAIN_SWITCH=restart``
+(:meth:`EngineHealth.replace`): no report is read and every job the worker holds is requeued as it was.
+
 The same replay names the culprit when the engine survived: a step of several traces in which one changed the
 engine's state, or failed on a malformed intervention, fails each of them with ``StateModifiedInSharedStep``
 (:mod:`nnqueue.enginecore.weights_guard`), and :meth:`EngineHealth.run_again_alone` requeues each marked

@@ -1,4 +1,5 @@
-"""A dead vLLM engine replaced inside its live worker.
+"""A dead vLLM engine replaced inside its live worker (and a live one, at a trust-domain switch under
+``NNQUEUE_DOMAIN_SWITCH=restart``: :meth:`~nnqueue.workers.engine_health.EngineHealth.replace`).
 
 When the engine core dies (a trace crashed it, or the stall deadline killed it: :mod:`nnqueue.workers.engine_health`
 settles its jobs), only the engine core is lost, so only it is started again. The worker used to exit and its

@@ -11,8 +11,8 @@ looked dead. A worker finishes only a job it still holds (the finishing update i
 
 Traces run on an engine one trust domain at a time (:mod:`nnqueue.scheduler.domain_turns`): the claim takes traces
 of the runner's current domain only, and a switch to another domain waits until none of the old one's are in
-flight, then puts back and verifies the engine's state (:meth:`JobRunner._switch_domain`) before the new domain's
-first trace starts. A token that finds no job while other domains' traces wait for this worker's turn to end waits
+flight, then puts back and verifies the engine's state (:meth:`JobRunner._switch_domain`; under
+``NNQUEUE_DOMAIN_SWITCH=restart`` on a fresh engine process) before the new domain's first trace starts. A token that finds no job while other domains' traces wait for this worker's turn to end waits
 for it, rather than being dropped.
 
 Running is the executor's (:class:`Executor`): one per engine kind, the vLLM trace executor
@@ -187,9 +187,10 @@ class JobRunner:
                 return await self._fail(job_id, JobFailure("EngineNotIsolated", refusal))
             await self._enter_domain(job)
             if self.health is not None and self.health.generation != generation:
-                # The switch replaced the engine it was claimed for: back to the queue, unless the switch put it there.
+                # The engine it was claimed for was replaced meanwhile (a switch's fresh engine, a dead one's): back to
+                # the queue, unless the replacement put it there.
                 with contextlib.suppress(InvalidTransition):
-                    await asyncio.to_thread(self._hand_back, job_id, "its engine was replaced at a trust-domain switch")
+                    await asyncio.to_thread(self._hand_back, job_id, "its engine was replaced before it started")
                 return Outcome.SKIPPED
             running = self._on_weights(
                 job, self.executor.execute(job, functools.partial(self._progress.report, job_id))
@@ -227,7 +228,8 @@ class JobRunner:
             return Outcome.SKIPPED
         except EngineStateUnverified as unverified:
             log.error("%s; the worker restarts", unverified)
-            await asyncio.to_thread(self._hand_back, job_id, str(unverified))
+            with contextlib.suppress(InvalidTransition):  # a replacement that failed has requeued it already
+                await asyncio.to_thread(self._hand_back, job_id, str(unverified))
             if self.health is not None and not self.health.dead.is_set():  # as if the engine died: a fresh one
                 self.health.dead.set()
                 self.health.stop()
