@@ -24,7 +24,15 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
   one of them over could freeze another domain's builder or another worker's engine (a red-team round did:
   ``SIGSTOP``), and a process that stopped itself would hold every job on its engine. None of them signals another
   process once it runs users' code: a tensor-parallel engine core's workers exit when their death pipe closes
-  (vLLM's SIGTERM after a grace period is refused, and the worker, root, ends what is left);
+  (vLLM's SIGTERM after a grace period is refused, and the worker, root, ends what is left). Nor may it name a
+  file's signal owner (``fcntl`` ``F_SETOWN``, ``F_SETOWN_EX``, ``F_SETSIG``; ``ioctl`` ``FIOSETOWN``,
+  ``SIOCSPGRP``): the kernel sends a file's SIGIO to its owner, of the same user, without ``kill``'s path (a
+  red-team round stopped builders and another worker's engine that way);
+* without ``exec_allowed``, a process of its own: ``fork``, ``vfork``, ``clone`` without ``CLONE_THREAD`` (threads
+  stay allowed) and ``clone3`` (answered ``ENOSYS``: its flags are in memory the filter cannot read, and glibc then
+  makes threads with ``clone``). A process forked by the engine would outlive it, and a fresh engine at a
+  trust-domain switch would run beside it (a red-team round's daemon read the next domain's results from the
+  worker's handoff folder);
 * what an escape could use to get around these or the kernel's other boundaries: ``io_uring_*`` (its
   ``IORING_OP_SOCKET`` makes sockets without ``socket()``), ``bpf``, ``userfaultfd``, ``keyctl`` /
   ``add_key`` / ``request_key``, ``unshare`` / ``setns`` / ``mount`` / ``umount2`` / ``pivot_root`` /
@@ -117,6 +125,10 @@ SIGNALLING_SYSCALLS = {
 }
 STOP_SIGNALS = (signal.SIGSTOP, signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU)
 _PRIO_PROCESS = 0
+# fcntl's F_SETOWN, F_SETSIG and F_SETOWN_EX; ioctl's FIOSETOWN and SIOCSPGRP: a file's signal owner and signal.
+_SIGNAL_OWNER_FCNTLS = (8, 10, 15)
+_SIGNAL_OWNER_IOCTLS = (0x8901, 0x8902)
+_CLONE_THREAD = 0x00010000
 _LOW_32 = 0xFFFFFFFF  # the kernel reads a signal as an int: what is above it must not hide a stop signal
 
 
@@ -146,6 +158,15 @@ def _build(binding: ModuleType, network: bool = False, exec_allowed: bool = Fals
         rules.add_rule(refuse, name, binding.Arg(0, binding.NE, os.getpid()))
         for stop in () if signal_arg is None else STOP_SIGNALS:
             rules.add_rule(refuse, name, binding.Arg(signal_arg, binding.MASKED_EQ, _LOW_32, stop))
+    for command in _SIGNAL_OWNER_FCNTLS:
+        rules.add_rule(refuse, "fcntl", binding.Arg(1, binding.MASKED_EQ, _LOW_32, command))
+    for request in _SIGNAL_OWNER_IOCTLS:
+        rules.add_rule(refuse, "ioctl", binding.Arg(1, binding.MASKED_EQ, _LOW_32, request))
+    if not exec_allowed:
+        rules.add_rule(refuse, "fork")
+        rules.add_rule(refuse, "vfork")
+        rules.add_rule(refuse, "clone", binding.Arg(0, binding.MASKED_EQ, _CLONE_THREAD, 0))
+        rules.add_rule(binding.ERRNO(errno.ENOSYS), "clone3")
     rules.add_rule(refuse, "prlimit64", binding.Arg(0, binding.NE, 0))  # 0: this process (glibc's setrlimit)
     rules.add_rule(refuse, "setpriority", binding.Arg(0, binding.NE, _PRIO_PROCESS))
     rules.add_rule(refuse, "setpriority", binding.Arg(1, binding.NE, 0))
@@ -167,7 +188,8 @@ def install(network: bool = False, exec_allowed: bool = False) -> bool:
 
     ``network``: also allow ``AF_INET``/``AF_INET6`` sockets, for an engine under vLLM's Ray executor
     (``NNQUEUE_ENGINE_SECCOMP_NETWORK``).
-    ``exec_allowed``: leave ``execve`` and io_uring allowed, for a CUDA engine (:data:`CUDA_RUNTIME_SYSCALLS`).
+    ``exec_allowed``: leave ``execve``, io_uring and process creation allowed, for a CUDA engine
+    (:data:`CUDA_RUNTIME_SYSCALLS`).
     Returns False, after logging why, when it cannot be applied; never raises for that.
     """
     try:

@@ -1,7 +1,8 @@
 """nnqueue.seccomp_filter in a process of its own (an engine-like one: threads already running, the filter applied
 after start-up): exec, non-unix sockets, ptrace, signals (or a limit, a priority) aimed at any other process, of its
-user too, and stop signals fail with EPERM in every thread; what the engine still needs (unix sockets, threads,
-signalling itself, its own limits) works; without a binding nothing breaks."""
+user too, a file's signal owner, stop signals and a process of its own fail with EPERM in every thread; what the
+engine still needs (unix sockets, threads, signalling itself, its own limits) works; without a binding nothing
+breaks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import textwrap
 
 ENGINE_LIKE = textwrap.dedent(
     """
-    import ctypes, errno, json, os, resource, signal, socket, subprocess, sys, threading
+    import ctypes, errno, fcntl, json, os, resource, signal, socket, struct, subprocess, sys, threading
     from nnqueue import seccomp_filter
 
     # Stand in for the worker and for a process of the same user (another domain's trace builder, another worker's
@@ -50,6 +51,13 @@ ENGINE_LIKE = textwrap.dedent(
     high_pid = libc.syscall(62, (1 << 32) | sibling.pid, 0)  # kill: the kernel would read only the low 32 bits
     high_errno = errno.errorcode[ctypes.get_errno()] if high_pid == -1 else "done"
     limits = resource.getrlimit(resource.RLIMIT_NOFILE)
+    sigio_read, sigio_write = os.pipe()
+
+    def forked():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
     print(json.dumps({
         "applied": applied,
         "exec": attempt(lambda: os.execv("/bin/true", ["true"])),
@@ -68,6 +76,10 @@ ENGINE_LIKE = textwrap.dedent(
         "stop_thread": attempt(lambda: signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)),
         "limit_sibling": attempt(lambda: resource.prlimit(sibling.pid, resource.RLIMIT_NOFILE, (1, 1))),
         "renice_user": attempt(lambda: os.setpriority(os.PRIO_USER, 0, 19)),
+        "sigio_owner": attempt(lambda: fcntl.fcntl(sigio_read, fcntl.F_SETOWN, sibling.pid)),
+        "sigio_signal": attempt(lambda: fcntl.fcntl(sigio_read, 10, signal.SIGSTOP)),  # F_SETSIG
+        "sigio_ioctl": attempt(lambda: fcntl.ioctl(sigio_read, 0x8901, struct.pack("i", sibling.pid))),  # FIOSETOWN
+        "fork": attempt(forked),
         "unix": attempt(lambda: socket.socket(socket.AF_UNIX).close()),
         "socketpair": attempt(lambda: [end.close() for end in socket.socketpair()]),
         "signal_self": attempt(lambda: os.kill(os.getpid(), signal.SIGUSR1)),
@@ -102,6 +114,10 @@ def test_the_filter_refuses_exec_network_sockets_ptrace_and_signals_to_any_other
         "stop_thread": "EPERM",
         "limit_sibling": "EPERM",
         "renice_user": "EPERM",
+        "sigio_owner": "EPERM",
+        "sigio_signal": "EPERM",
+        "sigio_ioctl": "EPERM",
+        "fork": "EPERM",
         "unix": "done",
         "socketpair": "done",
         "signal_self": "done",
