@@ -163,9 +163,12 @@ class _Container:
     owner: Any = None  # the object whose __dict__ this is (its class is checked too: ``obj.__class__ = X``)
     owner_class: type | None = None
     registry: bool = False  # entries the installation's code adds are kept (`REGISTRIES`)
+    modules: frozenset[str] = frozenset()  # a registry's: the modules imported when ``saved`` was taken
 
 
-_TAG, _INTERLEAVER_TAG = "_persistent_id", "Interleaver"
+# The tag nnsight's serializer puts on the engine's shared objects when a result holds them (an envoy's interleaver,
+# the model's tokenizer): their persistent ids.
+_TAG, _SHARED_TAGS = "_persistent_id", frozenset({"Interleaver", "Tokenizer"})
 # Values an object's step may rebind (a flag, the step's mediators, a rebuilt index): only their type is kept.
 _REBOUND = (bool, int, float, str, type(None), list, set, dict)
 
@@ -199,9 +202,9 @@ class _Shape:
 
     def put_back(self) -> bool:
         """Whether it had changed; it holds again. The tag nnsight's serializer puts on the interleaver of an envoy
-        it pickles (``_persistent_id = "Interleaver"``: a result that holds envoys) is kept."""
+        it pickles, or on the tokenizer (``_persistent_id = "Interleaver"``: a result that holds envoys), is kept."""
         attributes = vars(self.target)
-        if attributes.get(_TAG) == _INTERLEAVER_TAG:
+        if attributes.get(_TAG) in _SHARED_TAGS:
             self.fixed[_TAG] = attributes[_TAG]
         if self.holds():
             return False
@@ -256,8 +259,9 @@ class StateGuard:
 
         install_generation_tagging_init()
         self.containers = list(_Walk(self.model, self.roots, self.extra_modules).containers())
+        imported = frozenset(sys.modules)
         for container in self.containers:
-            container.saved = _read(container)
+            container.saved, container.modules = _read(container), imported
         self.shapes = [_Shape.of(obj) for obj in self.shaped]
         self._modes = _torch_modes()
         self._seeds = _seeds()
@@ -473,13 +477,18 @@ def _restore_dict(
 
 
 def _library_additions(container: _Container) -> bool:
-    """Whether all that changed in a registry are entries added by the installation's code (a library imported
-    meanwhile); if so they are kept."""
+    """Whether all that changed in a registry are entries a library imported meanwhile added for its own types (a
+    new module's class for a key, the installation's code for a value); if so they are kept. An entry for a type
+    that was there before (``copy.dispatch_table[torch.Tensor]``) is a trace's, whatever its value."""
     saved, now = container.saved, _read(container)
+    imported = frozenset(sys.modules)
+    new_modules = imported - container.modules
     if isinstance(saved, dict):
         if any(now.get(key, _MISSING) is not value for key, value in saved.items()):
             return False
         added = [(key, value) for key, value in now.items() if key not in saved]
+        if not all(_from_modules(key, new_modules) for key, _ in added):
+            return False
     else:
         kept = {id(item) for item in now}
         if any(id(item) not in kept for item in saved):
@@ -488,18 +497,28 @@ def _library_additions(container: _Container) -> bool:
         added = [item for item in now if id(item) not in before]
     if not all(map(_library_code, added)):
         return False
-    container.saved = now
+    container.saved, container.modules = now, imported
     return True
+
+
+def _from_modules(key: Any, modules: frozenset[str]) -> bool:
+    """Whether a registry's key is a class (or a ``(module, name)`` pair) of one of ``modules``."""
+    module = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else getattr(key, "__module__", None)
+    return isinstance(module, str) and module in modules and isinstance(key, (tuple, type))
 
 
 def _library_code(entry: Any) -> bool:
     """Whether ``entry`` (a registry's key and value, or its item) holds no function but the installation's (a
-    builtin, a class, a Python function whose source is under the installation's folders)."""
+    builtin, a class whose functions are the installation's, a Python function whose source is under the
+    installation's folders)."""
     if isinstance(entry, tuple):
         return all(map(_library_code, entry))
     if isinstance(entry, (types.FunctionType, types.BuiltinFunctionType)):
         return protected.is_library_function(entry)
-    return isinstance(entry, (type, int, str))
+    if isinstance(entry, type):
+        functions = [value for value in vars(entry).values() if isinstance(value, types.FunctionType)]
+        return all(map(protected.is_library_function, functions))
+    return isinstance(entry, (int, str))
 
 
 def _serializer_tag(name: str, value: Any) -> bool:

@@ -274,26 +274,36 @@ def test_a_trace_alone_fails_for_a_change_and_traces_sharing_a_step_run_again() 
 
 
 def test_a_reducer_a_trace_registers_is_removed_and_a_librarys_is_kept(guard: StateGuard) -> None:
-    """Red team, issue 33 (E3): ``copy.dispatch_table[torch.Tensor] = f`` made every later ``torch.save`` of a
-    result, other domains' too, call the trace's function (it read and replaced them); a library imported during a
-    step registers its own reducers, which stay."""
+    """Red team, issue 33 (E3, E7): ``copy.dispatch_table[torch.Tensor] = f`` made every later ``torch.save`` of a
+    result, other domains' too, call the trace's function (it read and replaced them); so did a class in its place
+    (a class's ``__new__`` is a reducer too), and a library's class would break every later result. A library
+    imported during a step registers its own reducers for its own types, which stay."""
     import copy
     import copyreg
-    import fractions
 
     import torch
 
-    copy.dispatch_table[torch.Tensor] = lambda tensor: (torch.zeros, (tuple(tensor.shape),))
-    found = guard.check()
-    assert found.strict == ["copyreg.dispatch_table"], found
-    assert torch.Tensor not in copyreg.dispatch_table
+    class Reducer:  # what a trace could make
+        def __new__(cls, tensor: torch.Tensor) -> Any:
+            return (torch.zeros, (tuple(tensor.shape),))
 
-    copyreg.pickle(fractions.Fraction, fractions.Fraction.__reduce__)  # a library's own function: kept
+    for reducer in (lambda tensor: (torch.zeros, (tuple(tensor.shape),)), Reducer, list):
+        copy.dispatch_table[torch.Tensor] = reducer
+        found = guard.check()
+        assert found.strict == ["copyreg.dispatch_table"], (reducer, found)
+        assert torch.Tensor not in copyreg.dispatch_table
+
+    imported = sys.modules.pop("fractions", None)  # imported afresh below, as a library a step first imports
+    guard.accept_current()
     try:
+        fractions = importlib.import_module("fractions")
+        copyreg.pickle(fractions.Fraction, fractions.Fraction.__reduce__)  # its own type, its own function: kept
         assert not guard.check()
         assert fractions.Fraction in copyreg.dispatch_table
     finally:
-        del copyreg.dispatch_table[fractions.Fraction]
+        copyreg.dispatch_table.pop(sys.modules["fractions"].Fraction, None)
+        if imported is not None:
+            sys.modules["fractions"] = imported
         guard.accept_current()
 
 
