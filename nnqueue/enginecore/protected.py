@@ -502,7 +502,8 @@ def _code_generators() -> dict[str, Any]:
 
 def _reachers() -> dict[str, Any]:
     """Helpers of allowed modules that import any module or follow any attribute path with the real ``getattr``
-    (nnsight's ``from_import_path``: ``from_import_path("builtins.exec")``), or read and write files natively,
+    (nnsight's ``from_import_path``: ``from_import_path("builtins.exec")``, torch's ``_import_dotted_name``) or set
+    any attribute by name (``_set_obj_state``), or read and write files natively,
     where no audit event reports it (``torch.from_file`` and every storage class's ``from_file``, torch's zip
     archive reader and writer); with the Python-level file readers hidden by name (:data:`HIDDEN_ATTRIBUTES`)."""
     import operator
@@ -516,6 +517,8 @@ def _reachers() -> dict[str, Any]:
         "operator.attrgetter": operator.attrgetter,
         "operator.methodcaller": operator.methodcaller,
         "torch.from_file": torch.from_file,
+        "torch._utils._import_dotted_name": torch._utils._import_dotted_name,
+        "torch._utils._set_obj_state": torch._utils._set_obj_state,
         "torch.load": torch.load,
         "torch.save": torch.save,
         "torch.PyTorchFileReader": torch.PyTorchFileReader,
@@ -660,12 +663,17 @@ def guarded_import(
     fromlist: Sequence[str] | None = (),
     level: int = 0,
 ) -> types.ModuleType:
-    """``__import__`` for intervention code: allowed modules only, returned protected."""
+    """``__import__`` for intervention code: allowed modules only, returned protected, and no private name in the
+    path or the ``from`` list: the interpreter's ``import a._b as c`` and ``from a import _b`` fall back to
+    ``sys.modules`` when the protected module refuses ``_b``, which would hand over the real, unwrapped module
+    (``torch._utils``, whose ``_import_dotted_name`` imports anything)."""
     if level:
         raise refused(f"relative import of {name!r}")
     if not is_allowed_module(name):
         raise refused(f"module {name!r}")
     for part in [*name.split("."), *(fromlist or ())]:
+        if part.startswith("_") and not _is_dunder(part):
+            raise refused(f"the private name {part!r} in an import of {name!r}")
         note_road(part)
     module = builtins.__import__(name, None, None, fromlist, 0)
     return protect(module)

@@ -241,6 +241,10 @@ def test_a_mediator_blob_must_be_an_nnsight_mediator() -> None:
         ("import numpy\nf = getattr(numpy, 'from' + 'file')", "numpy.fromfile"),
         ("class A:\n    pass\nA.__del__ = print", "'__del__'"),  # an implicit hook planted on a class
         ("import torch\nsetattr(torch.Tensor, '__re' + 'pr__', print)", "'__repr__'"),
+        # A third red-team round (E9): the interpreter's import falls back to sys.modules for a name the protected
+        # module refuses, which handed over the real torch._utils and its _import_dotted_name.
+        ("import torch._utils as U", "'_utils'"),
+        ("from torch import _utils", "'_utils'"),
     ],
 )
 def test_helpers_that_reach_anything_and_planted_dunders_are_refused(source: str, named: str) -> None:
