@@ -408,11 +408,16 @@ class WeightsGuardWorker(_Worker):
         if self._nnqueue_state is None and self._nnqueue_guard is not None:
             # The state is taken at the first step, before any payload loads: vLLM finishes its configuration
             # (the KV cache's size) after the warm-up, and the sandbox locks the process down at this step.
-            interleaver = self.model_runner.nnsight_model.interleaver
+            # The engine's objects every request reaches by persistent id keep their shape: the interleaver and
+            # what it holds, and the tokenizer (a third red-team round left a function on it that ran in every later
+            # step of every domain, and kept a view of vLLM's input buffer there that read another's prompt).
+            nnsight_model = self.model_runner.nnsight_model
+            interleaver, tokenizer = nnsight_model.interleaver, getattr(nnsight_model, "tokenizer", None)
+            shared = (interleaver, interleaver.batcher, interleaver.fragments)
             self._nnqueue_state = state_guard.StateGuard(
                 self.model_runner.get_model(),
                 roots=(self, self.model_runner),
-                shaped=(interleaver, interleaver.batcher, interleaver.fragments),
+                shaped=shared if tokenizer is None else (*shared, tokenizer),
             )
             log.info("state guard: %d containers", len(self._nnqueue_state.containers))
             # A step run again without its failed traces (nnqueue.enginecore.step_recovery) runs on this state.

@@ -137,6 +137,22 @@ def interleaver_handle(client: VLLM) -> bytes:
     return backend.payload
 
 
+def tokenizer_attribute(client: VLLM) -> bytes:
+    """A third red-team round (E10): a function left on the engine's tokenizer, which every request shares and the
+    engine calls after every step (``eos_token_id``), ran in every later step of every domain."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        tokenizer = client.tokenizer
+        original = tokenizer.convert_tokens_to_ids
+
+        def convert(*args: Any, **kwargs: Any) -> Any:
+            return original(*args, **kwargs)
+
+        tokenizer.convert_tokens_to_ids = convert
+        logits = client.logits.save()
+    return backend.payload
+
+
 def reducer(client: VLLM) -> bytes:
     """The second red-team round (E3): a reducer for tensors in copyreg's dispatch table, which the result writers'
     pickling consults for every later result (it zeroed them, digests valid)."""
@@ -156,6 +172,7 @@ def reducer(client: VLLM) -> bytes:
     [
         (plain_attribute, "model.norm"),
         (interleaver_handle, "VLLMInterleaver (the engine's)"),
+        (tokenizer_attribute, "Tokenizer (the engine's)"),
         (reducer, "copyreg.dispatch_table"),
         (buffer, "model.layers.0.self_attn.rotary_emb.cos_sin_cache (buffer)"),
         (hook, "model.norm._forward_hooks"),
