@@ -18,7 +18,7 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
 * ``kill`` & co. and ``pidfd_open`` aimed at any process but itself (its worker, its supervisor, a process
   group, every process: ``0``, ``-1``), and ``pidfd_send_signal`` (whose target, a pidfd or a ``/proc/<pid>``
   folder, the filter cannot read); the stop signals (``SIGSTOP``, ``SIGTSTP``, ``SIGTTIN``, ``SIGTTOU``) even to
-  itself; ``prlimit64`` on another process and ``setpriority`` on anything but itself. The engine processes of
+  itself (nor as the exit signal of a child it makes); ``prlimit64`` on another process and ``setpriority`` on anything but itself. The engine processes of
   every worker on a host, and the trace builders that run every trust domain's code, share the engine user, and
   the kernel lets a process signal, limit or renice any process of its own user: without this, code that took
   one of them over could freeze another domain's builder or another worker's engine (a red-team round did:
@@ -129,6 +129,7 @@ _PRIO_PROCESS = 0
 _SIGNAL_OWNER_FCNTLS = (8, 10, 15)
 _SIGNAL_OWNER_IOCTLS = (0x8901, 0x8902)
 _CLONE_THREAD = 0x00010000
+_EXIT_SIGNAL = 0xFF  # clone's flags: the signal its parent gets when the child ends
 _LOW_32 = 0xFFFFFFFF  # the kernel reads a signal as an int: what is above it must not hide a stop signal
 
 
@@ -162,6 +163,8 @@ def _build(binding: ModuleType, network: bool = False, exec_allowed: bool = Fals
         rules.add_rule(refuse, "fcntl", binding.Arg(1, binding.MASKED_EQ, _LOW_32, command))
     for request in _SIGNAL_OWNER_IOCTLS:
         rules.add_rule(refuse, "ioctl", binding.Arg(1, binding.MASKED_EQ, _LOW_32, request))
+    for stop in STOP_SIGNALS:  # a child's exit signal goes to its parent: this process
+        rules.add_rule(refuse, "clone", binding.Arg(0, binding.MASKED_EQ, _EXIT_SIGNAL, stop))
     if not exec_allowed:
         rules.add_rule(refuse, "fork")
         rules.add_rule(refuse, "vfork")

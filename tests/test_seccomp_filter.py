@@ -179,7 +179,7 @@ def test_a_cuda_engines_filter_lets_tritons_compiler_run_and_still_refuses_the_r
     """On the H100 vLLM's Triton kernels compile at a step's first use (ptxas): exec must stay allowed there."""
     script = textwrap.dedent(
         """
-        import errno, json, socket, subprocess
+        import ctypes, errno, json, os, signal, socket, subprocess
         from nnqueue import seccomp_filter
 
         def attempt(action):
@@ -189,14 +189,24 @@ def test_a_cuda_engines_filter_lets_tritons_compiler_run_and_still_refuses_the_r
                 return errno.errorcode[error.errno]
             return "done"
 
+        def stopping_child():  # a child whose end would stop this process (clone's exit signal)
+            libc = ctypes.CDLL(None, use_errno=True)
+            pid = libc.syscall(56, int(signal.SIGSTOP), 0, 0, 0, 0)  # clone, x86_64
+            if pid == 0:
+                os._exit(0)
+            if pid == -1:
+                raise OSError(ctypes.get_errno(), "clone")
+            os.waitpid(pid, 0)
+
         applied = seccomp_filter.install(exec_allowed=True)
         print(json.dumps([
             applied,
             attempt(lambda: subprocess.run(["/bin/true"], check=True)),
             attempt(lambda: socket.socket(socket.AF_INET).close()),
+            attempt(stopping_child),
         ]))
         """
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, "done", "EPERM"]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, "done", "EPERM", "EPERM"]
