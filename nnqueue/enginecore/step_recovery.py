@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from greenlet import GreenletExit
 
-from nnqueue.enginecore import weights_guard
+from nnqueue.enginecore import private_inputs, weights_guard
 from nnqueue.errors import NNqueueError
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class StepRecoveryMixin:
     """Below nnsight's runner in the bases (its ``super()`` calls reach these); see the module doc."""
 
     model: Any  # vLLM's runner's
+    model_config: Any
     execute_model_state: Any
     # Set by the worker's guards (nnqueue.enginecore.weights_guard): verify and put back the engine's state.
     nnqueue_restore_state: Callable[[], Any] | None = None
@@ -64,6 +65,8 @@ class StepRecoveryMixin:
         traced = [request for request in _traced(self) if request.mediator.alive]  # a finished block acts no more
         if not traced:
             return super()._model_forward(*args, **kwargs)  # type: ignore[misc]
+        if self.model_config.enforce_eager:  # no graph reads the persistent buffers (nnqueue.enginecore.private_inputs)
+            kwargs = private_inputs.private(kwargs)
         try:
             output = super()._model_forward(*args, **kwargs)  # type: ignore[misc]
             _check_hidden(self, output, args, kwargs)
