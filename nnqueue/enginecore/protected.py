@@ -122,6 +122,8 @@ BLOCKED_SUBMODULES = frozenset(
         "torch.compiler",
         "torch.jit",
         "torch.fx",
+        "torch.ao",  # quantization's getattr_from_fqn follows any attribute path with the real getattr
+        "torch.quantization",
         "torch.export",
         "torch.onnx",
         "torch.profiler",
@@ -189,6 +191,7 @@ NATIVE_ATTRIBUTES = frozenset(
         "_ctypes",
         "_evaluate",
         "_eval_type",
+        "import_module",  # torch.ops.import_module: importlib.import_module of any module
     }
 )
 # Attribute names refused when intervention code reads them as attributes (not as names): ``str.format`` and

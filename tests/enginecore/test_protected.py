@@ -245,6 +245,8 @@ def test_a_mediator_blob_must_be_an_nnsight_mediator() -> None:
         # module refuses, which handed over the real torch._utils and its _import_dotted_name.
         ("import torch._utils as U", "'_utils'"),
         ("from torch import _utils", "'_utils'"),
+        ("from torch.ao.quantization.utils import getattr_from_fqn", "torch.ao.quantization.utils"),  # E15
+        ("import torch\nf = torch.ops.import_module", "'import_module'"),
     ],
 )
 def test_helpers_that_reach_anything_and_planted_dunders_are_refused(source: str, named: str) -> None:
