@@ -18,13 +18,14 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
 * ``kill`` & co. and ``pidfd_open`` aimed at any process but itself (its worker, its supervisor, a process
   group, every process: ``0``, ``-1``), and ``pidfd_send_signal`` (whose target, a pidfd or a ``/proc/<pid>``
   folder, the filter cannot read); the stop signals (``SIGSTOP``, ``SIGTSTP``, ``SIGTTIN``, ``SIGTTOU``) even to
-  itself (nor as the exit signal of a child it makes); ``prlimit64`` on another process and ``setpriority`` on anything but itself. The engine processes of
-  every worker on a host, and the trace builders that run every trust domain's code, share the engine user, and
-  the kernel lets a process signal, limit or renice any process of its own user: without this, code that took
-  one of them over could freeze another domain's builder or another worker's engine (a red-team round did:
-  ``SIGSTOP``), and a process that stopped itself would hold every job on its engine. None of them signals another
-  process once it runs users' code: a tensor-parallel engine core's workers exit when their death pipe closes
-  (vLLM's SIGTERM after a grace period is refused, and the worker, root, ends what is left). Nor may it name a
+  itself, nor as the exit signal of a child it makes; ``prlimit64`` on another process and ``setpriority`` on
+  anything but itself. The engine processes of every worker on a host, and the trace builders that run every
+  trust domain's code, share the engine user, and the kernel lets a process signal, limit or renice any process
+  of its own user: without this, code that took one of them over could freeze another domain's builder or
+  another worker's engine (a red-team round did: ``SIGSTOP``), and a process that stopped itself would hold every
+  job on its engine. None of them signals another process once it runs users' code: a tensor-parallel engine
+  core's workers exit when their death pipe closes (vLLM's SIGTERM after a grace period is refused, and the
+  worker, root, ends what is left). Nor may it name a
   file's signal owner (``fcntl`` ``F_SETOWN``, ``F_SETOWN_EX``, ``F_SETSIG``; ``ioctl`` ``FIOSETOWN``,
   ``SIOCSPGRP``): the kernel sends a file's SIGIO to its owner, of the same user, without ``kill``'s path (a
   red-team round stopped builders and another worker's engine that way);

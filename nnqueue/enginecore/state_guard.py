@@ -515,9 +515,9 @@ def _library_code(entry: Any) -> bool:
         return all(map(_library_code, entry))
     if isinstance(entry, (types.FunctionType, types.BuiltinFunctionType)):
         return protected.is_library_function(entry)
-    if isinstance(entry, type):
-        functions = [value for value in vars(entry).values() if isinstance(value, types.FunctionType)]
-        return all(map(protected.is_library_function, functions))
+    if isinstance(entry, type):  # its methods, static and class methods (``__new__``) unwrapped
+        functions = [getattr(value, "__func__", value) for value in vars(entry).values()]
+        return all(protected.is_library_function(f) for f in functions if isinstance(f, types.FunctionType))
     return isinstance(entry, (int, str))
 
 

@@ -297,6 +297,8 @@ def test_a_reducer_a_trace_registers_is_removed_and_a_librarys_is_kept(guard: St
     guard.accept_current()
     try:
         fractions = importlib.import_module("fractions")
+        copyreg.dispatch_table[fractions.Fraction] = Reducer  # a new type, but the trace's class (its __new__)
+        assert guard.check().strict == ["copyreg.dispatch_table"]
         copyreg.pickle(fractions.Fraction, fractions.Fraction.__reduce__)  # its own type, its own function: kept
         assert not guard.check()
         assert fractions.Fraction in copyreg.dispatch_table
