@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from nnqueue.enginecore import private_inputs
 from tests.utils.engines import InProcessEngine, run_prebuilt
 from tests.utils.payloads import PrebuiltBackend
@@ -21,6 +19,8 @@ SECRET = "The vault code of alice is 7731 and the door opens at nine in the morn
 
 
 def test_the_inputs_and_a_stages_intermediate_tensors_are_copied() -> None:
+    import torch
+
     class Intermediate:
         def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
             self.tensors = tensors
@@ -59,6 +59,8 @@ def _trace(client: VLLM, prompt: str, role: str) -> bytes:
 def test_a_view_of_the_inputs_kept_past_its_step_shows_only_that_step(
     inprocess_engine: InProcessEngine, client_model: VLLM, tmp_path: Path
 ) -> None:
+    import torch
+
     saves = {}
     for role, prompt in (("plant", LONG), ("innocent", SECRET), ("read", "a")):
         report, saves[role] = run_prebuilt(inprocess_engine, _trace(client_model, prompt, role), tmp_path, role)

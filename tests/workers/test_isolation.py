@@ -438,8 +438,11 @@ def test_a_trace_without_the_protected_environment_reaches_nothing_outside_the_e
         assert all(outcome != "done" for outcome in found["reads"].values()), (where, found["reads"])
         assert all(outcome != "done" for outcome in found["sockets"].values()), (where, found["sockets"])
         assert set(found["writes"]) == set(targets["writes"]), found["writes"]
-        # the builder sees the engine's processes and they see it: none may signal (stop, kill) another
-        assert found["signals"] and set(found["signals"].values()) == {"PermissionError"}, (where, found["signals"])
+        # none may signal (stop, kill) another process of the engine user
+        assert set(found["signals"].values()) <= {"PermissionError"}, (where, found["signals"])
+    # the engine sees the builder that built its trace (a fresh engine core is still root until its first step, so
+    # the builder may see no other process of its user)
+    assert saves["from_engine"]["signals"], saves["from_engine"]
 
 
 def service_addresses(services: Services) -> dict[str, tuple[str, int]]:
