@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nnqueue.enginecore import private_inputs
 from tests.utils.engines import InProcessEngine, run_prebuilt
 from tests.utils.payloads import PrebuiltBackend
 
@@ -20,6 +19,8 @@ SECRET = "The vault code of alice is 7731 and the door opens at nine in the morn
 
 def test_the_inputs_and_a_stages_intermediate_tensors_are_copied() -> None:
     import torch
+
+    from nnqueue.enginecore import private_inputs
 
     class Intermediate:
         def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
