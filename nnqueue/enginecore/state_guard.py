@@ -735,8 +735,8 @@ WATCHED_CONTAINERS = (
 # Registries that every pickler (``torch.save`` in the result writers' threads, outside any step) and ``copy``
 # consult before an object's own ``__reduce_ex__`` (an entry added for ``torch.Tensor`` would rewrite every later
 # result, other domains' too), and the location taggers ``torch.save`` calls for every storage. A library imported
-# for the first time during a step adds its own entries (sympy's, when torch first compiles): an entry whose
-# functions are the installation's code is kept, any other is a trace's.
+# for the first time during a step adds its own entries (sympy's, when torch first compiles): an entry for a type of
+# a module imported since, whose functions are the installation's code, is kept; any other is a trace's.
 REGISTRIES = (
     *(("copyreg", name) for name in ("dispatch_table", "_extension_registry", "_inverted_registry")),
     ("copy", "_deepcopy_dispatch"),
