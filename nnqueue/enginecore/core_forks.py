@@ -34,22 +34,29 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import pickle
 import select
+import signal
 import socket
 import struct
 import sys
 import traceback
+from collections.abc import Iterable
 from multiprocessing import forkserver, popen_forkserver, reduction, resource_tracker, spawn, util
 from multiprocessing.context import set_spawning_popen
+from pathlib import Path
 from typing import Any
 
 from nnqueue.enginecore import spawning, zygote
 from nnqueue.enginecore.zygote import CORE_FORKS_FD_ENV
+from nnqueue.libc import check, libc
 
+log = logging.getLogger(__name__)
 _LENGTH = struct.Struct("!Q")
 _MAX_FDS = 64
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 # The zygote's side.
@@ -90,7 +97,15 @@ def serve_aside(worker: socket.socket, pool: socket.socket) -> None:
 def _serve(worker: socket.socket) -> list[int] | None:
     """Say the server is ready, fork an engine core for each request until the worker closes the socket, then wait
     for the cores still running. Returns in each core (the descriptors it was handed), and None in the server once
-    it is done."""
+    it is done.
+
+    Nothing a core started outlives it: the server is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a process
+    that a core or its descendants started and left (a daemon forked twice, a core's model runners and whatever a
+    killed core was running) becomes the server's child instead of the host's init, and the server kills every child
+    of its that is not a running core (`_strays`) before it forks the next. A CUDA engine keeps ``fork`` and ``exec``
+    (Triton's compiler): a third red-team round forked a process from one domain's engine that outlived the
+    engine's replacement at a trust-domain switch and read the next domain's results in the handoff folder."""
+    check(libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)", OSError)
     worker.send(b"ready")
     statuses: dict[int, int] = {}  # a running core's pid: the write end of its sentinel
     while True:
@@ -99,8 +114,9 @@ def _serve(worker: socket.socket) -> list[int] | None:
                 with contextlib.suppress(OSError):
                     forkserver.write_signed(status, code)
                 os.close(status)
+        strays = _strays(statuses.keys())
         if worker.fileno() < 0:
-            if not statuses:
+            if not statuses and not strays:
                 return None
             select.select([], [], [], zygote.REAP_INTERVAL_S)
             continue
@@ -126,6 +142,23 @@ def _serve(worker: socket.socket) -> list[int] | None:
         statuses[pid] = status
         for fd in (data, *passed):
             os.close(fd)
+
+
+def _strays(cores: Iterable[int]) -> set[int]:
+    """Kill the server's children that are not ``cores`` (see `_serve`); their pids (reaped at the next pass)."""
+    path = f"/proc/self/task/{os.getpid()}/children"  # the server has one thread, which adopts the orphans
+    try:
+        children = {int(pid) for pid in Path(path).read_text().split()}
+    except FileNotFoundError:  # a kernel built without CONFIG_PROC_CHILDREN
+        import psutil  # vLLM's dependency: there wherever engine cores run
+
+        children = {child.pid for child in psutil.Process().children()}
+    strays = children - set(cores)
+    for pid in strays:
+        log.warning("killing process %d, which an engine core started and left behind", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return strays
 
 
 def _become_core(data: int, stdout: int, stderr: int, tracker: int, *inherited: int) -> int:

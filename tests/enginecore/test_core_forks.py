@@ -48,6 +48,23 @@ def _report(answer: Connection, code: int) -> None:
     sys.exit(code)
 
 
+def _leave_processes(answer: Connection) -> None:
+    """The started process: a child of its own and a daemon forked twice (its parent gone at once), both sleeping,
+    each sending its pid through the pipe; then it waits to be killed."""
+    if os.fork() == 0:
+        answer.send({"child": os.getpid()})
+        time.sleep(600)
+        os._exit(0)
+    middle = os.fork()
+    if middle == 0:
+        if os.fork() == 0:
+            answer.send({"daemon": os.getpid()})
+            time.sleep(600)
+        os._exit(0)
+    os.waitpid(middle, 0)
+    time.sleep(600)
+
+
 @pytest.fixture
 def forks(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[CoreForks, psutil.Process]]:
     """A zygote serving core forks, and the worker's end of its server."""
@@ -124,3 +141,27 @@ def test_a_core_is_spawned_when_the_server_is_gone(forks: tuple[CoreForks, psuti
     assert reader.recv()["ppid"] == os.getpid()
     process.join(60)
     assert process.exitcode == 0
+
+
+def test_nothing_a_core_started_outlives_it(forks: tuple[CoreForks, psutil.Process]) -> None:
+    """A CUDA engine may fork (Triton's compiler): a daemon it leaves is killed at once, a child with the core."""
+    served, _ = forks
+    reader, writer = CONTEXT.Pipe(duplex=False)
+    process = CONTEXT.Process(target=_leave_processes, args=(writer,))
+    with spawning.engine_core_contained(network=False, view=None, forks=served):
+        process.start()
+    pids = {**reader.recv(), **reader.recv()}
+    assert _gone(pids["daemon"], 10), "a daemon the core forked (its parent gone) still runs"
+    assert psutil.pid_exists(pids["child"]) and process.is_alive()
+    process.kill()
+    process.join(10)
+    assert _gone(pids["child"], 10), "the core's child still runs after the core was killed"
+
+
+def _gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while psutil.pid_exists(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
