@@ -108,13 +108,14 @@ def _serve(worker: socket.socket) -> list[int] | None:
     check(libc().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)", OSError)
     worker.send(b"ready")
     statuses: dict[int, int] = {}  # a running core's pid: the write end of its sentinel
+    killed: set[int] = set()  # strays killed and not yet reaped
     while True:
         for pid, code in zygote.reaped():
             if (status := statuses.pop(pid, None)) is not None:
                 with contextlib.suppress(OSError):
                     forkserver.write_signed(status, code)
                 os.close(status)
-        strays = _strays(statuses.keys())
+        strays = _strays(statuses.keys(), killed)
         if worker.fileno() < 0:
             if not statuses and not strays:
                 return None
@@ -144,8 +145,9 @@ def _serve(worker: socket.socket) -> list[int] | None:
             os.close(fd)
 
 
-def _strays(cores: Iterable[int]) -> set[int]:
-    """Kill the server's children that are not ``cores`` (see `_serve`); their pids (reaped at the next pass)."""
+def _strays(cores: Iterable[int], killed: set[int]) -> set[int]:
+    """Kill the server's children that are not ``cores`` and not ``killed`` already (see `_serve`; ``killed`` is
+    kept up to date); the pids of all that are not cores (reaped at a later pass)."""
     path = f"/proc/self/task/{os.getpid()}/children"  # the server has one thread, which adopts the orphans
     try:
         children = {int(pid) for pid in Path(path).read_text().split()}
@@ -154,7 +156,9 @@ def _strays(cores: Iterable[int]) -> set[int]:
 
         children = {child.pid for child in psutil.Process().children()}
     strays = children - set(cores)
-    for pid in strays:
+    killed &= strays
+    for pid in strays - killed:
+        killed.add(pid)
         log.warning("killing process %d, which an engine core started and left behind", pid)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
