@@ -69,7 +69,10 @@ class QueueStack:
         self, model_key: str, concurrency: int, tree: Path | None = None, env: dict[str, str] | None = None
     ) -> WorkerProcess:
         """A registered worker of the tiny model under ``model_key``, past its first jobs; ``tree``: run that nnqueue
-        instead of this one (the worker's working folder, which Python searches first)."""
+        instead of this one (the worker's working folder, which Python searches first). Its trust-domain switches
+        verify the live engine unless ``env`` says otherwise: the benchmarks of several owners (fair share, hostile
+        keys) measure the scheduling and the engine's recovery, not a fresh engine at every owner's turn
+        (``trust_domains.py --domain-switch restart`` measures that)."""
         started = time.monotonic()
         log_path = self.work / f"worker-{model_key}.log"
         worker = WorkerProcess(
@@ -77,7 +80,7 @@ class QueueStack:
             self.model_path,
             log_path,
             concurrency,
-            env,
+            {"NNQUEUE_DOMAIN_SWITCH": "verify", **(env or {})},
             engine_args=self.engine_args,
             model_key=model_key,
             cwd=tree,

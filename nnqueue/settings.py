@@ -18,6 +18,10 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# NNQUEUE_DOMAIN_HOLD_S's default for each NNQUEUE_DOMAIN_SWITCH: a switch that starts a fresh engine (17-19 s on one
+# H200 with an 8B model, 9-11 s on a 2-core CPU) is worth a longer turn than one that checks the live engine (60 ms).
+DOMAIN_HOLD_S: dict[str, float] = {"verify": 1.0, "restart": 30.0}
+
 
 class S3Settings(BaseModel):
     """An S3-compatible object store. Credentials may also come from boto3's usual chain when unset."""
@@ -156,13 +160,16 @@ class Settings(BaseSettings):
     trust_domains: Literal["owner", "deployment"] = "owner"
     # How long an engine keeps serving one trust domain's traces once another domain's traces wait; then it takes
     # none of them, and switches when they have ended (nnqueue.scheduler.domain_turns). Longer: fewer switches
-    # (each costs a drain and a check of the weights), longer waits for the other domain.
-    domain_hold_s: float = Field(1.0, gt=0)
-    # What a worker does when its engine moves to another trust domain: "verify" puts back and verifies the engine's
-    # state in the live process (a read of the weights); "restart" first replaces the engine's process with a fresh
-    # one (seconds: set a longer domain_hold_s), so nothing a domain's code did inside the old process, seen by the
-    # guards or not, can reach the next domain.
-    domain_switch: Literal["verify", "restart"] = "verify"
+    # (each costs a drain and a check of the weights, and with "restart" a fresh engine), longer waits for the other
+    # domain. Default: DOMAIN_HOLD_S of the domain_switch.
+    domain_hold_s: float | None = Field(None, gt=0)
+    # What a worker does when its engine moves to another trust domain: "restart" replaces the engine's process with
+    # a fresh one, then verifies it, so nothing a domain's code did inside the old process, seen by the guards or
+    # not, can reach the next domain (seconds a switch: docs/operator/trust-domains.md); "verify" puts back and
+    # verifies the engine's state in the live process (milliseconds), which trusts the protected environment and the
+    # guards to hold against the earlier domain's code. Engines without an in-place restart (the transformers
+    # engine, whose processes are per domain already; a TRL trainer's) verify.
+    domain_switch: Literal["verify", "restart"] = "restart"
     # The engine's network (nnqueue.netns): "isolated" (a namespace of its own, loopback only; needs a root
     # worker), "host", or "auto" (isolated when the worker is root and the executor is not Ray).
     engine_network: Literal["auto", "isolated", "host"] = "auto"
@@ -264,6 +271,8 @@ class Settings(BaseSettings):
                 f"NNQUEUE_DEFAULT_JOB_TIMEOUT_S ({self.default_job_timeout_s:g}): otherwise Redis hands a job that "
                 "is still running to another worker"
             )
+        if self.domain_hold_s is None:
+            self.domain_hold_s = DOMAIN_HOLD_S[self.domain_switch]
         if not self.database_url:
             self.database_url = f"sqlite:///{(self.data_dir / 'nnqueue.db').resolve()}"
         self._store_dir_defaulted = self.store_dir is None
@@ -292,6 +301,12 @@ class Settings(BaseSettings):
         """``database_url``, never None (the settings fill it in)."""
         assert self.database_url is not None
         return self.database_url
+
+    @property
+    def resolved_domain_hold_s(self) -> float:
+        """``domain_hold_s``, never None (the settings fill it in from ``domain_switch``)."""
+        assert self.domain_hold_s is not None
+        return self.domain_hold_s
 
     @property
     def resolved_store_dir(self) -> Path:

@@ -58,6 +58,10 @@ os.environ["COLUMNS"] = "200"
 # compiles the nnqueue modules it imports.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# Trust-domain switches check the live engine here (NNQUEUE_DOMAIN_SWITCH=verify): the default, a fresh engine at each
+# switch, costs 6-10 s a switch on a 2-core machine, which the tests of several owners' traces would pay at every
+# turn. The tests of the fresh engine set "restart" themselves (tests/workers/test_isolation.py).
+os.environ.setdefault("NNQUEUE_DOMAIN_SWITCH", "verify")
 
 
 @pytest.fixture(autouse=True)

@@ -38,6 +38,17 @@ def test_the_embedded_defaults_are_filled_in(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("values", "switch", "hold_s"),
+    [({}, "restart", 30.0), ({"domain_switch": "verify"}, "verify", 1.0), ({"domain_hold_s": 5}, "restart", 5.0)],
+)
+def test_a_fresh_engine_at_each_trust_domain_switch_by_default_with_a_hold_to_match(
+    values: dict[str, object], switch: str, hold_s: float
+) -> None:
+    settings = Settings(**values)  # type: ignore[arg-type]
+    assert (settings.domain_switch, settings.resolved_domain_hold_s) == (switch, hold_s)
+
+
+@pytest.mark.parametrize(
     ("values", "names"),
     [
         ({"worker_heartbeat_s": 30, "worker_stale_after_s": 30}, "NNQUEUE_WORKER_STALE_AFTER_S (30) must be greater"),

@@ -32,10 +32,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from nnqueue.settings import Settings
+from nnqueue.settings import DOMAIN_HOLD_S
 
-# How long a domain keeps an engine once another domain's traces wait: NNQUEUE_DOMAIN_HOLD_S's default.
-DEFAULT_HOLD_S: float = Settings.model_fields["domain_hold_s"].default
+# How long a domain keeps an engine once another domain's traces wait: NNQUEUE_DOMAIN_HOLD_S's default with
+# NNQUEUE_DOMAIN_SWITCH=verify (a worker passes its settings' own).
+DEFAULT_HOLD_S: float = DOMAIN_HOLD_S["verify"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -175,9 +175,8 @@ def run_worker(
     )
     base = base_version(model, engine_kwargs.get("revision"))
     gate = WeightsGate(*base)
-    turns = DomainTurns(settings.domain_hold_s)
+    turns = DomainTurns(settings.resolved_domain_hold_s)
     runner = JobRunner(sessions, executor, model_key, worker_id, health, gate, containment, turns)
-    runner.fresh_engine_at_switch = settings.domain_switch == "restart"
     register_run_job(app, host, runner)
     chunks, points, updater, taps = None, None, None, ()
     if vllm_executor is not None:  # harvests run on vLLM engines (the in-engine capture path)
@@ -283,6 +282,9 @@ def run_worker(
     if vllm_executor is not None and chunks is not None and updater is not None and trainer is None:
         load = functools.partial(_load_vllm, model, engine_kwargs, containment, view, vllm_executor.builders)
         health.restart = EngineRestart(load, vllm_executor, chunks, updater, base, crash_dir, hand_back)
+    runner.fresh_engine_at_switch = settings.domain_switch == "restart" and health.restart is not None
+    if settings.domain_switch == "restart" and health.restart is None:
+        log.info("trust-domain switches verify the live engine: this engine has no in-place restart")
 
     next_reconcile = 0.0
 
