@@ -143,8 +143,21 @@ BLOCKED_SUBMODULES = frozenset(
         "nnsight.ndif",
         "nnsight.intervention.backends",
         "nnsight.modeling.vllm.serve",
+        # Helpers that unpickle their argument with the real pickle (any global, any call): the engine's
+        # ``merge_collected`` and the worker's ``collect_nnsight`` (``pickle.loads``), ``ResponseModel.unpickle``
+        # (``torch.load(weights_only=False)``), torch's pickle inspectors (``DumpUnpickler`` subclasses pickle's
+        # ``_Unpickler``, whose ``find_class``, reached with ``super()``, imports any module).
+        "nnsight.modeling.vllm.engines",
+        "nnsight.modeling.vllm.workers",
+        "nnsight.schema.response",
+        "torch.utils.show_pickle",
+        "torch.utils.model_dump",
     }
 )
+# Package names that are never importable, in any allowed package: the libraries' own test suites, which import
+# what intervention code may not (``numpy.tests.test_lazyloading.find_spec`` is importlib's: its loaders return
+# any module; ``einops.tests.run_tests.Popen``, ``numpy.tests.test_ctypeslib``...).
+BLOCKED_PACKAGE_PARTS = frozenset({"tests", "conftest"})
 # Only for unpickling: what nnsight's payloads are built from, beside the allowed modules.
 DESERIALIZATION_MODULES = frozenset(
     {"copyreg", "collections", "cloudpickle", "_codecs", "vllm.sampling_params", "vllm.model_executor.layers"}
@@ -169,7 +182,8 @@ HIDDEN_ATTRIBUTES = {
     "operator": frozenset({"attrgetter", "methodcaller"}),
     "_operator": frozenset({"attrgetter", "methodcaller"}),
     "torch": frozenset({"load", "save", "from_file", "load_library"}),
-    "numpy": frozenset({*NUMPY_FILE_FUNCTIONS, "open_memmap", "DataSource", "as_strided"}),
+    # ``test``: each numpy package's pytest runner (``numpy.test()`` imports and runs the test suites)
+    "numpy": frozenset({*NUMPY_FILE_FUNCTIONS, "open_memmap", "DataSource", "as_strided", "test"}),
 }
 # Attribute names refused wherever intervention code names them (code, getattr, unpickled references), on any
 # object: native constructors that open a file by name, which no audit event reports (torch's
@@ -192,6 +206,57 @@ NATIVE_ATTRIBUTES = frozenset(
         "_evaluate",
         "_eval_type",
         "import_module",  # torch.ops.import_module: importlib.import_module of any module
+        # enum's _convert_: any module's globals by name (``sys.modules[module].__dict__``), read and overwritten
+        "_convert_",
+        # ctypes' raw-memory constructors (any ctypes type, however reached: ``torch.xpu.c_void_p``)
+        "from_address",
+        "from_buffer",
+        "from_buffer_copy",
+        "in_dll",
+        # an unpickler's find_class (pickle's own, reached with ``super()`` from a subclass): any module's global
+        "find_class",
+        # numpy's NDArrayOperatorsMixin.um: the raw module numpy._core.umath, a class attribute (a module reached
+        # through a class is not wrapped): its ``numpy`` is the real numpy (``load``, private modules, their ``os``)
+        "um",
+    }
+)
+# Modules whose classes and functions intervention code may not hold, whatever allowed module re-exports them
+# (ProtectedModule refuses other packages' modules, not what they define): ``torch.xpu.c_void_p`` is ctypes' (raw
+# memory), ``json.tool.Path`` pathlib's, ``nnsight.schema.config.files`` importlib's (imports any package).
+REFUSED_ORIGINS = frozenset(
+    {
+        "ctypes",
+        "_ctypes",
+        "pathlib",
+        "os",
+        "posix",
+        "io",
+        "_io",
+        "subprocess",
+        "importlib",
+        "pickle",
+        "_pickle",
+        "marshal",
+        "tempfile",
+        "shutil",
+        "socket",
+        "_socket",
+        "sys",
+        "gc",
+        "inspect",
+        "multiprocessing",
+        "mmap",
+        "zipfile",
+        "tarfile",
+        "urllib",
+        "http",
+        "pkgutil",
+        "pydoc",
+        "runpy",
+        "code",
+        "codeop",
+        "zipimport",
+        "signal",
     }
 )
 # Attribute names refused when intervention code reads them as attributes (not as names): ``str.format`` and
@@ -464,7 +529,7 @@ def is_allowed_module(name: str, deserializing: bool = False) -> bool:
     """Whether module ``name`` (or its package) is allow-listed and not a blocked submodule."""
     parts = name.split(".")
     prefixes = {".".join(parts[: index + 1]) for index in range(len(parts))}
-    if prefixes & BLOCKED_SUBMODULES:
+    if prefixes & BLOCKED_SUBMODULES or not BLOCKED_PACKAGE_PARTS.isdisjoint(parts[1:]):
         return False
     allowed = ALLOWED_MODULES | _extra_modules
     if deserializing:
@@ -509,6 +574,8 @@ def _reachers() -> dict[str, Any]:
     any attribute by name (``_set_obj_state``), or read and write files natively,
     where no audit event reports it (``torch.from_file`` and every storage class's ``from_file``, torch's zip
     archive reader and writer); with the Python-level file readers hidden by name (:data:`HIDDEN_ATTRIBUTES`)."""
+    import enum
+    import functools
     import operator
 
     import numpy
@@ -526,9 +593,29 @@ def _reachers() -> dict[str, Any]:
         "torch.save": torch.save,
         "torch.PyTorchFileReader": torch.PyTorchFileReader,
         "torch.PyTorchFileWriter": torch.PyTorchFileWriter,
+        # copy any attribute by name with the real getattr/setattr (``assigned=('__globals__',)``)
+        "functools.update_wrapper": functools.update_wrapper,
+        "functools.wraps": functools.wraps,
+        # writes its members into ``sys.modules[cls.__module__]``, a module the class names itself
+        "enum.global_enum": enum.global_enum,
+        # ``__import__`` of any module by name
+        "numpy.lib.add_newdoc": numpy.lib.add_newdoc,
+        # the module torch.<device> by name, unwrapped: its ``torch`` is the real torch (private modules and all)
+        "torch.get_device_module": torch.get_device_module,
     }
     for name in NUMPY_FILE_FUNCTIONS:
         found[f"numpy.{name}"] = getattr(numpy, name)
+    # The real pickle, where another module imported them (their own modules are BLOCKED_SUBMODULES).
+    for module, name in (
+        ("nnsight.modeling.vllm.engines.engine", "merge_collected"),
+        ("nnsight.modeling.vllm.workers.GPUWorker", "NNsightGPUWorker.collect_nnsight"),
+        ("nnsight.schema.response", "ResponseModel.unpickle"),
+    ):
+        value: Any = sys.modules.get(module)
+        for part in name.split(".") if value is not None else ():
+            value = getattr(value, part, None)
+        if value is not None:
+            found[f"{module}.{name}"] = value
     storages: list[Any] = [torch.UntypedStorage, torch.TypedStorage] + [
         value for name, value in vars(torch).items() if name.endswith("Storage") and isinstance(value, type)
     ]
@@ -563,6 +650,8 @@ def refuse_unsafe(value: Any) -> None:
     """Refuse ``value`` if it is one of the callables intervention code may never hold (see `_unsafe_values`),
     compared by identity, not by name: it is refused however it was reached (a module's attribute, ``getattr``,
     a payload's global, ``Envoy.get``)."""
+    if _refused_origin(value):
+        raise refused(f"{_short(value)} of {_origin(value)} (re-exported by an allowed module)")
     if not callable(value):
         return
     if isinstance(value, type) and issubclass(value, type):
@@ -574,6 +663,19 @@ def refuse_unsafe(value: Any) -> None:
     if what == "code":
         raise refused(f"{name} (it evaluates or formats strings outside the protected environment)")
     raise refused(f"{name} (it reaches any module, attribute or file outside the protected environment's checks)")
+
+
+def _origin(value: Any) -> Any:
+    """The module that defined ``value`` (a class or function), or its class (anything else)."""
+    defining = value if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)) else type(value)
+    return getattr(defining, "__module__", None)
+
+
+def _refused_origin(value: Any) -> bool:
+    if isinstance(value, types.ModuleType):
+        return False  # modules have their own rule (`protect`)
+    origin = _origin(value)
+    return isinstance(origin, str) and origin.split(".", 1)[0] in REFUSED_ORIGINS
 
 
 def refused(what: str) -> ProtectedEnvironmentError:
@@ -1376,6 +1478,7 @@ def install(extra_modules: Iterable[str] = ()) -> None:
 
         Mediator._run = checked_run
         _guard_envoy_lookups()
+        _guard_attribute_walkers()
         _guard_enum_api()
         _unsafe_values()  # built now, so that the engine's state guard takes them for its reference
         _reconstructor_ids()
@@ -1448,6 +1551,55 @@ def _guard_envoy_lookups() -> None:
     get.__doc__, getitem.__doc__ = Envoy.get.__doc__, original_getitem.__doc__
     Envoy.get = get
     Envoy.__getitem__ = getitem
+
+
+def _guard_attribute_walkers() -> None:
+    """Library classes that look attributes up by a name they are given, with the real ``getattr``, each step
+    through :func:`guarded_getattr` instead: nnsight's ``CacheView`` walks a dotted key (``cache["a.__globals__"]``,
+    the object reached kept as its ``_envoy``), numpy.ma's function wrappers take any numpy attribute by name
+    (``type(numpy.ma.arange)("load", "", "")._func``: ``numpy.load``, or a private module)."""
+    from nnsight.intervention.cache import CacheView
+    from numpy.ma import core
+
+    def child(self: CacheView, name: str) -> Any:
+        if self._envoy is None:
+            model = self._cache.model
+            if name == model.path:
+                return model
+            return guarded_getattr(model, name)
+        if name.lstrip("-").isdigit():
+            return self._envoy[int(name)]
+        return guarded_getattr(self._envoy, name)
+
+    child.__doc__ = CacheView._child.__doc__
+    CacheView._child = child
+
+    from numpy.ma import extras
+
+    # numpy.ma's wrappers of numpy functions by name: _convert2ma keeps getattr(numpy, name) as its _func;
+    # _frommethod and _fromnxfunction look the name up (on numpy, or the array's class) when called.
+    wrappers = (core._convert2ma, core._frommethod, extras._fromnxfunction)
+    for wrapper in wrappers:
+        wrapper.__init__ = _checked_numpy_name(wrapper.__init__)  # type: ignore[method-assign]
+
+
+def _checked_numpy_name(init: Any) -> Any:
+    def __init__(self: Any, funcname: Any, *args: Any, **kwargs: Any) -> None:
+        if (
+            not isinstance(funcname, str)
+            or funcname.startswith("_")
+            or is_refused_attribute(funcname)
+            or funcname in HIDDEN_ATTRIBUTES["numpy"]
+        ):
+            raise refused(f"numpy.ma's wrapper of numpy.{funcname}")
+        init(self, funcname, *args, **kwargs)
+        function = getattr(self, "_func", None)
+        if isinstance(function, types.ModuleType):
+            raise refused(f"numpy.ma's wrapper of the module numpy.{funcname}")
+        refuse_unsafe(function)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
 
 
 def _guard_enum_api() -> None:

@@ -359,3 +359,68 @@ def test_enums_functional_api_is_checked_once_installed() -> None:
     with pytest.raises(ProtectedEnvironmentError, match="'__array_interface__'"):
         protected.check_class(planted)
     protected.check_class(enum.Enum("Fine", ["A", "B"]))
+
+
+# --- the library-function scan: helpers that reach any module, attribute or memory by a name they are given ---
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        # enum's _convert_: sys.modules[module].__dict__, read (the real builtins.getattr, raw sys) and overwritten
+        ("import enum\nE = enum.Enum._convert_('E', 'typing', lambda n: n == 'sys')", "'_convert_'"),
+        ("import enum\nf = getattr(enum.Enum, '_conv' + 'ert_')", "'_convert_'"),
+        # enum.global_enum writes the members into the module the class names as its __module__ (protected's own)
+        ("import enum\nf = enum.global_enum", "enum.global_enum"),
+        ("import re\nf = re.enum.global_enum", "enum.global_enum"),
+        # functools.update_wrapper copies any attribute by name: assigned=('__globals__',)
+        ("import functools\nf = functools.update_wrapper", "functools.update_wrapper"),
+        ("from functools import wraps", "functools.wraps"),
+        # numpy's add_newdoc: __import__ of any module
+        ("import numpy\nf = numpy.lib.add_newdoc", "numpy.lib.add_newdoc"),
+        # torch.get_device_module("cpu"): the module torch.cpu unwrapped, whose torch is the real one (round 4, E17)
+        ("import torch\nf = torch.get_device_module", "torch.get_device_module"),
+        # ctypes re-exported by torch.xpu: from_address reads and writes any address
+        ("import torch\nP = torch.xpu.c_void_p", "ctypes"),
+        ("import torch\nf = torch.xpu.cast", "ctypes"),
+        ("def f(P):\n    return P.from_address(0)", "'from_address'"),
+        # other modules' classes and functions re-exported by allowed modules
+        ("from json.tool import Path", "pathlib"),
+        ("from nnsight.schema.config import files", "importlib"),
+        # the libraries' test suites (importlib's find_spec, subprocess, ctypes, tempfile...)
+        ("from numpy.tests.test_lazyloading import find_spec", "numpy.tests.test_lazyloading"),
+        ("import numpy.lib.tests.test_io", "numpy.lib.tests.test_io"),
+        ("from einops.tests import run_tests", "einops.tests"),
+        # the real pickle: pickle's find_class through super(), nnsight's and torch's unpicklers of any bytes
+        ("from torch.utils.show_pickle import DumpUnpickler", "torch.utils.show_pickle"),
+        ("def f(U, u):\n    return super(U, u).find_class('sys', 'modules')", "'find_class'"),
+        ("from nnsight.modeling.vllm.engines.engine import merge_collected", "nnsight.modeling.vllm.engines"),
+        ("from nnsight.modeling.vllm.workers import GPUWorker", "nnsight.modeling.vllm.workers"),
+        ("from nnsight.schema.response import ResponseModel", "nnsight.schema.response"),
+        # a raw module through a class attribute: numpy._core.umath, whose numpy is the unwrapped numpy
+        ("import numpy\nraw = numpy.lib.mixins.NDArrayOperatorsMixin.um.numpy", "'um'"),
+        ("import numpy\nf = numpy.test", "numpy.test"),
+        ("import numpy\nf = numpy.linalg.test", "numpy.linalg.test"),
+    ],
+)
+def test_library_helpers_that_reach_anything_by_name_are_refused(source: str, named: str) -> None:
+    with pytest.raises((ProtectedEnvironmentError, AttributeError), match=named.replace(".", r"\.")):
+        run(source)
+
+
+def test_a_payload_cannot_name_the_scans_helpers_either() -> None:
+    for module, name in (("enum", "global_enum"), ("functools", "update_wrapper"), ("torch.xpu", "c_void_p")):
+        with pytest.raises(ProtectedEnvironmentError):
+            protected.find_class(module, name)
+    with pytest.raises(ProtectedEnvironmentError):
+        protected.find_class("numpy.tests.test_lazyloading", "find_spec")
+
+
+def test_enums_functools_and_numpy_ma_still_work() -> None:
+    scope = run(
+        "import enum, functools, numpy\n"
+        "class Color(enum.Enum):\n    RED = 1\n    BLUE = 2\n"
+        "m = numpy.ma.masked_array([1, 2, 3], mask=[0, 1, 0])\n"
+        "result = (Color.RED.value, functools.reduce(lambda a, b: a + b, [1, 2]), int(numpy.ma.sum(m)))"
+    )
+    assert scope["result"] == (1, 3, 4)

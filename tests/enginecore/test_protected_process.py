@@ -151,3 +151,60 @@ def test_once_locked_down_no_thread_of_the_process_may(outcome: dict[str, Any], 
 @pytest.mark.parametrize("scenario", ["unix_connect", "locked_plain_thread", "locked_write"])
 def test_once_locked_down_local_work_goes_on(outcome: dict[str, Any], scenario: str) -> None:
     assert outcome[scenario].startswith("ran: "), outcome[scenario]
+
+
+# --- installed, in a child process: the guarded walkers, and that nothing reached switches the audit hook off ---
+
+SCAN_SCENARIOS = textwrap.dedent(
+    """
+    import json, sys
+    import numpy, torch, enum
+    from nnqueue.enginecore import protected
+
+    results = {}
+
+    def attempt(name, source):
+        scope = {"__builtins__": protected.SAFE_BUILTINS}
+        try:
+            code = compile(source, "<intervention>", "exec")
+            protected.check_code(code)
+            exec(code, scope)
+        except protected.ProtectedEnvironmentError as error:
+            results[name] = "refused: " + str(error)[:160]
+        except Exception as error:
+            results[name] = f"error: {type(error).__name__}: {error}"[:200]
+        else:
+            results[name] = "ran: " + repr(scope.get("result"))[:200]
+
+    protected.install()
+    cache = (
+        "from nnsight.intervention.cache import CacheView\\n"
+        "class Holder:\\n    path = 'root'\\n    f = enum.unique\\n"
+        "class FakeCache:\\n    entries = {}\\n    model = Holder()\\n"
+    )
+    attempt("cacheview", "import enum\\n" + cache + "result = CacheView(FakeCache(), None)['root.f.__glo' + 'bals__']._envoy")
+    attempt("convert2ma_load", "import numpy\\nresult = type(numpy.ma.arange)('load', '', '')._func")
+    attempt("convert2ma_private", "import numpy\\nresult = type(numpy.ma.arange)('_core', '', '')._func")
+    attempt("frommethod_hidden", "import numpy\\nresult = type(numpy.ma.sum)('fromfile')")
+    attempt("numpy_ma_works", "import numpy\\nresult = (numpy.ma.arange(3).tolist(), int(numpy.ma.sum(numpy.ma.arange(3))))")
+    attempt(
+        "global_enum",
+        "import enum\\nclass E(frozenset, enum.Enum):\\n    __module__ = 'nnqueue.enginecore.protected'\\n"
+        "    _WATCHED_EVENTS = ((),)\\nenum.global_enum(E)",
+    )
+    results["hook_intact"] = type(protected._WATCHED_EVENTS) is frozenset and "open" in protected._WATCHED_EVENTS
+    results["builtins_getattr_intact"] = getattr(__import__("builtins"), "getattr") is getattr
+    print(json.dumps(results))
+    """
+)
+
+
+def test_installed_walkers_and_writers_are_refused() -> None:
+    out = subprocess.run([sys.executable, "-c", SCAN_SCENARIOS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "'__globals__'" in results["cacheview"]  # each step through guarded_getattr
+    for name in ("convert2ma_load", "convert2ma_private", "frommethod_hidden", "global_enum"):
+        assert results[name].startswith("refused"), (name, results[name])
+    assert results["numpy_ma_works"] == "ran: ([0, 1, 2], 3)"
+    assert results["hook_intact"] and results["builtins_getattr_intact"]
