@@ -258,7 +258,10 @@ class StateGuard:
         from torch._dynamo.mutation_guard import install_generation_tagging_init
 
         install_generation_tagging_init()
-        self.containers = list(_Walk(self.model, self.roots, self.extra_modules).containers())
+        # The shaped objects' classes too: a fourth red-team round put a method on the tokenizer's class (vLLM's
+        # CachedTokenizer), which the engine calls after every step of every domain.
+        walk = _Walk(self.model, [*self.roots, *self.shaped], self.extra_modules)
+        self.containers = list(walk.containers())
         imported = frozenset(sys.modules)
         for container in self.containers:
             container.saved, container.modules = _read(container), imported
@@ -695,6 +698,9 @@ ENGINE_MODULES = (
     "safetensors.torch",
     "_thread",
     "warnings",
+    # its classes: a method put on Logger (``type(torch.autograd.graph.log)``) ran at every log line of the engine,
+    # the trust-domain switch's own included (a fourth red-team round)
+    "logging",
 )
 # Of those, the modules whose globals are put back but blamed on no trace alone in its step (lazy): the warnings
 # module's are rebound for a while by every ``warnings.catch_warnings()``, which any library may enter.

@@ -153,6 +153,40 @@ def tokenizer_attribute(client: VLLM) -> bytes:
     return backend.payload
 
 
+def tokenizer_class(client: VLLM) -> bytes:
+    """A fourth red-team round (E19): the same function on the tokenizer's class (vLLM's ``CachedTokenizer``), which
+    the third round's fix (the tokenizer's own attributes) did not hold: it read and zeroed later domains' KV cache."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        cls = type(client.tokenizer)
+        original = cls.convert_tokens_to_ids
+
+        def convert(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(self, *args, **kwargs)
+
+        cls.convert_tokens_to_ids = convert
+        logits = client.logits.save()
+    return backend.payload
+
+
+def logger_class(client: VLLM) -> bytes:
+    """A fourth red-team round (E20): a method on ``logging.Logger``, a library logger's class reached from an allowed
+    module, runs at every log line of the engine, a trust-domain switch's own included."""
+    backend = PrebuiltBackend()
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        import torch as t
+
+        cls = type(t.autograd.graph.log)
+        original = cls.handle
+
+        def handle(self: Any, record: Any) -> Any:
+            return original(self, record)
+
+        cls.handle = handle
+        logits = client.logits.save()
+    return backend.payload
+
+
 def reducer(client: VLLM) -> bytes:
     """The second red-team round (E3): a reducer for tensors in copyreg's dispatch table, which the result writers'
     pickling consults for every later result (it zeroed them, digests valid)."""
@@ -173,6 +207,8 @@ def reducer(client: VLLM) -> bytes:
         (plain_attribute, "model.norm"),
         (interleaver_handle, "VLLMInterleaver (the engine's)"),
         (tokenizer_attribute, "Tokenizer (the engine's)"),
+        (tokenizer_class, "CachedTokenizer"),
+        (logger_class, "class logging.Logger"),
         (reducer, "copyreg.dispatch_table"),
         (buffer, "model.layers.0.self_attn.rotary_emb.cos_sin_cache (buffer)"),
         (hook, "model.norm._forward_hooks"),
