@@ -24,13 +24,13 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from nnqueue.enginecore import stall_beacon
 from nnqueue.workers.chunk_execution import ChunkRunner
 from nnqueue.workers.weights import CheckpointUpdater
 
@@ -94,8 +94,13 @@ def wait_ended(processes: list[Any], timeout_s: float) -> None:
 
 
 def clear_reports(crash_dir: Path) -> None:
-    """Remove the dead engine's crash reports and stall beacons (:mod:`nnqueue.enginecore.crash_report`,
-    :mod:`nnqueue.enginecore.stall_beacon`): the next death must be read from the fresh engine's."""
-    for pattern in ("crash-*", f"{stall_beacon.PREFIX}*"):
-        for path in crash_dir.glob(pattern):
+    """Empty the crash report folder of the dead engine's crash reports and stall beacons
+    (:mod:`nnqueue.enginecore.crash_report`, :mod:`nnqueue.enginecore.stall_beacon`): the next death must be read
+    from the fresh engine's. Whatever else the old engine put there goes too: the folder is the one place its
+    processes can write that the fresh engine's share (a fourth red-team round left a file there for the next trust
+    domain's engine, under ``NNQUEUE_DOMAIN_SWITCH=restart``)."""
+    for path in crash_dir.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
             path.unlink(missing_ok=True)

@@ -390,3 +390,23 @@ def test_a_fresh_engine_in_place_of_a_dead_one_serves_the_swapped_weights(
     for name, value in before.items():
         assert torch.equal(saves[name], value), name
     assert "replaying" in worker.log() and "starting it again" not in worker.log()
+
+
+def test_a_restart_empties_the_crash_report_folder_and_follows_no_link(tmp_path: Path) -> None:
+    """The crash report folder is the one place an engine writes that the next engine's processes share: what the
+    old one left there (a report, a beacon, any file or folder) goes, and a link is removed, not followed."""
+    from nnqueue.workers.engine_restart import clear_reports
+
+    crash_dir, outside = tmp_path / "crash", tmp_path / "outside"
+    crash_dir.mkdir()
+    outside.mkdir()
+    (outside / "kept.txt").write_text("the worker's")
+    (crash_dir / "crash-1.json").write_text("{}")
+    (crash_dir / "switch-1.bin").write_bytes(b"\0")
+    (crash_dir / "left-for-the-next-domain").write_text("mallory's")
+    (crash_dir / "folder").mkdir()
+    (crash_dir / "folder" / "inside").write_text("mallory's")
+    (crash_dir / "link").symlink_to(outside)
+    clear_reports(crash_dir)
+    assert list(crash_dir.iterdir()) == []
+    assert (outside / "kept.txt").read_text() == "the worker's"
