@@ -578,6 +578,7 @@ def _reachers() -> dict[str, Any]:
     import functools
     import operator
 
+    import einops.einops
     import numpy
     import torch
     from nnsight import util
@@ -602,6 +603,12 @@ def _reachers() -> dict[str, Any]:
         "numpy.lib.add_newdoc": numpy.lib.add_newdoc,
         # the module torch.<device> by name, unwrapped: its ``torch`` is the real torch (private modules and all)
         "torch.get_device_module": torch.get_device_module,
+        # torch's tables of its own functions, which hold the file readers refused here (``torch.from_file``)
+        "torch.overrides.get_ignored_functions": torch.overrides.get_ignored_functions,
+        "torch.overrides.get_testing_overrides": torch.overrides.get_testing_overrides,
+        "torch.overrides.get_overridable_functions": torch.overrides.get_overridable_functions,
+        # einops' backend for a tensor, which holds the real module it wraps (``get_backend(x).torch``)
+        "einops.einops.get_backend": einops.einops.get_backend,
     }
     for name in NUMPY_FILE_FUNCTIONS:
         found[f"numpy.{name}"] = getattr(numpy, name)

@@ -380,6 +380,10 @@ def test_enums_functional_api_is_checked_once_installed() -> None:
         ("import numpy\nf = numpy.lib.add_newdoc", "numpy.lib.add_newdoc"),
         # torch.get_device_module("cpu"): the module torch.cpu unwrapped, whose torch is the real one (round 4, E17)
         ("import torch\nf = torch.get_device_module", "torch.get_device_module"),
+        # a set of torch's functions that holds torch.from_file (round 4, E21)
+        ("import torch\nf = torch.overrides.get_ignored_functions", "torch.overrides.get_ignored_functions"),
+        # einops' backend object holds the real torch (round 4, E22)
+        ("import einops\nf = einops.einops.get_backend", "einops.einops.get_backend"),
         # ctypes re-exported by torch.xpu: from_address reads and writes any address
         ("import torch\nP = torch.xpu.c_void_p", "ctypes"),
         ("import torch\nf = torch.xpu.cast", "ctypes"),
