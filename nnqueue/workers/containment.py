@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,9 +166,11 @@ def model_files(model: str) -> list[Path]:
     return [config.absolute()] if config.is_file() else []
 
 
-def engine_view(model: str, engine_kwargs: dict[str, Any], writable: list[Path]) -> mountns.View:
+def engine_view(
+    model: str, engine_kwargs: dict[str, Any], writable: list[Path], readable: Sequence[Path] = ()
+) -> mountns.View:
     """The filesystem view of the engine's processes, exported for the children that enter it themselves: what
-    :func:`engine_reads` names, read-only; ``writable`` (the handoff and crash folders), a folder of root's for
+    :func:`engine_reads` names and ``readable``, read-only; ``writable`` (the handoff and crash folders), a folder of root's for
     vLLM's ``ipc://`` sockets (``VLLM_RPC_BASE_PATH``: the worker makes them, the engine connects before it drops
     to the engine user) and the caches of compiled kernels, which the engine fills as root before the switch
     (vLLM's, inductor's and, where Triton is installed, Triton's: reused at the next start), writable."""
@@ -182,7 +185,7 @@ def engine_view(model: str, engine_kwargs: dict[str, Any], writable: list[Path])
     for cache in caches:
         cache.mkdir(parents=True, exist_ok=True)
     view = mountns.plan(
-        engine_reads(model, engine_kwargs),
+        [*engine_reads(model, engine_kwargs), *readable],
         [*writable, sockets, *caches],
         home=Path.home(),
         sockets_kept=sockets,

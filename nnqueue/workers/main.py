@@ -34,9 +34,11 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import prometheus_client
@@ -132,11 +134,15 @@ def run_worker(
         os.environ[WORKER_PID_ENV] = str(os.getpid())
         crash_dir = isolation.engine_writable_dir("nnqueue-crash-", containment.engine_user or "")
         os.environ[CRASH_DIR_ENV] = str(crash_dir)
+        # Where weights updates wait for the engine: the worker's, readable by the engine, never writable by it (root
+        # writes there: a folder the engine user could change would take the worker's writes where it links them).
+        staging = Path(tempfile.mkdtemp(prefix="nnqueue-weights-"))
+        staging.chmod(0o755)
         sinks = ResultSinks(
             store, settings.resolved_store_dir / ".handoff", settings.worker_handoff_dir, settings.max_result_bytes
         )
         view = (
-            engine_view(model, engine_kwargs, [crash_dir, sinks.handoff_dir()])
+            engine_view(model, engine_kwargs, [crash_dir, sinks.handoff_dir()], readable=[staging])
             if containment.filesystem_private
             else None
         )
@@ -187,7 +193,7 @@ def run_worker(
             gate,
             model_key,
             worker_id,
-            crash_dir,
+            staging,
             broken=lambda: _restart_for_weights(health),
             staged=view is not None,
         )
@@ -331,6 +337,7 @@ def run_worker(
         host.call(executor.close())
         host.stop()
         shutil.rmtree(crash_dir, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         if view is not None and view.sockets_kept:
             shutil.rmtree(view.sockets_kept, ignore_errors=True)
     if health.dead.is_set():
