@@ -179,7 +179,7 @@ class EngineHealth:
     # Called once the jobs are settled, to stop the process (default: a warm shutdown, SIGTERM).
     stop: Callable[[], None] = field(default=lambda: os.kill(os.getpid(), signal.SIGTERM))
     # Called once the jobs are settled, to start a fresh engine in this process; None, or when it raises: ``stop``.
-    restart: Callable[[], Awaitable[None]] | None = None
+    restart: Callable[[str], Awaitable[None]] | None = None  # called with why: what the jobs handed back say
     gate: EngineGate = field(default_factory=EngineGate)
     dead: threading.Event = field(default_factory=threading.Event)
     generation: int = 0  # the engine serving now: how many have been replaced before it
@@ -229,7 +229,7 @@ class EngineHealth:
         await asyncio.to_thread(self._settle_jobs, replaced)
         if self.restart is not None:
             try:
-                await self.restart()
+                await self.restart(f"its engine was replaced: {replaced}" if replaced else "its engine died")
             except Exception:  # the supervisor's fresh worker is the way out
                 log.exception("a fresh engine could not be started in this worker; the worker restarts")
             else:

@@ -54,9 +54,9 @@ class EngineRestart:
     crash_dir: Path
     hand_back: Callable[[str], None]  # requeue what the worker holds and abort its runs here
 
-    async def __call__(self) -> None:
+    async def __call__(self, why: str = "its engine died") -> None:
         began = time.monotonic()
-        await asyncio.to_thread(self.hand_back, "its engine died")
+        await asyncio.to_thread(self.hand_back, why)
         # The old core's client: its sockets closed, what is left of its processes killed at once (a dead core has
         # nothing to tear down; a live one that a domain switch replaces spent vLLM's 5 s grace period tearing down
         # on one H200), and their end awaited, so that the fresh engine finds their memory free.
@@ -74,7 +74,8 @@ class EngineRestart:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
-        log.info("a fresh engine serves, %.1f s after the engine died", time.monotonic() - began)
+        since = "the engine died" if why == "its engine died" else "its replacement began"
+        log.info("a fresh engine serves, %.1f s after %s", time.monotonic() - began, since)
 
 
 def engine_processes(entrypoint: Any) -> list[Any]:

@@ -71,7 +71,7 @@ def test_a_fresh_engine_serves_once_the_jobs_are_settled_and_a_late_death_of_the
     sessions = session_factory(make_engine(any_database))
     started: list[JobStatus] = []
 
-    async def restart() -> None:  # the worker's EngineRestart; a real one: tests/workers/test_engine_restart.py
+    async def restart(why: str) -> None:  # the worker's EngineRestart; a real one: tests/workers/test_engine_restart.py
         with sessions() as session:
             started.extend(session.scalars(select(Job.status)))  # the dead engine's jobs are settled first
 
@@ -90,7 +90,7 @@ def test_a_fresh_engine_serves_once_the_jobs_are_settled_and_a_late_death_of_the
 def test_a_worker_whose_fresh_engine_does_not_start_stops_and_hands_its_work_back(
     any_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def restart() -> None:
+    async def restart(why: str) -> None:
         raise RuntimeError("no memory for a second engine")
 
     _, health, stopped = crash_alone(any_database, tmp_path, RuntimeError("boom"), monkeypatch, restart)
@@ -118,7 +118,7 @@ def test_a_replaced_engine_sends_every_job_back_as_it_was_and_blames_none(
     statuses = [services.job(job_id).status for job_id in jobs]
     assert statuses == [JobStatus.RUNNING] * 2  # nothing was settled
 
-    async def restart() -> None:
+    async def restart(why: str) -> None:
         return None
 
     replacing = health(restart)
