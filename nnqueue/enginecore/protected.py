@@ -1584,10 +1584,17 @@ def _guard_attribute_walkers() -> None:
     from numpy.ma import extras
 
     # numpy.ma's wrappers of numpy functions by name: _convert2ma keeps getattr(numpy, name) as its _func;
-    # _frommethod and _fromnxfunction look the name up (on numpy, or the array's class) when called.
-    wrappers = (core._convert2ma, core._frommethod, extras._fromnxfunction)
-    for wrapper in wrappers:
-        wrapper.__init__ = _checked_numpy_name(wrapper.__init__)  # type: ignore[method-assign]
+    # _frommethod and the _fromnxfunction classes look the name up (on numpy, or the array's class) when called.
+    # Which classes define the constructor differs between numpy's versions (2.3: the _fromnxfunction base; the
+    # GPU images' numpy: not that name): each that defines one is checked.
+    for module in (core, extras):
+        for name, wrapper in list(vars(module).items()):
+            if (
+                isinstance(wrapper, type)
+                and name.startswith(("_convert2ma", "_frommethod", "_fromnxfunction"))
+                and "__init__" in vars(wrapper)
+            ):
+                wrapper.__init__ = _checked_numpy_name(wrapper.__init__)  # type: ignore[misc]
 
 
 def _checked_numpy_name(init: Any) -> Any:
