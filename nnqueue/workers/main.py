@@ -70,7 +70,7 @@ from nnqueue.workers.containment import engine_core_kwargs, engine_view, isolate
 from nnqueue.workers.drain import Drain
 from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
-from nnqueue.workers.engine_restart import EngineRestart
+from nnqueue.workers.engine_restart import EngineRestart, engine_processes
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks
@@ -255,7 +255,9 @@ def run_worker(
             )
         )
     if vllm_executor is not None:  # its engine publishes its switches (enginecore.stall_beacon)
-        StallDeadline(crash_dir, settings.engine_stall_timeout_s).start()
+        StallDeadline(
+            crash_dir, settings.engine_stall_timeout_s, functools.partial(_engine_cores, vllm_executor)
+        ).start()
     bulk = None
     if chunks is not None:
         RUNNING_CHUNKS.labels(model_key).set_function(lambda: len(chunks.running_chunks()))
@@ -342,6 +344,11 @@ def run_worker(
             shutil.rmtree(view.sockets_kept, ignore_errors=True)
     if health.dead.is_set():
         sys.exit(EXIT_ENGINE_DIED)  # the supervisor starts a fresh worker
+
+
+def _engine_cores(executor: VLLMTraceExecutor) -> list[int]:
+    """The pids of the engine core processes of ``executor``'s engine now (a fresh one's after a restart)."""
+    return [process.pid for process in engine_processes(executor.model.vllm_entrypoint)]
 
 
 def _restart_for_weights(health: EngineHealth) -> None:

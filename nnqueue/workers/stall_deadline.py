@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 from nnqueue.enginecore.crash_report import save_report
@@ -35,13 +36,17 @@ STALL_CAUSE = "stall"
 class StallDeadline(threading.Thread):
     """See the module doc; ``crash_dir``: the engine's crash report directory. Watches every engine the worker
     starts there (a fresh one replaces a killed one: :mod:`nnqueue.workers.engine_restart`), each switch at most
-    once."""
+    once. ``engine_cores``: the pids of the engine's core processes now; only those and their descendants are
+    killed. A beacon is a file the engine's processes write, and its name says whose it is: a fourth red-team round
+    wrote one named for the trace builders' root zygote, and the worker killed that (and restarted, every domain
+    without service for 75 s)."""
 
-    def __init__(self, crash_dir: Path, stall_timeout_s: float) -> None:
+    def __init__(self, crash_dir: Path, stall_timeout_s: float, engine_cores: Callable[[], Iterable[int]]) -> None:
         super().__init__(name="nnqueue-stall-deadline", daemon=True)
         self.crash_dir = crash_dir
         self.stall_timeout_s = stall_timeout_s
         self.deadline_s = stall_timeout_s + GRACE_S
+        self.engine_cores = engine_cores
 
     def run(self) -> None:
         overdue: set[InUserCode] = set()
@@ -49,11 +54,9 @@ class StallDeadline(threading.Thread):
         while True:
             time.sleep(POLL_S)
             now = time.monotonic()
-            seen = {
-                each
-                for each in read_all(self.crash_dir)
-                if now - each.started > self.deadline_s and descends_from(each.pid, os.getpid())
-            } - stopped
+            overdue_now = [each for each in read_all(self.crash_dir) if now - each.started > self.deadline_s]
+            cores = set(self.engine_cores()) if overdue_now else set()
+            seen = {each for each in overdue_now if of_engine(each.pid, cores)} - stopped
             for each in seen & overdue:  # the same switch at two polls: not a torn read
                 self.stop(each, now)
                 stopped.add(each)
@@ -76,15 +79,16 @@ class StallDeadline(threading.Thread):
             log.warning("engine process %d had already ended", stalled.pid)
 
 
-def descends_from(pid: int, ancestor: int) -> bool:
-    """Whether process ``pid`` runs and is ``ancestor``'s descendant: only this worker's own engine processes are
-    killed, never a process that took the pid of one that died with a beacon still raised."""
+def of_engine(pid: int, cores: Collection[int]) -> bool:
+    """Whether process ``pid`` runs and is one of ``cores`` or their descendant (a model runner): only this worker's
+    engine processes are killed, never another of its processes a beacon names, nor one that took the pid of an
+    engine process that died with a beacon still raised."""
     while pid > 1:
+        if pid in cores:
+            return Path(f"/proc/{pid}").exists()
         try:
             # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces and parentheses.
             pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             return False
-        if pid == ancestor:
-            return True
     return False
