@@ -581,6 +581,8 @@ def _reachers() -> dict[str, Any]:
     import einops.einops
     import numpy
     import torch
+    import torch.nn.utils._named_member_accessor
+    import torch.nn.utils.stateless
     from nnsight import util
 
     found: dict[str, Any] = {
@@ -607,6 +609,12 @@ def _reachers() -> dict[str, Any]:
         "torch.overrides.get_ignored_functions": torch.overrides.get_ignored_functions,
         "torch.overrides.get_testing_overrides": torch.overrides.get_testing_overrides,
         "torch.overrides.get_overridable_functions": torch.overrides.get_overridable_functions,
+        # set, swap and delete any attribute by name on any object (``NamedMemberAccessor(type(torch)).del_tensor(
+        # "__getattribute__")`` took the protected module's own lookup away: round 4, E25)
+        "torch.nn.utils.stateless.NamedMemberAccessor": torch.nn.utils.stateless.NamedMemberAccessor,
+        "torch.nn.utils._named_member_accessor.set_tensor": torch.nn.utils._named_member_accessor.set_tensor,
+        "torch.nn.utils._named_member_accessor.swap_tensor": torch.nn.utils._named_member_accessor.swap_tensor,
+        "torch.nn.utils._named_member_accessor.swap_submodule": torch.nn.utils._named_member_accessor.swap_submodule,
         # einops' backend for a tensor, which holds the real module it wraps (``get_backend(x).torch``)
         "einops.einops.get_backend": einops.einops.get_backend,
     }

@@ -382,6 +382,9 @@ def test_enums_functional_api_is_checked_once_installed() -> None:
         ("import torch\nf = torch.get_device_module", "torch.get_device_module"),
         # a set of torch's functions that holds torch.from_file (round 4, E21)
         ("import torch\nf = torch.overrides.get_ignored_functions", "torch.overrides.get_ignored_functions"),
+        # any attribute set, swapped or deleted by name: the protected module's own lookup (round 4, E25)
+        ("import torch\nA = torch.nn.utils.stateless.NamedMemberAccessor", "NamedMemberAccessor"),
+        ("from torch.nn.utils.stateless import NamedMemberAccessor", "NamedMemberAccessor"),
         # einops' backend object holds the real torch (round 4, E22)
         ("import einops\nf = einops.einops.get_backend", "einops.einops.get_backend"),
         # ctypes re-exported by torch.xpu: from_address reads and writes any address
