@@ -29,6 +29,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nnqueue.enginecore import untrusted_files
+
 if TYPE_CHECKING:  # the mixin goes before a vLLM worker class in the bases
     from vllm.v1.worker.worker_base import WorkerBase as _Worker
 else:
@@ -63,11 +65,9 @@ def write_report(request_ids: list[str], error: BaseException, files: frozenset[
 
 def save_report(directory: Path, pid: int, report: dict[str, Any]) -> None:
     """Write ``report`` as engine process ``pid``'s crash report in ``directory``, atomically. The worker writes
-    one itself for an engine process that it kills (:mod:`nnqueue.workers.stall_deadline`: ``cause`` "stall")."""
-    path = directory / f"crash-{pid}.json"
-    staging = path.with_suffix(".tmp")
-    staging.write_text(json.dumps(report))
-    staging.replace(path)
+    one itself for an engine process that it kills (:mod:`nnqueue.workers.stall_deadline`: ``cause`` "stall"),
+    following nothing the engine put there (:mod:`nnqueue.enginecore.untrusted_files`)."""
+    untrusted_files.write(directory, f"crash-{pid}.json", json.dumps(report).encode())
 
 
 def classify(error: BaseException, trace_files: frozenset[str]) -> tuple[str, str | None]:

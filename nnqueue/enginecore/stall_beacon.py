@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from nnqueue.enginecore import untrusted_files
+
 PREFIX = "switch-"
 _LAYOUT = struct.Struct("<d128s")  # started (CLOCK_MONOTONIC, 0: not in users' code), the request id
 
@@ -57,7 +59,7 @@ def read_all(directory: Path) -> list[InUserCode]:
     for path in directory.glob(f"{PREFIX}*.bin"):
         try:
             pid = int(path.stem.removeprefix(PREFIX))
-            started, request_id = _LAYOUT.unpack(path.read_bytes()[: _LAYOUT.size])
+            started, request_id = _LAYOUT.unpack(untrusted_files.read(directory, path.name, _LAYOUT.size))
         except (OSError, ValueError, struct.error):
             continue
         if started > 0:

@@ -58,6 +58,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
 from nnqueue.db.models import Job, JobStatus
 from nnqueue.db.session import transaction
+from nnqueue.enginecore import untrusted_files
 from nnqueue.scheduler import registry
 from nnqueue.scheduler.enqueue import send_job_tokens
 
@@ -69,6 +70,7 @@ MAX_ENGINE_CRASHES = 2
 # How often a job that shared a step in which the engine's state changed runs again alone before it fails.
 MAX_SHARED_STEP_RETRIES = 2
 REPORT_WAIT_S = 5.0
+MAX_REPORT_BYTES = 1 << 20  # a crash report is a claim of the engine's: read no more of it than this
 
 
 def is_engine_death(error: BaseException) -> bool:
@@ -121,7 +123,7 @@ def read_crash_report(directory: Path, wait_s: float = REPORT_WAIT_S) -> CrashRe
     while True:
         for path in sorted(directory.glob("crash-*.json")):
             try:
-                report = json.loads(path.read_text())
+                report = json.loads(untrusted_files.read(directory, path.name, MAX_REPORT_BYTES))
                 request_ids = [str(each) for each in report.get("request_ids", [])][:10_000]
                 cause = report.get("cause") if report.get("cause") in CAUSES else "engine"
                 where = report.get("where")

@@ -71,7 +71,10 @@ class StallDeadline(threading.Thread):
             " to stop it, and the other jobs on it run again"
         )
         report = {"request_ids": [stalled.request_id], "error": f"InterventionStalled: {message}", "cause": STALL_CAUSE}
-        save_report(self.crash_dir, stalled.pid, report)
+        try:
+            save_report(self.crash_dir, stalled.pid, report)
+        except OSError as error:  # the folder is the engine's: it may have made the name unusable
+            log.warning("the stall report of engine process %d could not be written: %s", stalled.pid, error)
         log.error("killing engine process %d: request %s: %s", stalled.pid, stalled.request_id, message)
         try:
             os.kill(stalled.pid, signal.SIGKILL)
