@@ -56,7 +56,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from nnqueue.db.lifecycle import InvalidTransition, JobNotFound, transition
-from nnqueue.db.models import Job, JobStatus
+from nnqueue.db.models import Job, JobKind, JobStatus
 from nnqueue.db.session import transaction
 from nnqueue.enginecore import untrusted_files
 from nnqueue.scheduler import registry
@@ -207,16 +207,16 @@ class EngineHealth:
             self._healed = asyncio.get_running_loop().create_task(self._recover(), context=contextvars.Context())
         await asyncio.shield(self._healed)
 
-    async def replace(self, reason: str) -> bool:
+    async def replace(self, reason: str, keep: frozenset[uuid.UUID] = frozenset()) -> bool:
         """Start a fresh engine in place of the live one (a trust-domain switch, ``NNQUEUE_DOMAIN_SWITCH=restart``):
-        the jobs this worker holds go back to the queue as they were, none is blamed. False where the worker has no
+        the jobs this worker holds but ``keep`` go back to the queue as they were, none is blamed. False where the worker has no
         in-place restart (the transformers engine, a TRL trainer's) or the fresh engine failed to start (the worker
         then stops, as after a death)."""
         if self.restart is None:
             return False
         if self._healed is None:
             self.dead.set()
-            recovery = self._recover(replaced=reason)
+            recovery = self._recover(replaced=reason, keep=keep)
             self._healed = asyncio.get_running_loop().create_task(recovery, context=contextvars.Context())
         await asyncio.shield(self._healed)
         return not self.dead.is_set()
@@ -227,8 +227,8 @@ class EngineHealth:
             await asyncio.shield(self._healed)
         return not self.dead.is_set()
 
-    async def _recover(self, replaced: str | None = None) -> None:
-        await asyncio.to_thread(self._settle_jobs, replaced)
+    async def _recover(self, replaced: str | None = None, keep: frozenset[uuid.UUID] = frozenset()) -> None:
+        await asyncio.to_thread(self._settle_jobs, replaced, keep)
         if self.restart is not None:
             try:
                 await self.restart(f"its engine was replaced: {replaced}" if replaced else "its engine died")
@@ -241,9 +241,10 @@ class EngineHealth:
                 return
         await asyncio.to_thread(self._stop_worker)
 
-    def _settle_jobs(self, replaced: str | None = None) -> None:
+    def _settle_jobs(self, replaced: str | None = None, keep: frozenset[uuid.UUID] = frozenset()) -> None:
         """Fail or requeue the jobs of a dead engine (see the module doc); ``replaced``: the live engine is being
-        replaced for that reason, and every job goes back to the queue as it was."""
+        replaced for that reason, and every job but ``keep`` (a switch's new domain's, which run on the fresh engine)
+        goes back to the queue as it was."""
         report = None if replaced else read_crash_report(self.crash_dir)
         if replaced:
             log.info("replacing the engine (%s); this worker's jobs go back to the queue", replaced)
@@ -252,14 +253,25 @@ class EngineHealth:
                 "the engine died (%s); settling this worker's jobs", report.error if report else "no crash report"
             )
         with self.sessions() as session:
-            held = session.execute(
-                select(Job.id, Job.meta).where(Job.status == JobStatus.RUNNING, Job.worker_id == self.worker_id)
+            rows = session.execute(
+                select(Job.id, Job.meta, Job.kind).where(
+                    Job.status == JobStatus.RUNNING, Job.worker_id == self.worker_id
+                )
             ).all()
+        held = [(job_id, meta) for job_id, meta, _ in rows]
+        traced = any(kind is JobKind.TRACE for _, _, kind in rows)
+        if report is not None and traced and not report.jobs & {job_id for job_id, _ in held}:
+            # The report is the engine's claim, and a trace ran there: one that names none of the jobs it ran is
+            # taken as no report, or a trace could crash the engine at will and name another job (or none) to go
+            # unblamed (a fifth red-team round).
+            log.warning("the crash report names none of this worker's running jobs: read as no report")
+            report = None
         in_step = {job_id for job_id, _ in held if not replaced and (report is None or job_id in report.jobs)}
         for job_id, meta in held:
             try:
                 if replaced:
-                    self._requeue(job_id, dict(meta or {}), f"its engine was replaced: {replaced}")
+                    if job_id not in keep:
+                        self._requeue(job_id, dict(meta or {}), f"its engine was replaced: {replaced}")
                     continue
                 self._settle(job_id, dict(meta or {}), in_step, report)
             except (InvalidTransition, JobNotFound):

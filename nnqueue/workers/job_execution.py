@@ -140,6 +140,9 @@ class JobRunner:
     _endings: GroupedCalls[Ending, Job] = field(init=False)
     _turn_over: asyncio.Event = field(default_factory=asyncio.Event)  # set when the turn's last trace ended
     _switching: tuple[Switch, asyncio.Future[None]] | None = None  # the switch being verified
+    _entering: set[uuid.UUID] = field(default_factory=set)  # traces waiting for a switch to their domain
+    # The new domain's traces that waited for a switch which replaced the engine: they run on the fresh one.
+    _kept: set[uuid.UUID] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._progress = ProgressBook(self.sessions, self.worker_id)
@@ -186,7 +189,9 @@ class JobRunner:
             if refusal is not None:  # in here: the finally ends the domain turn its claim began
                 return await self._fail(job_id, JobFailure("EngineNotIsolated", refusal))
             await self._enter_domain(job)
-            if self.health is not None and self.health.generation != generation:
+            if job_id in self._kept:  # it waited for the switch that replaced the engine: it runs on the fresh one
+                self._kept.discard(job_id)
+            elif self.health is not None and self.health.generation != generation:
                 # The engine it was claimed for was replaced meanwhile (a switch's fresh engine, a dead one's): back to
                 # the queue, unless the replacement put it there.
                 with contextlib.suppress(InvalidTransition):
@@ -264,23 +269,34 @@ class JobRunner:
             return
         if self._switching is None or self._switching[0] is not switch:
             self._switching = (switch, asyncio.ensure_future(self._switch_domain(switch)))
-        await asyncio.shield(self._switching[1])
+        self._entering.add(job.id)
+        try:
+            await asyncio.shield(self._switching[1])
+        finally:
+            self._entering.discard(job.id)
 
     async def _switch_domain(self, switch: Switch) -> None:
         """The engine moves to ``switch.domain``: nothing of the previous domain is in flight; its state is put back
         and verified (`Executor.verify_engine_state`) before any trace of the new domain starts. With
         ``fresh_engine_at_switch`` a fresh engine process replaces it first (:meth:`EngineHealth.replace`): nothing
         the old domain's code did inside the engine's process, seen by the guards or not, reaches the new domain; the
-        jobs this worker held go back to the queue and are claimed again."""
+        jobs this worker held go back to the queue and are claimed again, but the new domain's traces waiting for the
+        switch, which run on the fresh engine."""
         started = time.monotonic()
         if switch.previous is not None:
             if self.fresh_engine_at_switch and self.health is not None:
                 why = f"a switch from trust domain {switch.previous!r} to {switch.domain!r}"
-                if not await self.health.replace(why):
+                # The new domain's traces waiting for this switch stay claimed and run on the fresh engine: handed
+                # back with the rest, the next claim could take the old domain's again and switch back (a fifth
+                # red-team round saw two owners' jobs replace the engine 31 times in 4 minutes, neither ever run).
+                self._kept = set(self._entering)
+                if not await self.health.replace(why, keep=frozenset(self._kept)):
+                    self._kept.clear()
                     raise EngineStateUnverified(f"no fresh engine could be started for {why}")
             try:
                 restored = await self.executor.verify_engine_state()
             except Exception as error:
+                self._kept.clear()  # they are handed back: the switch failed
                 raise EngineStateUnverified(
                     f"the engine's state could not be verified when switching from trust domain {switch.previous!r} "
                     f"to {switch.domain!r}: {type(error).__name__}: {error}"
@@ -393,6 +409,10 @@ class JobRunner:
 
     def running_jobs(self) -> list[uuid.UUID]:
         return list(self._running)
+
+    def jobs_on_engine(self) -> list[uuid.UUID]:
+        """The running jobs but those a switch keeps for the fresh engine it starts (what a restart hands back)."""
+        return [job_id for job_id in self._running if job_id not in self._kept]
 
     def reap_lost(self) -> list[uuid.UUID]:
         """Abort the running jobs this worker no longer holds: CANCELLED by their owner, or requeued

@@ -265,7 +265,7 @@ def run_worker(
         bulk.start()
 
     def hand_back(reason: str) -> None:
-        jobs = requeue_held(sessions, app, model_key, worker_id, runner.running_jobs(), reason)
+        jobs = requeue_held(sessions, app, model_key, worker_id, runner.jobs_on_engine(), reason)
         runner.reap_lost()  # aborts the jobs just requeued
         held = chunks.running_chunks() if chunks is not None else []
         for chunk_id in held:

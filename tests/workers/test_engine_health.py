@@ -133,3 +133,42 @@ def test_a_replaced_engine_sends_every_job_back_as_it_was_and_blames_none(
         ).all()
     said = "its engine was replaced: a switch from trust domain 'a' to 'b'"
     assert sum(said in detail.get("reason", "") for detail in reasons) == 2, reasons
+
+
+def test_a_replacement_keeps_the_jobs_it_was_made_for(services: Services, tmp_path: Path) -> None:
+    """A switch's replacement keeps the new domain's traces that waited for it: handed back with the rest, the next
+    claim could take the old domain's again and switch back (a fifth red-team round: 31 replacements in 4 minutes,
+    neither owner's job ever ran)."""
+    model_key = f"m-{uuid.uuid4().hex[:8]}"
+    waiting, other = (queue_job(services.sessions, model_key) for _ in range(2))
+    for _ in range(2):
+        assert claim_next_job(services.sessions, model_key, "w1") is not None
+
+    async def restart(why: str) -> None:
+        return None
+
+    health = EngineHealth(services.sessions, services.celery, "w1", model_key, tmp_path, restart=restart)
+    assert asyncio.run(health.replace("a switch from trust domain 'a' to 'b'", keep=frozenset({waiting}))) is True
+    assert services.job(waiting).status is JobStatus.RUNNING
+    assert services.job(other).status is JobStatus.QUEUED
+
+
+def test_a_report_that_names_none_of_the_running_traces_is_read_as_no_report(
+    any_database: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trace can crash the engine at will with a report naming another job (a fifth red-team round named a queued
+    one of another owner's): its own job went back to the queue unblamed, every time. Read as no report, the trace
+    runs again alone, charged the crash."""
+    sessions = session_factory(make_engine(any_database))
+    mallory, alice = queue_job(sessions, "m", owner="mallory"), queue_job(sessions, "m")
+    assert claim_next_job(sessions, "m", "w1") is not None  # mallory's: alice's waits in the queue
+    monkeypatch.setenv(CRASH_DIR_ENV, str(tmp_path))
+    write_report([f"{alice}-1-0"], RuntimeError("a forged report"))
+    health = EngineHealth(sessions, None, "w1", "m", tmp_path, stop=lambda: None)  # type: ignore[arg-type]
+    asyncio.run(health.engine_died())
+    with sessions() as session:
+        hers, other = session.get(Job, mallory), session.get(Job, alice)
+        assert hers is not None and other is not None
+        assert hers.status is JobStatus.QUEUED and (hers.meta or {}).get("engine_crashes") == 1, hers.meta
+        assert (hers.meta or {}).get("run_alone") is True
+        assert other.status is JobStatus.QUEUED and "engine_crashes" not in (other.meta or {})
