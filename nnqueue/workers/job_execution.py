@@ -107,6 +107,11 @@ class Executor(Protocol):
         """Release the engine (the worker is stopping)."""
         ...
 
+    async def leave_domain(self) -> None:
+        """Stop what ran the old trust domain's code beside the engine (the trace builders), first thing at a switch:
+        before the engine is replaced and its crash folder emptied, which their leftovers could write again."""
+        ...
+
     async def verify_engine_state(self) -> list[str]:
         """Put back what traces changed of the engine's state and verify it, before the engine serves another trust
         domain; the names of what was put back. Raises if it cannot be (the engine must not be used)."""
@@ -284,6 +289,7 @@ class JobRunner:
         switch, which run on the fresh engine."""
         started = time.monotonic()
         if switch.previous is not None:
+            await self.executor.leave_domain()
             if self.fresh_engine_at_switch and self.health is not None:
                 why = f"a switch from trust domain {switch.previous!r} to {switch.domain!r}"
                 # The new domain's traces waiting for this switch stay claimed and run on the fresh engine: handed

@@ -158,6 +158,14 @@ class VLLMTraceExecutor:
         from now on; the trace builders stay."""
         self.model, self.outbox = model, poller(model.vllm_entrypoint)
 
+    async def leave_domain(self) -> None:
+        """The trace builders that ran the old domain's code are replaced (:meth:`BuilderPool.retire_domains`), before
+        anything else of the switch: a fifth red-team round left a thread in one that wrote into the crash folder after
+        the restart switch had emptied it, and had the worker kill the next domain's fresh engine."""
+        retired = await self.builders.retire_domains()
+        if retired:
+            log.info("%d trace builder(s) that ran a trust domain's code replaced at the switch", retired)
+
     async def verify_engine_state(self) -> list[str]:
         """Before the engine serves another trust domain (:mod:`nnqueue.scheduler.domain_turns`): every rank's
         guards read every weight and buffer in full and verify the rest of the engine's state (module attributes,
@@ -165,11 +173,7 @@ class VLLMTraceExecutor:
         (``nnqueue_verify_state``: :mod:`nnqueue.enginecore.weights_guard`). Runs between engine steps (vLLM serves
         RPCs there), and seed torch's generators afresh, so that the old domain cannot know how the new one's
         sampling without a seed of its own draws. With ``NNQUEUE_WEIGHTS_GUARD=false`` there are no guards: nothing
-        is checked. Raises when a rank could not restore its state. The trace builders that ran the old domain's
-        code are replaced too (:meth:`BuilderPool.retire_domains`)."""
-        retired = await self.builders.retire_domains()
-        if retired:
-            log.info("%d trace builder(s) that ran a trust domain's code replaced at the switch", retired)
+        is checked. Raises when a rank could not restore its state."""
         seed = secrets.randbits(63)  # one for every rank: tensor-parallel ranks must sample alike
         answers = await self.model.vllm_entrypoint.collective_rpc("nnqueue_verify_state", args=(seed,))
         kinds = ("weights", "state", "lazy")

@@ -52,6 +52,9 @@ class TransformersExecutor:
     async def close(self) -> None:
         await self.engine.close()
 
+    async def leave_domain(self) -> None:
+        """Nothing runs a domain's code beside the engine here: its processes each serve one domain already."""
+
     async def verify_engine_state(self) -> list[str]:
         """Nothing to do at a trust domain switch: the engine process runs one job at a time and puts back the
         weights and the rest of the state after every job (:mod:`nnqueue.enginecore.transformers_engine`)."""
