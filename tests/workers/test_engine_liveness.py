@@ -40,7 +40,7 @@ class LiveEngine:
 def test_a_dead_engine_that_never_answers_the_probe_is_replaced(any_database: str, tmp_path: Path) -> None:
     serving: list[DeadEngine | LiveEngine] = [DeadEngine()]
 
-    async def restart() -> None:  # the worker's EngineRestart; a real one: tests/workers/test_engine_restart.py
+    async def restart(why: str) -> None:  # the worker's EngineRestart; a real one: tests/workers/test_engine_restart.py
         serving[0] = LiveEngine()
 
     stopped: list[bool] = []
