@@ -26,7 +26,7 @@ from typing import Any, Literal
 from sqlalchemy import ColumnElement, delete, exists, func, literal, select, update
 from sqlalchemy.orm import Session
 
-from nnqueue.db.models import ApiKey, DomainMember, Job, JobStatus, utcnow
+from nnqueue.db.models import ApiKey, DomainMember, HarvestChunk, Job, JobStatus, utcnow
 from nnqueue.errors import NNqueueError
 
 Mode = Literal["owner", "deployment"]
@@ -39,6 +39,11 @@ GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # A job's domain in SQL: its recorded one; a row without one (added around the API) is in its owner's own.
 job_domain = func.coalesce(Job.domain, literal(OWN_PREFIX) + Job.owner)
+
+
+def job_domain_of(job: Job) -> str:
+    """:data:`job_domain` of a loaded job."""
+    return job.domain or own_domain(job.owner)
 
 
 class InvalidDomain(NNqueueError, ValueError):
@@ -92,6 +97,13 @@ def grouped_domain(owner: ColumnElement[Any], default: ColumnElement[Any]) -> Co
     where groups do not apply: the deployment's domain)."""
     group = select(DomainMember.domain).where(DomainMember.owner == owner).scalar_subquery()
     return func.coalesce(group, default)
+
+
+def chunk_domain() -> ColumnElement[Any]:
+    """A harvest chunk's domain in SQL: its owner's now (harvests record none; they matter to domain turns only
+    with ``NNQUEUE_TRUST_DOMAINS=owner``, where a worker's turns cover them: :mod:`nnqueue.scheduler.domain_turns`)."""
+    owner = HarvestChunk.__table__.c.owner
+    return grouped_domain(owner, literal(OWN_PREFIX) + owner)
 
 
 def join_group(session: Session, owner: str, group: str, mode: Mode) -> int:

@@ -2,7 +2,8 @@
 record the shard, and complete the harvest when it was the last chunk.
 
 A bulk token names no chunk: the runner claims the fairest QUEUED chunk of its model
-(:func:`claim_next_chunk`). The prompts are the chunk's byte range of the harvest's frozen dataset, tokenized
+(:func:`claim_next_chunk`), among those the worker's trust-domain turns let it take (under
+``NNQUEUE_DOMAIN_SWITCH=restart``: :mod:`nnqueue.scheduler.domain_turns`). The prompts are the chunk's byte range of the harvest's frozen dataset, tokenized
 here (in a thread) with the engine's own tokenizer, truncated to the spec's ``max_length`` (at most the
 engine's limit). The engine writes the shard (:func:`nnqueue.engines.harvest_runner.run_chunk`) to a file in
 this worker's handoff directory, hashing it as it writes; once the engine reports it, the worker checks the
@@ -54,7 +55,7 @@ from nnqueue.scheduler.chunks import (
     requeue_chunk,
     retry_or_fail_chunk,
 )
-from nnqueue.scheduler.claim import claim_next_chunk
+from nnqueue.scheduler.claim import chunk_key, claim_next_chunk
 from nnqueue.scheduler.enqueue import send_chunk_tokens
 from nnqueue.scheduler.harvest_dataset import Example, read_slice
 from nnqueue.scheduler.harvest_estimate import COLUMN_BYTES, DTYPE_BYTES
@@ -63,7 +64,7 @@ from nnqueue.scheduler.harvest_spec import HarvestSpec
 from nnqueue.storage.keys import MANIFEST_FILE, harvest_key
 from nnqueue.storage.object_store import Digest, ObjectStore
 from nnqueue.workers.engine_health import EngineHealth
-from nnqueue.workers.job_execution import Outcome
+from nnqueue.workers.job_execution import EngineStateUnverified, JobRunner, Outcome
 from nnqueue.workers.provenance import provenance
 from nnqueue.workers.sinks import ResultSinks, ShardFollower
 from nnqueue.workers.upload_budget import UploadBudget
@@ -90,6 +91,8 @@ class ChunkRunner:
     health: EngineHealth | None = None
     # The engine's weights version and update gate (nnqueue.workers.weights); None: versions are not tracked.
     weights: WeightsGate | None = None
+    # The worker's job runner, whose trust-domain turns chunks take part in (nnqueue.scheduler.domain_turns); None: none.
+    jobs: JobRunner | None = None
     _running: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
     _aborted: set[int] = field(default_factory=set)
 
@@ -100,15 +103,38 @@ class ChunkRunner:
         if self.health is not None and self.health.dead.is_set() and not await self.health.restarted():
             await asyncio.to_thread(send_chunk_tokens, self.app, self.model_key)  # for another worker
             return Outcome.SKIPPED
-        version = self.weights.version if self.weights is not None else None
-        chunk = await asyncio.to_thread(claim_next_chunk, self.sessions, self.model_key, self.worker_id, version)
+        chunk = await self._claim()
         if chunk is None:
             log.info("a bulk token for %s found no queued chunk; dropped", self.model_key)
             return Outcome.NO_WORK
+        if self.jobs is not None:
+            try:
+                await self.jobs.enter_turn()  # a switch under way: the chunk runs on the engine it leaves
+            except EngineStateUnverified as unverified:  # the worker starts a fresh engine (JobRunner)
+                await asyncio.to_thread(
+                    requeue_chunk, self.sessions, self.app, chunk.id, self.worker_id, str(unverified)
+                )
+                self.jobs.unit_ended(chunk_key(chunk.id))
+                return Outcome.SKIPPED
         slot: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         task = self._running[chunk.id] = asyncio.ensure_future(self._attempt(chunk, slot))
         task.add_done_callback(_log_escaped)
         return await slot
+
+    async def _claim(self) -> HarvestChunk | None:
+        """The chunk this token runs; where the worker's domain turns cover chunks (``DomainTurns.all_work``) and
+        another domain's turn holds the engine, it waits for that turn to end (a dropped token would leave the
+        chunk to the reconciler)."""
+        version = self.weights.version if self.weights is not None else None
+        turns = self.jobs.turns if self.jobs is not None else None
+        while True:
+            turn_end = self.jobs.turn_end() if self.jobs is not None else None
+            chunk = await asyncio.to_thread(
+                claim_next_chunk, self.sessions, self.model_key, self.worker_id, version, turns
+            )
+            if chunk is not None or turn_end is None or turns is None or not turns.others_wait():
+                return chunk
+            await self.jobs.wait_for_turn(turn_end)  # type: ignore[union-attr]
 
     async def _attempt(self, chunk: HarvestChunk, slot: asyncio.Future[Outcome]) -> Outcome:
         """The chunk from its claim to its end; ``slot`` gets ``HANDED_OFF`` when its upload starts, or its end."""
@@ -140,6 +166,8 @@ class ChunkRunner:
             self._running.pop(chunk.id, None)
             self._aborted.discard(chunk.id)
             _free(slot, outcome)
+            if self.jobs is not None:  # after its upload: no other domain's engine runs while its shard is stored
+                self.jobs.unit_ended(chunk_key(chunk.id))
         metrics.HARVEST_CHUNKS_FINISHED.labels(self.model_key, outcome.value).inc()
         if outcome is Outcome.COMPLETED:
             metrics.HARVEST_CHUNK_TIME.labels(self.model_key).observe(time.monotonic() - started)

@@ -12,8 +12,10 @@ looked dead. A worker finishes only a job it still holds (the finishing update i
 Traces run on an engine one trust domain at a time (:mod:`nnqueue.scheduler.domain_turns`): the claim takes traces
 of the runner's current domain only, and a switch to another domain waits until none of the old one's are in
 flight, then puts back and verifies the engine's state (:meth:`JobRunner._switch_domain`; under
-``NNQUEUE_DOMAIN_SWITCH=restart`` on a fresh engine process) before the new domain's first trace starts. A token that finds no job while other domains' traces wait for this worker's turn to end waits
-for it, rather than being dropped.
+``NNQUEUE_DOMAIN_SWITCH=restart`` on a fresh engine process) before the new domain's first trace starts; under
+``restart`` the turns cover steering jobs and the chunk runner's harvest chunks too (``DomainTurns.all_work``:
+:meth:`JobRunner.enter_turn`, :meth:`JobRunner.unit_ended`). A token that finds no job while other domains' work
+waits for this worker's turn to end waits for it, rather than being dropped.
 
 Running is the executor's (:class:`Executor`): one per engine kind, the vLLM trace executor
 (:mod:`nnqueue.workers.trace_execution`) and the transformers one (:mod:`nnqueue.workers.transformers_execution`). Database calls run in threads (``asyncio.to_thread``) so that
@@ -33,7 +35,7 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Hashable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -165,14 +167,13 @@ class JobRunner:
             if self.health is not None and self.health.dead.is_set() and not await self.health.restarted():
                 await asyncio.to_thread(self.health.hand_back)  # the engine is gone: another worker takes the work
                 return Outcome.SKIPPED
-            turn_over = self._turn_over  # set when the turn this claim sees ends, even before the wait below
+            turn_over = self.turn_end()
             job = await self._claims(None)
             if job is not None or not self.turns.others_wait():
                 break
             # Traces that this engine runs only after its domain's turn wait: keep the token until the turn ends
-            # (a dropped one would leave them waiting for the reconciler). Checked again at least every hold.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(turn_over.wait(), timeout=max(self.turns.hold_s, 1.0))
+            # (a dropped one would leave them waiting for the reconciler).
+            await self.wait_for_turn(turn_over)
         if job is None:
             log.info("a token for %s found no queued job; dropped", self.model_key)
             return Outcome.NO_WORK
@@ -263,22 +264,44 @@ class JobRunner:
             self._versions.pop(job_id, None)
             self._running.pop(job_id, None)
             self._aborted.pop(job_id, None)
-            if job.kind is JobKind.TRACE and self.turns.ended():  # the turn's last trace: waiting tokens go on
-                self._turn_over.set()
-                self._turn_over = asyncio.Event()
+            self.unit_ended(job_id)
+
+    def unit_ended(self, unit: Hashable) -> None:
+        """A job or chunk (:func:`~nnqueue.scheduler.claim.chunk_key`) the domain turns counted ended here: when it
+        was the last one in flight, tokens waiting for the turn (or the drain before one) go on."""
+        if self.turns.ended(unit):
+            self._turn_over.set()
+            self._turn_over = asyncio.Event()
+
+    def turn_end(self) -> asyncio.Event:
+        """Set when the current turn ends: taken before a claim, it is set even when the turn ends during the claim."""
+        return self._turn_over
+
+    async def wait_for_turn(self, turn_end: asyncio.Event) -> None:
+        """Until ``turn_end`` is set, or one hold has passed (the caller claims again: checked at least that often)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(turn_end.wait(), timeout=max(self.turns.hold_s, 1.0))
 
     async def _enter_domain(self, job: Job) -> None:
-        """Let a trace start only once the switch to its domain, if one is under way, has verified the engine."""
-        switch = self.turns.unverified() if job.kind is JobKind.TRACE else None
+        """Let a trace (with ``turns.all_work``, any job) start only once the switch to its domain, if one is under
+        way, has verified the engine."""
+        if job.kind is not JobKind.TRACE and not self.turns.all_work:
+            return
+        self._entering.add(job.id)
+        try:
+            await self.enter_turn()
+        finally:
+            self._entering.discard(job.id)
+
+    async def enter_turn(self) -> None:
+        """Return once the switch under way, if any, has verified the engine (or raise
+        :class:`EngineStateUnverified`): what was claimed after it runs on the engine it leaves."""
+        switch = self.turns.unverified()
         if switch is None:
             return
         if self._switching is None or self._switching[0] is not switch:
             self._switching = (switch, asyncio.ensure_future(self._switch_domain(switch)))
-        self._entering.add(job.id)
-        try:
-            await asyncio.shield(self._switching[1])
-        finally:
-            self._entering.discard(job.id)
+        await asyncio.shield(self._switching[1])
 
     async def _switch_domain(self, switch: Switch) -> None:
         """The engine moves to ``switch.domain``: nothing of the previous domain is in flight; its state is put back

@@ -213,6 +213,7 @@ def run_worker(
             uploads,
             health,
             gate,
+            runner,
         )
         points = host.call(capture_points(entrypoint))
         taps = vllm_executor.model.taps  # resolved by nnsight (VLLM._resolve_taps); empty on an eager engine
@@ -262,7 +263,6 @@ def run_worker(
     if chunks is not None:
         RUNNING_CHUNKS.labels(model_key).set_function(lambda: len(chunks.running_chunks()))
         bulk = BulkConsumer(app, bulk_queue_name(model_key), bulk_slots, host.loop, chunks.run_next)
-        bulk.start()
 
     def hand_back(reason: str) -> None:
         jobs = requeue_held(sessions, app, model_key, worker_id, runner.jobs_on_engine(), reason)
@@ -291,6 +291,10 @@ def run_worker(
         load = functools.partial(_load_vllm, model, engine_kwargs, containment, view, vllm_executor.builders)
         health.restart = EngineRestart(load, vllm_executor, chunks, updater, base, crash_dir, hand_back)
     runner.fresh_engine_at_switch = settings.domain_switch == "restart" and health.restart is not None
+    # Such an engine runs no other domain's steering job or chunk after a domain's trace (nnqueue.scheduler.domain_turns).
+    turns.all_work = runner.fresh_engine_at_switch and settings.trust_domains == "owner"
+    if bulk is not None:  # once the turns know what they cover
+        bulk.start()
     if settings.domain_switch == "restart" and health.restart is None:
         log.info("trust-domain switches verify the live engine: this engine has no in-place restart")
 

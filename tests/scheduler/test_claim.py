@@ -13,11 +13,12 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue.db.models import Harvest, HarvestChunk, Job, JobKind, JobStatus
+from nnqueue.db.models import ApiKey, Harvest, HarvestChunk, Job, JobKind, JobStatus, utcnow
 from nnqueue.db.session import make_engine, session_factory, transaction
 from nnqueue.scheduler.claim import claim_jobs, claim_next_chunk
 from nnqueue.scheduler.domain_turns import DomainTurns
 from nnqueue.scheduler.positions import queue_positions
+from nnqueue.scheduler.trust_domains import join_group
 from tests.utils.queued import add_harvest, claim_next_job, queue_job
 
 S = JobStatus
@@ -146,7 +147,7 @@ def test_a_claim_takes_the_traces_of_one_domain_and_steering_jobs_of_any(session
     # Alice's traces in flight: bob's wait (a token that finds nothing waits for the turn to end).
     assert claim_jobs(sessions, MODEL, "w", 5, turns=turns) == []
     assert turns.others_wait()
-    assert [turns.ended(), turns.ended()] == [False, True]
+    assert [turns.ended(alice[0]), turns.ended(alice[1])] == [False, True]
     second = claim_jobs(sessions, MODEL, "w", 5, turns=turns)
     assert sorted(job.id for job in second) == sorted(bob)
     switch = turns.unverified()
@@ -164,11 +165,11 @@ def test_a_domain_keeps_the_engine_for_the_hold_once_others_wait(sessions: sessi
     assert [job.id for job in claim_jobs(sessions, MODEL, "w", 1, turns=turns)] == [alice[1]]
     now[0] = 10.0  # the hold is over: no more of alice's, and bob's only once hers have ended
     assert claim_jobs(sessions, MODEL, "w", 1, turns=turns) == []
-    turns.ended()
+    turns.ended(alice[0])
     assert claim_jobs(sessions, MODEL, "w", 1, turns=turns) == []
-    turns.ended()
+    turns.ended(alice[1])
     assert [job.id for job in claim_jobs(sessions, MODEL, "w", 2, turns=turns)] == [bob]
-    turns.ended()  # bob's turn ends with nobody else waiting but alice: hers again, without waiting for a hold
+    turns.ended(bob)  # bob's turn ends with nobody else waiting but alice: hers again, without waiting for a hold
     assert [job.id for job in claim_jobs(sessions, MODEL, "w", 2, turns=turns)] == [alice[2]]
 
 
@@ -178,9 +179,63 @@ def test_a_worker_takes_traces_of_its_allowed_domains_only(sessions: sessionmake
     steer = queue_job(sessions, MODEL, owner="alice", kind=JobKind.STEER)
     turns = DomainTurns(allowed=frozenset({"owner:bob"}))
     assert sorted(job.id for job in claim_jobs(sessions, MODEL, "w", 5, turns=turns)) == sorted([bobs, steer])
-    turns.ended()
+    turns.ended(bobs)
     assert claim_jobs(sessions, MODEL, "w", 5, turns=turns) == []  # alice's trace stays queued
     assert not turns.others_wait()
+
+
+def test_with_all_work_another_domains_steering_and_chunks_wait_for_a_fresh_engine(
+    sessions: sessionmaker[Session],
+) -> None:
+    # NNQUEUE_DOMAIN_SWITCH=restart: alice's steering job and chunk never run on the engine mallory's trace ran on
+    # (a fifth red-team round's escaped trace read and forged a steering job beside it).
+    now = [0.0]
+    turns = DomainTurns(hold_s=10, clock=lambda: now[0], all_work=True)
+    mallory = queue_job(sessions, MODEL, owner="mallory")
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 4, turns=turns)] == [mallory]
+    turns.verified(turns.unverified())  # type: ignore[arg-type]
+    steer = queue_job(sessions, MODEL, owner="alice", kind=JobKind.STEER)
+    (chunk,) = add_harvest(sessions, MODEL, "alice", 1)
+    assert claim_jobs(sessions, MODEL, "w", 4, turns=turns) == []
+    assert claim_next_chunk(sessions, MODEL, "w", turns=turns) is None
+    assert turns.others_wait()
+    now[0] = 10  # the hold is over; mallory's trace still runs
+    assert claim_next_chunk(sessions, MODEL, "w", turns=turns) is None
+    turns.ended(mallory)
+    claimed = claim_next_chunk(sessions, MODEL, "w", turns=turns)
+    assert claimed is not None and claimed.id == chunk
+    switch = turns.unverified()
+    assert switch is not None and (switch.previous, switch.domain) == ("owner:mallory", "owner:alice")
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 4, turns=turns)] == [steer]
+
+
+def test_with_all_work_an_engine_that_ran_no_trace_takes_every_domains_work(sessions: sessionmaker[Session]) -> None:
+    turns = DomainTurns(all_work=True)
+    chunks = add_harvest(sessions, MODEL, "alice", 1) + add_harvest(sessions, MODEL, "bob", 1)
+    steer = queue_job(sessions, MODEL, owner="carol", kind=JobKind.STEER)
+    taken = [claim_next_chunk(sessions, MODEL, "w", turns=turns) for _ in chunks]
+    assert sorted(chunk.id for chunk in taken if chunk) == sorted(chunks)
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 4, turns=turns)] == [steer]
+    assert turns.current is None and turns.unverified() is None
+    # Dave's trace waits: his turn drains the others' work first.
+    trace = queue_job(sessions, MODEL, owner="dave")
+    assert claim_jobs(sessions, MODEL, "w", 4, turns=turns) == [] and turns.others_wait()
+    for unit in [("chunk", chunks[0]), ("chunk", chunks[1]), steer]:
+        turns.ended(unit)
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 4, turns=turns)] == [trace]
+
+
+def test_with_all_work_a_groups_chunks_run_in_its_turn(sessions: sessionmaker[Session]) -> None:
+    with transaction(sessions) as session:
+        session.add(ApiKey(key_hash="h" * 64, key_prefix="p", owner="bob", created_at=utcnow()))
+        session.flush()
+        join_group(session, "bob", LAB, "owner")
+    turns = DomainTurns(all_work=True)
+    alice = queue_job(sessions, MODEL, owner="alice", domain=LAB)
+    assert [job.id for job in claim_jobs(sessions, MODEL, "w", 1, turns=turns)] == [alice]
+    (chunk,) = add_harvest(sessions, MODEL, "bob", 1)  # bob is in alice's group: no switch
+    claimed = claim_next_chunk(sessions, MODEL, "w", turns=turns)
+    assert claimed is not None and claimed.id == chunk and turns.in_flight == 2
 
 
 def test_chunks_are_claimed_fairly_across_owners(sessions: sessionmaker[Session]) -> None:

@@ -34,8 +34,11 @@ import psutil
 import pytest
 
 from nnqueue import isolation
+from nnqueue.client import Client
 from nnqueue.db.models import JobStatus
+from nnqueue.embedded import ApiServer
 from nnqueue.storage.results import load_result
+from tests.utils.api import create_secret
 from tests.utils.payloads import PROMPTS, PayloadBackend, two_invoke_payload
 from tests.utils.services import Services, WorkerProcess
 from tests.utils.snooping import UNPROTECTED, assert_no_secret, engine_uid, pwd_uid
@@ -552,10 +555,11 @@ def leaving_payload(client: VLLM, token: str | None) -> bytes:
 
 
 def test_a_domain_switch_starts_a_fresh_engine_so_what_a_domain_left_in_it_reaches_no_other(
-    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM
+    services: Services, root_worker: tuple[WorkerProcess, Path], client_model: VLLM, api_server: ApiServer
 ) -> None:
     """``NNQUEUE_DOMAIN_SWITCH=restart``: what a domain's code left in the engine's process, seen by no guard (as an
-    escape could), stays with that process; the next domain's traces run in a fresh one."""
+    escape could), stays with that process; another owner's work, a steering job too (a fifth red-team round's
+    escaped trace read and forged one beside it), runs in a fresh one."""
     worker, _ = root_worker
     token = uuid.uuid4().hex
 
@@ -568,9 +572,17 @@ def test_a_domain_switch_starts_a_fresh_engine_so_what_a_domain_left_in_it_reach
 
     planted, again = run("mallory", token), run("mallory", None)
     assert again == {"left": token, "pid": planted["pid"]}  # it stays in the process: within a domain, no restart
-    other = run("alice", None)
+    steering = {
+        "model_key": "tiny-root",
+        "dataset": {"token_ids": [[5, 17, 42]]},
+        "sampling": {"max_tokens": 2},
+        "edits": [{"module": "model.layers.0", "op": "scale", "coefficient": 1.0}],
+    }
+    with Client(api_server.url, create_secret(services.sessions, "sam", ("harvest",))) as client:
+        client.steer(steering).wait(timeout=400)
+    assert "replacing the engine (a switch from trust domain 'owner:mallory' to 'owner:sam')" in worker.log()
+    other = run("alice", None)  # on the engine sam's job left: it ran no trace, so no other restart
     assert other["left"] is None and other["pid"] != planted["pid"], other
-    assert "replacing the engine (a switch from trust domain 'owner:mallory' to 'owner:alice')" in worker.log()
 
 
 def runs_as(user: str) -> bool:
