@@ -6,6 +6,12 @@ On the host the engine user cannot read such a checkout (nor, here, this Python 
 filesystem view (nnqueue.mountns) both are bound in, readable, so the worker's start-up probe, run there, passes
 and the engine switches to the engine user with every module it imports mid-job (nnsight's, ``symtable``,
 inductor's headers: issue 22) readable: its isolation is full, not root kept (issue 33).
+
+The same run is the embedded stack's own end-to-end test (it was tests/client/test_embedded.py, which started a
+second stack and worker for it): the client backend's logits equal the in-process engine's bit for bit, both jobs
+completed, everything lives under the data directory (the result moved out of the handoff folder, the SQLite rows),
+and ``stop()`` leaves no process of the stack running (Redis, the worker and its engine), checked before the
+script exits. Not as root the stack runs the same way, and only the isolation (root's layout) is not checked.
 """
 
 from __future__ import annotations
@@ -26,13 +32,15 @@ import pytest
 from tests.utils.reference import InProcessBackend
 from tests.utils.tiny_model import TINY_ENGINE_KWARGS
 
-pytestmark = pytest.mark.slow  # the embedded stack with a worker process
+pytestmark = pytest.mark.slow  # the embedded stack with a worker process (in a subprocess of its own)
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 PROMPT = "The Eiffel Tower is in"
 SCRIPT = """
 import json, sys
 from pathlib import Path
+
+import psutil
 
 from nnqueue.demo import EmbeddedStack
 from nnqueue.engines.platform import prepare_process
@@ -48,29 +56,42 @@ print("nnqueue from", nnqueue.__file__, flush=True)
 stack = EmbeddedStack(Path(".nnqueue"), Path(model_path), model_path, engine_kwargs)
 try:
     stack.start_services()
-    stack.start_worker()
+    worker = stack.start_worker()
+    processes = [psutil.Process(stack.redis.process.pid), psutil.Process(worker.pid)]
     model = VLLM(model_path, **engine_kwargs)
     with Client(stack.api.url, stack.api_key) as client:
         stack.wait_worker(client, timeout=600)
         backend = client.backend(model_key=model_path, progress=False)
         with model.trace(prompt, temperature=0.0, max_tokens=2, logprobs=3, prompt_logprobs=2, backend=backend) as tracer:
+            queued_logits = model.logits.save()  # the first step's, before the result
             result = tracer.result.save()
+        queued_job = backend.job.id
         CONFIG.API.HOST, CONFIG.API.APIKEY = stack.api.url + "/ndif", stack.api_key
         CONFIG.APP.REMOTE_LOGGING = False
         with model.trace(prompt, remote=True, max_tokens=1, temperature=0.0):
             logits = model.logits.save()
         readyz = client.ready()
-    output = result.outputs[0]
-    print("RESULT " + json.dumps({
-        "token_ids": list(output.token_ids),
-        "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in output.logprobs],
-        "prompt_logprobs": [None if step is None else {str(k): v.logprob for k, v in step.items()} for step in result.prompt_logprobs],
-        "remote_logits": logits.tolist(),
-        "engines": readyz["engines"],
-        "isolation": readyz["isolation"],
-    }), flush=True)
+        jobs = [(str(job.id), job.info["status"], (job.info.get("result") or {}).get("format")) for job in client.jobs()]
+    processes += psutil.Process(worker.pid).children(recursive=True)  # the engine core
 finally:
     stack.stop()
+# stop() leaves nothing of the stack running (checked here, while this process, their parent, still lives).
+psutil.wait_procs(processes, timeout=30)
+survivors = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+output = result.outputs[0]
+print("RESULT " + json.dumps({
+    "token_ids": list(output.token_ids),
+    "logprobs": [{str(k): v.logprob for k, v in step.items()} for step in output.logprobs],
+    "prompt_logprobs": [None if step is None else {str(k): v.logprob for k, v in step.items()} for step in result.prompt_logprobs],
+    "queued_logits": queued_logits.tolist(),
+    "queued_job": str(queued_job),
+    "jobs": jobs,
+    "remote_logits": logits.tolist(),
+    "engines": readyz["engines"],
+    "isolation": readyz["isolation"],
+    "processes": len(processes),
+    "survivors": survivors,
+}), flush=True)
 """
 
 
@@ -98,11 +119,11 @@ def assert_same_steps(got: list[Any], want: list[Any]) -> None:
             assert [got_step[k] for k in want_step] == pytest.approx(list(want_step.values()), abs=1e-5)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the layout of issue 22: the worker runs as root")
-def test_the_embedded_stack_serves_logprobs_and_remote_traces_from_a_private_checkout(
+def test_the_embedded_stack_serves_logprobs_and_remote_traces_from_a_private_checkout_and_stops_everything(
     private_checkout: Path, tiny_model_path: Path, client_model: Any, inprocess_engine: Any
 ) -> None:
     import torch
+    from sqlalchemy import create_engine, text
 
     env = {name: value for name, value in os.environ.items() if not name.startswith(("NNQUEUE_", "NDIF_"))}
     env["PYTHONPATH"] = str(private_checkout)
@@ -126,6 +147,7 @@ def test_the_embedded_stack_serves_logprobs_and_remote_traces_from_a_private_che
     with client_model.trace(
         PROMPT, temperature=0.0, max_tokens=2, logprobs=3, prompt_logprobs=2, backend=backend
     ) as tracer:
+        local_logits = client_model.logits.save()
         result = tracer.result.save()
     with client_model.trace(PROMPT, max_tokens=1, temperature=0.0, backend=InProcessBackend(inprocess_engine)):
         logits = client_model.logits.save()
@@ -135,7 +157,25 @@ def test_the_embedded_stack_serves_logprobs_and_remote_traces_from_a_private_che
     assert_same_steps(got["logprobs"], logprobs_of(result.outputs[0].logprobs))
     assert got["prompt_logprobs"][0] is None and all(len(step) >= 2 for step in got["prompt_logprobs"][1:])
     assert_same_steps(got["prompt_logprobs"], logprobs_of(result.prompt_logprobs))
+    assert torch.equal(torch.tensor(got["queued_logits"]), local_logits)  # the client backend's: bit for bit
     torch.testing.assert_close(torch.tensor(got["remote_logits"]), logits, atol=1e-5, rtol=1e-5)
+
+    # Both jobs completed; the client backend's result is torch's format.
+    assert len(got["jobs"]) == 2 and {status for _, status, _ in got["jobs"]} == {"completed"}, got["jobs"]
+    assert (got["queued_job"], "completed", "torch") in [tuple(job) for job in got["jobs"]]
+    # Everything lives under the data directory: the SQLite file and the local object store, where the
+    # engine's handed-off result was moved (nothing is left in the handoff directory).
+    data = private_checkout / ".nnqueue"
+    assert (data / "objects" / "results" / got["queued_job"] / "1" / "saves.pt").is_file()
+    assert not [path for path in (data / "objects" / ".handoff").rglob("*") if path.is_file()]
+    with create_engine(f"sqlite:///{data / 'nnqueue.db'}").connect() as connection:
+        assert connection.execute(text("select status from jobs")).scalars().all() == ["completed"] * 2
+        assert connection.execute(text("select stopped_at is not null from workers")).scalars().all() == [1]
+    # stop() left nothing running: Redis, the worker and its engine core (the script waited for them).
+    assert got["processes"] >= 3 and got["survivors"] == [], got
+
+    if os.geteuid() != 0:
+        return  # the layout of issue 22 is root's: the worker runs as root and its engine switches users
     # The worker said what its engine runs as, in its log and on /readyz: the engine user, fully isolated.
     [containment] = got["engines"].values()
     assert containment["engine_user"] == "nnqueue-engine" and containment["isolation"] == "full", containment
