@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,3 +53,14 @@ def write(directory: Path, name: str, data: bytes) -> None:
         with os.fdopen(fd, "wb") as file:
             file.write(data)
         os.replace(staging, name, src_dir_fd=folder, dst_dir_fd=folder)
+
+
+def empty(directory: Path) -> None:
+    """Remove everything in ``directory``, each name relative to the folder: a link is removed, never followed, and a
+    folder in it (whatever links it holds) too."""
+    with _folder(directory) as folder:
+        for name in os.listdir(folder):
+            if stat.S_ISDIR(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=folder)
+            else:
+                os.unlink(name, dir_fd=folder)

@@ -63,6 +63,8 @@ from nnqueue.scheduler import registry
 from nnqueue.scheduler.enqueue import send_job_tokens
 
 log = logging.getLogger(__name__)
+# What the jobs a dead engine held are handed back with (and the restart it calls is told).
+ENGINE_DIED = "its engine died"
 T = TypeVar("T")
 
 EXIT_ENGINE_DIED = 75  # EX_TEMPFAIL: try again (the supervisor restarts the worker)
@@ -231,7 +233,7 @@ class EngineHealth:
         await asyncio.to_thread(self._settle_jobs, replaced, keep)
         if self.restart is not None:
             try:
-                await self.restart(f"its engine was replaced: {replaced}" if replaced else "its engine died")
+                await self.restart(f"its engine was replaced: {replaced}" if replaced else ENGINE_DIED)
             except Exception:  # the supervisor's fresh worker is the way out
                 log.exception("a fresh engine could not be started in this worker; the worker restarts")
             else:

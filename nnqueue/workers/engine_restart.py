@@ -24,14 +24,15 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nnqueue.enginecore import untrusted_files
 from nnqueue.workers.chunk_execution import ChunkRunner
+from nnqueue.workers.engine_health import ENGINE_DIED
 from nnqueue.workers.weights import CheckpointUpdater
 
 if TYPE_CHECKING:  # imports vLLM
@@ -54,7 +55,7 @@ class EngineRestart:
     crash_dir: Path
     hand_back: Callable[[str], None]  # requeue what the worker holds and abort its runs here
 
-    async def __call__(self, why: str = "its engine died") -> None:
+    async def __call__(self, why: str = ENGINE_DIED) -> None:
         began = time.monotonic()
         await asyncio.to_thread(self.hand_back, why)
         # The old core's client: its sockets closed, what is left of its processes killed at once (a dead core has
@@ -74,7 +75,7 @@ class EngineRestart:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
-        since = "the engine died" if why == "its engine died" else "its replacement began"
+        since = "the engine died" if why == ENGINE_DIED else "its replacement began"
         log.info("a fresh engine serves, %.1f s after %s", time.monotonic() - began, since)
 
 
@@ -99,9 +100,6 @@ def clear_reports(crash_dir: Path) -> None:
     (:mod:`nnqueue.enginecore.crash_report`, :mod:`nnqueue.enginecore.stall_beacon`): the next death must be read
     from the fresh engine's. Whatever else the old engine put there goes too: the folder is the one place its
     processes can write that the fresh engine's share (a fourth red-team round left a file there for the next trust
-    domain's engine, under ``NNQUEUE_DOMAIN_SWITCH=restart``)."""
-    for path in crash_dir.iterdir():
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+    domain's engine, under ``NNQUEUE_DOMAIN_SWITCH=restart``). Removed as the worker reads it, trusting no path in
+    it (:func:`nnqueue.enginecore.untrusted_files.empty`)."""
+    untrusted_files.empty(crash_dir)

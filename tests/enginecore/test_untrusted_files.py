@@ -48,6 +48,8 @@ def test_a_folder_replaced_by_a_link_is_refused(folders: tuple[Path, Path]) -> N
         untrusted_files.read(crash, "secret", 1 << 20)
     with pytest.raises(OSError):
         untrusted_files.write(crash, "crash-1.json", b"{}")
+    with pytest.raises(OSError):  # emptying the "folder" would empty the one it links to
+        untrusted_files.empty(crash)
     assert sorted(os.listdir(outside)) == ["secret"]
 
 
