@@ -35,7 +35,8 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
   trust-domain switch would run beside it (a red-team round's daemon read the next domain's results from the
   worker's handoff folder);
 * what an escape could use to get around these or the kernel's other boundaries: ``io_uring_*`` (its
-  ``IORING_OP_SOCKET`` makes sockets without ``socket()``), ``bpf``, ``userfaultfd``, ``keyctl`` /
+  ``IORING_OP_SOCKET`` makes sockets without ``socket()``), ``bpf``, ``perf_event_open`` (hardware counters and
+  the kernel's sampling of other processes: side channels), ``syslog`` (the kernel's log), ``userfaultfd``, ``keyctl`` /
   ``add_key`` / ``request_key``, ``unshare`` / ``setns`` / ``mount`` / ``umount2`` / ``pivot_root`` /
   ``chroot``, ``kexec_*`` and kernel-module loading.
 
@@ -83,6 +84,8 @@ REFUSED_SYSCALLS = (
     "io_uring_enter",
     "io_uring_register",
     "bpf",
+    "perf_event_open",
+    "syslog",
     "userfaultfd",
     "keyctl",
     "add_key",

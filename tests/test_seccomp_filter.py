@@ -53,6 +53,9 @@ ENGINE_LIKE = textwrap.dedent(
     limits = resource.getrlimit(resource.RLIMIT_NOFILE)
     sigio_read, sigio_write = os.pipe()
 
+    def syscall_errno(number, *args):
+        return errno.errorcode[ctypes.get_errno()] if libc.syscall(number, *args) == -1 else "done"
+
     def forked():
         pid = os.fork()
         if pid == 0:
@@ -80,6 +83,9 @@ ENGINE_LIKE = textwrap.dedent(
         "sigio_signal": attempt(lambda: fcntl.fcntl(sigio_read, 10, signal.SIGSTOP)),  # F_SETSIG
         "sigio_ioctl": attempt(lambda: fcntl.ioctl(sigio_read, 0x8901, struct.pack("i", sibling.pid))),  # FIOSETOWN
         "fork": attempt(forked),
+        # perf_event_open (298; an attr of zeros, this process, any CPU) and syslog (103; SYSLOG_ACTION_SIZE_BUFFER)
+        "perf_event": syscall_errno(298, ctypes.create_string_buffer(128), 0, -1, -1, 0),
+        "syslog": syscall_errno(103, 10, None, 0),
         "unix": attempt(lambda: socket.socket(socket.AF_UNIX).close()),
         "socketpair": attempt(lambda: [end.close() for end in socket.socketpair()]),
         "signal_self": attempt(lambda: os.kill(os.getpid(), signal.SIGUSR1)),
@@ -118,6 +124,8 @@ def test_the_filter_refuses_exec_network_sockets_ptrace_and_signals_to_any_other
         "sigio_signal": "EPERM",
         "sigio_ioctl": "EPERM",
         "fork": "EPERM",
+        "perf_event": "EPERM",
+        "syslog": "EPERM",
         "unix": "done",
         "socketpair": "done",
         "signal_self": "done",
