@@ -16,7 +16,8 @@
 #   guard    the trace rows of harvest_gpu.py with the engine's guards, then without (the state guard's cost)
 #   hostile  benchmarks/hostile.py on the 8B-shaped dummy model: engine restarts on a GPU, the state guard's cases
 #   domains  benchmarks/trust_domains.py on the same model: a two-domain mix against one domain (SWITCH=restart
-#            HOLD=30: a fresh engine at each switch)
+#            HOLD=30: a fresh engine at each switch; STEERING=K: K steering jobs of the same owner, then of another
+#            domain, beside a round's traces)
 #   restart  benchmarks/hostile.py's stall cases twice: engine cores forked by the builders' zygote, then spawned
 #            (NNQUEUE_TRACE_BUILDERS=0): the in-place restart's time each way
 #
@@ -77,8 +78,9 @@ domains)
   switch=${SWITCH:-verify}
   run "domains-$switch" python3 benchmarks/trust_domains.py --model "$(model)" "${ENGINE[@]}" \
     --jobs "${JOBS:-512}" --concurrency "${CONCURRENCY:-256}" --rounds "${ROUNDS:-2}" --device "one NVIDIA H200" \
-    --domain-switch "$switch" ${HOLD:+--hold-s "$HOLD"} --json "$out/domains-$switch-h200.json"
-  tail -8 "$out/domains-$switch.log" ;;
+    --domain-switch "$switch" ${HOLD:+--hold-s "$HOLD"} ${STEERING:+--steering "$STEERING"} \
+    --json "$out/domains-$switch-h200.json"
+  tail -10 "$out/domains-$switch.log" ;;
 restart)
   for start in forked spawned; do
     clean
