@@ -1,6 +1,9 @@
 """``nnqueue demo``, the README's main job: the real SmolLM2-135M converted from the wheel's GGUF, the whole
 embedded stack, one trace job through the API and (``--harvest``) a harvest of one layer over the packaged
-text set. Its values are checked against the model itself, not against numbers written down here."""
+text set. Its values are checked against the model itself, not against numbers written down here.
+
+The conversion is the run's one (tests/utils/demo_model.py: ``ensure_model``, shared with ``nnqueue up``'s test,
+which converted it again), placed in the demo's data directory as a first run leaves it."""
 
 from __future__ import annotations
 
@@ -18,11 +21,15 @@ from nnqueue.db.session import make_engine, session_factory
 from nnqueue.demo import HARVEST_LAYER, MARKER, MODEL_KEY, TEXTS, ensure_model, fingerprint, gguf_path, run_demo
 from nnqueue.workers.provenance import ORIGIN_FILE
 from nnqueue.workers.provenance import source as source_of
+from tests.utils.demo_model import place_demo_model
 
 pytestmark = pytest.mark.slow  # the demo: converts SmolLM2-135M and runs the whole embedded stack
 
 
-def test_the_demo_runs_a_real_trace_job_and_a_harvest_and_prints_the_summary(tmp_path: Path) -> None:
+def test_the_demo_runs_a_real_trace_job_and_a_harvest_and_prints_the_summary(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model_dir = place_demo_model(tmp_path_factory, tmp_path / "data" / "models")
     console = Console(record=True, width=160)
     saves = run_demo(tmp_path / "data", console, harvest=True)
     output = console.export_text()
@@ -42,7 +49,8 @@ def test_the_demo_runs_a_real_trace_job_and_a_harvest_and_prints_the_summary(tmp
     assert harvest["prompts"] == len(lines) and harvest["rows"] > 5 * len(lines) and harvest["width"] == 576
     assert harvest["mean_norm"] > 0 and (harvest["directory"] / "manifest.json").is_file()
     assert f"layer {HARVEST_LAYER}'s residual stream 576 wide" in output
-    # The converted model stays for the next run, marked complete.
+    # The demo served the folder a first run converted in its data directory, which stays marked complete.
+    assert f"cached at {model_dir}" in output.replace("\n", "")
     assert (tmp_path / "data" / "models" / MODEL_KEY / MARKER).is_file()
 
 

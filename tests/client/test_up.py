@@ -1,5 +1,6 @@
-"""``nnqueue up`` as a newcomer runs it after the demo, with no flags: it serves the demo's model (converted now,
-as ``nnqueue demo`` would), and from other processes, in the folder it ran in:
+"""``nnqueue up`` as a newcomer runs it after the demo, with no flags: it serves the demo's model (the folder the
+demo converted in its data directory: the run's conversion, tests/utils/demo_model.py, shared with the demo's
+test), and from other processes, in the folder it ran in:
 
 * every Python block of the README runs exactly as printed, with only the URL and the key ``up`` printed put in
   (one script: the blocks continue one session; ``nnqueue submit`` of a script is tests/client/test_end_to_end.py's);
@@ -31,6 +32,7 @@ from nnqueue.cli import app
 from nnqueue.client import Client
 from nnqueue.demo import MODEL_KEY
 from nnqueue.embedded import free_port
+from tests.utils.demo_model import place_demo_model
 
 pytestmark = pytest.mark.slow  # end to end: two runs of `nnqueue up` on the demo's model, each with a worker
 
@@ -94,8 +96,11 @@ class Up:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder `nnqueue up` runs in (its data directory is the default, ./.nnqueue) and the examples run from."""
-    return tmp_path_factory.mktemp("newcomer")
+    """The folder `nnqueue up` runs in (its data directory is the default, ./.nnqueue) and the examples run from,
+    with the demo's model converted in the data directory, as ``nnqueue demo`` leaves it."""
+    folder = tmp_path_factory.mktemp("newcomer")
+    place_demo_model(tmp_path_factory, folder / ".nnqueue" / "models")
+    return folder
 
 
 @pytest.fixture(scope="module")
