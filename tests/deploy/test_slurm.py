@@ -82,11 +82,13 @@ def test_the_time_limits_signal_hands_the_jobs_and_chunks_back_and_requeues_the_
     client_model: VLLM,
     tiny_model_path: Path,
     tmp_path: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     batch, calls = start_batch_job(services, tiny_model_path, tmp_path)
     try:
         wait_registered(services, batch, tmp_path / "batch.log")
-        job = services.submit(slow_payload(client_model, steps=150))  # 15 s of decoding: still running at SIGUSR1
+        # 10 s of decoding (more under load, and beside the chunk): still running when the 2 s drain ends
+        job = services.submit(slow_payload(client_model, steps=100))
         running = services.wait_for(job.id, {S.RUNNING}, timeout=240)
         token_ids = prompts(800, 200, seed=3)
         harvest_id = harvest(services, token_ids, prompts_per_chunk=400)
@@ -95,6 +97,11 @@ def test_the_time_limits_signal_hands_the_jobs_and_chunks_back_and_requeues_the_
 
         signalled = time.monotonic()
         batch.send_signal(signal.SIGUSR1)  # the batch shell only, as --signal=B:USR1@180 does
+        # The worker that completes the work starts now, while the first drains: its engine loads for 30 s or more
+        # (minutes on a busy machine), so it registers long after the first has handed back and exited (checked
+        # below: the hand-back alone, not this worker, brings the job and the chunk back to QUEUED).
+        second = WorkerProcess(services, tiny_model_path, tmp_path / "second.log", 2)
+        request.addfinalizer(second.stop)  # should a check below fail before its own stop
         assert batch.wait(timeout=120) == 0, (tmp_path / "batch.log").read_text()[-5000:]
         print(f"the batch script exited 0, {time.monotonic() - signalled:.1f} s after SIGUSR1")
     finally:
@@ -109,9 +116,9 @@ def test_the_time_limits_signal_hands_the_jobs_and_chunks_back_and_requeues_the_
     assert handed_back.status is S.QUEUED, handed_back.status  # not left RUNNING under a stopped worker
     chunk = next(c for c in chunks_of(services, harvest_id) if c.index == held.index)
     assert chunk.status is S.QUEUED and chunk.error and f"worker {running.worker_id} stopped" in chunk.error
+    with services.sessions() as session:  # nothing else could have: no other worker had registered yet
+        assert session.scalars(select(Worker.id).where(Worker.stopped_at.is_(None))).all() == []
 
-    # Started here, not with start_worker: its engine may take minutes to load on a busy machine.
-    second = WorkerProcess(services, tiny_model_path, tmp_path / "second.log", 2)
     try:
         second_id = second.wait_registered(timeout=600).id
         done = services.wait_for(job.id, {S.COMPLETED, S.FAILED}, timeout=240)
