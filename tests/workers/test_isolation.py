@@ -122,7 +122,7 @@ def run_snoop(
 def root_worker(
     services: Services, tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[WorkerProcess, Path]]:
-    """A root worker without the protected environment (its builders bound to 20 s of a job's code; a fresh engine at
+    """A root worker without the protected environment (its builders bound to 10 s of a job's code; a fresh engine at
     each trust-domain switch), and the .env in its working directory."""
     # Settings read .env in the working directory: the worker's must not be readable by its engine.
     workdir = tmp_path_factory.mktemp("root-worker")
@@ -132,7 +132,7 @@ def root_worker(
     env = {
         **UNPROTECTED,
         "NNQUEUE_TRACE_BUILDERS": "1",
-        "NNQUEUE_TRACE_BUILDER_TIMEOUT_S": "20",
+        "NNQUEUE_TRACE_BUILDER_TIMEOUT_S": "10",
         "NNQUEUE_DOMAIN_SWITCH": "restart",
     }
     worker = WorkerProcess(
@@ -220,7 +220,7 @@ def test_top_level_code_that_outruns_the_builders_bound_fails_its_job_saying_so(
     slow = services.submit(backend.payload, model_key="tiny-root")
     slow = services.wait_for(slow.id, {JobStatus.FAILED, JobStatus.COMPLETED}, timeout=300)
     assert slow.error_type == "TraceBuilderTimedOut", (slow.error_type, slow.error_message)
-    assert "ran 20 s without answering while rebuilding this trace" in slow.error_message
+    assert "ran 10 s without answering while rebuilding this trace" in slow.error_message
     assert "NNQUEUE_TRACE_BUILDER_TIMEOUT_S" in slow.error_message
     assert slow.started_at is not None and slow.finished_at is not None
     assert (slow.finished_at - slow.started_at).total_seconds() < 120  # not the job's 600 s timeout
