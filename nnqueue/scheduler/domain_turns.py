@@ -197,6 +197,7 @@ class DomainTurns:
                 self._work_turn = (switch.domain, self.clock())
         if traces and not self.exposed:
             self.exposed = True
+            self._others_since = None  # the hold starts with its traces, not with the drain before them
             if self._switch is None:  # the engine's first trace: nothing ran that needs putting back
                 switch = self._switch = Switch(None, grant.traces)  # type: ignore[arg-type]
         return switch

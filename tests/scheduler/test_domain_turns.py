@@ -125,12 +125,16 @@ def test_an_engine_that_ran_no_trace_takes_anyones_work_and_drains_it_before_a_d
     assert turns.choose(waiting("c"), waiting("a", "c")) == Grant(None, frozenset({"c"}))
     assert turns.others_wait()
     turns.claimed(Grant(None, frozenset({"c"})), work={"jc": "c"})  # c's own steering job runs meanwhile
+    now[0] = 20  # a drain longer than the hold: the hold starts with c's traces
     assert not turns.ended("ja") and turns.ended("jb")  # the drain is over: c's traces may start
     grant = turns.choose(waiting("c"), waiting("a"))
     assert grant == Grant("c", frozenset({"c"}))
     first = turns.claimed(grant, ["tc"])
     assert first is not None and (first.previous, first.domain) == (None, "c")  # nothing to put back
     assert turns.exposed and turns.current == "c"
+    assert turns.choose(waiting("c"), waiting("a")) == Grant("c", frozenset({"c"}))
+    now[0] = 30
+    assert turns.choose(waiting("c"), waiting("a")) == Grant(None, frozenset())  # now a has waited the hold
 
 
 def test_another_domains_steering_job_waits_for_the_turn_and_runs_on_a_fresh_engine() -> None:

@@ -32,10 +32,11 @@ from urllib.parse import urlsplit
 
 import psutil
 import pytest
+from sqlalchemy import select
 
 from nnqueue import isolation
 from nnqueue.client import Client
-from nnqueue.db.models import JobStatus
+from nnqueue.db.models import HarvestChunk, JobStatus
 from nnqueue.embedded import ApiServer
 from nnqueue.storage.results import load_result
 from tests.utils.api import create_secret
@@ -578,11 +579,25 @@ def test_a_domain_switch_starts_a_fresh_engine_so_what_a_domain_left_in_it_reach
         "sampling": {"max_tokens": 2},
         "edits": [{"module": "model.layers.0", "op": "scale", "coefficient": 1.0}],
     }
+    harvest = {
+        "model_key": "tiny-root",
+        "dataset": {"prompts": ["one", "two", "three", "four"]},
+        "captures": [{"module": "model.layers.1"}],
+        "prompts_per_chunk": 1,
+    }
     with Client(api_server.url, create_secret(services.sessions, "sam", ("harvest",))) as client:
         client.steer(steering).wait(timeout=400)
-    assert "replacing the engine (a switch from trust domain 'owner:mallory' to 'owner:sam')" in worker.log()
-    other = run("alice", None)  # on the engine sam's job left: it ran no trace, so no other restart
-    assert other["left"] is None and other["pid"] != planted["pid"], other
+        assert "replacing the engine (a switch from trust domain 'owner:mallory' to 'owner:sam')" in worker.log()
+        other = run("alice", None)  # on the engine sam's job left: it ran no trace, so no other restart
+        assert other["left"] is None and other["pid"] != planted["pid"], other
+        # Sam's harvest beside mallory's traces: its chunks run in turns with them, none handed back by a switch.
+        started = client.harvest(harvest)
+        traces = [services.submit(leaving_payload(client_model, None), owner="mallory", model_key="tiny-root")]
+        assert started.wait(timeout=400, progress=False).status == "completed"
+    assert services.wait_for(traces[0].id, {JobStatus.COMPLETED}, timeout=400)
+    with services.sessions() as session:
+        chunks = session.scalars(select(HarvestChunk).where(HarvestChunk.harvest_id == uuid.UUID(started.id))).all()
+    assert [chunk.attempts for chunk in chunks] == [1, 1, 1, 1]
 
 
 def runs_as(user: str) -> bool:
