@@ -90,6 +90,7 @@ class DomainTurns:
     _wait_after_switch = False  # whether other domains than the one chosen to switch to wait too
     _deferred = False  # whether the last choice left work waiting for the current turn (or a drain)
     _work_turn: tuple[str, float] | None = None  # the domain a switch was made for, without traces, and when
+    _ran: set[str] = field(default_factory=set)  # with all_work: the domains whose work this engine has run
     _lock: threading.Lock = field(default_factory=threading.Lock)
     claiming: threading.Lock = field(default_factory=threading.Lock)  # held by a claim from choice to record
 
@@ -136,12 +137,13 @@ class DomainTurns:
         # Before its first trace a turn only waits for the others' work to drain: the hold starts with its traces.
         yielding = self._yielding(bool(others), now) and self.exposed
         self._deferred = bool(others)
-        draining = any(other != domain for other in self._units.values())
-        if draining or self.in_flight:
-            if yielding:
-                return NOTHING
-            self._deferred |= draining  # its traces start once the others' work has ended
-            return Grant(None if draining else domain, frozenset({domain}))
+        if not self.exposed and self._ran - {domain} and self._units:
+            # Other domains' work ran on this engine: its traces need a fresh one, so everything in flight (its own
+            # work too, which would be handed back) ends first.
+            self._deferred = True
+            return NOTHING
+        if self.in_flight:
+            return NOTHING if yielding else Grant(domain, frozenset({domain}))
         if not others or (domain in waiting and not yielding):
             return Grant(domain, frozenset({domain}))
         # The turn ends on an engine that ran this domain's traces: the next domain's work runs on a fresh one.
@@ -184,6 +186,7 @@ class DomainTurns:
         with self._lock:
             if self.all_work:
                 switch = self._claimed_all(grant, bool(traces) and grant.traces is not None, set(units.values()))
+                self._ran.update(units.values())
             else:
                 switch = self._move(grant.traces) if grant.traces != self.current else None  # type: ignore[arg-type]
             self._units.update(units)
@@ -198,18 +201,25 @@ class DomainTurns:
         if traces and not self.exposed:
             self.exposed = True
             self._others_since = None  # the hold starts with its traces, not with the drain before them
-            if self._switch is None:  # the engine's first trace: nothing ran that needs putting back
+            others = sorted(self._ran - {grant.traces})
+            if self._switch is None and others:  # choose() gave the traces with nothing in flight
+                # Other domains' steering jobs or chunks ran on this engine: what they left (their prompts in the KV
+                # cache, a sixth red-team round read them from a plain trace) must not meet this domain's code.
+                switch = self._move(grant.traces, previous=", ".join(others))  # type: ignore[arg-type]
+                self.exposed = True
+            elif self._switch is None:  # the engine's first work: nothing ran that needs putting back
                 switch = self._switch = Switch(None, grant.traces)  # type: ignore[arg-type]
         return switch
 
-    def _move(self, domain: str) -> Switch:
-        """The engine moves to ``domain`` (the lock held)."""
+    def _move(self, domain: str, previous: str | None = None) -> Switch:
+        """The engine moves to ``domain`` from ``previous`` (default: ``current``), on a fresh engine with
+        ``all_work`` (the lock held)."""
         if self._units:  # choose() never gives another domain then: a caller's bug, not a user's
             raise RuntimeError(f"work of {self.current!r} is in flight: no switch to {domain!r}")
         if self.current is not None:
             self._last_turn[self.current] = self.clock()
-        switch = self._switch = Switch(self.current, domain)
-        self.current, self.exposed = domain, False
+        switch = self._switch = Switch(previous or self.current, domain)
+        self.current, self.exposed, self._ran = domain, False, set()
         self._others_since = self.clock() if self._wait_after_switch else None
         return switch
 

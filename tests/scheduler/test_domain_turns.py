@@ -116,25 +116,36 @@ def all_work_turns(now: list[float]) -> DomainTurns:
     return DomainTurns(hold_s=10, clock=lambda: now[0], all_work=True)
 
 
-def test_an_engine_that_ran_no_trace_takes_anyones_work_and_drains_it_before_a_domains_first_trace() -> None:
+def test_an_engine_that_ran_no_trace_takes_anyones_work_and_a_domains_first_trace_gets_a_fresh_one() -> None:
     now = [0.0]
     turns = all_work_turns(now)
     assert turns.choose({}, waiting("a", "b")) == Grant(None)  # anyone's steering jobs and chunks
     assert turns.claimed(Grant(None), work={"ja": "a", "jb": "b"}) is None
-    # c's traces wait: c's turn begins, a's and b's work drains first (no more of theirs, none of c's traces).
-    assert turns.choose(waiting("c"), waiting("a", "c")) == Grant(None, frozenset({"c"}))
+    # c's traces wait: c's turn begins; everything in flight drains first (c's own steering waits too).
+    assert turns.choose(waiting("c"), waiting("a", "c")) == Grant(None, frozenset())
     assert turns.others_wait()
-    turns.claimed(Grant(None, frozenset({"c"})), work={"jc": "c"})  # c's own steering job runs meanwhile
     now[0] = 20  # a drain longer than the hold: the hold starts with c's traces
     assert not turns.ended("ja") and turns.ended("jb")  # the drain is over: c's traces may start
-    grant = turns.choose(waiting("c"), waiting("a"))
+    grant = turns.choose(waiting("c"), waiting("a", "c"))
     assert grant == Grant("c", frozenset({"c"}))
-    first = turns.claimed(grant, ["tc"])
-    assert first is not None and (first.previous, first.domain) == (None, "c")  # nothing to put back
-    assert turns.exposed and turns.current == "c"
+    # a's and b's prompts were on this engine (a sixth red-team round read them back from a plain trace's KV cache
+    # reads): c's traces run on a fresh one.
+    first = turns.claimed(grant, ["tc"], {"jc": "c"})
+    assert first is not None and (first.previous, first.domain) == ("a, b", "c")
+    assert turns.exposed and turns.current == "c" and turns.unverified() is first
+    turns.verified(first)
     assert turns.choose(waiting("c"), waiting("a")) == Grant("c", frozenset({"c"}))
     now[0] = 30
     assert turns.choose(waiting("c"), waiting("a")) == Grant(None, frozenset())  # now a has waited the hold
+
+
+def test_a_domains_first_trace_on_an_engine_that_ran_only_its_own_work_needs_no_fresh_one() -> None:
+    turns = all_work_turns([0.0])
+    turns.claimed(turns.choose({}, waiting("c")), work={"jc": "c"})
+    grant = turns.choose(waiting("c"), waiting("c"))
+    assert grant == Grant("c", frozenset({"c"}))  # its own steering job may go on meanwhile
+    first = turns.claimed(grant, ["tc"])
+    assert first is not None and (first.previous, first.domain) == (None, "c")
 
 
 def test_another_domains_steering_job_waits_for_the_turn_and_runs_on_a_fresh_engine() -> None:
@@ -158,7 +169,12 @@ def test_another_domains_steering_job_waits_for_the_turn_and_runs_on_a_fresh_eng
     assert turns.choose(waiting("m"), waiting("alice", "bob")) == Grant(None)
     assert turns.others_wait()  # mallory's tokens wait for it
     now[0] = 20.5
-    assert turns.choose(waiting("m"), waiting("alice")) == Grant(None, frozenset({"m"}))  # then mallory's, drained
+    assert turns.choose(waiting("m"), waiting("alice")) == Grant(None, frozenset())  # alice's job still runs
+    assert turns.ended("steer")
+    grant = turns.choose(waiting("m"), waiting("alice"))
+    assert grant == Grant("m", frozenset({"m"}))  # then mallory's, on a fresh engine again: alice's work ran on this one
+    switch = turns.claimed(grant, ["tm2"])
+    assert switch is not None and (switch.previous, switch.domain) == ("alice", "m")
 
 
 def test_a_domains_own_work_runs_in_its_turn_without_a_switch() -> None:
