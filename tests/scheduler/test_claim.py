@@ -223,6 +223,8 @@ def test_with_all_work_an_engine_that_ran_no_trace_takes_every_domains_work(sess
     for unit in [("chunk", chunks[0]), ("chunk", chunks[1]), steer]:
         turns.ended(unit)
     assert [job.id for job in claim_jobs(sessions, MODEL, "w", 4, turns=turns)] == [trace]
+    switch = turns.unverified()  # their prompts were on this engine: dave's trace runs on a fresh one
+    assert switch is not None and switch.previous == "owner:alice, owner:bob, owner:carol"
 
 
 def test_with_all_work_a_groups_chunks_run_in_its_turn(sessions: sessionmaker[Session]) -> None:
