@@ -66,6 +66,9 @@ class EngineRestart:
         old.shutdown(timeout=0)
         await asyncio.to_thread(wait_ended, processes, PROCESS_EXIT_WAIT_S)
         clear_reports(self.crash_dir)
+        # And the handoff folder, the other one the old engine could write (its leftovers could stand at names the
+        # next domain's files take: a sixth red-team round failed another owner's harvest with planted folders).
+        empty_folder(self.executor.sinks.handoff_dir())
         engine = self.start()  # on the engine loop, as the first engine was (vLLM's AsyncLLM binds to it)
         self.executor.use_engine(engine)
         self.chunks.model = engine
@@ -102,4 +105,13 @@ def clear_reports(crash_dir: Path) -> None:
     processes can write that the fresh engine's share (a fourth red-team round left a file there for the next trust
     domain's engine, under ``NNQUEUE_DOMAIN_SWITCH=restart``). Removed as the worker reads it, trusting no path in
     it (:func:`nnqueue.enginecore.untrusted_files.empty`)."""
-    untrusted_files.empty(crash_dir)
+    empty_folder(crash_dir)
+
+
+def empty_folder(folder: Path) -> None:
+    """:func:`nnqueue.enginecore.untrusted_files.empty`, logging rather than failing the restart when the folder is
+    not one (the old engine's user replaced it with a link: the worker's readers refuse it too)."""
+    try:
+        untrusted_files.empty(folder)
+    except OSError as error:
+        log.error("the engine's folder %s could not be emptied: %s", folder, error)

@@ -29,6 +29,8 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import secrets
+import shutil
 import stat
 import threading
 import uuid
@@ -110,7 +112,9 @@ class ResultSinks:
         the job's traces (a session's), read back (`read_back`) rather than stored."""
         directory = self.handoff_dir()
         objects = {name: file for name, file in OBJECTS.items() if safetensors or name != "safetensors"}
-        prefix = f"{job_id}-{attempt}-{part}-" if part else f"{job_id}-{attempt}-"
+        # A name of the worker's choosing that no engine can guess: one that knew it could plant a folder there first.
+        token = secrets.token_hex(8)
+        prefix = f"{job_id}-{attempt}-{part}-{token}-" if part else f"{job_id}-{attempt}-{token}-"
         specs = {
             name: {"kind": "handoff", "path": str(directory / f"{prefix}{file}")} for name, file in objects.items()
         }
@@ -193,12 +197,13 @@ class ResultSinks:
         """Remove what an attempt left in the handoff directory, a staging file included (a session's builder killed
         while it wrote the result)."""
         for spec in sinks.specs.values():
-            Path(spec["path"]).unlink(missing_ok=True)
-            Path(staging_path(spec["path"])).unlink(missing_ok=True)
+            remove(spec["path"])
+            remove(staging_path(spec["path"]))
 
     def open_shard(self, key: str, name: str, max_bytes: int) -> ShardSink:
         """A handoff file named ``name`` (unique to the attempt) for a shard of at most ``max_bytes`` bytes, to end
         up at ``key`` (`commit_shard`)."""
+        name = f"{secrets.token_hex(8)}-{name}"  # unguessable, as `open`'s names
         return ShardSink({"kind": "handoff", "path": str(self.handoff_dir() / name)}, key, max_bytes)
 
     @contextlib.asynccontextmanager
@@ -223,8 +228,8 @@ class ResultSinks:
 
     def discard_shard(self, sink: ShardSink) -> None:
         """Drop what an abandoned attempt wrote (nothing appears at the key), its staging file too."""
-        Path(sink.spec["path"]).unlink(missing_ok=True)
-        Path(staging_path(sink.spec["path"])).unlink(missing_ok=True)
+        remove(sink.spec["path"])
+        remove(staging_path(sink.spec["path"]))
 
     @contextlib.asynccontextmanager
     async def following(self, sink: ShardSink) -> AsyncIterator[ShardFollower]:
@@ -293,6 +298,17 @@ class ResultSinks:
                 parent.mkdir(parents=True, exist_ok=True)
             self._handoff_dir = isolation.engine_writable_dir("nnqueue-handoff-", parent=parent)
         return self._handoff_dir
+
+
+def remove(path: str) -> None:
+    """Remove what is at ``path`` in the handoff folder, whatever the engine left there: a file, a link (not
+    followed) or a folder (a sixth red-team round planted folders at names the worker would use)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except IsADirectoryError:
+        shutil.rmtree(path, ignore_errors=True)  # refuses a link: the unlink above removed one
 
 
 class ShardFollower:

@@ -410,3 +410,17 @@ def test_a_restart_empties_the_crash_report_folder_and_follows_no_link(tmp_path:
     clear_reports(crash_dir)
     assert list(crash_dir.iterdir()) == []
     assert (outside / "kept.txt").read_text() == "the worker's"
+
+
+def test_a_folder_the_old_engine_replaced_with_a_link_is_left_and_the_restart_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from nnqueue.workers.engine_restart import empty_folder
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept.txt").write_text("the worker's")
+    (tmp_path / "handoff").symlink_to(outside)
+    empty_folder(tmp_path / "handoff")
+    assert (outside / "kept.txt").read_text() == "the worker's"
+    assert "could not be emptied" in caplog.text

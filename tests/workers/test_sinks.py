@@ -197,3 +197,20 @@ def test_a_staging_file_that_is_not_the_engines_own_is_not_followed(tmp_path: Pa
     written = write(opened.spec, b"the shard")
     digest = follower.commit(written)
     assert store.get_bytes(opened.key) == b"the shard" and digest.size == 9
+
+
+def test_handoff_names_cannot_be_guessed_and_what_was_planted_there_is_removed(tmp_path: Path) -> None:
+    """A sixth red-team round planted folders at the names the worker would give a later attempt's files (the job's
+    or harvest's id, the attempt): the attempt failed, and so did the harvest. Names carry a part nobody can know
+    beforehand, and whatever stands at one when the attempt ends goes, a folder too."""
+    sinks = ResultSinks(LocalObjectStore(tmp_path / "store"), tmp_path / "handoff")
+    first, second = (sinks.open(JOB, 1, safetensors=True) for _ in range(2))
+    assert first.specs["torch"]["path"] != second.specs["torch"]["path"]
+    shard = sinks.open_shard("harvests/h/shard-00000.safetensors", "h-00000-1.safetensors", MiB)
+    assert Path(shard.spec["path"]).name != "h-00000-1.safetensors"
+    planted = [Path(first.specs["torch"]["path"]), Path(sink.staging_path(shard.spec["path"]))]
+    for folder in planted:
+        (folder / "inside").mkdir(parents=True)
+    sinks.discard(first)
+    sinks.discard_shard(shard)
+    assert not any(path.exists() for path in planted)
