@@ -22,9 +22,11 @@ then tells it what it took (:meth:`DomainTurns.claimed`), and each unit's end is
   domain's traces are assumed able to do anything inside the engine's process: a fifth red-team round's escaped
   trace read another owner's steering prompt and forged its result) they run only on an engine that has run no
   other domain's trace: an engine that ran no trace yet takes anyone's (they run together, as before); once a
-  domain's traces wait, that domain's turn begins, other domains' work drains, then its traces start; from then
-  on the engine takes that domain's work of every kind, and the next domain's work (traces or not) runs on a
-  fresh engine. Without ``all_work`` (``verify``, which trusts the guards) any claim takes them.
+  domain's traces wait, that domain's turn begins, the work in flight drains, then its traces start, on a fresh
+  engine if another domain's work ran on this one (a sixth round read its prompts back from the KV cache with a
+  plain trace); from then on the engine takes that domain's work of every kind, and the next domain's work
+  (traces or not) runs on a fresh engine. Without ``all_work`` (``verify``, which trusts the guards) any claim
+  takes them.
 * ``allowed``: the trace domains this worker may take at all (None: any), for a worker whose engine cannot be
   isolated (it then serves harvests, steering and its own operator's traces only).
 
@@ -65,9 +67,6 @@ class Grant:
 
     traces: str | None
     work: frozenset[str] | None = None
-
-    def takes_work_of(self, domain: str) -> bool:
-        return self.work is None or domain in self.work
 
 
 NOTHING = Grant(None, frozenset())
