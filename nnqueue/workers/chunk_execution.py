@@ -3,7 +3,8 @@ record the shard, and complete the harvest when it was the last chunk.
 
 A bulk token names no chunk: the runner claims the fairest QUEUED chunk of its model
 (:func:`claim_next_chunk`), among those the worker's trust-domain turns let it take (under
-``NNQUEUE_DOMAIN_SWITCH=restart``: :mod:`nnqueue.scheduler.domain_turns`). The prompts are the chunk's byte range of the harvest's frozen dataset, tokenized
+``NNQUEUE_DOMAIN_SWITCH=restart``: :mod:`nnqueue.scheduler.domain_turns`). The prompts are the chunk's byte range
+of the harvest's frozen dataset, tokenized
 here (in a thread) with the engine's own tokenizer, truncated to the spec's ``max_length`` (at most the
 engine's limit). The engine writes the shard (:func:`nnqueue.engines.harvest_runner.run_chunk`) to a file in
 this worker's handoff directory, hashing it as it writes; once the engine reports it, the worker checks the
@@ -126,15 +127,16 @@ class ChunkRunner:
         another domain's turn holds the engine, it waits for that turn to end (a dropped token would leave the
         chunk to the reconciler)."""
         version = self.weights.version if self.weights is not None else None
-        turns = self.jobs.turns if self.jobs is not None else None
+        jobs = self.jobs
+        turns = jobs.turns if jobs is not None else None
         while True:
-            turn_end = self.jobs.turn_end() if self.jobs is not None else None
+            turn_end = jobs.turn_end() if jobs is not None else None
             chunk = await asyncio.to_thread(
                 claim_next_chunk, self.sessions, self.model_key, self.worker_id, version, turns
             )
-            if chunk is not None or turn_end is None or turns is None or not turns.others_wait():
+            if chunk is not None or jobs is None or turn_end is None or not jobs.turns.others_wait():
                 return chunk
-            await self.jobs.wait_for_turn(turn_end)  # type: ignore[union-attr]
+            await jobs.wait_for_turn(turn_end)
 
     async def _attempt(self, chunk: HarvestChunk, slot: asyncio.Future[Outcome]) -> Outcome:
         """The chunk from its claim to its end; ``slot`` gets ``HANDED_OFF`` when its upload starts, or its end."""
