@@ -36,9 +36,9 @@ loaded. From then on the kernel answers ``EPERM`` to, in every thread of the pro
   worker's handoff folder);
 * what an escape could use to get around these or the kernel's other boundaries: ``io_uring_*`` (its
   ``IORING_OP_SOCKET`` makes sockets without ``socket()``), ``bpf``, ``perf_event_open`` (hardware counters and
-  the kernel's sampling of other processes: side channels), ``syslog`` (the kernel's log), ``userfaultfd``, ``keyctl`` /
-  ``add_key`` / ``request_key``, ``unshare`` / ``setns`` / ``mount`` / ``umount2`` / ``pivot_root`` /
-  ``chroot``, ``kexec_*`` and kernel-module loading.
+  the kernel's sampling of other processes: side channels), ``syslog`` (the kernel's log), ``userfaultfd``,
+  ``keyctl`` / ``add_key`` / ``request_key``, ``unshare`` / ``setns`` / ``mount`` / ``umount2`` / ``pivot_root``
+  / ``chroot``, ``kexec_*`` and kernel-module loading.
 
 Just-in-time compilers exec a compiler (torch's inductor runs ``g++`` on CPU; Triton runs ``ptxas`` and
 ``gcc`` on GPU). On the CPU, vLLM compiles its model graphs at start-up, before the filter, and the sampler's
