@@ -172,7 +172,7 @@ def test_another_domains_steering_job_waits_for_the_turn_and_runs_on_a_fresh_eng
     assert turns.choose(waiting("m"), waiting("alice")) == Grant(None, frozenset())  # alice's job still runs
     assert turns.ended("steer")
     grant = turns.choose(waiting("m"), waiting("alice"))
-    assert grant == Grant("m", frozenset({"m"}))  # then mallory's, on a fresh engine again: alice's work ran on this one
+    assert grant == Grant("m", frozenset({"m"}))  # then mallory's, on a fresh engine: alice's work ran on this one
     switch = turns.claimed(grant, ["tm2"])
     assert switch is not None and (switch.previous, switch.domain) == ("alice", "m")
 
