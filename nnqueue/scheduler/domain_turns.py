@@ -198,16 +198,15 @@ class DomainTurns:
             if not traces:
                 self._work_turn = (switch.domain, self.clock())
         if traces and not self.exposed:
-            self.exposed = True
             self._others_since = None  # the hold starts with its traces, not with the drain before them
             others = sorted(self._ran - {grant.traces})
             if self._switch is None and others:  # choose() gave the traces with nothing in flight
                 # Other domains' steering jobs or chunks ran on this engine: what they left (their prompts in the KV
                 # cache, a sixth red-team round read them from a plain trace) must not meet this domain's code.
                 switch = self._move(grant.traces, previous=", ".join(others))  # type: ignore[arg-type]
-                self.exposed = True
             elif self._switch is None:  # the engine's first work: nothing ran that needs putting back
                 switch = self._switch = Switch(None, grant.traces)  # type: ignore[arg-type]
+            self.exposed = True
         return switch
 
     def _move(self, domain: str, previous: str | None = None) -> Switch:

@@ -42,7 +42,8 @@ job_domain = func.coalesce(Job.domain, literal(OWN_PREFIX) + Job.owner)
 
 
 def job_domain_of(job: Job) -> str:
-    """:data:`job_domain` of a loaded job."""
+    """:data:`job_domain` of a loaded job: the domain it was accepted in (its owner's own, for rows older than
+    domains), whose code a trace runs."""
     return job.domain or own_domain(job.owner)
 
 

@@ -33,7 +33,7 @@ from nnqueue.engines import prebuilt, sessions, trace_runner
 from nnqueue.engines.builders import BuilderPool
 from nnqueue.engines.outbox import OutboxPoller, poller
 from nnqueue.engines.trace_report import TraceReport, parse_report
-from nnqueue.scheduler.trust_domains import own_domain
+from nnqueue.scheduler.trust_domains import job_domain_of
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.timeline import stamp
 from nnqueue.workers.job_execution import Execution, JobFailure
@@ -104,7 +104,7 @@ class VLLMTraceExecutor:
 
         async def run(sinks: dict[str, Any]) -> TraceReport:
             try:
-                report = await self.builders.run_session(payload, trust_domain(job), sinks, run_trace)
+                report = await self.builders.run_session(payload, job_domain_of(job), sinks, run_trace)
             except ChildError as failed:  # the body's error, a trace's (naming it), or its payload's
                 # A trace's failure, as a trace job's is: one that shared a step with a state change runs again alone.
                 reported = {"type_name": failed.type_name, "message": failed.message, "traceback": failed.traceback}
@@ -191,7 +191,7 @@ class VLLMTraceExecutor:
             )
         if kind == "nnsight":
             try:
-                payload = await self.builders.build(payload, trust_domain(job))  # its mediators checked too
+                payload = await self.builders.build(payload, job_domain_of(job))  # its mediators checked too
             except ChildError as failed:
                 raise JobFailure(failed.type_name, rebuild_message(failed.message, job), failed.traceback) from None
         return await self._parse(job, payload, f"{job.id}-{job.attempts}", check=kind == "prebuilt")
@@ -211,15 +211,9 @@ class VLLMTraceExecutor:
             ) from None
         if check:
             try:
-                await self.builders.check(payload, trust_domain(job))
+                await self.builders.check(payload, job_domain_of(job))
             except ChildError as failed:
                 raise JobFailure(
                     failed.type_name, rebuild_message(failed.message, job, trace), failed.traceback
                 ) from None
         return trace, requests
-
-
-def trust_domain(job: Job) -> str:
-    """The trust domain whose code the job runs: the one it was accepted in (its owner's own, for rows older than
-    domains)."""
-    return job.domain or own_domain(job.owner)
