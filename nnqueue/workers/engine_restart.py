@@ -65,10 +65,12 @@ class EngineRestart:
         processes = engine_processes(old)
         old.shutdown(timeout=0)
         await asyncio.to_thread(wait_ended, processes, PROCESS_EXIT_WAIT_S)
-        clear_reports(self.crash_dir)
-        # And the handoff folder, the other one the old engine could write (its leftovers could stand at names the
-        # next domain's files take: a sixth red-team round failed another owner's harvest with planted folders).
-        empty_folder(self.executor.sinks.handoff_dir())
+        # The two folders the old engine's processes could write, which the fresh engine's share: the crash folder
+        # (its crash reports and stall beacons describe the dead engine only; a fourth red-team round left a file there
+        # for the next trust domain's engine) and the handoff folder (its leftovers could stand at names the next
+        # domain's files take: a sixth round failed another owner's harvest with planted folders).
+        for folder in (self.crash_dir, self.executor.sinks.handoff_dir()):
+            empty_folder(folder)
         engine = self.start()  # on the engine loop, as the first engine was (vLLM's AsyncLLM binds to it)
         self.executor.use_engine(engine)
         self.chunks.model = engine
@@ -98,19 +100,10 @@ def wait_ended(processes: list[Any], timeout_s: float) -> None:
             log.warning("engine process %s still runs %.0f s after it was killed", process.pid, timeout_s)
 
 
-def clear_reports(crash_dir: Path) -> None:
-    """Empty the crash report folder of the dead engine's crash reports and stall beacons
-    (:mod:`nnqueue.enginecore.crash_report`, :mod:`nnqueue.enginecore.stall_beacon`): the next death must be read
-    from the fresh engine's. Whatever else the old engine put there goes too: the folder is the one place its
-    processes can write that the fresh engine's share (a fourth red-team round left a file there for the next trust
-    domain's engine, under ``NNQUEUE_DOMAIN_SWITCH=restart``). Removed as the worker reads it, trusting no path in
-    it (:func:`nnqueue.enginecore.untrusted_files.empty`)."""
-    empty_folder(crash_dir)
-
-
 def empty_folder(folder: Path) -> None:
-    """:func:`nnqueue.enginecore.untrusted_files.empty`, logging rather than failing the restart when the folder is
-    not one (the old engine's user replaced it with a link: the worker's readers refuse it too)."""
+    """Empty a folder an engine wrote, trusting no path in it (:func:`nnqueue.enginecore.untrusted_files.empty`),
+    logging rather than failing the restart when the folder is not one (the old engine's user replaced it with a
+    link: the worker's readers refuse it too)."""
     try:
         untrusted_files.empty(folder)
     except OSError as error:

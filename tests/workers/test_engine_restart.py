@@ -395,7 +395,7 @@ def test_a_fresh_engine_in_place_of_a_dead_one_serves_the_swapped_weights(
 def test_a_restart_empties_the_crash_report_folder_and_follows_no_link(tmp_path: Path) -> None:
     """The crash report folder is the one place an engine writes that the next engine's processes share: what the
     old one left there (a report, a beacon, any file or folder) goes, and a link is removed, not followed."""
-    from nnqueue.workers.engine_restart import clear_reports
+    from nnqueue.workers.engine_restart import empty_folder
 
     crash_dir, outside = tmp_path / "crash", tmp_path / "outside"
     crash_dir.mkdir()
@@ -407,7 +407,7 @@ def test_a_restart_empties_the_crash_report_folder_and_follows_no_link(tmp_path:
     (crash_dir / "folder").mkdir()
     (crash_dir / "folder" / "inside").write_text("mallory's")
     (crash_dir / "link").symlink_to(outside)
-    clear_reports(crash_dir)
+    empty_folder(crash_dir)
     assert list(crash_dir.iterdir()) == []
     assert (outside / "kept.txt").read_text() == "the worker's"
 
