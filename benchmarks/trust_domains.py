@@ -40,7 +40,7 @@ from typing import Any
 
 from queue_stack import QueueStack, generation_payload, latency_s, log, percentiles
 
-from nnqueue.db.models import EngineKind, JobKind
+from nnqueue.db.models import EngineKind, Job, JobKind
 from nnqueue.enginecore.steer_spec import Edit
 from nnqueue.engines.steer_runner import Sampling
 from nnqueue.scheduler.steering import FORMAT, encode_payload
@@ -80,14 +80,18 @@ def steering_round(
                 ).id
             )
     done = stack.wait_all(submitted + steered)
-    first, last = min(job.created_at for job in done), max(job.finished_at for job in done if job.finished_at)
-    return (last - first).total_seconds(), [latency_s(job) for job in done if job.id in set(steered)]
+    steering_jobs = set(steered)
+    return span_s(done), [latency_s(job) for job in done if job.id in steering_jobs]
 
 
 def timed_round(stack: QueueStack, payload: bytes, owners: tuple[str, ...], jobs: int) -> float:
     """Seconds from the first submission to the last job's end, ``jobs`` jobs of ``owners`` in turn."""
     submitted = [stack.submit(payload, owners[index % len(owners)], MODEL_KEY) for index in range(jobs)]
-    done = stack.wait_all(submitted)
+    return span_s(stack.wait_all(submitted))
+
+
+def span_s(done: list[Job]) -> float:
+    """Seconds from the first job's submission to the last one's end."""
     first, last = min(job.created_at for job in done), max(job.finished_at for job in done if job.finished_at)
     return (last - first).total_seconds()
 
