@@ -108,14 +108,17 @@ class ChunkRunner:
         if chunk is None:
             log.info("a bulk token for %s found no queued chunk; dropped", self.model_key)
             return Outcome.NO_WORK
-        if self.jobs is not None:
+        if self.jobs is not None and self.jobs.turns.all_work:
             try:
                 await self.jobs.enter_turn()  # a switch under way: the chunk runs on the engine it leaves
-            except EngineStateUnverified as unverified:  # the worker starts a fresh engine (JobRunner)
-                await asyncio.to_thread(
-                    requeue_chunk, self.sessions, self.app, chunk.id, self.worker_id, str(unverified)
-                )
+            except (Exception, asyncio.CancelledError) as error:
+                # No task holds the chunk yet: back to the queue, uncharged (left RUNNING, a live worker's chunk
+                # would wait for nobody).
+                why = str(error) if isinstance(error, EngineStateUnverified) else f"the domain switch failed: {error!r}"
+                await asyncio.to_thread(requeue_chunk, self.sessions, self.app, chunk.id, self.worker_id, why)
                 self.jobs.unit_ended(chunk_key(chunk.id))
+                if not isinstance(error, EngineStateUnverified):  # that one: the worker starts a fresh engine
+                    raise
                 return Outcome.SKIPPED
         slot: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         task = self._running[chunk.id] = asyncio.ensure_future(self._attempt(chunk, slot))
@@ -128,13 +131,14 @@ class ChunkRunner:
         chunk to the reconciler)."""
         version = self.weights.version if self.weights is not None else None
         jobs = self.jobs
-        turns = jobs.turns if jobs is not None else None
+        if jobs is None or not jobs.turns.all_work:
+            return await asyncio.to_thread(claim_next_chunk, self.sessions, self.model_key, self.worker_id, version)
         while True:
-            turn_end = jobs.turn_end() if jobs is not None else None
+            turn_end = jobs.turn_end()
             chunk = await asyncio.to_thread(
-                claim_next_chunk, self.sessions, self.model_key, self.worker_id, version, turns
+                claim_next_chunk, self.sessions, self.model_key, self.worker_id, version, jobs.turns
             )
-            if chunk is not None or jobs is None or turn_end is None or not jobs.turns.others_wait():
+            if chunk is not None or not jobs.turns.others_wait():
                 return chunk
             await jobs.wait_for_turn(turn_end)
 

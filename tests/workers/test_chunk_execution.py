@@ -11,9 +11,12 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nnqueue.broker import queue_name
-from nnqueue.db.models import HarvestChunk, JobStatus
+from nnqueue.db.models import HarvestChunk, JobStatus, utcnow
+from nnqueue.engines.builders import BuilderPool
+from nnqueue.engines.outbox import OutboxPoller
 from nnqueue.scheduler import registry
 from nnqueue.storage.s3 import S3ObjectStore
 from nnqueue.workers.sinks import ResultSinks
@@ -101,3 +104,96 @@ def test_an_upload_that_fails_after_the_slot_was_freed_sends_the_chunk_back_and_
     stored = store.get_bytes(chunk.shard_key)
     assert (chunk.attempts, chunk.bytes, chunk.sha256) == (2, len(stored), hashlib.sha256(stored).hexdigest())
     assert runner.running_chunks() == []
+
+
+def _registered(services: Services, engine: InProcessEngine) -> str:
+    """A worker id registered for the model with the engine's capture points (a harvest is checked against them)."""
+    from nnqueue.engines.harvest_runner import capture_points
+
+    worker_id = registry.new_worker_id()
+    points = run(engine, capture_points(engine.model.vllm_entrypoint))
+    registry.register(services.sessions, worker_id, MODEL_KEY, queue_name(MODEL_KEY), 1, capture_points=points)
+    return worker_id
+
+
+def _switching_runner(
+    services: Services, engine: InProcessEngine, tmp_path: Path, worker_id: str, *, all_work: bool
+) -> tuple[Any, Any]:
+    """A ChunkRunner beside a JobRunner whose engine has a switch from trust domain ``owner:mallory`` to
+    ``owner:alice`` under way (not yet verified), and whose leaving ``owner:mallory`` fails (builders that could not
+    be stopped)."""
+    from nnqueue.scheduler.domain_turns import DomainTurns
+    from nnqueue.workers.chunk_execution import ChunkRunner
+    from nnqueue.workers.job_execution import JobRunner
+    from nnqueue.workers.trace_execution import VLLMTraceExecutor
+
+    class LeavingFails(VLLMTraceExecutor):
+        async def leave_domain(self) -> None:
+            raise OSError("a trace builder could not be stopped")
+
+    sinks = ResultSinks(services.store, tmp_path)
+    executor = LeavingFails(
+        services.sessions,
+        services.store,
+        engine.model,
+        sinks,
+        OutboxPoller(engine.model.vllm_entrypoint),
+        BuilderPool("", {}, 0, 0),
+    )
+    turns = DomainTurns(all_work=all_work)
+    jobs = JobRunner(services.sessions, executor, MODEL_KEY, worker_id, turns=turns)
+
+    def trace_of(domain: str, job: str) -> Any:
+        return turns.claimed(turns.choose({domain: utcnow()}), [job])
+
+    turns.verified(trace_of("owner:mallory", "mallory's"))  # mallory's trace ran on this engine and ended
+    turns.ended("mallory's")
+    # alice's trace (the harvests' owner's) is claimed: the switch, which that trace would verify
+    assert trace_of("owner:alice", "alice's").previous == "owner:mallory"
+    chunks = ChunkRunner(
+        services.sessions,
+        services.store,
+        services.celery,
+        engine.model,
+        sinks,
+        MODEL_KEY,
+        worker_id,
+        max_attempts=3,
+        engine_info={},
+        uploads=UploadBudget(1 << 30),
+        jobs=jobs,
+    )
+    return chunks, jobs
+
+
+def test_a_chunk_waits_for_no_switch_where_turns_cover_traces_only(
+    inprocess_engine: InProcessEngine, services: Services, tmp_path: Path
+) -> None:
+    """NNQUEUE_DOMAIN_SWITCH=verify: a chunk runs no user code, and runs beside a switch of the traces' domain (as a
+    steering job does) rather than waiting for, or starting, its verification (a CI run saw a harvest wait 900 s)."""
+    from nnqueue.workers.job_execution import Outcome
+
+    worker_id = _registered(services, inprocess_engine)
+    harvest_id = harvest(services, prompts(4, 16, seed=1), prompts_per_chunk=4)
+    chunks, jobs = _switching_runner(services, inprocess_engine, tmp_path, worker_id, all_work=False)
+    assert inprocess_engine.run(chunks.run_next()) is Outcome.HANDED_OFF
+    assert jobs.turns.unverified() is not None and jobs._switching is None  # not started by the chunk
+    assert wait_harvest(services, harvest_id).status is S.COMPLETED
+
+
+def test_a_chunk_whose_switch_fails_goes_back_to_the_queue_uncharged(
+    inprocess_engine: InProcessEngine, services: Services, tmp_path: Path
+) -> None:
+    """NNQUEUE_DOMAIN_SWITCH=restart (chunks in the turns): the switch the chunk waits for fails; the chunk is no
+    task's, so it goes back to the queue with the cause, its attempt not counted, instead of staying RUNNING."""
+    import pytest
+
+    worker_id = _registered(services, inprocess_engine)
+    harvest_id = harvest(services, prompts(4, 16, seed=2), prompts_per_chunk=4)
+    chunks, _ = _switching_runner(services, inprocess_engine, tmp_path, worker_id, all_work=True)
+    with pytest.raises(OSError, match="could not be stopped"):
+        inprocess_engine.run(chunks.run_next())
+    chunk = the_chunk(services, harvest_id)
+    assert (chunk.status, chunk.attempts, chunk.worker_id) == (S.QUEUED, 0, worker_id)
+    assert "the domain switch failed" in (chunk.error or "") and "could not be stopped" in (chunk.error or "")
+    assert chunks.jobs.turns.ended("alice's")  # the chunk's unit ended with it: nothing else is in flight
