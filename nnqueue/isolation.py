@@ -244,11 +244,30 @@ def enter_sandbox(extra_secret_patterns: Iterable[str] | None = None, hand_over:
     scrub_environment(extra_secret_patterns)
     if not started_by_worker():
         return
+    detach_resource_tracker()
     if drop_privileges(hand_over=hand_over):
         if held := privileged_threads():
             raise RuntimeError(f"dropping privileges left threads privileged: {', '.join(held[:5])}")
     elif os.geteuid() == 0:
         drop_capabilities()
+
+
+def detach_resource_tracker() -> None:
+    """Replace this process's pipe to multiprocessing's resource tracker with ``/dev/null``. The tracker is the
+    worker's (root, in the host's view; spawn and the engine core server hand its pipe to engine cores), and unlinks
+    every ``/dev/shm`` name still registered with it when the worker exits: a seventh red-team round's escaped engine
+    registered host names it could not see. What this process creates there lives in the engine's own ``/dev/shm``,
+    which ends with it; the tracker, never started here (its probe of ``/dev/null`` succeeds), has nothing to do."""
+    from multiprocessing import resource_tracker
+
+    tracker: int | None = resource_tracker._resource_tracker._fd  # type: ignore[attr-defined]
+    if tracker is None:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, tracker)
+    finally:
+        os.close(null)
 
 
 def privileged_threads() -> list[str]:

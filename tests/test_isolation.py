@@ -444,3 +444,41 @@ def test_the_switch_leaves_no_thread_with_root_or_a_capability_and_that_is_check
         assert found["after"] == []
     else:  # the other three threads keep their capabilities (all keep uid 0): why a kept root runs no one else's code
         assert sorted(found["after"]) == ["uid 0", *["uid 0 CapEff CapPrm"] * 3]
+
+
+def test_a_sandboxed_process_writes_to_no_resource_tracker_but_dev_null(tmp_path: Path) -> None:
+    """Red-team round 7's E7b: an engine core held the worker's resource-tracker pipe (the tracker runs as root in the
+    host's view and, at the worker's exit, unlinks every /dev/shm name registered with it). In a process that
+    multiprocessing's spawn started (handed the tracker's pipe, as an engine core is), detaching leaves that
+    descriptor on /dev/null: a REGISTER line goes nowhere, and no tracker of its own is started."""
+    victim = f"/nnq-e7b-{os.getpid()}"
+    code = textwrap.dedent(
+        f"""
+        import multiprocessing, os
+        from multiprocessing import resource_tracker
+
+        def child():
+            from nnqueue.isolation import detach_resource_tracker
+            fd = resource_tracker._resource_tracker._fd
+            before = os.readlink(f"/proc/self/fd/{{fd}}")
+            detach_resource_tracker()
+            resource_tracker.register({victim!r}, "shared_memory")  # what the escaped engine wrote
+            print(before.startswith("pipe:"), os.readlink(f"/proc/self/fd/{{fd}}"), len(multiprocessing.active_children()))
+
+        if __name__ == "__main__":
+            resource_tracker.ensure_running()
+            process = multiprocessing.get_context("spawn").Process(target=child)
+            process.start()
+            process.join()
+        """
+    )
+    script = tmp_path / "tracker.py"
+    script.write_text(code)
+    victim_file = Path("/dev/shm") / victim.lstrip("/")
+    victim_file.write_bytes(b"another process's segment")
+    try:
+        ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        assert ran.stdout.split() == ["True", "/dev/null", "0"], ran.stderr
+        assert victim_file.exists()  # the tracker (ended with its script) had nothing to unlink
+    finally:
+        victim_file.unlink(missing_ok=True)
