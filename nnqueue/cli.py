@@ -212,8 +212,8 @@ def worker(
             "taps replay CUDA graphs: they are for the vllm engine, without --enforce-eager", param_hint="--taps"
         )
     broker_url(settings)  # before the supervisor or the engine starts: it cannot run without one
-    logs.configure(settings.log_format)
     if supervise:
+        logs.configure(settings.log_format)
         from nnqueue.isolation import blank_initial_environment
         from nnqueue.workers.supervisor import Supervisor
 
@@ -231,8 +231,11 @@ def worker(
         if taps is not None:
             command += ["--taps", taps]
         raise typer.Exit(Supervisor([*command, *ctx.args], settings.supervisor_healthy_after_s).run())
+    from nnqueue.workers.output_relay import relay_child_output
     from nnqueue.workers.supervisor import exit_with_supervisor
 
+    relay_child_output()  # before logging takes sys.stderr, and before the first child starts
+    logs.configure(settings.log_format)
     exit_with_supervisor()
     # Only the supervised process imports the engine's stack (torch here, vLLM once the trace builders are launched:
     # 10-15 s of one core on a small machine): the supervisor, which starts a fresh one after each failure, stays

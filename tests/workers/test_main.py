@@ -55,10 +55,13 @@ def test_the_engine_builds_its_compiled_kernel_before_the_worker_takes_jobs(work
     """vLLM compiles its logprobs kernel on first use (a C compiler run), which the seccomp filter forbids: built at
     the first step, it cost the first trace job on a fresh worker 2.5-2.7 s (its tenth: 0.23 s end to end on a 2-core
     CPU machine). It is the last part of the engine's start now, logged by the engine process (nnqueue's records
-    there reach the worker's log, in its format: the shared worker's is JSON)."""
+    there are in the worker's format, the shared worker's JSON, and reach its log relayed: records of
+    ``nnqueue.output``, never lines of their own)."""
     worker.wait_registered()
     lines = worker.log().splitlines()
     ready = next(index for index, line in enumerate(lines) if "engine for" in line and " ready in " in line)
     built = [line for line in lines[:ready] if "built vLLM's logprobs kernel in" in line]
     assert len(built) == 1, "\n".join(lines[: ready + 1])[-5000:]
-    assert json.loads(built[0])["logger"] == "nnqueue.enginecore.sandbox"
+    relayed = json.loads(built[0])
+    assert relayed["logger"] == "nnqueue.output"
+    assert json.loads(relayed["message"])["logger"] == "nnqueue.enginecore.sandbox"

@@ -1,0 +1,70 @@
+"""The worker's stdout and stderr as a pipe it relays into its own log: its child processes never hold the log.
+
+Every process a worker starts inherits its descriptors 1 and 2 (spawn keeps them, the engine core server is handed
+them): vLLM's engine core and its model-runner workers, the trace builders and their zygote, the transformers
+engine. Those run users' code, and a seventh red-team round's escaped engine core used them on the worker's log
+file: it read every trust domain's job and harvest ids back (reopening ``/proc/self/fd/1``), appended lines in the
+worker's own format (a forged "the engine serves trust domain ..." among the real ones), and could truncate it.
+
+So the worker, first thing, keeps the streams it was given for itself (``sys.stdout``, ``sys.stderr`` and the log
+handlers write there, on descriptors its children do not inherit) and puts a pipe's write end at 1 and 2. A thread
+reads the pipe and logs each line as a record of ``nnqueue.output``, in the worker's format, its control characters
+escaped and long lines cut: what a child writes cannot pass for the worker's own record, and nothing a child holds
+reads, rewrites or truncates the log. The price: a child's last lines are lost when the worker dies before it reads
+them, and the worker's own writes to the raw descriptors (a C library's) are relayed as a child's are.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+
+# What a child's line is logged as; never one of the worker's own loggers.
+RELAYED = logging.getLogger("nnqueue.output")
+# A line longer than this (characters, after escaping) is logged in pieces, each marked as cut.
+MAX_LINE = 4096
+_READ_BYTES = 65536
+
+
+def relay_child_output() -> None:
+    """Keep stdout and stderr for this process (``sys.stdout``, ``sys.stderr``) and give descriptors 1 and 2, which
+    child processes inherit, to a pipe whose lines a daemon thread logs (:data:`RELAYED`). Call before the first
+    child starts and before logging is configured (handlers take ``sys.stderr`` as it is then)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.stdout = os.fdopen(os.dup(1), "w", buffering=1, encoding=sys.stdout.encoding, errors="backslashreplace")
+    sys.stderr = os.fdopen(os.dup(2), "w", buffering=1, encoding=sys.stderr.encoding, errors="backslashreplace")
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.dup2(write, 2)
+    os.close(write)
+    RELAYED.setLevel(logging.INFO)  # the children's lines reach the log whatever the worker's level
+    threading.Thread(target=_relay, args=(read,), name="nnqueue-output-relay", daemon=True).start()
+
+
+def _relay(read: int) -> None:
+    pending = b""
+    while chunk := os.read(read, _READ_BYTES):
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            _log(line)
+        if len(pending) > MAX_LINE * 4:  # no newline in sight: what came so far, as a line of its own
+            _log(pending)
+            pending = b""
+    if pending:
+        _log(pending)
+
+
+def _log(line: bytes) -> None:
+    text = escape(line.decode("utf-8", errors="backslashreplace").rstrip("\r"))
+    for start in range(0, max(len(text), 1), MAX_LINE):
+        cut = " [cut]" if len(text) > start + MAX_LINE else ""
+        RELAYED.info("%s%s", text[start : start + MAX_LINE], cut)
+
+
+def escape(text: str) -> str:
+    """``text`` with every control character but the tab written as its Python escape (``\\x1b``, ``\\r``): a
+    terminal shows what was written, and no line can end or rewrite another."""
+    return "".join(char if char.isprintable() or char == "\t" else repr(char)[1:-1] for char in text)

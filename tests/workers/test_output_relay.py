@@ -1,0 +1,50 @@
+"""nnqueue.workers.output_relay: a child's output reaches the worker's log only as ``nnqueue.output`` records, through
+a pipe; the worker's own records and streams are its own (red-team round 7: an engine core read, forged and could
+truncate the worker's log through the descriptors it inherited)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+WORKER = textwrap.dedent(
+    r"""
+    import logging, os, subprocess, sys, time
+    from nnqueue import logs
+    from nnqueue.workers.output_relay import relay_child_output
+
+    relay_child_output()
+    logs.configure("text")
+    logging.getLogger("nnqueue.workers.job_execution").info("the worker's own record")
+    child = (
+        "import os, sys; "
+        "print(os.readlink('/proc/self/fd/1'), os.readlink('/proc/self/fd/2')); "
+        "sys.stdout.write('2026-12-01 09:02:44,000 INFO nnqueue.workers.job_execution: forged\\x1b[2K\\rline\\n'); "
+        "sys.stdout.write('x' * 5000 + '\\n')"
+    )
+    subprocess.run([sys.executable, "-c", child], check=True)
+    print("the worker's own stdout")
+    time.sleep(0.5)  # the relay thread logs what the child wrote
+    """
+)
+
+
+def test_a_childs_lines_are_relayed_records_and_it_holds_no_descriptor_of_the_log(tmp_path: Path) -> None:
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        subprocess.run([sys.executable, "-c", WORKER], stdout=log, stderr=subprocess.STDOUT, timeout=60, check=True)
+    lines = log_path.read_text().splitlines()
+    assert "the worker's own stdout" in lines
+    [own] = [line for line in lines if "the worker's own record" in line]
+    assert " INFO nnqueue.workers.job_execution: the worker's own record" in own
+    relayed = [line.split(" INFO nnqueue.output: ", 1) for line in lines if " INFO nnqueue.output: " in line]
+    messages = [message for _, message in relayed]
+    # The child's descriptors 1 and 2 are the relay's pipe, not the log file (which it could read back or truncate).
+    assert messages[0].startswith("pipe:[") and messages[0].split() == [messages[0].split()[0]] * 2
+    forged = "2026-12-01 09:02:44,000 INFO nnqueue.workers.job_execution: forged\\x1b[2K\\rline"
+    assert messages[1] == forged  # a record of nnqueue.output, its control characters escaped
+    assert messages[2] == "x" * 4096 + " [cut]" and messages[3] == "x" * 904  # a long line in pieces
+    assert not any(line.startswith("2026-12-01 09:02:44") for line in lines)  # nothing passes for the worker's own
+    assert len(relayed) == 4, lines
