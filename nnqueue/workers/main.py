@@ -73,7 +73,7 @@ from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.engine_restart import EngineRestart, engine_processes
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
-from nnqueue.workers.sinks import ResultSinks
+from nnqueue.workers.sinks import HandoffWatchdog, ResultSinks
 from nnqueue.workers.stall_deadline import StallDeadline
 from nnqueue.workers.supervisor import report_ready
 from nnqueue.workers.tasks import register_run_job
@@ -318,6 +318,7 @@ def run_worker(
 
     beat = HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)
     beat.start()
+    HandoffWatchdog(sinks, health).start()  # an engine that fills its handoff folder past its bounds is replaced
     try:
         app.worker_main(
             [
@@ -343,6 +344,7 @@ def run_worker(
         host.call(executor.close())
         host.stop()
         shutil.rmtree(crash_dir, ignore_errors=True)
+        sinks.close()
         shutil.rmtree(staging, ignore_errors=True)
         if view is not None and view.sockets_kept:
             shutil.rmtree(view.sockets_kept, ignore_errors=True)

@@ -21,6 +21,13 @@ with the same checks of the file and the same record. Results are per attempt
 (``results/<job>/<attempt>/...``), so a worker that lost its job cannot overwrite the new holder's result;
 a shard's key is its chunk's (a re-run writes the same bytes), and a worker that lost its chunk removes its
 file instead of uploading it. A shard larger than the bound its chunk allows is refused (`open_shard`).
+
+The handoff folder is one of the two host folders the engine can write, so an engine that escaped its sandbox could
+fill the host's disk there (a seventh red-team round's finding). The worker knows every name it handed out there and
+the bound of each, so the folder may hold no more than their sum: `ResultSinks.overrun` compares the two, and the
+`HandoffWatchdog` logs a folder that holds more and, once its filesystem's free space falls under a reserve, stops
+the worker as if its engine died (a fresh worker and engine replace it). A stopping worker removes the folder
+(`ResultSinks.close`).
 """
 
 from __future__ import annotations
@@ -28,16 +35,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
+import math
 import os
 import secrets
 import shutil
 import stat
 import threading
+import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol, TypeVar
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
 
 from nnqueue import isolation
 from nnqueue.enginecore.sink import staging_path
@@ -46,10 +56,27 @@ from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import Digest, FileUpload, ObjectStore
 from nnqueue.storage.results import TORCH_AND_SAFETENSORS_FORMAT, TORCH_FORMAT, StoredResult
 
+if TYPE_CHECKING:  # the watchdog's only: its module imports the database's and Celery's
+    from nnqueue.workers.engine_health import EngineHealth
+
+log = logging.getLogger(__name__)
 # The result's objects, by the names the engine reports them under.
 OBJECTS = {"torch": TORCH_FILE, "safetensors": SAFETENSORS_FILE}
 # How often a shard being written is looked at (`ShardFollower.poll`), on the engine loop.
 FOLLOW_INTERVAL_S = 0.01
+# What the handoff folder may take on the disk beyond the bounds of the files handed out (`ResultSinks.overrun`): this
+# much for each (a file's last blocks, a staging file's beside it), and as much again for the folder.
+HANDOFF_SLACK_BYTES = 1 << 20
+# The entries the handoff folder may hold: this many for each file handed out (it, its staging file) and a few more.
+ENTRIES_PER_FILE = 4
+SPARE_ENTRIES = 64
+# How often the `HandoffWatchdog` looks at the handoff folder.
+WATCH_INTERVAL_S = 1.0
+# The free space the `HandoffWatchdog` keeps on the handoff folder's filesystem: this, or this share of it if more.
+HANDOFF_RESERVE_BYTES = 1 << 30
+HANDOFF_RESERVE_SHARE = 0.05
+# How often an overrun that leaves the reserve free is logged again.
+OVERRUN_LOG_INTERVAL_S = 60.0
 T = TypeVar("T")
 
 
@@ -89,6 +116,16 @@ class ShardSink:
     max_bytes: int
 
 
+@dataclass(frozen=True)
+class FolderUsage:
+    """What one scan of a folder found (`folder_usage`): its ``entries`` (as many as were read), the bytes they take on
+    the disk (``allocated``), and the name of a folder in it, if any."""
+
+    entries: int
+    allocated: int
+    subfolder: str | None
+
+
 class ResultSinks:
     def __init__(
         self,
@@ -105,6 +142,11 @@ class ResultSinks:
         self.handoff_root = handoff_root
         self.handoff_parent = handoff_parent
         self._handoff_dir: Path | None = None
+        # The handoff paths handed out and not yet discarded, each with its bound (None: unbounded), for `overrun`.
+        self._handed_out: dict[str, int | None] = {}
+        # The paths are handed out on the engine loop and on I/O threads, and read by the watchdog's thread.
+        self._lock = threading.Lock()
+        self._closed = False
 
     def open(self, job_id: uuid.UUID, attempt: int, *, safetensors: bool, part: str = "") -> JobSinks:
         """Files for the engine to leave the result of ``job_id``'s ``attempt`` in: ``saves.pt``, and with
@@ -119,6 +161,7 @@ class ResultSinks:
             name: {"kind": "handoff", "path": str(directory / f"{prefix}{file}")} for name, file in objects.items()
         }
         keys = {name: result_key(job_id, file, attempt) for name, file in objects.items()}
+        self._hand_out([spec["path"] for spec in specs.values()], self.max_result_bytes)
         return JobSinks(specs, keys)
 
     @contextlib.asynccontextmanager
@@ -199,12 +242,15 @@ class ResultSinks:
         for spec in sinks.specs.values():
             remove(spec["path"])
             remove(staging_path(spec["path"]))
+        self._take_back([spec["path"] for spec in sinks.specs.values()])
 
     def open_shard(self, key: str, name: str, max_bytes: int) -> ShardSink:
         """A handoff file named ``name`` (unique to the attempt) for a shard of at most ``max_bytes`` bytes, to end
         up at ``key`` (`commit_shard`)."""
         name = f"{secrets.token_hex(8)}-{name}"  # unguessable, as `open`'s names
-        return ShardSink({"kind": "handoff", "path": str(self.handoff_dir() / name)}, key, max_bytes)
+        path = str(self.handoff_dir() / name)
+        self._hand_out([path], max_bytes)
+        return ShardSink({"kind": "handoff", "path": path}, key, max_bytes)
 
     @contextlib.asynccontextmanager
     async def staged_shard(self, key: str, name: str, max_bytes: int) -> AsyncIterator[ShardSink]:
@@ -230,6 +276,7 @@ class ResultSinks:
         """Drop what an abandoned attempt wrote (nothing appears at the key), its staging file too."""
         remove(sink.spec["path"])
         remove(staging_path(sink.spec["path"]))
+        self._take_back([sink.spec["path"]])
 
     @contextlib.asynccontextmanager
     async def following(self, sink: ShardSink) -> AsyncIterator[ShardFollower]:
@@ -298,6 +345,150 @@ class ResultSinks:
                 parent.mkdir(parents=True, exist_ok=True)
             self._handoff_dir = isolation.engine_writable_dir("nnqueue-handoff-", parent=parent)
         return self._handoff_dir
+
+    def overrun(self) -> str | None:
+        """Why the handoff folder holds more than this worker handed out room for, or None: more bytes on the disk
+        than the bounds of the paths handed out and not yet discarded (each with its staging file, plus
+        :data:`HANDOFF_SLACK_BYTES` each and once more; unchecked while a path is unbounded, ``max_result_bytes``
+        None), more entries than :data:`ENTRIES_PER_FILE` per path and :data:`SPARE_ENTRIES`, or a folder, whose
+        content one scan cannot see (the worker hands out files only). A name the worker did not hand out counts
+        toward the bytes but is no fault of itself (an engine's staging file may precede its path's handing out).
+        One scan of the folder, never of what is in it; None before the folder is made and once it is closed."""
+        if self._handoff_dir is None:
+            return None
+        bounds = self._bounds()
+        most = ENTRIES_PER_FILE * len(bounds) + SPARE_ENTRIES
+        try:
+            usage = folder_usage(self._handoff_dir, most)
+        except OSError as error:
+            return None if self._closed else f"the handoff folder {self._handoff_dir} could not be read: {error}"
+        # With the paths handed out meanwhile: the scan may have seen their files. Those discarded meanwhile stay in.
+        bounds.update(self._bounds())
+        if usage.entries > most:
+            return f"the handoff folder holds more than {most} entries ({len(bounds)} paths handed out)"
+        if usage.subfolder is not None:
+            return f"the handoff folder holds a folder, {usage.subfolder!r}, where the worker hands out files only"
+        room = handoff_room(bounds.values())
+        if room is not None and usage.allocated > room:
+            return (
+                f"the handoff folder takes {usage.allocated} bytes on the disk, over the {room} allowed"
+                f" ({len(bounds)} paths handed out)"
+            )
+        return None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the handoff folder was removed (`close`)."""
+        return self._closed
+
+    def close(self) -> None:
+        """Remove the handoff folder, if this worker made it, with whatever the engine left in it (a link is removed,
+        never followed): the worker is stopping, and the folder would otherwise outlive it in the temp folder."""
+        with self._lock:
+            self._closed = True
+        if self._handoff_dir is not None:
+            shutil.rmtree(self._handoff_dir, ignore_errors=True)  # refuses a link put in the folder's place
+
+    def _hand_out(self, paths: list[str], bound: int | None) -> None:
+        with self._lock:
+            self._handed_out.update(dict.fromkeys(paths, bound))
+
+    def _take_back(self, paths: list[str]) -> None:
+        with self._lock:
+            for path in paths:
+                self._handed_out.pop(path, None)
+
+    def _bounds(self) -> dict[str, int | None]:
+        with self._lock:
+            return dict(self._handed_out)
+
+
+def handoff_room(bounds: Iterable[int | None]) -> int | None:
+    """The bytes the handoff folder may take on the disk with files of these ``bounds`` handed out (see
+    `ResultSinks.overrun`); None when one is unbounded."""
+    room = HANDOFF_SLACK_BYTES
+    for bound in bounds:
+        if bound is None:
+            return None
+        room += bound + HANDOFF_SLACK_BYTES
+    return room
+
+
+def folder_usage(folder: Path, most: int) -> FolderUsage:
+    """One scan of ``folder`` (opened without following a link, each entry's status read relative to it without
+    following one either), reading at most ``most`` + 1 entries: ``entries`` over ``most`` says there are more. An
+    entry gone meanwhile is left out. Raises OSError when ``folder`` is not a folder."""
+    entries = allocated = 0
+    subfolder = None
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with os.scandir(fd) as scan:
+            for entry in scan:
+                entries += 1
+                if entries > most:
+                    break
+                try:
+                    info = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                allocated += info.st_blocks * 512
+                if stat.S_ISDIR(info.st_mode):
+                    subfolder = entry.name
+    finally:
+        os.close(fd)
+    return FolderUsage(entries, allocated, subfolder)
+
+
+class HandoffWatchdog(threading.Thread):
+    """Looks at the handoff folder every ``interval_s`` while the engine serves (`ResultSinks.overrun`). An overrun
+    is logged (a warning, at most every :data:`OVERRUN_LOG_INTERVAL_S`); one that leaves less than the reserve free
+    on the folder's filesystem (:data:`HANDOFF_RESERVE_BYTES`, or :data:`HANDOFF_RESERVE_SHARE` of it if more) stops
+    the worker as if its engine died, as a trust-domain switch that could not verify the engine does
+    (``health.dead``, then ``health.stop``: the worker exits with ``EXIT_ENGINE_DIED``, its stop removes the folder,
+    and its supervisor starts a fresh worker and engine). So a user's oversized result (written whole before the
+    worker refuses it) costs no one else a restart while the disk has room, and an escaped engine cannot take the
+    disk's last reserve. An engine being replaced (``dead`` already) is not looked at: its replacement empties the
+    folder. It ends once the folder is removed (`ResultSinks.close`)."""
+
+    def __init__(
+        self,
+        sinks: ResultSinks,
+        health: EngineHealth,
+        interval_s: float = WATCH_INTERVAL_S,
+        reserve_bytes: int = HANDOFF_RESERVE_BYTES,
+    ) -> None:
+        super().__init__(name="nnqueue-handoff-watchdog", daemon=True)
+        self.sinks, self.health, self.interval_s, self.reserve_bytes = sinks, health, interval_s, reserve_bytes
+        self._logged = -math.inf
+
+    def run(self) -> None:
+        while True:
+            time.sleep(self.interval_s)
+            if self.sinks.closed:
+                return
+            if self.health.dead.is_set():
+                continue
+            reason = self.sinks.overrun()
+            if reason is None:
+                continue
+            if self._reserve_left():
+                if time.monotonic() - self._logged >= OVERRUN_LOG_INTERVAL_S:
+                    self._logged = time.monotonic()
+                    log.warning("the engine wrote more than it may: %s", reason)
+                continue
+            log.error("the engine wrote more than it may: %s, and the disk is nearly full; the worker restarts", reason)
+            self.health.dead.set()
+            self.health.stop()
+            return
+
+    def _reserve_left(self) -> bool:
+        """Whether the handoff folder's filesystem has its reserve free."""
+        try:
+            space = os.statvfs(self.sinks.handoff_dir())
+        except OSError:  # the folder was replaced: `overrun` said so; nothing to measure
+            return False
+        reserve = max(self.reserve_bytes, HANDOFF_RESERVE_SHARE * space.f_blocks * space.f_frsize)
+        return space.f_bavail * space.f_frsize >= reserve
 
 
 def remove(path: str) -> None:

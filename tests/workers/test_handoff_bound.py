@@ -1,0 +1,182 @@
+"""The handoff folder holds no more than the worker handed out room for: an engine that escaped its sandbox could
+otherwise fill the host's disk there (a seventh red-team round's finding). The worker knows each handoff path it
+handed out and its bound (`ResultSinks.overrun`), stops as if its engine died when the folder holds more
+(`HandoffWatchdog`), and removes the folder when it stops (`ResultSinks.close`)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from nnqueue.enginecore.sink import staging_path
+from nnqueue.storage.local import LocalObjectStore
+from nnqueue.workers.sinks import SPARE_ENTRIES, HandoffWatchdog, ResultSinks, folder_usage
+
+JOB = uuid.UUID("12345678-1234-5678-1234-567812345678")
+MiB = 1 << 20
+
+
+def fill(path: str | Path, size: int) -> None:
+    """Write ``size`` bytes at ``path``, allocated on the disk (not a sparse file), as an engine does."""
+    Path(path).write_bytes(b"\1" * size)
+
+
+def sinks_in(tmp_path: Path, max_result_bytes: int | None = 4 * MiB) -> ResultSinks:
+    """The worker's sinks, its handoff folder made in ``tmp_path / "handoff"`` (a root worker's is in the temp folder)."""
+    store = LocalObjectStore(tmp_path / "objects")
+    return ResultSinks(store, tmp_path / "store", tmp_path / "handoff", max_result_bytes=max_result_bytes)
+
+
+def test_files_handed_out_within_their_bounds_are_no_overrun(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path)
+    assert sinks.overrun() is None  # no folder yet
+    job = sinks.open(JOB, 1, safetensors=True)
+    shard = sinks.open_shard("harvests/h/shard-0", "shard-0.bin", 2 * MiB)
+    fill(job.specs["torch"]["path"], 4 * MiB)  # at its bound
+    fill(staging_path(job.specs["safetensors"]["path"]), 3 * MiB)  # being written
+    fill(staging_path(shard.spec["path"]), 2 * MiB)
+    fill(sinks.handoff_dir() / "unknown.partial", 64 * 1024)  # a name the worker did not hand out, within the slack
+    assert sinks.overrun() is None
+
+
+def test_a_foreign_file_over_what_was_handed_out_is_an_overrun(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path)
+    fill(sinks.handoff_dir() / "filler", 2 * MiB)
+    assert "over the 1048576 allowed (0 paths handed out)" in (sinks.overrun() or "")
+
+    shard = sinks.open_shard("harvests/h/shard-0", "shard-0.bin", MiB)
+    fill(shard.spec["path"], MiB // 2)
+    assert sinks.overrun() is None  # 2.5 MiB of the 3 MiB the shard's bound and the slack allow
+    fill(sinks.handoff_dir() / "more", MiB)
+    assert "over the 3145728 allowed (1 paths handed out)" in (sinks.overrun() or "")
+
+
+def test_a_handed_out_file_grown_past_its_bound_is_an_overrun(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path, max_result_bytes=MiB)
+    job = sinks.open(JOB, 1, safetensors=False)
+    fill(staging_path(job.specs["torch"]["path"]), 2 * MiB)
+    assert sinks.overrun() is None  # the bound, its slack and the folder's
+    fill(staging_path(job.specs["torch"]["path"]), 4 * MiB)
+    assert "over the 3145728 allowed (1 paths handed out)" in (sinks.overrun() or "")
+
+
+def test_a_discarded_path_has_no_more_room(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path)
+    job = sinks.open(JOB, 1, safetensors=False)
+    sinks.discard(job)
+    fill(job.specs["torch"]["path"], 2 * MiB)  # the engine writes the path again once it was taken back
+    assert sinks.overrun() is not None
+    shard = sinks.open_shard("harvests/h/shard-0", "shard-0.bin", 4 * MiB)
+    sinks.discard_shard(shard)
+    assert sinks.overrun() is not None
+
+
+def test_results_without_a_limit_leave_the_bytes_unchecked(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path, max_result_bytes=None)
+    sinks.open(JOB, 1, safetensors=False)
+    fill(sinks.handoff_dir() / "filler", 4 * MiB)
+    assert sinks.overrun() is None
+
+
+def test_more_entries_than_the_scan_allows_is_an_overrun(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path)
+    sinks.open(JOB, 1, safetensors=False)  # four entries for it
+    for index in range(SPARE_ENTRIES + 4):
+        (sinks.handoff_dir() / f"empty-{index}").touch()
+    assert sinks.overrun() is None
+    (sinks.handoff_dir() / "one-more").touch()
+    assert sinks.overrun() == "the handoff folder holds more than 68 entries (1 paths handed out)"
+    assert folder_usage(sinks.handoff_dir(), 10).entries == 11  # the scan reads no more than it needs to say so
+
+
+def test_a_folder_or_a_link_in_place_of_the_folder_is_an_overrun(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path)
+    (sinks.handoff_dir() / "hidden").mkdir()  # what is in it, one scan does not see
+    assert "holds a folder, 'hidden'" in (sinks.overrun() or "")
+
+    folder = sinks.handoff_dir()
+    folder.rename(tmp_path / "moved")
+    folder.symlink_to(tmp_path / "moved")  # the engine user owns the folder: it may move it
+    assert "could not be read" in (sinks.overrun() or "")
+
+
+def test_close_removes_the_folder_and_only_it(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path)
+    sinks.close()  # never made: nothing to remove
+    sinks = sinks_in(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    fill(outside / "kept", 10)
+    folder = sinks.handoff_dir()
+    fill(folder / "leftover", 10)
+    (folder / "planted").mkdir()
+    (folder / "planted" / "link").symlink_to(outside)
+    sinks.close()
+    assert not folder.exists()
+    assert (outside / "kept").exists() and (tmp_path / "handoff").is_dir()
+    assert sinks.overrun() is None  # a closed folder is not the engine's doing
+
+
+def health(stopped: threading.Event) -> Any:
+    """What the watchdog uses of the worker's ``EngineHealth``."""
+    return SimpleNamespace(dead=threading.Event(), stop=stopped.set)
+
+
+def test_the_watchdog_stops_the_worker_as_if_its_engine_died_once_the_disk_is_nearly_full(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sinks = sinks_in(tmp_path)
+    stopped = threading.Event()
+    state = health(stopped)
+    free = shutil.disk_usage(tmp_path).free
+    # A reserve of all but 1 MiB of what is free now: the 2 MiB the engine writes take the disk under it.
+    watchdog = HandoffWatchdog(sinks, cast(Any, state), interval_s=0.01, reserve_bytes=free - MiB)
+    watchdog.start()
+    time.sleep(0.1)
+    assert not stopped.is_set()
+    fill(sinks.handoff_dir() / "filler", 2 * MiB)
+    assert stopped.wait(5)
+    assert state.dead.is_set()
+    watchdog.join(5)
+    assert not watchdog.is_alive()  # once
+    assert "the engine wrote more than it may: the handoff folder takes" in caplog.text
+    assert "the disk is nearly full; the worker restarts" in caplog.text
+
+
+def test_the_watchdog_only_warns_while_the_disk_keeps_its_reserve(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A user's result over NNQUEUE_MAX_RESULT_BYTES is written whole before the worker refuses it: while the disk
+    has room, that costs the other jobs on the worker no restart."""
+    sinks = sinks_in(tmp_path)
+    stopped = threading.Event()
+    watchdog = HandoffWatchdog(sinks, cast(Any, health(stopped)), interval_s=0.01, reserve_bytes=MiB)
+    fill(sinks.handoff_dir() / "filler", 2 * MiB)
+    watchdog.start()
+    assert not stopped.wait(0.3)
+    warned = [record for record in caplog.records if "the engine wrote more than it may" in record.getMessage()]
+    assert [record.levelname for record in warned] == ["WARNING"]  # once a minute, not at every look
+    sinks.close()
+    watchdog.join(5)
+
+
+def test_the_watchdog_leaves_an_engine_being_replaced_and_ends_with_the_folder(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path)
+    stopped = threading.Event()
+    state = health(stopped)
+    state.dead.set()  # a restart empties the folder
+    fill(sinks.handoff_dir() / "filler", 2 * MiB)
+    watchdog = HandoffWatchdog(sinks, cast(Any, state), interval_s=0.01)
+    watchdog.start()
+    assert not stopped.wait(0.2)
+    state.dead.clear()
+    sinks.close()
+    watchdog.join(5)
+    assert not watchdog.is_alive() and not stopped.is_set()
