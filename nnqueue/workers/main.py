@@ -68,12 +68,13 @@ from nnqueue.workers.bulk import BulkConsumer
 from nnqueue.workers.chunk_execution import ChunkRunner, engine_info
 from nnqueue.workers.containment import engine_core_kwargs, engine_view, isolate, warn_if_degraded
 from nnqueue.workers.drain import Drain
+from nnqueue.workers.engine_folders import FolderWatchdog
 from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
 from nnqueue.workers.engine_restart import EngineRestart, engine_processes
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
-from nnqueue.workers.sinks import HandoffWatchdog, ResultSinks
+from nnqueue.workers.sinks import ResultSinks
 from nnqueue.workers.stall_deadline import StallDeadline
 from nnqueue.workers.supervisor import report_ready
 from nnqueue.workers.tasks import register_run_job
@@ -318,7 +319,7 @@ def run_worker(
 
     beat = HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)
     beat.start()
-    HandoffWatchdog(sinks, health).start()  # an engine that fills its handoff folder past its bounds is replaced
+    FolderWatchdog(sinks, crash_dir, health).start()  # the host folders the engine writes, bounded
     try:
         app.worker_main(
             [

@@ -25,9 +25,8 @@ file instead of uploading it. A shard larger than the bound its chunk allows is 
 The handoff folder is one of the two host folders the engine can write, so an engine that escaped its sandbox could
 fill the host's disk there (a seventh red-team round's finding). The worker knows every name it handed out there and
 the bound of each, so the folder may hold no more than their sum: `ResultSinks.overrun` compares the two, and the
-`HandoffWatchdog` logs a folder that holds more and, once its filesystem's free space falls under a reserve, stops
-the worker as if its engine died (a fresh worker and engine replace it). A stopping worker removes the folder
-(`ResultSinks.close`).
+worker's watchdog (:mod:`nnqueue.workers.engine_folders`) acts on a folder that holds more. A stopping worker removes
+the folder (`ResultSinks.close`).
 """
 
 from __future__ import annotations
@@ -35,19 +34,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import logging
-import math
 import os
 import secrets
 import shutil
 import stat
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar
+from typing import BinaryIO, Protocol, TypeVar
 
 from nnqueue import isolation
 from nnqueue.enginecore.sink import staging_path
@@ -55,11 +51,8 @@ from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import Digest, FileUpload, ObjectStore
 from nnqueue.storage.results import TORCH_AND_SAFETENSORS_FORMAT, TORCH_FORMAT, StoredResult
+from nnqueue.workers.engine_folders import folder_usage
 
-if TYPE_CHECKING:  # the watchdog's only: its module imports the database's and Celery's
-    from nnqueue.workers.engine_health import EngineHealth
-
-log = logging.getLogger(__name__)
 # The result's objects, by the names the engine reports them under.
 OBJECTS = {"torch": TORCH_FILE, "safetensors": SAFETENSORS_FILE}
 # How often a shard being written is looked at (`ShardFollower.poll`), on the engine loop.
@@ -70,13 +63,6 @@ HANDOFF_SLACK_BYTES = 1 << 20
 # The entries the handoff folder may hold: this many for each file handed out (it, its staging file) and a few more.
 ENTRIES_PER_FILE = 4
 SPARE_ENTRIES = 64
-# How often the `HandoffWatchdog` looks at the handoff folder.
-WATCH_INTERVAL_S = 1.0
-# The free space the `HandoffWatchdog` keeps on the handoff folder's filesystem: this, or this share of it if more.
-HANDOFF_RESERVE_BYTES = 1 << 30
-HANDOFF_RESERVE_SHARE = 0.05
-# How often an overrun that leaves the reserve free is logged again.
-OVERRUN_LOG_INTERVAL_S = 60.0
 T = TypeVar("T")
 
 
@@ -114,16 +100,6 @@ class ShardSink:
     spec: dict[str, str]
     key: str
     max_bytes: int
-
-
-@dataclass(frozen=True)
-class FolderUsage:
-    """What one scan of a folder found (`folder_usage`): its ``entries`` (as many as were read), the bytes they take on
-    the disk (``allocated``), and the name of a folder in it, if any."""
-
-    entries: int
-    allocated: int
-    subfolder: str | None
 
 
 class ResultSinks:
@@ -412,83 +388,6 @@ def handoff_room(bounds: Iterable[int | None]) -> int | None:
             return None
         room += bound + HANDOFF_SLACK_BYTES
     return room
-
-
-def folder_usage(folder: Path, most: int) -> FolderUsage:
-    """One scan of ``folder`` (opened without following a link, each entry's status read relative to it without
-    following one either), reading at most ``most`` + 1 entries: ``entries`` over ``most`` says there are more. An
-    entry gone meanwhile is left out. Raises OSError when ``folder`` is not a folder."""
-    entries = allocated = 0
-    subfolder = None
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        with os.scandir(fd) as scan:
-            for entry in scan:
-                entries += 1
-                if entries > most:
-                    break
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                allocated += info.st_blocks * 512
-                if stat.S_ISDIR(info.st_mode):
-                    subfolder = entry.name
-    finally:
-        os.close(fd)
-    return FolderUsage(entries, allocated, subfolder)
-
-
-class HandoffWatchdog(threading.Thread):
-    """Looks at the handoff folder every ``interval_s`` while the engine serves (`ResultSinks.overrun`). An overrun
-    is logged (a warning, at most every :data:`OVERRUN_LOG_INTERVAL_S`); one that leaves less than the reserve free
-    on the folder's filesystem (:data:`HANDOFF_RESERVE_BYTES`, or :data:`HANDOFF_RESERVE_SHARE` of it if more) stops
-    the worker as if its engine died, as a trust-domain switch that could not verify the engine does
-    (``health.dead``, then ``health.stop``: the worker exits with ``EXIT_ENGINE_DIED``, its stop removes the folder,
-    and its supervisor starts a fresh worker and engine). So a user's oversized result (written whole before the
-    worker refuses it) costs no one else a restart while the disk has room, and an escaped engine cannot take the
-    disk's last reserve. An engine being replaced (``dead`` already) is not looked at: its replacement empties the
-    folder. It ends once the folder is removed (`ResultSinks.close`)."""
-
-    def __init__(
-        self,
-        sinks: ResultSinks,
-        health: EngineHealth,
-        interval_s: float = WATCH_INTERVAL_S,
-        reserve_bytes: int = HANDOFF_RESERVE_BYTES,
-    ) -> None:
-        super().__init__(name="nnqueue-handoff-watchdog", daemon=True)
-        self.sinks, self.health, self.interval_s, self.reserve_bytes = sinks, health, interval_s, reserve_bytes
-        self._logged = -math.inf
-
-    def run(self) -> None:
-        while True:
-            time.sleep(self.interval_s)
-            if self.sinks.closed:
-                return
-            if self.health.dead.is_set():
-                continue
-            reason = self.sinks.overrun()
-            if reason is None:
-                continue
-            if self._reserve_left():
-                if time.monotonic() - self._logged >= OVERRUN_LOG_INTERVAL_S:
-                    self._logged = time.monotonic()
-                    log.warning("the engine wrote more than it may: %s", reason)
-                continue
-            log.error("the engine wrote more than it may: %s, and the disk is nearly full; the worker restarts", reason)
-            self.health.dead.set()
-            self.health.stop()
-            return
-
-    def _reserve_left(self) -> bool:
-        """Whether the handoff folder's filesystem has its reserve free."""
-        try:
-            space = os.statvfs(self.sinks.handoff_dir())
-        except OSError:  # the folder was replaced: `overrun` said so; nothing to measure
-            return False
-        reserve = max(self.reserve_bytes, HANDOFF_RESERVE_SHARE * space.f_blocks * space.f_frsize)
-        return space.f_bavail * space.f_frsize >= reserve
 
 
 def remove(path: str) -> None:

@@ -1,7 +1,8 @@
-"""The handoff folder holds no more than the worker handed out room for: an engine that escaped its sandbox could
-otherwise fill the host's disk there (a seventh red-team round's finding). The worker knows each handoff path it
-handed out and its bound (`ResultSinks.overrun`), stops as if its engine died when the folder holds more
-(`HandoffWatchdog`), and removes the folder when it stops (`ResultSinks.close`)."""
+"""nnqueue.workers.engine_folders: the handoff folder holds no more than the worker handed out room for
+(`ResultSinks.overrun`) and the crash folder no more than beacons and reports take; an engine that escaped its sandbox
+could otherwise fill the host's disk there (a seventh red-team round's finding). The watchdog warns at an overrun,
+stops the worker as if its engine died once the disk is nearly full, and the worker removes the handoff folder when
+it stops (`ResultSinks.close`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import pytest
 
 from nnqueue.enginecore.sink import staging_path
 from nnqueue.storage.local import LocalObjectStore
-from nnqueue.workers.sinks import SPARE_ENTRIES, HandoffWatchdog, ResultSinks, folder_usage
+from nnqueue.workers.engine_folders import CRASH_FOLDER_ENTRIES, FolderWatchdog, crash_folder_overrun, folder_usage
+from nnqueue.workers.sinks import SPARE_ENTRIES, ResultSinks
 
 JOB = uuid.UUID("12345678-1234-5678-1234-567812345678")
 MiB = 1 << 20
@@ -124,6 +126,12 @@ def test_close_removes_the_folder_and_only_it(tmp_path: Path) -> None:
     assert sinks.overrun() is None  # a closed folder is not the engine's doing
 
 
+def crash_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "crash"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 def health(stopped: threading.Event) -> Any:
     """What the watchdog uses of the worker's ``EngineHealth``."""
     return SimpleNamespace(dead=threading.Event(), stop=stopped.set)
@@ -137,7 +145,9 @@ def test_the_watchdog_stops_the_worker_as_if_its_engine_died_once_the_disk_is_ne
     state = health(stopped)
     free = shutil.disk_usage(tmp_path).free
     # A reserve of all but 1 MiB of what is free now: the 2 MiB the engine writes take the disk under it.
-    watchdog = HandoffWatchdog(sinks, cast(Any, state), interval_s=0.01, reserve_bytes=free - MiB)
+    watchdog = FolderWatchdog(
+        sinks, crash_folder(tmp_path), cast(Any, state), interval_s=0.01, reserve_bytes=free - MiB
+    )
     watchdog.start()
     time.sleep(0.1)
     assert not stopped.is_set()
@@ -157,7 +167,9 @@ def test_the_watchdog_only_warns_while_the_disk_keeps_its_reserve(
     has room, that costs the other jobs on the worker no restart."""
     sinks = sinks_in(tmp_path)
     stopped = threading.Event()
-    watchdog = HandoffWatchdog(sinks, cast(Any, health(stopped)), interval_s=0.01, reserve_bytes=MiB)
+    watchdog = FolderWatchdog(
+        sinks, crash_folder(tmp_path), cast(Any, health(stopped)), interval_s=0.01, reserve_bytes=MiB
+    )
     fill(sinks.handoff_dir() / "filler", 2 * MiB)
     watchdog.start()
     assert not stopped.wait(0.3)
@@ -173,10 +185,39 @@ def test_the_watchdog_leaves_an_engine_being_replaced_and_ends_with_the_folder(t
     state = health(stopped)
     state.dead.set()  # a restart empties the folder
     fill(sinks.handoff_dir() / "filler", 2 * MiB)
-    watchdog = HandoffWatchdog(sinks, cast(Any, state), interval_s=0.01)
+    watchdog = FolderWatchdog(sinks, crash_folder(tmp_path), cast(Any, state), interval_s=0.01)
     watchdog.start()
     assert not stopped.wait(0.2)
     state.dead.clear()
     sinks.close()
     watchdog.join(5)
     assert not watchdog.is_alive() and not stopped.is_set()
+
+
+def test_the_crash_folder_holds_beacons_and_reports_and_no_more(tmp_path: Path) -> None:
+    folder = crash_folder(tmp_path)
+    for pid in range(8):  # an engine's beacons and a report
+        (folder / f"beacon-{pid}.json").write_text(f'{{"pid": {pid}}}')
+    assert crash_folder_overrun(folder) is None
+    fill(folder / "filler", 17 * MiB)
+    assert "the crash folder takes" in (crash_folder_overrun(folder) or "")
+    (folder / "filler").unlink()
+    for index in range(CRASH_FOLDER_ENTRIES):
+        (folder / f"many-{index}").touch()
+    assert "more than 256 entries" in (crash_folder_overrun(folder) or "")
+    shutil.rmtree(folder)
+    assert crash_folder_overrun(folder) is None  # removed when the worker stops
+
+
+def test_the_watchdog_stops_the_worker_when_the_crash_folder_fills_the_disk(tmp_path: Path) -> None:
+    sinks = sinks_in(tmp_path)
+    stopped = threading.Event()
+    state = health(stopped)
+    crash = crash_folder(tmp_path)
+    free = shutil.disk_usage(tmp_path).free
+    watchdog = FolderWatchdog(sinks, crash, cast(Any, state), interval_s=0.01, reserve_bytes=free - MiB)
+    watchdog.start()
+    assert not stopped.wait(0.1)
+    fill(crash / "filler", 17 * MiB)
+    assert stopped.wait(5) and state.dead.is_set()
+    watchdog.join(5)
