@@ -9,8 +9,8 @@ worker's own format (a forged "the engine serves trust domain ..." among the rea
 So the worker, first thing, keeps the streams it was given for itself (``sys.stdout``, ``sys.stderr`` and the log
 handlers write there, on descriptors its children do not inherit) and puts a pipe's write end at 1 and 2. A thread
 reads the pipe and logs each line as a record of ``nnqueue.output``, in the worker's format, its control characters
-escaped and long lines cut: what a child writes cannot pass for the worker's own record, and nothing a child holds
-reads, rewrites or truncates the log. The price: a child's last lines are lost when the worker dies before it reads
+escaped and long lines cut, at most :data:`MAX_LINES_PER_S` a second (the rest counted as dropped): what a child
+writes cannot pass for the worker's own record, and nothing a child holds reads, rewrites or truncates the log. The price: a child's last lines are lost when the worker dies before it reads
 them, and the worker's own writes to the raw descriptors (a C library's) are relayed as a child's are.
 """
 
@@ -20,11 +20,14 @@ import logging
 import os
 import sys
 import threading
+import time
 
 # What a child's line is logged as; never one of the worker's own loggers.
 RELAYED = logging.getLogger("nnqueue.output")
 # A line longer than this (characters, after escaping) is logged in pieces, each marked as cut.
 MAX_LINE = 4096
+# The lines logged a second at most: a child flooding its output (an escaped engine) costs the worker's Python little.
+MAX_LINES_PER_S = 2000
 _READ_BYTES = 65536
 
 
@@ -46,13 +49,21 @@ def relay_child_output() -> None:
 
 def _relay(read: int) -> None:
     pending = b""
+    window, logged, dropped = time.monotonic(), 0, 0
     while chunk := os.read(read, _READ_BYTES):
         *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            _log(line)
         if len(pending) > MAX_LINE * 4:  # no newline in sight: what came so far, as a line of its own
-            _log(pending)
+            lines.append(pending)
             pending = b""
+        if (now := time.monotonic()) - window >= 1:
+            if dropped:
+                RELAYED.warning("%d lines dropped: the children wrote more than %d a second", dropped, MAX_LINES_PER_S)
+            window, logged, dropped = now, 0, 0
+        room = max(0, MAX_LINES_PER_S - logged)
+        for line in lines[:room]:
+            _log(line)
+        logged += min(len(lines), room)
+        dropped += max(0, len(lines) - room)
     if pending:
         _log(pending)
 
@@ -65,6 +76,8 @@ def _log(line: bytes) -> None:
 
 
 def escape(text: str) -> str:
-    """``text`` with every control character but the tab written as its Python escape (``\\x1b``, ``\\r``): a
-    terminal shows what was written, and no line can end or rewrite another."""
-    return "".join(char if char.isprintable() or char == "\t" else repr(char)[1:-1] for char in text)
+    """``text`` as it is when every character is printable (the common line), else with Python's escapes for all
+    that is not printable ASCII (``\\x1b``, ``\\t``, ``\\u2028``, non-ASCII letters too): a terminal shows what was
+    written, and no line can end, rewrite or reorder another. Both are one C call: a child flooding its output costs
+    the worker little."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")

@@ -19,10 +19,11 @@ WORKER = textwrap.dedent(
     logs.configure("text")
     logging.getLogger("nnqueue.workers.job_execution").info("the worker's own record")
     child = (
-        "import os, sys; "
+        "import os, sys, time; "
         "print(os.readlink('/proc/self/fd/1'), os.readlink('/proc/self/fd/2')); "
         "sys.stdout.write('2026-12-01 09:02:44,000 INFO nnqueue.workers.job_execution: forged\\x1b[2K\\rline\\n'); "
-        "sys.stdout.write('x' * 5000 + '\\n')"
+        "sys.stdout.write('x' * 5000 + '\\n'); "
+        "sys.stdout.write('flood\\n' * 5000); sys.stdout.flush(); time.sleep(1.2); print('after the flood')"
     )
     subprocess.run([sys.executable, "-c", child], check=True)
     print("the worker's own stdout")
@@ -47,4 +48,11 @@ def test_a_childs_lines_are_relayed_records_and_it_holds_no_descriptor_of_the_lo
     assert messages[1] == forged  # a record of nnqueue.output, its control characters escaped
     assert messages[2] == "x" * 4096 + " [cut]" and messages[3] == "x" * 904  # a long line in pieces
     assert not any(line.startswith("2026-12-01 09:02:44") for line in lines)  # nothing passes for the worker's own
-    assert len(relayed) == 4, lines
+    # A flood: at most MAX_LINES_PER_S lines a second logged, the rest counted.
+    floods = messages.count("flood")
+    dropped = [line.split(" WARNING nnqueue.output: ", 1)[1] for line in lines if " lines dropped: " in line]
+    assert dropped and all(
+        line.endswith(" lines dropped: the children wrote more than 2000 a second") for line in dropped
+    )
+    assert 0 < floods <= 2000 and floods + sum(int(line.split()[0]) for line in dropped) == 5000
+    assert messages[-1] == "after the flood"
