@@ -117,8 +117,9 @@ class ChunkRunner:
                 why = str(error) if isinstance(error, EngineStateUnverified) else f"the domain switch failed: {error!r}"
                 await asyncio.to_thread(requeue_chunk, self.sessions, self.app, chunk.id, self.worker_id, why)
                 self.jobs.unit_ended(chunk_key(chunk.id))
-                if not isinstance(error, EngineStateUnverified):  # that one: the worker starts a fresh engine
+                if not isinstance(error, EngineStateUnverified):
                     raise
+                self.jobs.restart_unverified()  # as a trace that waited for the switch does
                 return Outcome.SKIPPED
         slot: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         task = self._running[chunk.id] = asyncio.ensure_future(self._attempt(chunk, slot))

@@ -241,9 +241,7 @@ class JobRunner:
             log.error("%s; the worker restarts", unverified)
             with contextlib.suppress(InvalidTransition):  # a replacement that failed has requeued it already
                 await asyncio.to_thread(self._hand_back, job_id, str(unverified))
-            if self.health is not None and not self.health.dead.is_set():  # as if the engine died: a fresh one
-                self.health.dead.set()
-                self.health.stop()
+            self.restart_unverified()
             return Outcome.SKIPPED
         except TimeoutError:
             failure = JobFailure("JobTimeout", f"job exceeded its timeout of {job.timeout_s:g} s and was aborted")
@@ -272,6 +270,13 @@ class JobRunner:
         if self.turns.ended(unit):
             self._turn_over.set()
             self._turn_over = asyncio.Event()
+
+    def restart_unverified(self) -> None:
+        """A switch could not put back and verify the engine (:class:`EngineStateUnverified`): as if it died, the worker
+        stops for a fresh one (its supervisor starts it), rather than serve, or fail every unit of the domain on it."""
+        if self.health is not None and not self.health.dead.is_set():
+            self.health.dead.set()
+            self.health.stop()
 
     def turn_end(self) -> asyncio.Event:
         """Set when the current turn ends: taken before a claim, it is set even when the turn ends during the claim."""
@@ -312,7 +317,12 @@ class JobRunner:
         switch, which run on the fresh engine."""
         started = time.monotonic()
         if switch.previous is not None:
-            await self.executor.leave_domain()
+            try:
+                await self.executor.leave_domain()
+            except Exception as error:  # the old domain's builders may live on: the engine must not serve the new one
+                raise EngineStateUnverified(
+                    f"what ran trust domain {switch.previous!r}'s code could not be stopped: {error!r}"
+                ) from error
             if self.fresh_engine_at_switch and self.health is not None:
                 why = f"a switch from trust domain {switch.previous!r} to {switch.domain!r}"
                 # The new domain's traces waiting for this switch stay claimed and run on the fresh engine: handed
