@@ -181,7 +181,7 @@ class Zygote:
             self._process = await asyncio.create_subprocess_exec(
                 *self.command,
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=sys.stderr.fileno(),  # what loading prints goes to the log
+                stdout=2,  # what loading prints goes to the log: the worker's stderr (the output relay's pipe)
                 env=environment,
                 pass_fds=[end.fileno() for end in passed],
             )

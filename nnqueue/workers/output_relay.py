@@ -9,26 +9,34 @@ worker's own format (a forged "the engine serves trust domain ..." among the rea
 So the worker, first thing, keeps the streams it was given for itself (``sys.stdout``, ``sys.stderr`` and the log
 handlers write there, on descriptors its children do not inherit) and puts a pipe's write end at 1 and 2. A thread
 reads the pipe and logs each line as a record of ``nnqueue.output``, in the worker's format, its control characters
-escaped and long lines cut, at most :data:`MAX_LINES_PER_S` a second (the rest counted as dropped): what a child
-writes cannot pass for the worker's own record, and nothing a child holds reads, rewrites or truncates the log. The price: a child's last lines are lost when the worker dies before it reads
+escaped and long lines cut, at most :data:`MAX_LINES_PER_S` lines and :data:`MAX_BYTES_PER_S` bytes a second (the
+rest counted as dropped): what a child writes cannot pass for the worker's own record, and nothing a child holds
+reads, rewrites or truncates the log. All children share the pipe: a line names no process, so an engine's records
+are the engine's claims (an escaped one can write lines in its own records' shape), and the worker's own records say
+what the worker did; a child that makes the pipe non-blocking or small has it put back at the next read. The price: a child's last lines are lost when the worker dies before it reads
 them, and the worker's own writes to the raw descriptors (a C library's) are relayed as a child's are.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 
 # What a child's line is logged as; never one of the worker's own loggers.
 RELAYED = logging.getLogger("nnqueue.output")
 # A line longer than this (characters, after escaping) is logged in pieces, each marked as cut.
 MAX_LINE = 4096
-# The lines logged a second at most: a child flooding its output (an escaped engine) costs the worker's Python little.
+# The lines and bytes logged a second at most: a child flooding its output (an escaped engine) costs the worker's
+# Python and the log's disk little.
 MAX_LINES_PER_S = 2000
+MAX_BYTES_PER_S = 1 << 20
 _READ_BYTES = 65536
+_PIPE_BYTES = 65536  # a pipe's capacity as Linux makes it
 
 
 def relay_child_output() -> None:
@@ -49,23 +57,61 @@ def relay_child_output() -> None:
 
 def _relay(read: int) -> None:
     pending = b""
-    window, logged, dropped = time.monotonic(), 0, 0
+    budget = _Budget()
     while chunk := os.read(read, _READ_BYTES):
+        _restore_pipe(1)
         *lines, pending = (pending + chunk).split(b"\n")
         if len(pending) > MAX_LINE * 4:  # no newline in sight: what came so far, as a line of its own
             lines.append(pending)
             pending = b""
-        if (now := time.monotonic()) - window >= 1:
-            if dropped:
-                RELAYED.warning("%d lines dropped: the children wrote more than %d a second", dropped, MAX_LINES_PER_S)
-            window, logged, dropped = now, 0, 0
-        room = max(0, MAX_LINES_PER_S - logged)
-        for line in lines[:room]:
+        for line in budget.admit(lines):
             _log(line)
-        logged += min(len(lines), room)
-        dropped += max(0, len(lines) - room)
     if pending:
         _log(pending)
+
+
+def _restore_pipe(write: int) -> None:
+    """The pipe's write end as the children share it (one open file description): blocking, at its full capacity.
+    A child may change both (round 8 made the next engines' writes fail half-done); here they are put back."""
+    flags = fcntl.fcntl(write, fcntl.F_GETFL)
+    if flags & os.O_NONBLOCK:
+        fcntl.fcntl(write, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
+    if fcntl.fcntl(write, fcntl.F_GETPIPE_SZ) < _PIPE_BYTES:
+        fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+
+
+@dataclass
+class _Budget:
+    """The lines logged in the current second; those over :data:`MAX_LINES_PER_S` or :data:`MAX_BYTES_PER_S` are
+    counted, and said in one warning when the next second's lines come."""
+
+    window: float = field(default_factory=time.monotonic)
+    lines: int = 0
+    size: int = 0
+    dropped: int = 0
+
+    def admit(self, lines: list[bytes]) -> list[bytes]:
+        if (now := time.monotonic()) - self.window >= 1:
+            if self.dropped:
+                RELAYED.warning(
+                    "%d lines dropped: the children wrote more than %d lines or %d bytes a second",
+                    self.dropped,
+                    MAX_LINES_PER_S,
+                    MAX_BYTES_PER_S,
+                )
+            self.window, self.lines, self.size, self.dropped = now, 0, 0, 0
+        if self.lines >= MAX_LINES_PER_S or self.size >= MAX_BYTES_PER_S:
+            self.dropped += len(lines)
+            return []
+        admitted = []
+        for line in lines:
+            if self.lines < MAX_LINES_PER_S and self.size + len(line) <= MAX_BYTES_PER_S:
+                admitted.append(line)
+                self.lines += 1
+                self.size += len(line)
+            else:
+                self.dropped += 1
+        return admitted
 
 
 def _log(line: bytes) -> None:
