@@ -12,17 +12,20 @@ warning: a user's result over ``NNQUEUE_MAX_RESULT_BYTES`` is one (the engine wr
 refuses it), and it costs the other jobs on the worker nothing while the disk has room. One that leaves less than a
 reserve free on its folder's filesystem stops the worker as if its engine died (a fresh worker and engine replace it;
 both folders are removed at the stop): an escaped engine cannot take the disk's last reserve. A file the engine
-deleted and keeps writing is in no folder: a filesystem of bounded size (``NNQUEUE_WORKER_HANDOFF_DIR``) bounds that.
+deleted and keeps writing is in no folder: the watchdog counts what the engine's processes hold open of such files
+(:func:`deleted_bytes_held`), and a filesystem of bounded size (``NNQUEUE_WORKER_HANDOFF_DIR``) bounds it too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import stat
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +45,8 @@ OVERRUN_LOG_INTERVAL_S = 60.0
 # What the crash folder may hold: a beacon per engine process and a report per crash, each a few KiB.
 CRASH_FOLDER_ENTRIES = 256
 CRASH_FOLDER_BYTES = 16 << 20
+# The bytes of deleted files of the two folders the engine's processes may hold open.
+DELETED_SLACK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,33 @@ def crash_folder_overrun(folder: Path) -> str | None:
     return None
 
 
+def deleted_bytes_held(pids: Iterable[int], folders: Iterable[Path]) -> int:
+    """The bytes on the disk of files once in ``folders`` that were deleted while the processes ``pids`` or their
+    descendants keep them open: a file in no folder, which a scan of the folders cannot see (round 8 filled the disk
+    so). Read from ``/proc/<pid>/fd`` (the folders are at the same paths in the engine's view)."""
+    import psutil  # vLLM's dependency: there wherever an engine runs
+
+    prefixes = tuple(f"{folder}/" for folder in folders)
+    held = 0
+    for pid in pids:
+        try:
+            processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            continue
+        for process in processes:
+            try:
+                descriptors = os.listdir(f"/proc/{process.pid}/fd")
+            except OSError:
+                continue
+            for descriptor in descriptors:
+                path = f"/proc/{process.pid}/fd/{descriptor}"
+                with contextlib.suppress(OSError):
+                    target = os.readlink(path)
+                    if target.endswith(" (deleted)") and target.startswith(prefixes):
+                        held += os.stat(path).st_blocks * 512
+    return held
+
+
 class FolderWatchdog(threading.Thread):
     """Looks at the handoff folder (`ResultSinks.overrun`) and the crash folder (:func:`crash_folder_overrun`) every
     ``interval_s`` while the engine serves; see the module. Stopping the worker is ``health.dead``, then
@@ -107,12 +139,13 @@ class FolderWatchdog(threading.Thread):
         sinks: ResultSinks,
         crash_dir: Path,
         health: EngineHealth,
+        engine_processes: Callable[[], Iterable[int]] = tuple,
         interval_s: float = WATCH_INTERVAL_S,
         reserve_bytes: int = RESERVE_BYTES,
     ) -> None:
         super().__init__(name="nnqueue-folder-watchdog", daemon=True)
         self.sinks, self.crash_dir, self.health = sinks, crash_dir, health
-        self.interval_s, self.reserve_bytes = interval_s, reserve_bytes
+        self.engine_processes, self.interval_s, self.reserve_bytes = engine_processes, interval_s, reserve_bytes
         self._logged = -math.inf
 
     def run(self) -> None:
@@ -126,6 +159,7 @@ class FolderWatchdog(threading.Thread):
             for folder, reason in (
                 (handoff, self.sinks.overrun()),
                 (self.crash_dir, crash_folder_overrun(self.crash_dir)),
+                (handoff, self._deleted_files()),
             ):
                 if reason is None:
                     continue
@@ -140,6 +174,14 @@ class FolderWatchdog(threading.Thread):
                 if time.monotonic() - self._logged >= OVERRUN_LOG_INTERVAL_S:
                     self._logged = time.monotonic()
                     log.warning("the engine wrote more than it may: %s", reason)
+
+    def _deleted_files(self) -> str | None:
+        """Why the engine's processes hold too much in deleted files of the two folders, or None: more than one file's
+        slack (a result the worker discarded while the engine still wrote it is one, within its bound)."""
+        held = deleted_bytes_held(self.engine_processes(), (self.sinks.handoff_dir(), self.crash_dir))
+        if held <= DELETED_SLACK_BYTES:
+            return None
+        return f"the engine's processes hold {held} bytes of files deleted from the handoff and crash folders"
 
     def _reserve_left(self, folder: Path) -> bool:
         """Whether ``folder``'s filesystem has its reserve free."""

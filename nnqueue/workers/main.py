@@ -319,7 +319,8 @@ def run_worker(
 
     beat = HeartbeatThread(sessions, worker_id, settings.worker_heartbeat_s, on_beat)
     beat.start()
-    FolderWatchdog(sinks, crash_dir, health).start()  # the host folders the engine writes, bounded
+    cores = functools.partial(_engine_cores, vllm_executor) if vllm_executor is not None else tuple
+    FolderWatchdog(sinks, crash_dir, health, cores).start()  # the host folders the engine writes, bounded
     try:
         app.worker_main(
             [

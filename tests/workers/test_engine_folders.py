@@ -7,6 +7,8 @@ it stops (`ResultSinks.close`)."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -18,11 +20,18 @@ import pytest
 
 from nnqueue.enginecore.sink import staging_path
 from nnqueue.storage.local import LocalObjectStore
-from nnqueue.workers.engine_folders import CRASH_FOLDER_ENTRIES, FolderWatchdog, crash_folder_overrun, folder_usage
+from nnqueue.workers.engine_folders import (
+    CRASH_FOLDER_ENTRIES,
+    FolderWatchdog,
+    crash_folder_overrun,
+    deleted_bytes_held,
+    folder_usage,
+)
 from nnqueue.workers.sinks import SPARE_ENTRIES, ResultSinks
 
 JOB = uuid.UUID("12345678-1234-5678-1234-567812345678")
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 def fill(path: str | Path, size: int) -> None:
@@ -144,9 +153,9 @@ def test_the_watchdog_stops_the_worker_as_if_its_engine_died_once_the_disk_is_ne
     stopped = threading.Event()
     state = health(stopped)
     free = shutil.disk_usage(tmp_path).free
-    # A reserve of all but 1 MiB of what is free now: the 2 MiB the engine writes take the disk under it.
+    # A reserve over what is free: the disk counts as nearly full (whatever other processes write meanwhile).
     watchdog = FolderWatchdog(
-        sinks, crash_folder(tmp_path), cast(Any, state), interval_s=0.01, reserve_bytes=free - MiB
+        sinks, crash_folder(tmp_path), cast(Any, state), interval_s=0.01, reserve_bytes=free + GiB
     )
     watchdog.start()
     time.sleep(0.1)
@@ -215,9 +224,45 @@ def test_the_watchdog_stops_the_worker_when_the_crash_folder_fills_the_disk(tmp_
     state = health(stopped)
     crash = crash_folder(tmp_path)
     free = shutil.disk_usage(tmp_path).free
-    watchdog = FolderWatchdog(sinks, crash, cast(Any, state), interval_s=0.01, reserve_bytes=free - MiB)
+    watchdog = FolderWatchdog(sinks, crash, cast(Any, state), interval_s=0.01, reserve_bytes=free + GiB)
     watchdog.start()
     assert not stopped.wait(0.1)
     fill(crash / "filler", 17 * MiB)
     assert stopped.wait(5) and state.dead.is_set()
     watchdog.join(5)
+
+
+def test_a_deleted_file_the_engine_keeps_writing_is_counted_and_stops_the_worker_on_a_full_disk(tmp_path: Path) -> None:
+    """Red-team round 8: 100 MB written in the handoff folder, unlinked and kept open, took the disk unseen by a
+    scan of the folder. The engine's processes' descriptors show it (here a child process stands for the engine)."""
+    sinks = sinks_in(tmp_path)
+    handoff = sinks.handoff_dir()
+    hold = (
+        "import os, sys, time; "
+        f"f = open({str(handoff / 'gone')!r}, 'wb'); f.write(b'\\1' * (3 << 20)); f.flush(); "
+        f"os.unlink({str(handoff / 'gone')!r}); print('held', flush=True); time.sleep(60)"
+    )
+    engine = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
+    try:
+        assert engine.stdout is not None and engine.stdout.readline() == "held\n"
+        assert not any(handoff.iterdir()) and sinks.overrun() is None  # no scan of the folder sees it
+        assert deleted_bytes_held([engine.pid], [handoff]) >= 3 * MiB
+        assert deleted_bytes_held([engine.pid], [tmp_path / "elsewhere"]) == 0
+        stopped = threading.Event()
+        state = health(stopped)
+        free = shutil.disk_usage(tmp_path).free
+        watchdog = FolderWatchdog(
+            sinks,
+            crash_folder(tmp_path),
+            cast(Any, state),
+            lambda: [engine.pid],
+            interval_s=0.01,
+            reserve_bytes=free + GiB,
+        )
+        watchdog.start()
+        assert stopped.wait(5) and state.dead.is_set()
+        watchdog.join(5)
+    finally:
+        engine.kill()
+        engine.wait()
+    assert deleted_bytes_held([engine.pid], [handoff]) == 0
