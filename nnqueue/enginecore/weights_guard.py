@@ -471,8 +471,8 @@ class WeightsGuardWorker(_Worker):
         calls, with nothing in flight): ``{"weights": [...], "state": [...], "lazy": [...]}``, the names put back.
         ``seed``: torch's generators are then seeded with it (the switch's fresh seed, the same on every rank:
         `StateGuard.reseed`). Then the KV cache's blocks that no harvest or steering request holds are zeroed
-        (:mod:`nnqueue.enginecore.kv_clearing`). An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``)
-        answers with ``"off": ["guards"]``."""
+        (:mod:`nnqueue.enginecore.kv_clearing`): ``"zeroed": ["<blocks> of <all>"]`` (``None of ...`` with prefix
+        caching). An engine without guards (``NNQUEUE_WEIGHTS_GUARD=false``) answers with ``"off": ["guards"]``."""
         if self._nnqueue_guard is None:
             return {"weights": [], "state": [], "lazy": [], "off": ["guards"]}
         verified = self._nnqueue_verify(True, state=True)
@@ -482,10 +482,10 @@ class WeightsGuardWorker(_Worker):
         cleared = kv_clearing.clear_free_blocks(
             runner, self._nnqueue_trace_ids, bool(self.vllm_config.cache_config.enable_prefix_caching)
         )
-        log.info("trust-domain switch: %s KV cache blocks zeroed, of %d", cleared, runner.kv_cache_config.num_blocks)
         if verified:
             log.error("verification put back %s", (verified.weights + verified.state + verified.lazy)[:20])
-        return {"weights": verified.weights, "state": verified.state, "lazy": verified.lazy}
+        zeroed = f"{cleared} of {runner.kv_cache_config.num_blocks}"  # the worker logs it: a record of its own
+        return {"weights": verified.weights, "state": verified.state, "lazy": verified.lazy, "zeroed": [zeroed]}
 
     def nnqueue_weights_loaded(self) -> None:
         """After a legitimate weights update (nnqueue's RPC, never a trace): the guards take the weights and state as

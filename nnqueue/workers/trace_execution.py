@@ -176,6 +176,11 @@ class VLLMTraceExecutor:
         is checked. Raises when a rank could not restore its state."""
         seed = secrets.randbits(63)  # one for every rank: tensor-parallel ranks must sample alike
         answers = await self.model.vllm_entrypoint.collective_rpc("nnqueue_verify_state", args=(seed,))
+        for rank, answer in enumerate(answers):
+            for zeroed in (answer or {}).get("zeroed", ()):
+                # The worker's record of what the engine answered (under restart, a fresh engine that ran nothing
+                # yet): an engine's own log lines are relayed, and an escaped one can write lines in their shape.
+                log.info("trust-domain switch: rank %d zeroed %s KV cache blocks", rank, zeroed)
         kinds = ("weights", "state", "lazy")
         return sorted({name for answer in answers for kind in kinds for name in (answer or {}).get(kind, ())})
 
