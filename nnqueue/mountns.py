@@ -18,7 +18,8 @@ holding only
   root's mode-700 home);
 * what the engine writes: the worker's handoff and crash folders, the folder of vLLM's ``ipc://`` sockets
   (``VLLM_RPC_BASE_PATH``: root's, mode 0700) and the compiled-kernel caches that root fills before the switch;
-* fresh private tmpfs's at ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``HOME``.
+* fresh private tmpfs's at ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``HOME``, each at most a tenth of the host's
+  memory (:data:`TMPFS_SIZE`).
 
 Unix sockets of the host that a bound tree holds when the view is made (listed in ``/proc/net/unix``) are
 covered with ``/dev/null``, but for those in the engine's own socket folder; abstract ones belong to the network
@@ -59,6 +60,9 @@ Mode = Literal["auto", "private", "host"]
 # The host's trees every view holds, read-only; a top-level symlink (``/bin -> usr/bin``) is kept as one.
 SYSTEM_TREES = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 PRIVATE_TMPFS = ("/tmp", "/var/tmp", "/dev/shm")
+# Each private tmpfs's size, a share of the host's memory: tmpfs's own default is half of it, so the four of them let
+# an escaped engine take all of the host's memory; at a tenth each, 40% at most (the compiled-kernel caches fit).
+TMPFS_SIZE = "10%"
 
 _CLONE_NEWNS = 0x00020000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV = 0x1, 0x2, 0x4
@@ -301,9 +305,9 @@ def enter(view: View) -> None:
         os.symlink(link, "/newroot" + path)
     # /dev/shm without the sticky bit: the shared memory root made before the switch is unlinked by the engine user
     # at shutdown (it is all the engine's own, and goes with the namespace anyway).
-    private = [(path, "mode=0777" if path == "/dev/shm" else "mode=1777") for path in view.tmpfs]
+    private = [(path, f"mode={'0777' if path == '/dev/shm' else '1777'},size={TMPFS_SIZE}") for path in view.tmpfs]
     if view.home:
-        private.append((view.home, "mode=0755"))  # root's before the switch; passable, to what is bound in it
+        private.append((view.home, f"mode=0755,size={TMPFS_SIZE}"))  # root's before the switch; passable
     steps: list[Bind | tuple[str, str]] = [*view.binds, *private]
     for step in sorted(steps, key=lambda step: _depth(step.target if isinstance(step, Bind) else step[0])):
         if isinstance(step, Bind):

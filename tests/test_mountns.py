@@ -80,6 +80,7 @@ def test_the_view_holds_only_what_it_binds_with_a_private_tmp_and_no_host_socket
             "service": outcome(lambda: connect(service)),
             "own": outcome(lambda: connect(own)),
             "cwd": os.getcwd(),
+            "sizes": [os.statvfs(folder).f_blocks * os.statvfs(folder).f_frsize for folder in mountns.PRIVATE_TMPFS],
         }
 
     try:
@@ -95,6 +96,9 @@ def test_the_view_holds_only_what_it_binds_with_a_private_tmp_and_no_host_socket
     assert found["host tmp"] is False and found["private tmp"] == [tmp_path.parts[2]]  # the way to the bound trees
     assert found["service"] == "ConnectionRefusedError" and found["own"] == "done"
     assert found["cwd"] == str(tmp_path / "work")
+    page = os.sysconf("SC_PAGE_SIZE")
+    memory = page * os.sysconf("SC_PHYS_PAGES")
+    assert all(0 < size <= memory // 10 + page for size in found["sizes"]), (found["sizes"], memory)  # not half
     # The thread that entered it ended; this one never moved.
     assert os.getcwd() != str(tmp_path / "work") and Path("/proc/self/root").resolve() == Path("/")
     assert host_tmp.parent == Path(tempfile.gettempdir())
