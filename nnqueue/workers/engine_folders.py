@@ -95,6 +95,8 @@ def crash_folder_overrun(folder: Path) -> str | None:
         return f"the crash folder {folder} could not be read: {error}"
     if usage.entries > CRASH_FOLDER_ENTRIES:
         return f"the crash folder holds more than {CRASH_FOLDER_ENTRIES} entries"
+    if usage.subfolder is not None:  # whose content one scan cannot see (round 9 put 100 MB two folders down)
+        return f"the crash folder holds a folder, {usage.subfolder!r}, where the engine leaves files only"
     if usage.allocated > CRASH_FOLDER_BYTES:
         return f"the crash folder takes {usage.allocated} bytes on the disk, over the {CRASH_FOLDER_BYTES} allowed"
     return None
@@ -147,6 +149,7 @@ class FolderWatchdog(threading.Thread):
         self.sinks, self.crash_dir, self.health = sinks, crash_dir, health
         self.engine_processes, self.interval_s, self.reserve_bytes = engine_processes, interval_s, reserve_bytes
         self._logged = -math.inf
+        self._free_at_start = _free_bytes(sinks.handoff_dir())
 
     def run(self) -> None:
         while True:
@@ -160,6 +163,7 @@ class FolderWatchdog(threading.Thread):
                 (handoff, self.sinks.overrun()),
                 (self.crash_dir, crash_folder_overrun(self.crash_dir)),
                 (handoff, self._deleted_files()),
+                (handoff, self._disk_fell(handoff)),
             ):
                 if reason is None:
                     continue
@@ -183,11 +187,28 @@ class FolderWatchdog(threading.Thread):
             return None
         return f"the engine's processes hold {held} bytes of files deleted from the handoff and crash folders"
 
+    def _disk_fell(self, handoff: Path) -> str | None:
+        """Why the disk behind the handoff folder lost more since the worker started than both folders may hold, or
+        None: what no scan sees (a deleted file the engine keeps mapped only, or its descriptor in flight in a unix
+        socket: round 9) shows as free space gone. Other processes' writes count too: said only with the disk under its
+        reserve (where every overrun stops the worker)."""
+        room = self.sinks.room()
+        fell = self._free_at_start - _free_bytes(handoff)
+        if room is None or fell <= room + CRASH_FOLDER_BYTES or self._reserve_left(handoff):
+            return None
+        return f"the disk behind the handoff folder has {fell} bytes less free than when the worker started"
+
     def _reserve_left(self, folder: Path) -> bool:
         """Whether ``folder``'s filesystem has its reserve free."""
         try:
             space = os.statvfs(folder)
+            free = _free_bytes(folder)
         except OSError:  # the folder was replaced: its overrun said so; nothing to measure
             return False
-        reserve = max(self.reserve_bytes, RESERVE_SHARE * space.f_blocks * space.f_frsize)
-        return space.f_bavail * space.f_frsize >= reserve
+        return free >= max(self.reserve_bytes, RESERVE_SHARE * space.f_blocks * space.f_frsize)
+
+
+def _free_bytes(folder: Path) -> int:
+    """The bytes an unprivileged process may still write on ``folder``'s filesystem."""
+    space = os.statvfs(folder)
+    return space.f_bavail * space.f_frsize

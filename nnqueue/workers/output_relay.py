@@ -9,11 +9,12 @@ worker's own format (a forged "the engine serves trust domain ..." among the rea
 So the worker, first thing, keeps the streams it was given for itself (``sys.stdout``, ``sys.stderr`` and the log
 handlers write there, on descriptors its children do not inherit) and puts a pipe's write end at 1 and 2. A thread
 reads the pipe and logs each line as a record of ``nnqueue.output``, in the worker's format, its control characters
-escaped and long lines cut, at most :data:`MAX_LINES_PER_S` lines and :data:`MAX_BYTES_PER_S` bytes a second (the
-rest counted as dropped): what a child writes cannot pass for the worker's own record, and nothing a child holds
-reads, rewrites or truncates the log. All children share the pipe: a line names no process, so an engine's records
+escaped and long lines cut, at most :data:`MAX_LINES_PER_S` lines and :data:`MAX_BYTES_PER_S` characters a second
+(past that the relay reads nothing until the second ends, so the writers block; what it had read is counted as
+dropped): what a child writes cannot pass for the worker's own record, and nothing a child holds reads, rewrites or
+truncates the log. All children share the pipe: a line names no process, so an engine's records
 are the engine's claims (an escaped one can write lines in its own records' shape), and the worker's own records say
-what the worker did; a child that makes the pipe non-blocking or small has it put back at the next read. The price: a child's last lines are lost when the worker dies before it reads
+what the worker did; a child that changes the pipe's flags or capacity has them put back at the next read. The price: a child's last lines are lost when the worker dies before it reads
 them, and the worker's own writes to the raw descriptors (a C library's) are relayed as a child's are.
 """
 
@@ -25,7 +26,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 
 # What a child's line is logged as; never one of the worker's own loggers.
 RELAYED = logging.getLogger("nnqueue.output")
@@ -36,7 +36,6 @@ MAX_LINE = 4096
 MAX_LINES_PER_S = 2000
 MAX_BYTES_PER_S = 1 << 20
 _READ_BYTES = 65536
-_PIPE_BYTES = 65536  # a pipe's capacity as Linux makes it
 
 
 def relay_child_output() -> None:
@@ -56,69 +55,62 @@ def relay_child_output() -> None:
 
 
 def _relay(read: int) -> None:
+    pipe = _SharedEnd(1)
     pending = b""
-    budget = _Budget()
+    window, lines, size, dropped = time.monotonic(), 0, 0, 0
     while chunk := os.read(read, _READ_BYTES):
-        _restore_pipe(1)
-        *lines, pending = (pending + chunk).split(b"\n")
+        pipe.restore()
+        *complete, pending = (pending + chunk).split(b"\n")
         if len(pending) > MAX_LINE * 4:  # no newline in sight: what came so far, as a line of its own
-            lines.append(pending)
+            complete.append(pending)
             pending = b""
-        for line in budget.admit(lines):
-            _log(line)
+        for line in complete:
+            if lines < MAX_LINES_PER_S and size < MAX_BYTES_PER_S:
+                size += _log(line)
+                lines += 1
+            else:
+                dropped += 1
+        if lines >= MAX_LINES_PER_S or size >= MAX_BYTES_PER_S:
+            # The second's budget is spent: nothing is read until it ends, so the writers block (a flood costs the
+            # worker no work); only what was read already is dropped.
+            time.sleep(max(0.0, window + 1 - time.monotonic()))
+        if time.monotonic() - window >= 1:
+            if dropped:
+                RELAYED.warning(
+                    "%d lines dropped: the children wrote more than %d lines or %d bytes a second",
+                    dropped,
+                    MAX_LINES_PER_S,
+                    MAX_BYTES_PER_S,
+                )
+            window, lines, size, dropped = time.monotonic(), 0, 0, 0
     if pending:
         _log(pending)
 
 
-def _restore_pipe(write: int) -> None:
-    """The pipe's write end as the children share it (one open file description): blocking, at its full capacity.
-    A child may change both (round 8 made the next engines' writes fail half-done); here they are put back."""
-    flags = fcntl.fcntl(write, fcntl.F_GETFL)
-    if flags & os.O_NONBLOCK:
-        fcntl.fcntl(write, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)
-    if fcntl.fcntl(write, fcntl.F_GETPIPE_SZ) < _PIPE_BYTES:
-        fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+class _SharedEnd:
+    """The pipe's write end as the children share it (one open file description), and how it was made: its status
+    flags and capacity. A child may change them (round 8 made it non-blocking and small, which cut the next engines'
+    writes; round 9 set ``O_DIRECT``, packet mode); `restore` puts back exactly what was."""
+
+    def __init__(self, write: int) -> None:
+        self.write = write
+        self.flags = fcntl.fcntl(write, fcntl.F_GETFL)
+        self.size = fcntl.fcntl(write, fcntl.F_GETPIPE_SZ)
+
+    def restore(self) -> None:
+        if fcntl.fcntl(self.write, fcntl.F_GETFL) != self.flags:
+            fcntl.fcntl(self.write, fcntl.F_SETFL, self.flags)
+        if fcntl.fcntl(self.write, fcntl.F_GETPIPE_SZ) != self.size:
+            fcntl.fcntl(self.write, fcntl.F_SETPIPE_SZ, self.size)
 
 
-@dataclass
-class _Budget:
-    """The lines logged in the current second; those over :data:`MAX_LINES_PER_S` or :data:`MAX_BYTES_PER_S` are
-    counted, and said in one warning when the next second's lines come."""
-
-    window: float = field(default_factory=time.monotonic)
-    lines: int = 0
-    size: int = 0
-    dropped: int = 0
-
-    def admit(self, lines: list[bytes]) -> list[bytes]:
-        if (now := time.monotonic()) - self.window >= 1:
-            if self.dropped:
-                RELAYED.warning(
-                    "%d lines dropped: the children wrote more than %d lines or %d bytes a second",
-                    self.dropped,
-                    MAX_LINES_PER_S,
-                    MAX_BYTES_PER_S,
-                )
-            self.window, self.lines, self.size, self.dropped = now, 0, 0, 0
-        if self.lines >= MAX_LINES_PER_S or self.size >= MAX_BYTES_PER_S:
-            self.dropped += len(lines)
-            return []
-        admitted = []
-        for line in lines:
-            if self.lines < MAX_LINES_PER_S and self.size + len(line) <= MAX_BYTES_PER_S:
-                admitted.append(line)
-                self.lines += 1
-                self.size += len(line)
-            else:
-                self.dropped += 1
-        return admitted
-
-
-def _log(line: bytes) -> None:
+def _log(line: bytes) -> int:
+    """Log ``line`` (in pieces when long); the characters logged."""
     text = escape(line.decode("utf-8", errors="backslashreplace").rstrip("\r"))
     for start in range(0, max(len(text), 1), MAX_LINE):
         cut = " [cut]" if len(text) > start + MAX_LINE else ""
         RELAYED.info("%s%s", text[start : start + MAX_LINE], cut)
+    return len(text)
 
 
 def escape(text: str) -> str:

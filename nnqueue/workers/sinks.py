@@ -352,6 +352,10 @@ class ResultSinks:
             )
         return None
 
+    def room(self) -> int | None:
+        """The bytes the handoff folder may take on the disk now (`handoff_room`); None while a path is unbounded."""
+        return handoff_room(self._bounds().values())
+
     @property
     def closed(self) -> bool:
         """Whether the handoff folder was removed (`close`)."""

@@ -32,6 +32,7 @@ from nnqueue.workers.sinks import SPARE_ENTRIES, ResultSinks
 JOB = uuid.UUID("12345678-1234-5678-1234-567812345678")
 MiB = 1 << 20
 GiB = 1 << 30
+TiB = 1 << 40
 
 
 def fill(path: str | Path, size: int) -> None:
@@ -135,6 +136,16 @@ def test_close_removes_the_folder_and_only_it(tmp_path: Path) -> None:
     assert sinks.overrun() is None  # a closed folder is not the engine's doing
 
 
+@pytest.fixture
+def nearly_full(monkeypatch: pytest.MonkeyPatch) -> int:
+    """A reserve over the free space, which stays as it is (other processes' writes would change a real measure, and
+    free space gone counts against the engine): the disk counts as nearly full."""
+    from nnqueue.workers import engine_folders
+
+    monkeypatch.setattr(engine_folders, "_free_bytes", lambda folder: TiB)
+    return 2 * TiB
+
+
 def crash_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "crash"
     folder.mkdir(exist_ok=True)
@@ -147,15 +158,13 @@ def health(stopped: threading.Event) -> Any:
 
 
 def test_the_watchdog_stops_the_worker_as_if_its_engine_died_once_the_disk_is_nearly_full(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, nearly_full: int
 ) -> None:
     sinks = sinks_in(tmp_path)
     stopped = threading.Event()
     state = health(stopped)
-    free = shutil.disk_usage(tmp_path).free
-    # A reserve over what is free: the disk counts as nearly full (whatever other processes write meanwhile).
     watchdog = FolderWatchdog(
-        sinks, crash_folder(tmp_path), cast(Any, state), interval_s=0.01, reserve_bytes=free + GiB
+        sinks, crash_folder(tmp_path), cast(Any, state), interval_s=0.01, reserve_bytes=nearly_full
     )
     watchdog.start()
     time.sleep(0.1)
@@ -218,13 +227,12 @@ def test_the_crash_folder_holds_beacons_and_reports_and_no_more(tmp_path: Path) 
     assert crash_folder_overrun(folder) is None  # removed when the worker stops
 
 
-def test_the_watchdog_stops_the_worker_when_the_crash_folder_fills_the_disk(tmp_path: Path) -> None:
+def test_the_watchdog_stops_the_worker_when_the_crash_folder_fills_the_disk(tmp_path: Path, nearly_full: int) -> None:
     sinks = sinks_in(tmp_path)
     stopped = threading.Event()
     state = health(stopped)
     crash = crash_folder(tmp_path)
-    free = shutil.disk_usage(tmp_path).free
-    watchdog = FolderWatchdog(sinks, crash, cast(Any, state), interval_s=0.01, reserve_bytes=free + GiB)
+    watchdog = FolderWatchdog(sinks, crash, cast(Any, state), interval_s=0.01, reserve_bytes=nearly_full)
     watchdog.start()
     assert not stopped.wait(0.1)
     fill(crash / "filler", 17 * MiB)
@@ -232,7 +240,9 @@ def test_the_watchdog_stops_the_worker_when_the_crash_folder_fills_the_disk(tmp_
     watchdog.join(5)
 
 
-def test_a_deleted_file_the_engine_keeps_writing_is_counted_and_stops_the_worker_on_a_full_disk(tmp_path: Path) -> None:
+def test_a_deleted_file_the_engine_keeps_writing_is_counted_and_stops_the_worker_on_a_full_disk(
+    tmp_path: Path, nearly_full: int
+) -> None:
     """Red-team round 8: 100 MB written in the handoff folder, unlinked and kept open, took the disk unseen by a
     scan of the folder. The engine's processes' descriptors show it (here a child process stands for the engine)."""
     sinks = sinks_in(tmp_path)
@@ -250,14 +260,13 @@ def test_a_deleted_file_the_engine_keeps_writing_is_counted_and_stops_the_worker
         assert deleted_bytes_held([engine.pid], [tmp_path / "elsewhere"]) == 0
         stopped = threading.Event()
         state = health(stopped)
-        free = shutil.disk_usage(tmp_path).free
         watchdog = FolderWatchdog(
             sinks,
             crash_folder(tmp_path),
             cast(Any, state),
             lambda: [engine.pid],
             interval_s=0.01,
-            reserve_bytes=free + GiB,
+            reserve_bytes=nearly_full,
         )
         watchdog.start()
         assert stopped.wait(5) and state.dead.is_set()
@@ -266,3 +275,32 @@ def test_a_deleted_file_the_engine_keeps_writing_is_counted_and_stops_the_worker
         engine.kill()
         engine.wait()
     assert deleted_bytes_held([engine.pid], [handoff]) == 0
+
+
+def test_a_folder_in_the_crash_folder_is_an_overrun(tmp_path: Path) -> None:
+    """Round 9 put 100 MB two folders down in the crash folder, which a scan of its entries did not see."""
+    folder = crash_folder(tmp_path)
+    (folder / "sub" / "deeper").mkdir(parents=True)
+    assert "the crash folder holds a folder, 'sub'" in (crash_folder_overrun(folder) or "")
+
+
+def test_free_space_gone_where_no_scan_sees_it_stops_the_worker_on_a_nearly_full_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 9: a deleted file the engine keeps mapped only, or whose descriptor is in flight in a unix socket, is in
+    no folder and no process's descriptors; it shows as the disk's free space gone (measured here as the filesystem
+    says, the free space set by the test: other processes' writes would change a real measure)."""
+    from nnqueue.workers import engine_folders
+
+    free = [10 * TiB]  # far over any real disk's 5%, so that the reserve is the one set here
+    monkeypatch.setattr(engine_folders, "_free_bytes", lambda folder: free[0])
+    sinks = sinks_in(tmp_path)
+    stopped = threading.Event()
+    state = health(stopped)
+    watchdog = FolderWatchdog(sinks, crash_folder(tmp_path), cast(Any, state), interval_s=0.01, reserve_bytes=5 * TiB)
+    watchdog.start()
+    free[0] -= TiB  # gone, with the disk keeping its reserve: other processes' writes, maybe
+    assert not stopped.wait(0.2)
+    free[0] -= 5 * TiB  # and now under it
+    assert stopped.wait(5) and state.dead.is_set()
+    watchdog.join(5)
