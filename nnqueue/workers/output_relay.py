@@ -12,10 +12,11 @@ reads the pipe and logs each line as a record of ``nnqueue.output``, in the work
 escaped and long lines cut, at most :data:`MAX_LINES_PER_S` lines and :data:`MAX_BYTES_PER_S` characters a second
 (past that the relay reads nothing until the second ends, so the writers block; what it had read is counted as
 dropped): what a child writes cannot pass for the worker's own record, and nothing a child holds reads, rewrites or
-truncates the log. All children share the pipe: a line names no process, so an engine's records
-are the engine's claims (an escaped one can write lines in its own records' shape), and the worker's own records say
-what the worker did; a child that changes the pipe's flags or capacity has them put back at the next read. The price: a child's last lines are lost when the worker dies before it reads
-them, and the worker's own writes to the raw descriptors (a C library's) are relayed as a child's are.
+truncates the log. All children share the pipe: a line names no process, so an engine's records are the engine's
+claims (an escaped one can write lines in its own records' shape), and the worker's own records say what the worker
+did; a child that changes the pipe's flags or capacity has them put back at the next read. The price: a child's last
+lines are lost when the worker dies before it reads them, and the worker's own writes to the raw descriptors (a C
+library's) are relayed as a child's are.
 """
 
 from __future__ import annotations
