@@ -93,12 +93,19 @@ def crash_folder_overrun(folder: Path) -> str | None:
         return None
     except OSError as error:
         return f"the crash folder {folder} could not be read: {error}"
-    if usage.entries > CRASH_FOLDER_ENTRIES:
-        return f"the crash folder holds more than {CRASH_FOLDER_ENTRIES} entries"
-    if usage.subfolder is not None:  # whose content one scan cannot see (round 9 put 100 MB two folders down)
-        return f"the crash folder holds a folder, {usage.subfolder!r}, where the engine leaves files only"
-    if usage.allocated > CRASH_FOLDER_BYTES:
-        return f"the crash folder takes {usage.allocated} bytes on the disk, over the {CRASH_FOLDER_BYTES} allowed"
+    return usage_overrun("crash folder", usage, CRASH_FOLDER_ENTRIES, CRASH_FOLDER_BYTES)
+
+
+def usage_overrun(name: str, usage: FolderUsage, most: int, room: int | None, context: str = "") -> str | None:
+    """Why the folder ``name`` holds more than it may, or None: more than ``most`` entries, a folder (whose content
+    one scan cannot see: round 9 put 100 MB two folders down in the crash folder), or more than ``room`` bytes on the
+    disk (None: unchecked); ``context`` ends the reasons about counts."""
+    if usage.entries > most:
+        return f"the {name} holds more than {most} entries{context}"
+    if usage.subfolder is not None:
+        return f"the {name} holds a folder, {usage.subfolder!r}, where the engine leaves files only"
+    if room is not None and usage.allocated > room:
+        return f"the {name} takes {usage.allocated} bytes on the disk, over the {room} allowed{context}"
     return None
 
 

@@ -51,7 +51,7 @@ from nnqueue.errors import NNqueueError
 from nnqueue.storage.keys import SAFETENSORS_FILE, TORCH_FILE, result_key
 from nnqueue.storage.object_store import Digest, FileUpload, ObjectStore
 from nnqueue.storage.results import TORCH_AND_SAFETENSORS_FORMAT, TORCH_FORMAT, StoredResult
-from nnqueue.workers.engine_folders import folder_usage
+from nnqueue.workers.engine_folders import folder_usage, usage_overrun
 
 # The result's objects, by the names the engine reports them under.
 OBJECTS = {"torch": TORCH_FILE, "safetensors": SAFETENSORS_FILE}
@@ -340,17 +340,8 @@ class ResultSinks:
             return None if self._closed else f"the handoff folder {self._handoff_dir} could not be read: {error}"
         # With the paths handed out meanwhile: the scan may have seen their files. Those discarded meanwhile stay in.
         bounds.update(self._bounds())
-        if usage.entries > most:
-            return f"the handoff folder holds more than {most} entries ({len(bounds)} paths handed out)"
-        if usage.subfolder is not None:
-            return f"the handoff folder holds a folder, {usage.subfolder!r}, where the worker hands out files only"
-        room = handoff_room(bounds.values())
-        if room is not None and usage.allocated > room:
-            return (
-                f"the handoff folder takes {usage.allocated} bytes on the disk, over the {room} allowed"
-                f" ({len(bounds)} paths handed out)"
-            )
-        return None
+        context = f" ({len(bounds)} paths handed out)"
+        return usage_overrun("handoff folder", usage, most, handoff_room(bounds.values()), context)
 
     def room(self) -> int | None:
         """The bytes the handoff folder may take on the disk now (`handoff_room`); None while a path is unbounded."""
