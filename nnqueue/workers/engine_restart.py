@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nnqueue.enginecore import untrusted_files
+from nnqueue.workers import output_relay
 from nnqueue.workers.chunk_execution import ChunkRunner
 from nnqueue.workers.engine_health import ENGINE_DIED
 from nnqueue.workers.weights import CheckpointUpdater
@@ -71,6 +72,9 @@ class EngineRestart:
         # domain's files take: a sixth round failed another owner's harvest with planted folders).
         for folder in (self.crash_dir, self.executor.sinks.handoff_dir()):
             empty_folder(folder)
+        # And the pipe all engines write their output to, as the worker made it, its allowance full (a tenth red-team
+        # round's engine changed its flags, which the relay put back only at its next read, and spent its allowance).
+        output_relay.engine_replaced()
         engine = self.start()  # on the engine loop, as the first engine was (vLLM's AsyncLLM binds to it)
         self.executor.use_engine(engine)
         self.chunks.model = engine

@@ -9,12 +9,15 @@ worker's own format (a forged "the engine serves trust domain ..." among the rea
 So the worker, first thing, keeps the streams it was given for itself (``sys.stdout``, ``sys.stderr`` and the log
 handlers write there, on descriptors its children do not inherit) and puts a pipe's write end at 1 and 2. A thread
 reads the pipe and logs each line as a record of ``nnqueue.output``, in the worker's format, its control characters
-escaped and long lines cut, at most :data:`MAX_LINES_PER_S` lines and :data:`MAX_BYTES_PER_S` characters a second
-(past that the relay reads nothing until the second ends, so the writers block; what it had read is counted as
-dropped): what a child writes cannot pass for the worker's own record, and nothing a child holds reads, rewrites or
-truncates the log. All children share the pipe: a line names no process, so an engine's records are the engine's
+escaped and long lines cut, at most :data:`MAX_LINES_PER_S` lines and :data:`MAX_BYTES_PER_S` characters a second,
+and within an allowance of :data:`ALLOWANCE_BYTES` that refills at :data:`ALLOWANCE_BYTES_PER_S` (past either the
+relay reads nothing until there is budget again, so the writers block; what it had read is counted as dropped): what a
+child writes cannot pass for the worker's own record, nothing a child holds reads, rewrites or truncates the log, and a
+flood that lasts grows the log by 14 MB an hour, not the 3.9 GB of a tenth red-team round's. A fresh engine
+(`engine_replaced`) finds the allowance full and the pipe as the worker made it. All children share the pipe: a line names no process, so an engine's records are the engine's
 claims (an escaped one can write lines in its own records' shape), and the worker's own records say what the worker
-did; a child that changes the pipe's flags or capacity has them put back at the next read. The price: a child's last
+did; a child that changes the pipe's flags or capacity has them put back at the next read, and before a fresh engine
+starts. The price: a child's last
 lines are lost when the worker dies before it reads them, and the worker's own writes to the raw descriptors (a C
 library's) are relayed as a child's are.
 """
@@ -36,7 +39,13 @@ MAX_LINE = 4096
 # Python and the log's disk little.
 MAX_LINES_PER_S = 2000
 MAX_BYTES_PER_S = 1 << 20
+# And in the long run: at most this many characters at once, refilled at this rate (vLLM's own lines at start and its
+# stats every few seconds take a few KiB; an hour's flood is held to ~14 MB of log).
+ALLOWANCE_BYTES = 32 << 20
+ALLOWANCE_BYTES_PER_S = 4096
 _READ_BYTES = 65536
+# The relay this process runs (`relay_child_output`), once started.
+_relay: _Relay | None = None
 
 
 def relay_child_output() -> None:
@@ -52,40 +61,91 @@ def relay_child_output() -> None:
     os.dup2(write, 2)
     os.close(write)
     RELAYED.setLevel(logging.INFO)  # the children's lines reach the log whatever the worker's level
-    threading.Thread(target=_relay, args=(read,), name="nnqueue-output-relay", daemon=True).start()
+    global _relay
+    _relay = _Relay(read, _SharedEnd(1))
+    threading.Thread(target=_relay.run, name="nnqueue-output-relay", daemon=True).start()
 
 
-def _relay(read: int) -> None:
-    pipe = _SharedEnd(1)
-    pending = b""
-    window, lines, size, dropped = time.monotonic(), 0, 0, 0
-    while chunk := os.read(read, _READ_BYTES):
-        pipe.restore()
-        *complete, pending = (pending + chunk).split(b"\n")
-        if len(pending) > MAX_LINE * 4:  # no newline in sight: what came so far, as a line of its own
-            complete.append(pending)
-            pending = b""
-        for line in complete:
-            if lines < MAX_LINES_PER_S and size < MAX_BYTES_PER_S:
-                size += _log(line)
-                lines += 1
-            else:
-                dropped += 1
-        if lines >= MAX_LINES_PER_S or size >= MAX_BYTES_PER_S:
-            # The second's budget is spent: nothing is read until it ends, so the writers block (a flood costs the
-            # worker no work); only what was read already is dropped.
-            time.sleep(max(0.0, window + 1 - time.monotonic()))
-        if time.monotonic() - window >= 1:
-            if dropped:
+def engine_replaced() -> None:
+    """Before a fresh engine starts: the pipe as the worker made it (the old engine may have changed its flags or
+    capacity since the relay's last read) and the allowance full (the old engine may have spent it). Nothing where
+    this process relays no output."""
+    if _relay is not None:
+        _relay.pipe.restore()
+        _relay.budget.refill()
+
+
+class _Budget:
+    """What the relay may still log: this second's lines and characters, and the allowance."""
+
+    def __init__(self) -> None:
+        self.window = self.refilled = time.monotonic()
+        self.lines = self.size = self.dropped = 0
+        self.allowance = float(ALLOWANCE_BYTES)
+        self._full = threading.Event()
+
+    def admits(self) -> bool:
+        return self.lines < MAX_LINES_PER_S and self.size < MAX_BYTES_PER_S and self.allowance > 0
+
+    def spend(self, size: int) -> None:
+        self.lines += 1
+        self.size += size
+        self.allowance -= size
+
+    def refill(self) -> None:
+        """The allowance full again (a fresh engine's), waking a relay that waits for it."""
+        self.allowance, self.refilled = float(ALLOWANCE_BYTES), time.monotonic()
+        self._full.set()
+
+    def pause(self) -> None:
+        """Wait while the budget is spent (the writers block meanwhile); once a second, say what was dropped."""
+        now = time.monotonic()
+        self.allowance = min(float(ALLOWANCE_BYTES), self.allowance + (now - self.refilled) * ALLOWANCE_BYTES_PER_S)
+        self.refilled = now
+        replaced = False  # a fresh engine's allowance came: what the old one had dropped is said at once
+        if self.allowance <= 0:  # until a second's refill is there, or a fresh engine's full allowance
+            self._full.clear()
+            replaced = self._full.wait(1 - self.allowance / ALLOWANCE_BYTES_PER_S)
+        elif self.lines >= MAX_LINES_PER_S or self.size >= MAX_BYTES_PER_S:
+            time.sleep(max(0.0, self.window + 1 - now))
+        if replaced or time.monotonic() - self.window >= 1:
+            if self.dropped:
                 RELAYED.warning(
-                    "%d lines dropped: the children wrote more than %d lines or %d bytes a second",
-                    dropped,
+                    "%d lines dropped: the children wrote more than %d lines or %d bytes a second, or past their"
+                    " allowance of %d bytes (refilled at %d a second)",
+                    self.dropped,
                     MAX_LINES_PER_S,
                     MAX_BYTES_PER_S,
+                    ALLOWANCE_BYTES,
+                    ALLOWANCE_BYTES_PER_S,
                 )
-            window, lines, size, dropped = time.monotonic(), 0, 0, 0
-    if pending:
-        _log(pending)
+            self.window, self.lines, self.size, self.dropped = time.monotonic(), 0, 0, 0
+
+
+class _Relay:
+    """Reads the pipe's ``read`` end and logs its lines within `budget`; ``pipe`` is its write end."""
+
+    def __init__(self, read: int, pipe: _SharedEnd) -> None:
+        self.read, self.pipe, self.budget = read, pipe, _Budget()
+
+    def run(self) -> None:
+        pending = b""
+        while chunk := os.read(self.read, _READ_BYTES):
+            self.pipe.restore()
+            *complete, pending = (pending + chunk).split(b"\n")
+            if len(pending) > MAX_LINE * 4:  # no newline in sight: what came so far, as a line of its own
+                complete.append(pending)
+                pending = b""
+            for line in complete:
+                if self.budget.admits():
+                    self.budget.spend(_log(line))
+                else:
+                    self.budget.dropped += 1
+            # Once the budget is spent nothing is read until there is budget again, so the writers block (a flood
+            # costs the worker no work); only what was read already is dropped.
+            self.budget.pause()
+        if pending:
+            _log(pending)
 
 
 class _SharedEnd:

@@ -13,9 +13,10 @@ WORKER = textwrap.dedent(
     r"""
     import logging, os, subprocess, sys, time
     from nnqueue import logs
-    from nnqueue.workers.output_relay import relay_child_output
+    from nnqueue.workers import output_relay
 
-    relay_child_output()
+    output_relay.ALLOWANCE_BYTES, output_relay.ALLOWANCE_BYTES_PER_S = 100_000, 1000  # a small allowance, to spend
+    output_relay.relay_child_output()
     logs.configure("text")
     logging.getLogger("nnqueue.workers.job_execution").info("the worker's own record")
     child = (
@@ -32,12 +33,24 @@ WORKER = textwrap.dedent(
         "fcntl.fcntl(1, fcntl.F_SETFL, fcntl.fcntl(1, fcntl.F_GETFL) | os.O_NONBLOCK | os.O_DIRECT); "
         "fcntl.fcntl(1, fcntl.F_SETPIPE_SZ, 4096); os.write(1, b'changed\\n')"
     )
+    import fcntl
+
+    def pipe():
+        flags = fcntl.fcntl(1, fcntl.F_GETFL)
+        print("pipe", bool(flags & os.O_NONBLOCK), bool(flags & os.O_DIRECT), fcntl.fcntl(1, fcntl.F_GETPIPE_SZ))
+
     subprocess.run([sys.executable, "-c", shrink], check=True)
     time.sleep(0.5)  # the relay reads 'changed', then puts the pipe back
-    import fcntl
-    flags = fcntl.fcntl(1, fcntl.F_GETFL)
-    print("pipe", bool(flags & os.O_NONBLOCK), bool(flags & os.O_DIRECT), fcntl.fcntl(1, fcntl.F_GETPIPE_SZ))
-    time.sleep(0.5)  # the relay thread logs what the child wrote
+    pipe()
+    subprocess.run([sys.executable, "-c", shrink.replace("os.write(1, b'changed\\n')", "0")], check=True)
+    output_relay.engine_replaced()  # a fresh engine's start: the pipe put back before anything is read
+    pipe()
+    started = time.monotonic()  # past the allowance (full: the engine was replaced) and the pipe's 64 KiB: 300 kB
+    subprocess.run([sys.executable, "-c", "import sys; sys.stdout.write(('y' * 99 + '\\n') * 3000)"], check=True)
+    print("spent in", round(time.monotonic() - started, 1))
+    output_relay.engine_replaced()  # the allowance full again: a fresh engine's lines come at once
+    subprocess.run([sys.executable, "-c", "print('a fresh engine')"], check=True)
+    time.sleep(0.5)  # the relay thread logs what the children wrote
     """
 )
 
@@ -48,7 +61,9 @@ def test_a_childs_lines_are_relayed_records_and_it_holds_no_descriptor_of_the_lo
         subprocess.run([sys.executable, "-c", WORKER], stdout=log, stderr=subprocess.STDOUT, timeout=60, check=True)
     lines = log_path.read_text().splitlines()
     assert "the worker's own stdout" in lines
-    assert "pipe False False 65536" in lines  # blocking, no packet mode, its capacity: as before a child's change
+    # Blocking, no packet mode, its capacity: as before a child's change, after the relay's next read and at once when
+    # a fresh engine is to start.
+    assert lines.count("pipe False False 65536") == 2
     [own] = [line for line in lines if "the worker's own record" in line]
     assert " INFO nnqueue.workers.job_execution: the worker's own record" in own
     relayed = [line.split(" INFO nnqueue.output: ", 1) for line in lines if " INFO nnqueue.output: " in line]
@@ -63,8 +78,24 @@ def test_a_childs_lines_are_relayed_records_and_it_holds_no_descriptor_of_the_lo
     floods = messages.count("flood")
     dropped = [line.split(" WARNING nnqueue.output: ", 1)[1] for line in lines if " lines dropped: " in line]
     assert dropped and all(
-        line.endswith(" lines dropped: the children wrote more than 2000 lines or 1048576 bytes a second")
+        line.endswith(
+            " lines dropped: the children wrote more than 2000 lines or 1048576 bytes a second, or past their allowance"
+            " of 100000 bytes (refilled at 1000 a second)"
+        )
         for line in dropped
     )
-    assert 0 < floods < 5000 and floods + sum(int(line.split()[0]) for line in dropped) == 5000
-    assert messages[-2:] == ["after the flood", "changed"]
+    # Past the allowance the 300 kB child waited for the relay (1 kB a second), which dropped what it read meanwhile:
+    # while the child wrote, the log took no more than the allowance and its refill. A fresh engine's allowance is
+    # full: what the pipe held then was logged, and the fresh engine's line.
+    ys = messages.count("y" * 99)
+    [spent_at] = [at for at, line in enumerate(lines) if line.startswith("spent in ")]
+    spent = float(lines[spent_at].split()[-1])
+    ys_meanwhile = sum(line.endswith("y" * 99) for line in lines[:spent_at])
+    assert spent >= 1 and 0 < ys_meanwhile * 99 <= 100_000 + 1000 * (spent + 1)
+    assert 0 < floods < 5000 and ys_meanwhile < ys < 3000
+    assert floods + ys + sum(int(line.split()[0]) for line in dropped) == 5000 + 3000
+    assert [message for message in messages if message != "y" * 99][-3:] == [
+        "after the flood",
+        "changed",
+        "a fresh engine",
+    ]
