@@ -364,7 +364,8 @@ class Containment:
     their network (:mod:`nnqueue.netns`) and filesystem (:mod:`nnqueue.mountns`), isolated and private or not;
     ``operators``: the owners whose traces the worker still runs when its containment is degraded
     (``NNQUEUE_OPERATOR_OWNERS``; ``*``: every owner's); ``probe``: the key of the passed probe the decision
-    rests on (:mod:`nnqueue.probe_memo`), forgotten if the engine then fails to start."""
+    rests on (:mod:`nnqueue.probe_memo`), forgotten if the engine then fails to start; ``memory_note``: the bound
+    on their memory (:mod:`nnqueue.cgroups`), or why there is none."""
 
     engine_user: str | None
     note: str
@@ -375,6 +376,7 @@ class Containment:
     filesystem_note: str = ""
     operators: tuple[str, ...] = ()
     probe: str | None = None
+    memory_note: str = ""
 
     def degradations(self) -> list[str]:
         """Why users' code in the engine could reach more than the engine's own (empty: it cannot)."""
@@ -413,6 +415,7 @@ class Containment:
             "seccomp": self.seccomp or "applied",
             "network": self.network_note,
             "filesystem": self.filesystem_note,
+            "memory": self.memory_note,
             "isolation": f"degraded: {'; '.join(degradations)}" if degradations else "full",
             "traces": self.traces(),
         }

@@ -143,6 +143,10 @@ class Settings(BaseSettings):
     engine_user_required: bool = False
     # The seccomp filter of engine and builder processes (no exec, no non-unix sockets, no ptrace).
     engine_seccomp: bool = True
+    # The most memory (bytes) the engine's processes (engine core, model runners, trace builders) may take together,
+    # tmpfs and memfd pages included: past it the kernel kills one of them, not another process of the host (a root
+    # worker's cgroup, nnqueue.cgroups). Unset: three quarters of the host's memory.
+    engine_memory_max: int | None = Field(None, gt=0)
     # More environment variables (fnmatch patterns, comma-separated) to remove before the engine
     # starts, beside the built-in NNQUEUE_DATABASE_URL, NNQUEUE_BROKER_URL, NNQUEUE_S3__* and AWS_*.
     secret_env_patterns: Annotated[list[str], NoDecode] = []

@@ -28,6 +28,7 @@ LAYERS = {
     "probe_memo": 0,
     "isolation": 1,
     "netns": 1,
+    "cgroups": 1,
     "mountns": 1,
     "seccomp_filter": 1,
     "trace_payload": 1,

@@ -30,7 +30,7 @@ from multiprocessing import resource_tracker
 from multiprocessing.context import SpawnProcess
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from nnqueue import mountns, netns
+from nnqueue import cgroups, mountns, netns
 
 if TYPE_CHECKING:
     from nnqueue.enginecore.core_forks import CoreForks
@@ -60,8 +60,10 @@ def engine_core_contained(
 ) -> Iterator[None]:
     """While the body builds a vLLM engine on this thread, the spawn-context processes this thread starts (the
     engine core) are forked by ``forks`` (:mod:`nnqueue.enginecore.core_forks`: the child enters the namespaces
-    itself) or else started by a contained thread (:func:`contained`); other threads' spawns are left alone."""
-    if not network and view is None and forks is None:
+    itself) or else started by a contained thread (:func:`contained`) and put in the engine's memory cgroup
+    (:mod:`nnqueue.cgroups`); other threads' spawns are left alone."""
+    group = cgroups.asked()
+    if not network and view is None and forks is None and group is None:
         yield
         return
     owner = threading.get_ident()
@@ -81,7 +83,10 @@ def engine_core_contained(
             else:
                 log.info("the engine core (pid %d) is forked by the trace builders' zygote", popen.pid)
                 return popen
-        return contained(lambda: original(process_obj), network=network, view=view)
+        spawned = contained(lambda: original(process_obj), network=network, view=view)
+        if group is not None:  # the fresh interpreter imports Python for seconds before it runs a user's code
+            group.place(spawned.pid)
+        return spawned
 
     SpawnProcess._Popen = staticmethod(popen)  # type: ignore[method-assign]
     try:
@@ -91,7 +96,8 @@ def engine_core_contained(
 
 
 def enter_if_asked() -> None:
-    """What a child that runs users' code calls first, while it has one thread: the view, then the network
-    namespace, that the worker exported."""
+    """What a child that runs users' code calls first, while it has one thread: the engine's memory cgroup (while
+    root in the host's view), the view, then the network namespace, that the worker exported."""
+    cgroups.join_if_asked()
     mountns.enter_if_asked()
     netns.isolate_if_asked()

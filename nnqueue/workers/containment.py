@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from nnqueue import isolation, mountns, netns, probe_memo, seccomp_filter
+from nnqueue import cgroups, isolation, mountns, netns, probe_memo, seccomp_filter
 from nnqueue.enginecore import sandbox, spawning
 from nnqueue.settings import Settings
 
@@ -88,6 +88,7 @@ def isolate(
         filesystem_private=private,
         filesystem_note=FILESYSTEM_PRIVATE if private else f"the host's filesystem: {filesystem_why}",
         operators=tuple(settings.operator_owners),
+        memory_note=cgroups.create(settings.engine_memory_max)[1],
     )
     say(containment)
     warn_if_degraded(containment)
@@ -117,6 +118,9 @@ def say(containment: isolation.Containment) -> None:
     )
     if containment.seccomp:
         log.warning("engine isolation: %s", containment.seccomp)
+    # A root worker without the bound says so louder: its engine could take the host's memory.
+    bounded = cgroups.asked() is not None or os.geteuid() != 0
+    (log.info if bounded else log.warning)("engine isolation: the engine's memory: %s", containment.memory_note)
 
 
 def warn_if_degraded(containment: isolation.Containment) -> None:

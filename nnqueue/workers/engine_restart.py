@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nnqueue import cgroups
 from nnqueue.enginecore import untrusted_files
 from nnqueue.workers import output_relay
 from nnqueue.workers.chunk_execution import ChunkRunner
@@ -66,6 +68,10 @@ class EngineRestart:
         processes = engine_processes(old)
         old.shutdown(timeout=0)
         await asyncio.to_thread(wait_ended, processes, PROCESS_EXIT_WAIT_S)
+        # And what they left that lives on outside the worker's tree (a daemon of a spawned core: a forked core's are
+        # its server's to kill, nnqueue.enginecore.core_forks).
+        if (group := cgroups.asked()) is not None:
+            group.kill_strays(os.getpid())
         # The two folders the old engine's processes could write, which the fresh engine's share: the crash folder
         # (its crash reports and stall beacons describe the dead engine only; a fourth red-team round left a file there
         # for the next trust domain's engine) and the handoff folder (its leftovers could stand at names the next

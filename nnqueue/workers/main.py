@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, cast
 import prometheus_client
 from sqlalchemy.orm import Session, sessionmaker
 
-from nnqueue import isolation, mountns, probe_memo
+from nnqueue import cgroups, isolation, mountns, probe_memo
 from nnqueue.broker import bulk_queue_name, create_celery_app, queue_name
 from nnqueue.db.models import EngineKind
 from nnqueue.db.session import make_engine, session_factory
@@ -345,6 +345,8 @@ def run_worker(
         probing.cancel()  # before the engine's shutdown, which it would take for a death to heal
         host.call(executor.close())
         host.stop()
+        if (group := cgroups.asked()) is not None:  # what is left of the engine's processes, and the group
+            group.remove()
         shutil.rmtree(crash_dir, ignore_errors=True)
         sinks.close()
         shutil.rmtree(staging, ignore_errors=True)

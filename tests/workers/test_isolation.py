@@ -82,6 +82,10 @@ def snooping_payload(client: VLLM, worker_pid: int, env_file: str, redis_port: i
         def unix_socket() -> None:
             socket.socket(socket.AF_UNIX).close()
 
+        def leave_cgroup() -> None:  # into the memory hierarchy's root, out of the worker's bound
+            with open("/sys/fs/cgroup/memory/cgroup.procs", "w") as procs:
+                procs.write(str(os.getpid()))
+
         libc = ctypes.CDLL(None, use_errno=True)
         found = nnsight.save(
             {
@@ -96,6 +100,8 @@ def snooping_payload(client: VLLM, worker_pid: int, env_file: str, redis_port: i
                 "exec": attempt(lambda: os.execv("/bin/true", ["true"])),
                 "tcp": attempt(connect),
                 "unix": attempt(unix_socket),
+                "cgroup": read("/proc/self/cgroup"),
+                "leave_cgroup": attempt(leave_cgroup),
             }
         )
         client.logits
@@ -167,6 +173,10 @@ def test_a_root_workers_engine_sees_no_secret_and_cannot_reach_the_worker_or_the
     containment = worker.wait_registered().containment
     assert containment is not None and containment["seccomp"] == "applied", containment
     assert containment["network"] == "a network namespace of its own (loopback only)", containment
+    # The engine's memory is bounded by the worker's cgroup, which it cannot leave.
+    assert containment["memory"].startswith("at most "), containment
+    assert f"/nnqueue-engine-{worker.wait_registered().pid}\n" in found["cgroup"], found["cgroup"]
+    assert found["leave_cgroup"].startswith(("PermissionError", "OSError")), found["leave_cgroup"]
     if found["uid"] != 0:  # a root-owned chmod 600 file is out of the engine user's reach (here, out of its view)
         assert found["env_file"].startswith(("PermissionError", "FileNotFoundError")), found["env_file"]
     else:

@@ -1,0 +1,213 @@
+"""A memory bound for the processes that run users' code: a cgroup of the worker's, which each of them joins first.
+
+The engine's private tmpfs's are bounded (:data:`nnqueue.mountns.TMPFS_SIZE`), its folders on the host watched
+(:mod:`nnqueue.workers.engine_folders`), but the memory its processes take is not: a tenth red-team round's escaped
+engine could take the host's memory with ``memfd_create`` or plain anonymous memory, and the kernel's OOM killer would
+then pick whatever process is largest on the host (the database, another worker), not the engine. So a root worker
+makes a memory cgroup of its own under the one it runs in (:func:`create`: ``nnqueue-engine-<worker pid>``, cgroup
+v1's memory hierarchy or v2's unified one), with a limit (``NNQUEUE_ENGINE_MEMORY_MAX``, default
+:data:`DEFAULT_SHARE` of the host's memory), and exports its folder (:data:`GROUP_ENV`). Every process that runs
+users' code is in it before it runs any: a trace builder and a forked engine core join it first thing, still root in
+the host's view (:func:`join_if_asked`, from :func:`nnqueue.enginecore.spawning.enter_if_asked`); a spawned engine core
+is put there by the worker as it starts (:meth:`EngineGroup.place`; it is importing Python then), and the
+model-runner workers it spawns are born there. Memory, tmpfs and memfd pages included, is charged to the group of the
+process that first touched it: past the limit the kernel reclaims, then kills a process of the group (the engine core:
+the worker replaces it, :mod:`nnqueue.workers.engine_restart`; a builder: the pool forks another). The engine user
+cannot write the group's files (root's), so its processes cannot leave it.
+
+The group also says which processes are the engine's: at an engine's replacement, a process of the group that no
+longer descends from the worker (a daemon an escaped engine left behind, re-parented to the host's init) is killed
+(:meth:`EngineGroup.kill_strays`), and the worker's stop kills what is left and removes the group
+(:meth:`EngineGroup.remove`). A worker that is not root, or whose host lets it make no memory cgroup, runs without and
+says so (``memory`` in its containment's report).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# The folder of the cgroup that the engine's processes join (set by the worker for them).
+GROUP_ENV = "NNQUEUE_ENGINE_CGROUP"
+# The limit, when none is set: this share of the host's memory (the worker, its database and the others keep the
+# rest).
+DEFAULT_SHARE = 0.75
+_PREFIX = "nnqueue-engine-"
+_REMOVE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class EngineGroup:
+    """A memory cgroup the engine's processes join: its folder and its cgroup version (1 or 2)."""
+
+    path: Path
+    version: int
+
+    @property
+    def limit_bytes(self) -> int:
+        name = "memory.limit_in_bytes" if self.version == 1 else "memory.max"
+        return int((self.path / name).read_text())
+
+    def place(self, pid: int) -> None:
+        """Move the process ``pid`` (all its threads) into the group."""
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def members(self) -> set[int]:
+        """The pids of the processes in the group now."""
+        try:
+            return {int(pid) for pid in (self.path / "cgroup.procs").read_text().split()}
+        except FileNotFoundError:
+            return set()
+
+    def kill_strays(self, root: int) -> list[int]:
+        """Kill the processes of the group that do not descend from ``root`` (the worker); their pids."""
+        import psutil  # vLLM's dependency: there wherever an engine runs
+
+        try:
+            ours = {root} | {child.pid for child in psutil.Process(root).children(recursive=True)}
+        except psutil.Error:
+            return []
+        strays = sorted(self.members() - ours)
+        for pid in strays:
+            log.warning("killing process %d, an engine process that outlived its engine", pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return strays
+
+    def remove(self) -> None:
+        """Kill every process in the group and remove it (the worker is stopping)."""
+        deadline = time.monotonic() + _REMOVE_WAIT_S
+        while True:
+            for pid in self.members():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError as error:  # EBUSY: a killed process has not left yet
+                if time.monotonic() > deadline:
+                    log.warning("the engine's cgroup %s could not be removed: %s", self.path, error)
+                    return
+                time.sleep(0.05)
+
+
+def create(limit_bytes: int | None) -> tuple[EngineGroup | None, str]:
+    """A fresh memory cgroup for this worker's engine, under the one this process runs in, limited to ``limit_bytes``
+    (None: :data:`DEFAULT_SHARE` of the host's memory), exported in :data:`GROUP_ENV` for the engine's processes;
+    and a note on it for the containment's report. None (and why) where it cannot be made: not root, no memory
+    controller, a v2 hierarchy that does not delegate it. Groups of workers that died before they removed theirs
+    are removed first."""
+    if os.geteuid() != 0:
+        return None, "not bounded: the worker is not root, so it makes no cgroup for its engine"
+    found = _own_memory_cgroup()
+    if found is None:
+        return None, "not bounded: this host has no memory cgroup controller this process can use"
+    parent, version = found
+    _remove_abandoned(parent, version)
+    limit = limit_bytes or int(DEFAULT_SHARE * _host_memory())
+    path = parent / f"{_PREFIX}{os.getpid()}"
+    try:
+        if version == 2:
+            _delegate_memory(parent)
+        path.mkdir(exist_ok=True)
+        group = EngineGroup(path, version)
+        _limit(group, limit)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        return None, f"not bounded: the engine's memory cgroup could not be made under {parent}: {error}"
+    os.environ[GROUP_ENV] = str(path)
+    return group, f"at most {limit} bytes (NNQUEUE_ENGINE_MEMORY_MAX; cgroup {path})"
+
+
+def asked() -> EngineGroup | None:
+    """The engine's group the worker exported (:data:`GROUP_ENV`), or None."""
+    path = os.environ.get(GROUP_ENV)
+    if not path:
+        return None
+    return EngineGroup(Path(path), 2 if (Path(path) / "memory.max").exists() else 1)
+
+
+def join_if_asked() -> None:
+    """What a child that runs users' code calls first, while root in the host's view: join the engine's group. A
+    child that cannot (the group is gone: its worker is stopping) does not start."""
+    group = asked()
+    if group is not None and os.geteuid() == 0:
+        group.place(os.getpid())
+
+
+def _limit(group: EngineGroup, limit: int) -> None:
+    if group.version == 1:
+        (group.path / "memory.limit_in_bytes").write_text(str(limit))
+        # Memory and swap together, where the kernel accounts swap: swapping out does not get past the limit.
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            (group.path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+    else:
+        (group.path / "memory.max").write_text(str(limit))
+        with contextlib.suppress(FileNotFoundError):
+            (group.path / "memory.swap.max").write_text("0")
+
+
+def _own_memory_cgroup() -> tuple[Path, int] | None:
+    """The folder of the memory cgroup this process is in, and its version; None where it has none."""
+    mounts = [line.split() for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        hierarchy, controllers, relative = line.split(":", 2)
+        if hierarchy != "0" and "memory" not in controllers.split(","):
+            continue
+        for fields in mounts:
+            fstype = fields[fields.index("-") + 1]
+            options = fields[-1].split(",")
+            if (hierarchy == "0" and fstype == "cgroup2") or (fstype == "cgroup" and "memory" in options):
+                root, mountpoint = fields[3], fields[4]
+                folder = Path(mountpoint) / os.path.relpath(relative, root)
+                if hierarchy == "0" and not _offers_memory(folder):
+                    continue
+                return folder, 2 if hierarchy == "0" else 1
+    return None
+
+
+def _offers_memory(folder: Path) -> bool:
+    try:
+        return "memory" in (folder / "cgroup.controllers").read_text().split()
+    except OSError:
+        return False
+
+
+def _delegate_memory(parent: Path) -> None:
+    """cgroup v2: let the parent's children have the memory controller (fails where the parent holds processes of
+    its own and is not the root: v2 lets only leaves hold processes; a systemd unit needs ``Delegate=yes`` and its
+    processes in a leaf)."""
+    if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
+        (parent / "cgroup.subtree_control").write_text("+memory")
+
+
+def _remove_abandoned(parent: Path, version: int) -> None:
+    """Remove the groups that workers no longer alive left under ``parent`` (killed, they could not)."""
+    for folder in parent.glob(f"{_PREFIX}*"):
+        worker = folder.name.removeprefix(_PREFIX)
+        if worker.isdigit() and not _alive(int(worker)):
+            EngineGroup(folder, version).remove()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
