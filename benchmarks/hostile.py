@@ -14,6 +14,9 @@ killed the engine ends when the worker serves again on a fresh engine (``--cases
   left on the final norm (the state guard);
 * ``pin``: three jobs each leaving a 512 MiB tensor on a module attribute (the engine's memory after them);
 * ``big-result``: a saved 1 GiB tensor (``NNQUEUE_MAX_RESULT_BYTES``);
+* ``memory``: a 64 GiB tensor in the engine's host memory (the engine's memory cgroup: give the worker a lower
+  ``NNQUEUE_ENGINE_MEMORY_MAX`` with ``--worker-env``, and the kernel kills the engine core, not the host's largest
+  process);
 * ``skip``: a wrong-shape ``.skip()`` (step recovery).
 
 Printed per case: the attacker's jobs by status and error type; the innocent's jobs submitted during the case,
@@ -123,18 +126,26 @@ def big_result(client: Any, backend: PrebuiltBackend) -> None:
 
 
 @traced
+def memory(client: Any, backend: PrebuiltBackend) -> None:
+    with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
+        hog = torch.ones(16 * 1024**3)  # 64 GiB, written: every page taken
+        logits = client.logits.save()
+
+
+@traced
 def skip(client: Any, backend: PrebuiltBackend) -> None:
     with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
         client.model.layers[0].skip((torch.zeros(6, 6), torch.zeros(6, 6)))  # the wrong shape for layer 1
         logits = client.logits.save()
 
 
-CASES = ("sleep", "regex", "flood", "attribute", "buffer", "hook", "pin", "big-result", "skip")
+CASES = ("sleep", "regex", "flood", "attribute", "buffer", "hook", "pin", "big-result", "memory", "skip")
 
 
 def cases(client: Any, flood: int) -> dict[str, list[bytes]]:
     """Each case's jobs (`CASES`, in that order)."""
     single = {"sleep": sleep, "regex": regex, "attribute": attribute, "buffer": buffer, "hook": hook, "skip": skip}
+    single["memory"] = memory
     built = {name: [payload(client)] for name, payload in single.items()}
     built["flood"] = [slow_payload(client, steps=20)] * flood
     built["pin"] = [pin(client)] * 3

@@ -36,14 +36,13 @@ from nnqueue.enginecore import untrusted_files
 from nnqueue.workers import output_relay
 from nnqueue.workers.chunk_execution import ChunkRunner
 from nnqueue.workers.engine_health import ENGINE_DIED
+from nnqueue.workers.engine_processes import kill_and_wait
 from nnqueue.workers.weights import CheckpointUpdater
 
 if TYPE_CHECKING:  # imports vLLM
     from nnqueue.workers.trace_execution import VLLMTraceExecutor
 
 log = logging.getLogger(__name__)
-# How long a fresh engine waits for the old one's processes to end once killed (a process's memory is freed as it ends).
-PROCESS_EXIT_WAIT_S = 30.0
 
 
 @dataclass
@@ -64,10 +63,7 @@ class EngineRestart:
         # The old core's client: its sockets closed, what is left of its processes killed at once (a dead core has
         # nothing to tear down; a live one that a domain switch replaces spent vLLM's 5 s grace period tearing down
         # on one H200), and their end awaited, so that the fresh engine finds their memory free.
-        old = self.executor.model.vllm_entrypoint
-        processes = engine_processes(old)
-        old.shutdown(timeout=0)
-        await asyncio.to_thread(wait_ended, processes, PROCESS_EXIT_WAIT_S)
+        await asyncio.to_thread(kill_and_wait, self.executor.model.vllm_entrypoint)
         # And what they left that lives on outside the worker's tree (a daemon of a spawned core: a forked core's are
         # its server's to kill, nnqueue.enginecore.core_forks).
         if (group := cgroups.asked()) is not None:
@@ -92,22 +88,6 @@ class EngineRestart:
         gc.freeze()
         since = "the engine died" if why == ENGINE_DIED else "its replacement began"
         log.info("a fresh engine serves, %.1f s after %s", time.monotonic() - began, since)
-
-
-def engine_processes(entrypoint: Any) -> list[Any]:
-    """The engine core processes of a vLLM ``AsyncLLM`` (vLLM 0.24-0.32: its client's ``resources.engine_manager``,
-    a ``CoreEngineProcManager``, holds them as ``processes``); none for another kind of client."""
-    manager = getattr(getattr(getattr(entrypoint, "engine_core", None), "resources", None), "engine_manager", None)
-    return list(getattr(manager, "processes", None) or [])
-
-
-def wait_ended(processes: list[Any], timeout_s: float) -> None:
-    """Wait until ``processes`` (multiprocessing processes) have ended, for ``timeout_s`` in all."""
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            log.warning("engine process %s still runs %.0f s after it was killed", process.pid, timeout_s)
 
 
 def empty_folder(folder: Path) -> None:

@@ -71,7 +71,8 @@ from nnqueue.workers.drain import Drain
 from nnqueue.workers.engine_folders import FolderWatchdog
 from nnqueue.workers.engine_health import EXIT_ENGINE_DIED, EngineHealth
 from nnqueue.workers.engine_host import EngineHost
-from nnqueue.workers.engine_restart import EngineRestart, engine_processes
+from nnqueue.workers.engine_processes import engine_processes
+from nnqueue.workers.engine_restart import EngineRestart
 from nnqueue.workers.heartbeat import HeartbeatThread
 from nnqueue.workers.job_execution import Executor, JobRunner
 from nnqueue.workers.sinks import ResultSinks

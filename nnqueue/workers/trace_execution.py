@@ -36,6 +36,7 @@ from nnqueue.engines.trace_report import TraceReport, parse_report
 from nnqueue.scheduler.trust_domains import job_domain_of
 from nnqueue.storage.object_store import ObjectStore
 from nnqueue.timeline import stamp
+from nnqueue.workers.engine_processes import kill_and_wait
 from nnqueue.workers.job_execution import Execution, JobFailure
 from nnqueue.workers.sinks import ResultNotWritten, ResultSinks, ResultTooLarge
 from nnqueue.workers.steer_execution import execute_steering
@@ -150,8 +151,14 @@ class VLLMTraceExecutor:
         return sessions.reply(saves, report.error)
 
     async def close(self) -> None:
+        """Stop the builders and the engine (at once: the worker drained its jobs; its processes' end awaited)."""
         await self.builders.close()
-        self.model.vllm_entrypoint.shutdown()
+        # vLLM's output handler, left waiting, would log the killed core as a failure (AsyncLLM.output_handler, a task
+        # on this loop, vLLM 0.24-0.32): nothing is waiting for outputs now.
+        if (handler := getattr(self.model.vllm_entrypoint, "output_handler", None)) is not None:
+            handler.cancel()
+            await asyncio.sleep(0)
+        await asyncio.to_thread(kill_and_wait, self.model.vllm_entrypoint)
 
     def use_engine(self, model: Any) -> None:
         """Run jobs on ``model`` (a dispatched VLLM that replaced a dead one: :mod:`nnqueue.workers.engine_restart`)
