@@ -128,7 +128,7 @@ def big_result(client: Any, backend: PrebuiltBackend) -> None:
 @traced
 def memory(client: Any, backend: PrebuiltBackend) -> None:
     with client.trace(PROMPTS[0], temperature=0.0, max_tokens=1, backend=backend):
-        hog = torch.ones(16 * 1024**3)  # 64 GiB, written: every page taken
+        hog = [torch.ones(256 * 1024**2) for _ in range(64)]  # 64 GiB, a GiB at a time, every page written
         logits = client.logits.save()
 
 
