@@ -25,6 +25,7 @@ says so (``memory`` in its containment's report).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -40,6 +41,8 @@ GROUP_ENV = "NNQUEUE_ENGINE_CGROUP"
 # rest).
 DEFAULT_SHARE = 0.75
 _PREFIX = "nnqueue-engine-"
+# cgroup v2: where the processes of the worker's own cgroup move, so that it can delegate the memory controller.
+_LEAF = "nnqueue-processes"
 _REMOVE_WAIT_S = 5.0
 
 
@@ -170,6 +173,8 @@ def _own_memory_cgroup() -> tuple[Path, int] | None:
             if (hierarchy == "0" and fstype == "cgroup2") or (fstype == "cgroup" and "memory" in options):
                 root, mountpoint = fields[3], fields[4]
                 folder = Path(mountpoint) / os.path.relpath(relative, root)
+                if hierarchy == "0" and folder.name == _LEAF:  # moved there by an earlier worker (_delegate_memory)
+                    folder = folder.parent
                 if hierarchy == "0" and not _offers_memory(folder):
                     continue
                 return folder, 2 if hierarchy == "0" else 1
@@ -184,11 +189,24 @@ def _offers_memory(folder: Path) -> bool:
 
 
 def _delegate_memory(parent: Path) -> None:
-    """cgroup v2: let the parent's children have the memory controller (fails where the parent holds processes of
-    its own and is not the root: v2 lets only leaves hold processes; a systemd unit needs ``Delegate=yes`` and its
-    processes in a leaf)."""
-    if "memory" not in (parent / "cgroup.subtree_control").read_text().split():
-        (parent / "cgroup.subtree_control").write_text("+memory")
+    """cgroup v2: let the parent's children have the memory controller. v2 lets a cgroup other than the root give its
+    children a controller only while it holds no process itself: where it holds some (this worker's and whatever else
+    runs in its container or unit: a container's cgroup, a GPU host's), they move to a leaf of their own,
+    :data:`_LEAF`, as Docker-in-Docker's start does (a systemd unit needs ``Delegate=yes`` for this)."""
+    control = parent / "cgroup.subtree_control"
+    if "memory" in control.read_text().split():
+        return
+    try:
+        control.write_text("+memory")
+    except OSError as error:
+        if error.errno != errno.EBUSY:
+            raise
+        leaf = parent / _LEAF
+        leaf.mkdir(exist_ok=True)
+        for pid in (parent / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                (leaf / "cgroup.procs").write_text(pid)
+        control.write_text("+memory")
 
 
 def _remove_abandoned(parent: Path, version: int) -> None:
