@@ -76,12 +76,14 @@ def engine_replaced() -> None:
 
 
 class _Budget:
-    """What the relay may still log: this second's lines and characters, and the allowance."""
+    """What the relay may still log: this second's lines and characters, and the allowance (which a fresh engine's
+    start refills from another thread: changed under ``_lock``)."""
 
     def __init__(self) -> None:
         self.window = self.refilled = time.monotonic()
         self.lines = self.size = self.dropped = 0
         self.allowance = float(ALLOWANCE_BYTES)
+        self._lock = threading.Lock()
         self._full = threading.Event()
 
     def admits(self) -> bool:
@@ -90,25 +92,31 @@ class _Budget:
     def spend(self, size: int) -> None:
         self.lines += 1
         self.size += size
-        self.allowance -= size
+        with self._lock:
+            self.allowance -= size
 
     def refill(self) -> None:
         """The allowance full again (a fresh engine's), waking a relay that waits for it."""
-        self.allowance, self.refilled = float(ALLOWANCE_BYTES), time.monotonic()
-        self._full.set()
+        with self._lock:
+            self.allowance, self.refilled = float(ALLOWANCE_BYTES), time.monotonic()
+            self._full.set()
 
     def pause(self) -> None:
-        """Wait while the budget is spent (the writers block meanwhile); once a second, say what was dropped."""
+        """Wait while the budget is spent (the writers block meanwhile); say what was dropped once logging resumes,
+        and at least once a second."""
         now = time.monotonic()
-        self.allowance = min(float(ALLOWANCE_BYTES), self.allowance + (now - self.refilled) * ALLOWANCE_BYTES_PER_S)
-        self.refilled = now
+        with self._lock:
+            refill = (now - self.refilled) * ALLOWANCE_BYTES_PER_S
+            self.allowance, self.refilled = min(float(ALLOWANCE_BYTES), self.allowance + refill), now
+            spent = self.allowance <= 0
+            if spent:
+                self._full.clear()
         replaced = False  # a fresh engine's allowance came: what the old one had dropped is said at once
-        if self.allowance <= 0:  # until a second's refill is there, or a fresh engine's full allowance
-            self._full.clear()
+        if spent:  # until a second's refill is there, or a fresh engine's full allowance
             replaced = self._full.wait(1 - self.allowance / ALLOWANCE_BYTES_PER_S)
         elif self.lines >= MAX_LINES_PER_S or self.size >= MAX_BYTES_PER_S:
             time.sleep(max(0.0, self.window + 1 - now))
-        if replaced or time.monotonic() - self.window >= 1:
+        if replaced or time.monotonic() - self.window >= 1 or (self.dropped and self.admits()):
             if self.dropped:
                 RELAYED.warning(
                     "%d lines dropped: the children wrote more than %d lines or %d bytes a second, or past their"
