@@ -147,6 +147,9 @@ class Settings(BaseSettings):
     # tmpfs and memfd pages included: past it the kernel kills one of them, not another process of the host (a root
     # worker's cgroup, nnqueue.cgroups). Unset: three quarters of the host's memory.
     engine_memory_max: int | None = Field(None, gt=0)
+    # The most tasks (processes and threads) those processes may have together (the same cgroup's pids controller): an
+    # engine that starts threads without end would leave the host no pid to give.
+    engine_tasks_max: int = Field(8192, gt=0)
     # More environment variables (fnmatch patterns, comma-separated) to remove before the engine
     # starts, beside the built-in NNQUEUE_DATABASE_URL, NNQUEUE_BROKER_URL, NNQUEUE_S3__* and AWS_*.
     secret_env_patterns: Annotated[list[str], NoDecode] = []

@@ -88,7 +88,7 @@ def isolate(
         filesystem_private=private,
         filesystem_note=FILESYSTEM_PRIVATE if private else f"the host's filesystem: {filesystem_why}",
         operators=tuple(settings.operator_owners),
-        memory_note=cgroups.create(settings.engine_memory_max)[1],
+        memory_note=cgroups.create(settings.engine_memory_max, settings.engine_tasks_max)[1],
     )
     say(containment)
     warn_if_degraded(containment)
