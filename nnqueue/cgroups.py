@@ -100,7 +100,7 @@ class EngineGroup:
         deadline = time.monotonic() + _REMOVE_WAIT_S
         for path in self.paths:
             while path.exists():
-                for pid in self.members() | EngineGroup((path,), self.version).members():
+                for pid in EngineGroup((path,), self.version).members():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 try:
@@ -126,8 +126,9 @@ def create(limit_bytes: int | None, tasks: int) -> tuple[EngineGroup | None, str
     if found is None:
         return None, "not bounded: this host has no memory cgroup controller this process can use"
     parent, version = found
-    pids_parent = parent if version == 2 else (_own_cgroup("pids") or (None, 1))[0]
-    parents = [parent, *([pids_parent] if version == 1 and pids_parent is not None else [])]
+    parents = [parent]  # and in cgroup v1, the pids hierarchy's
+    if version == 1 and (pids := _own_cgroup("pids")) is not None:
+        parents.append(pids[0])
     for folder in parents:
         _remove_abandoned(folder, version)
     limit = limit_bytes or int(DEFAULT_SHARE * _host_memory())
