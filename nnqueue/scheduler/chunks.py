@@ -156,6 +156,26 @@ def complete_harvest(sessions: sessionmaker[Session], harvest_id: uuid.UUID, man
         return done == 1
 
 
+def finished_harvests(sessions: sessionmaker[Session], model_key: str) -> list[uuid.UUID]:
+    """``model_key``'s open harvests whose chunks have all completed: each is complete but for its manifest (the
+    worker that finished the last chunk stopped, or was stopped, before it wrote it)."""
+    unfinished = select(HarvestChunk.id).where(
+        HarvestChunk.harvest_id == Harvest.id, HarvestChunk.status != S.COMPLETED
+    )
+    any_chunk = select(HarvestChunk.id).where(HarvestChunk.harvest_id == Harvest.id)
+    with sessions() as session:
+        return list(
+            session.scalars(
+                select(Harvest.id).where(
+                    Harvest.model_key == model_key,
+                    Harvest.status == S.RUNNING,
+                    any_chunk.exists(),
+                    ~unfinished.exists(),
+                )
+            )
+        )
+
+
 def all_chunks_completed(session: Session, harvest_id: uuid.UUID) -> bool:
     unfinished = session.scalar(
         select(func.count())

@@ -52,6 +52,7 @@ from nnqueue.scheduler.chunks import (
     all_chunks_completed,
     complete_harvest,
     finish_chunk,
+    finished_harvests,
     held_chunks,
     requeue_chunk,
     retry_or_fail_chunk,
@@ -96,6 +97,8 @@ class ChunkRunner:
     jobs: JobRunner | None = None
     _running: dict[int, asyncio.Task[Any]] = field(default_factory=dict)
     _aborted: set[int] = field(default_factory=set)
+    # Chunks past their run whose end is being recorded: COMPLETED already, so no longer RUNNING, but not lost.
+    _finishing: set[int] = field(default_factory=set)
 
     async def run_next(self) -> Outcome:
         """Claim the model's fairest QUEUED chunk and run it (what a bulk token asks for). Returns once the chunk no
@@ -172,6 +175,7 @@ class ChunkRunner:
         finally:
             self._running.pop(chunk.id, None)
             self._aborted.discard(chunk.id)
+            self._finishing.discard(chunk.id)
             _free(slot, outcome)
             if self.jobs is not None:  # after its upload: no other domain's engine runs while its shard is stored
                 self.jobs.unit_ended(chunk_key(chunk.id))
@@ -232,6 +236,9 @@ class ChunkRunner:
             result.generated_rows,
             result.outliers,
         )
+        # From here the chunk is COMPLETED, not RUNNING: `reap_lost` must not take it for lost (a heartbeat that did
+        # cancelled the harvest's completion after its last chunk's, and the harvest stayed RUNNING for good).
+        self._finishing.add(chunk.id)
         if not await asyncio.to_thread(finish_chunk, self.sessions, chunk.id, self.worker_id, output):
             return Outcome.SKIPPED
         metrics.STORE_BYTES_WRITTEN.labels("shard").inc(stored.size)
@@ -293,13 +300,21 @@ class ChunkRunner:
         if complete_harvest(self.sessions, harvest_id, key):
             log.info("harvest %s completed: %d chunks, manifest %s", harvest_id, len(chunks), key)
 
+    def complete_finished(self) -> list[uuid.UUID]:
+        """Complete this model's harvests whose chunks have all completed but which no worker completed (its worker
+        stopped between its last chunk and the manifest): a heartbeat's check. Blocking; the harvests completed."""
+        harvests = finished_harvests(self.sessions, self.model_key)
+        for harvest_id in harvests:
+            self._complete_if_last(harvest_id)
+        return harvests
+
     def running_chunks(self) -> list[int]:
         return list(self._running)
 
     def reap_lost(self) -> list[int]:
         """Abort the running chunks this worker no longer holds (cancelled, failed elsewhere, taken over).
         Call from any thread but the engine loop's."""
-        running = self.running_chunks()
+        running = [chunk_id for chunk_id in self.running_chunks() if chunk_id not in self._finishing]
         held = held_chunks(self.sessions, running, self.worker_id)
         lost = [chunk_id for chunk_id in running if chunk_id not in held]
         for chunk_id in lost:

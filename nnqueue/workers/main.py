@@ -308,6 +308,7 @@ def run_worker(
         requeue_orphans(sessions, app, model_key, settings.worker_stale_after_s)
         if chunks is not None:
             chunks.reap_lost()
+            chunks.complete_finished()
             requeue_orphan_chunks(
                 sessions, app, model_key, settings.worker_stale_after_s, settings.harvest_chunk_attempts
             )

@@ -197,3 +197,52 @@ def test_a_chunk_whose_switch_fails_goes_back_to_the_queue_uncharged(
     assert (chunk.status, chunk.attempts, chunk.worker_id) == (S.QUEUED, 0, worker_id)
     assert "trust domain 'owner:mallory'" in (chunk.error or "") and "could not be stopped" in (chunk.error or "")
     assert chunks.jobs.turns.ended("alice's")  # the chunk's unit ended with it: nothing else is in flight
+
+
+def test_a_harvest_whose_chunks_all_completed_is_completed_by_a_heartbeat(
+    inprocess_engine: InProcessEngine, services: Services, tmp_path: Path
+) -> None:
+    """Its worker stopped between the last chunk's end and the manifest (or, before 61's fix, its heartbeat took the
+    finishing chunk for lost and cancelled the rest: the CI hangs of stops 59 and 61, a harvest RUNNING for good with
+    every chunk COMPLETED): any worker's heartbeat completes it (``ChunkRunner.complete_finished``)."""
+    from sqlalchemy import update
+
+    from nnqueue.db.models import Harvest
+    from nnqueue.db.session import transaction
+    from nnqueue.workers.chunk_execution import ChunkRunner
+
+    worker_id = _registered(services, inprocess_engine)
+    harvest_id = harvest(services, prompts(4, 40, seed=7), prompts_per_chunk=4)
+    runner = ChunkRunner(
+        services.sessions,
+        services.store,
+        services.celery,
+        inprocess_engine.model,
+        ResultSinks(services.store, tmp_path),
+        MODEL_KEY,
+        worker_id,
+        max_attempts=3,
+        engine_info={},
+        uploads=UploadBudget(1 << 30),
+    )
+    assert runner.complete_finished() == []  # its chunk is still QUEUED
+    for _ in range(10):  # the module's earlier tests left chunks in the queue: the runner takes them too
+        inprocess_engine.run(runner.run_next())
+        wait_until("the runner's chunks' ends", lambda: runner.running_chunks() == [])
+        if the_chunk(services, harvest_id).status is S.COMPLETED:
+            break
+    done = wait_harvest(services, harvest_id)
+    assert done.status is S.COMPLETED and done.manifest_key is not None
+    services.store.delete(done.manifest_key)
+    with transaction(services.sessions) as session:  # as a worker stopped before the manifest leaves it
+        session.execute(
+            update(Harvest)
+            .where(Harvest.id == harvest_id)
+            .values(status=S.RUNNING, finished_at=None, manifest_key=None)
+        )
+
+    assert runner.complete_finished() == [harvest_id]
+    again = wait_harvest(services, harvest_id)
+    assert again.status is S.COMPLETED and again.manifest_key == done.manifest_key
+    assert services.store.exists(done.manifest_key)
+    assert runner.complete_finished() == []
