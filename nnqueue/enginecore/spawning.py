@@ -60,7 +60,7 @@ def engine_core_contained(
 ) -> Iterator[None]:
     """While the body builds a vLLM engine on this thread, the spawn-context processes this thread starts (the
     engine core) are forked by ``forks`` (:mod:`nnqueue.enginecore.core_forks`: the child enters the namespaces
-    itself) or else started by a contained thread (:func:`contained`) and put in the engine's memory cgroup
+    itself) or else started by a contained thread (:func:`contained`) and put in the engine's cgroup
     (:mod:`nnqueue.cgroups`); other threads' spawns are left alone."""
     group = cgroups.asked()
     if not network and view is None and forks is None and group is None:
@@ -96,7 +96,7 @@ def engine_core_contained(
 
 
 def enter_if_asked() -> None:
-    """What a child that runs users' code calls first, while it has one thread: the engine's memory cgroup (while
+    """What a child that runs users' code calls first, while it has one thread: the engine's cgroup (while
     root in the host's view), the view, then the network namespace, that the worker exported."""
     cgroups.join_if_asked()
     mountns.enter_if_asked()
