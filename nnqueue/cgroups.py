@@ -218,14 +218,16 @@ def _controllers(folder: Path) -> list[str]:
 
 
 def _delegate(parent: Path) -> None:
-    """cgroup v2: let the parent's children have the memory controller, and the pids one where it has it. v2 lets a cgroup other than the root give its
-    children a controller only while it holds no process itself: where it holds some (this worker's and whatever else
-    runs in its container or unit: a container's cgroup, a GPU host's), they move to a leaf of their own,
-    :data:`_LEAF`, as Docker-in-Docker's start does (a systemd unit needs ``Delegate=yes`` for this)."""
+    """cgroup v2: let the parent's children have the memory controller, and the pids one where it has it. v2 lets a
+    cgroup other than the root give its children a controller only while it holds no process itself: where it holds
+    some (this worker's and whatever else runs in its container or unit: a container's cgroup, a GPU host's), they
+    move to a leaf of their own, :data:`_LEAF`, as Docker-in-Docker's start does (a systemd unit needs
+    ``Delegate=yes`` for this)."""
     control = parent / "cgroup.subtree_control"
-    wanted = " ".join(f"+{name}" for name in ("memory", "pids") if name in _controllers(parent))
-    if all(name.removeprefix("+") in control.read_text().split() for name in wanted.split()):
+    names = [name for name in ("memory", "pids") if name in _controllers(parent)]
+    if set(names) <= set(control.read_text().split()):
         return
+    wanted = " ".join(f"+{name}" for name in names)
     try:
         control.write_text(wanted)
     except OSError as error:

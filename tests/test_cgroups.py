@@ -61,7 +61,8 @@ WORKER = textwrap.dedent(
     group.remove()
     print(json.dumps({
         "note": note, "limit": limit, "path": str(group.path),
-        "env": os.environ.get(cgroups.GROUP_ENV), "fine": [fine.returncode, fine.stdout], "hog": hog.returncode, "threads": threads.stdout.strip(),
+        "env": os.environ.get(cgroups.GROUP_ENV), "fine": [fine.returncode, fine.stdout], "hog": hog.returncode,
+        "threads": threads.stdout.strip(),
         "hog_out": hog.stdout, "members": members, "killed": killed, "after": after, "removed": not group.path.exists(),
     }))
     """

@@ -14,12 +14,12 @@ and within an allowance of :data:`ALLOWANCE_BYTES` that refills at :data:`ALLOWA
 relay reads nothing until there is budget again, so the writers block; what it had read is counted as dropped): what a
 child writes cannot pass for the worker's own record, nothing a child holds reads, rewrites or truncates the log, and a
 flood that lasts grows the log by 14 MB an hour, not the 3.9 GB of a tenth red-team round's. A fresh engine
-(`engine_replaced`) finds the allowance full and the pipe as the worker made it. All children share the pipe: a line names no process, so an engine's records are the engine's
-claims (an escaped one can write lines in its own records' shape), and the worker's own records say what the worker
-did; a child that changes the pipe's flags or capacity has them put back at the next read, and before a fresh engine
-starts. The price: a child's last
-lines are lost when the worker dies before it reads them, and the worker's own writes to the raw descriptors (a C
-library's) are relayed as a child's are.
+(`engine_replaced`) finds the allowance full and the pipe as the worker made it. All children share the pipe: a line
+names no process, so an engine's records are the engine's claims (an escaped one can write lines in its own records'
+shape), and the worker's own records say what the worker did; a child that changes the pipe's flags or capacity has
+them put back at the next read, and before a fresh engine starts. The price: a child's last lines are lost when the
+worker dies before it reads them, and the worker's own writes to the raw descriptors (a C library's) are relayed as a
+child's are.
 """
 
 from __future__ import annotations
